@@ -1,0 +1,44 @@
+"""Engine configuration: one pydantic model, validated before anything is allocated."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class EngineConfig(BaseModel):
+    """Everything an engine (offline `LLM`, prefill worker or decode worker) needs to start.
+
+    `num_kv_blocks=None` sizes the KV pool from `kv_cache_memory_gb`, capped at what
+    `max_num_seqs` requests of `max_model_len` tokens could ever use.
+    `max_model_len=None` takes the model's `max_position_embeddings`, reduced to what the pool
+    holds when the pool is smaller.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    block_size: int = Field(16, ge=1, le=1024)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_gb: float = Field(1.0, gt=0)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    enable_prefix_caching: bool = True
+    enable_kv_events: bool = False
+    model_revision: str | None = None
+    attention_backend: Literal["cpu", "reference"] = "cpu"
+    seed: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,27 @@
+"""Exceptions raised by the engine for bad input and bad checkpoints.
+
+Every error a user can cause is one of these, with a message that names what was wrong and what is
+accepted, so that servers can map them to HTTP 4xx without a stack trace.
+"""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base class of tandem's own errors."""
+
+
+class InvalidRequestError(TandemError, ValueError):
+    """A request or its sampling parameters are invalid (maps to HTTP 400)."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus at least one generated token) does not fit in max_model_len."""
+
+
+class UnsupportedModelError(TandemError, ValueError):
+    """The checkpoint's architecture or a feature of its config is not supported."""
+
+
+class CheckpointError(TandemError, FileNotFoundError):
+    """A checkpoint directory or one of its files is missing or unreadable."""

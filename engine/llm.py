@@ -1,0 +1,111 @@
+"""`tandem.LLM`: offline batched generation on the engine (vLLM-style API)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """Loads a local Hugging Face checkpoint and generates for a batch of prompts.
+
+    >>> llm = LLM(model="/path/to/checkpoint")
+    >>> out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model),
+            dtype=dtype,  # type: ignore[arg-type]
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            **kwargs,
+        )
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns one `RequestOutput` per prompt, in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        param_list = _as_param_list(params, len(prompt_list))
+        engine = self.engine
+        requests: list[Request] = []
+        try:
+            for prompt, p in zip(prompt_list, param_list, strict=True):
+                requests.append(engine.add_request(prompt, p))
+        except Exception:
+            for req in requests:
+                engine.abort(req.request_id)
+            raise
+        bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req")
+        remaining = len(requests)
+        while remaining:
+            for result in engine.step():
+                if result.finished:
+                    remaining -= 1
+                    bar.update(1)
+        bar.close()
+        texts = [p if isinstance(p, str) else None for p in prompt_list]
+        return [engine.make_output(r, t) for r, t in zip(requests, texts, strict=True)]
+
+
+def _as_prompt_list(
+    prompts: str | Sequence[str] | Sequence[Sequence[int]],
+) -> list[str] | list[list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        raise InvalidRequestError("token-id prompts must be a list of lists of ints, one per prompt")
+    if all(isinstance(p, str) for p in items):
+        return [str(p) for p in items]
+    return [list(p) for p in items]  # type: ignore[arg-type]
+
+
+def _as_param_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    param_list = list(params)
+    if len(param_list) != n:
+        raise InvalidRequestError(f"got {len(param_list)} SamplingParams for {n} prompts")
+    return param_list

@@ -1,0 +1,243 @@
+"""The step-level engine both roles run: add requests, step, abort, export/import KV blocks."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.checkpoint import build_namespace, model_revision
+from tandem.engine.config import EngineConfig
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.errors import InvalidRequestError, PromptTooLongError, TandemError
+from tandem.engine.model import CausalLM
+from tandem.engine.model_config import ModelSpec, load_model_spec
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.output_text import OutputText
+from tandem.engine.outputs import RequestOutput, StepOutput
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sampler import sample
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.weights import load_weights
+from tandem.kernels.kv_cache import KVCachePool
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class LLMEngine:
+    """Owns model, KV pool, block manager and scheduler; `step()` runs one batch."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        self.spec: ModelSpec = load_model_spec(model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        self.eos_token_ids = frozenset(self.spec.eos_token_ids) | self.tokenizer.eos_token_ids
+        self.model = CausalLM(self.spec, attention_backend=config.attention_backend)
+        load_weights(self.model, model_dir, config.torch_dtype)
+        self.model.eval()
+        num_blocks, self.max_model_len = self._size_kv_pool()
+        self.kv_pool = KVCachePool(
+            num_blocks,
+            self.spec.num_layers,
+            config.block_size,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+            dtype=config.torch_dtype,
+        )
+        self.namespace = build_namespace(
+            self.spec,
+            revision=config.model_revision or model_revision(model_dir),
+            tokenizer_digest=self.tokenizer.digest(),
+            kv_dtype=config.dtype,
+        )
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            enable_kv_events=config.enable_kv_events,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            self.namespace.root_hash(),
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.runner = ModelRunner(self.model, self.kv_pool)
+        self.output_processor = OutputProcessor(self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        torch.manual_seed(config.seed)
+        logger.info(
+            "engine ready: %s (%s, %d layers) dtype=%s kv_blocks=%d x %d tokens max_model_len=%d",
+            model_dir.name,
+            self.spec.architecture,
+            self.spec.num_layers,
+            config.dtype,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+        )
+
+    def _size_kv_pool(self) -> tuple[int, int]:
+        cfg = self.config
+        target_len = cfg.max_model_len or self.spec.max_position_embeddings
+        blocks_per_seq = math.ceil(target_len / cfg.block_size)
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        else:
+            per_block = KVCachePool.bytes_for(
+                1, self.spec.num_layers, cfg.block_size, self.spec.num_kv_heads, self.spec.head_dim, cfg.torch_dtype
+            )
+            by_memory = int(cfg.kv_cache_memory_gb * (1 << 30)) // per_block
+            num_blocks = max(1, min(by_memory, blocks_per_seq * cfg.max_num_seqs))
+        capacity = num_blocks * cfg.block_size
+        if cfg.max_model_len is not None and cfg.max_model_len > capacity:
+            raise InvalidRequestError(
+                f"max_model_len={cfg.max_model_len} does not fit in the KV pool "
+                f"({num_blocks} blocks x {cfg.block_size} = {capacity} tokens); "
+                "raise num_kv_blocks / kv_cache_memory_gb or lower max_model_len"
+            )
+        return num_blocks, min(target_len, capacity)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        stream_text: bool = False,
+        keep_kv: bool = False,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validates and queues a request. `stream_text` fills `StepOutput.text_delta`;
+        `keep_kv` holds the request's blocks after it finishes until `release_kv`."""
+        params = params or SamplingParams()
+        token_ids = self._tokenize(prompt)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        output_text = None
+        if stream_text or params.stop:
+            output_text = OutputText(IncrementalDetokenizer(self.tokenizer, token_ids))
+        req = Request(
+            request_id,
+            token_ids,
+            params,
+            self.eos_token_ids,
+            arrival_time=arrival_time,
+            output_text=output_text,
+            keep_kv=keep_kv,
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+            bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})"
+                )
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+        return token_ids
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels a request; its blocks are freed (also when it keeps KV). False if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        req.keep_kv = False
+        self.scheduler.remove(req)
+        if not req.is_finished:
+            req.set_status(RequestStatus.CANCELLED)
+            req.finish_reason = "abort"
+        return True
+
+    def release_kv(self, request_id: str) -> None:
+        """Frees the blocks a finished `keep_kv` request still holds."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        req.keep_kv = False
+        self.scheduler.free_blocks(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Schedules and runs one batch; returns the new token of every request that got one."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        logits, to_sample = self.runner.execute(out)
+        self.scheduler.advance(out)
+        if not to_sample:
+            return []
+        tokens = sample(logits, to_sample)
+        outputs = self.output_processor.process(to_sample, tokens)
+        for req, result in zip(to_sample, outputs, strict=True):
+            if result.finished:
+                self._finish(req)
+        return outputs
+
+    def _finish(self, req: Request) -> None:
+        req.set_status(RequestStatus.FINISHED)
+        self.scheduler.remove(req)
+        if not req.keep_kv:
+            del self.requests[req.request_id]
+
+    def make_output(self, req: Request, prompt: str | None = None) -> RequestOutput:
+        if req.output_text is not None:
+            text = req.output_text.text
+        else:
+            text = self.tokenizer.decode(req.output_token_ids)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids,
+            text=text,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=req.num_prefix_hit_tokens,
+            finished=req.is_finished,
+        )
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def check_integrity(self) -> None:
+        """Block-manager invariants, with ref counts matched against live requests' tables."""
+        tables = [r.block_table for r in self.requests.values() if r.block_table]
+        self.block_manager.check_integrity(tables)
+
+
+class EngineDeadError(TandemError):
+    """The engine hit an internal error and cannot serve further requests."""

@@ -1,0 +1,184 @@
+"""What tandem needs to know about a Hugging Face checkpoint, read from its config.json.
+
+Parsing the JSON directly (rather than through transformers' config classes) keeps start-up fast
+and makes every supported field explicit: anything we do not implement is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.engine.errors import CheckpointError, UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters (transformers 5.x `rope_parameters`, or legacy keys)."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape and options of a decoder-only Llama-family model."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]
+    checkpoint_dtype: str
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def load_model_spec(model_dir: str | Path) -> ModelSpec:
+    """Read and validate `config.json` of a local checkpoint directory."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {str(path)!r} does not exist")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{str(path)!r} has no config.json; expected a Hugging Face checkpoint")
+    try:
+        cfg = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from None
+    return spec_from_config(cfg)
+
+
+def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported; only 'silu' is")
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise UnsupportedModelError(f"num_attention_heads {heads} is not a multiple of kv heads {kv_heads}")
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    num_layers = int(cfg["num_hidden_layers"])
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return ModelSpec(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=_rope_spec(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=is_qwen2 or attention_bias,
+        o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
+        mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_windows=_sliding_windows(cfg, arch, num_layers),
+        checkpoint_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        eos_token_ids=_as_ids(cfg.get("eos_token_id")),
+    )
+
+
+def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    if not params:
+        params = dict(legacy)
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return RopeSpec(
+        theta=float(params["rope_theta"]),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings")
+            or cfg.get("max_position_embeddings", 8192)
+        ),
+        partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
+    )
+
+
+def _sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding window (None = full attention), following transformers' conventions."""
+    window = cfg.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        window = None
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        if len(layer_types) != num_layers:
+            raise UnsupportedModelError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported")
+        return tuple(
+            int(window) if t == "sliding_attention" and window else None for t in layer_types
+        )
+    if window is None:
+        return (None,) * num_layers
+    if arch == "MistralForCausalLM":
+        return (int(window),) * num_layers
+    first_sliding = int(cfg.get("max_window_layers", num_layers))
+    return tuple(int(window) if i >= first_sliding else None for i in range(num_layers))
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

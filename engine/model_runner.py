@@ -1,0 +1,96 @@
+"""Turns a `SchedulerOutput` into tensors, runs the model, and says which rows to sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tandem.engine.model import AttentionMetadata
+from tandem.engine.request import Request
+from tandem.engine.scheduler import SchedulerOutput
+from tandem.kernels.kv_cache import KVCachePool
+
+
+class Model(Protocol):
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_pool: KVCachePool,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_requests: list[Request]
+
+
+class ModelRunner:
+    """Owns the KV pool and the model; one `execute` per engine step."""
+
+    def __init__(self, model: Model, kv_pool: KVCachePool) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.block_size = kv_pool.block_size
+
+    def prepare(self, out: SchedulerOutput) -> ModelInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []
+        sample_requests: list[Request] = []
+        total = 0
+        for req, n in out.scheduled:
+            start = req.num_computed_tokens
+            end = start + n
+            table = req.block_table
+            if n == 1:
+                input_ids.append(req.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(req.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            total += n
+            query_start.append(total)
+            context_lens.append(end)
+            tables.append(table)
+            if end == req.num_tokens:
+                logits_rows.append(total - 1)
+                sample_requests.append(req)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor(padded, dtype=torch.int64),
+            context_lens=torch.tensor(context_lens, dtype=torch.int64),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int64),
+        )
+        return ModelInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            meta=meta,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+            sample_requests=sample_requests,
+        )
+
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
+        """Runs one step; returns fp32 logits (one row per request to sample) and those requests."""
+        inputs = self.prepare(out)
+        logits = self.model(
+            inputs.input_ids, inputs.positions, inputs.meta, self.kv_pool, inputs.logits_indices
+        )
+        return logits, inputs.sample_requests

@@ -1,0 +1,81 @@
+"""After sampling: append tokens, decide stops, detokenize, and emit `StepOutput`s.
+
+Stop rules, in order, for each new token: a stop token id (or EOS unless `ignore_eos`) once
+`min_tokens` are out; a stop string in the text (the text is cut just before it, also when it
+spans several tokens); `max_tokens`; the model's context length. Streamed text holds back the
+last `len(longest stop) - 1` characters so that a stop string is never half-emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tandem.engine.outputs import StepOutput
+from tandem.engine.request import Request, RequestStatus
+
+
+class OutputProcessor:
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+
+    def process(self, requests: Sequence[Request], tokens: Sequence[int]) -> list[StepOutput]:
+        outputs = []
+        for req, token in zip(requests, tokens, strict=True):
+            req.token_ids.append(token)
+            if req.status != RequestStatus.DECODING:
+                req.set_status(RequestStatus.DECODING)
+            reason = self._check_stop(req, token)
+            delta = self._text_delta(req, finished=reason is not None)
+            if reason is not None:
+                req.finish_reason = reason
+            outputs.append(StepOutput(req.request_id, [token], delta, reason is not None, reason))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> str | None:
+        params = req.params
+        num_out = req.num_output_tokens
+        if num_out >= params.min_tokens and token in req.stop_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
+                req.stop_reason = token
+            return "stop"
+        if req.output_text is not None:
+            req.output_text.add(token)
+            if params.stop and num_out >= params.min_tokens and self._find_stop_string(req):
+                return "stop"
+        if num_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _find_stop_string(req: Request) -> bool:
+        detok = req.output_text
+        assert detok is not None and req.params.stop
+        text = detok.text
+        longest = max(len(s) for s in req.params.stop)
+        window_start = max(0, detok.checked_len - longest + 1)
+        best: tuple[int, str] | None = None
+        for stop in req.params.stop:
+            idx = text.find(stop, window_start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        detok.checked_len = len(text)
+        if best is None:
+            return False
+        detok.truncate(best[0])
+        req.stop_reason = best[1]
+        return True
+
+    @staticmethod
+    def _text_delta(req: Request, *, finished: bool) -> str:
+        detok = req.output_text
+        if detok is None:
+            return ""
+        if finished and not isinstance(req.stop_reason, str):
+            detok.flush()
+        hold = 0
+        if not finished and req.params.stop:
+            hold = max(len(s) for s in req.params.stop) - 1
+        end = max(detok.emitted_len, len(detok.text) - hold)
+        delta = detok.text[detok.emitted_len : end]
+        detok.emitted_len = end
+        return delta

@@ -1,0 +1,135 @@
+"""One request's state: tokens, progress, KV blocks and its lifecycle (DESIGN §2).
+
+Status lives here, on the request, and every transition is timestamped so that per-stage
+latencies can be derived from `timestamps` alone.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import IntEnum
+
+import torch
+
+from tandem.engine.output_text import OutputText
+from tandem.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(IntEnum):
+    """Ordered: everything after DECODING is terminal except the tool-call pair."""
+
+    NEW = 0
+    QUEUED = 1
+    PREFIX_LOOKUP = 2
+    PREFILLING = 3
+    TRANSFERRING = 4
+    READY_TO_DECODE = 5
+    DECODING = 6
+    TOOL_WAIT = 7
+    RESUMED = 8
+    FINISHED = 9
+    CANCELLED = 10
+    EVICTED = 11
+    FAILED = 12
+
+    @property
+    def is_terminal(self) -> bool:
+        return self >= RequestStatus.FINISHED
+
+
+class Request:
+    """Mutable per-request state shared by scheduler, runner and output processing.
+
+    `num_computed_tokens` catches up with `num_tokens` under the scheduler's token budget: prefix
+    hits advance it for free, prefill chunks by a chunk, decode by one token.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "token_ids",
+        "params",
+        "stop_ids",
+        "status",
+        "timestamps",
+        "num_computed_tokens",
+        "block_table",
+        "block_hashes",
+        "num_cached_blocks",
+        "num_prefix_hit_tokens",
+        "num_preemptions",
+        "finish_reason",
+        "stop_reason",
+        "generator",
+        "output_text",
+        "keep_kv",
+        "error",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        *,
+        arrival_time: float | None = None,
+        output_text: OutputText | None = None,
+        keep_kv: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= eos_token_ids
+        self.stop_ids = frozenset(stop_ids)
+        self.status = RequestStatus.NEW
+        self.timestamps: dict[RequestStatus, float] = {
+            RequestStatus.NEW: arrival_time if arrival_time is not None else time.monotonic()
+        }
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_cached_blocks = 0
+        self.num_prefix_hit_tokens = 0
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.output_text = output_text
+        self.keep_kv = keep_kv
+        self.error: str | None = None
+
+    def set_status(self, status: RequestStatus, now: float | None = None) -> None:
+        self.status = status
+        self.timestamps[status] = time.monotonic() if now is None else now
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_terminal
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens}, blocks={self.block_table})"
+        )

@@ -1,0 +1,82 @@
+"""Sampling parameters of one request (vLLM-compatible names and defaults)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tandem.engine.errors import InvalidRequestError
+
+
+class SamplingParams(BaseModel):
+    """How to pick tokens and when to stop.
+
+    `temperature == 0` means greedy. `seed` makes sampling reproducible for this request whatever
+    else shares the batch. `stop` strings are cut from the returned text; `stop_token_ids` and the
+    model's EOS end generation (EOS unless `ignore_eos`), never before `min_tokens` tokens.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = Field(0, ge=0)
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __init__(self, **data: object) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise InvalidRequestError(f"invalid sampling parameters: {_summarize(exc)}") from None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [value]
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(s == "" for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_range(cls, value: float) -> float:
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {value}")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_range(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {value}")
+        return value
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {value}")
+        return value
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _summarize(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ())) or "params"
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)

@@ -1,0 +1,181 @@
+"""The scheduler: one rule, a token budget per step (DESIGN §4).
+
+Every request has `num_computed_tokens` that catches up with `num_tokens`. Each step:
+1. running requests that decode (one token behind) are scheduled first, for steady ITL; when the
+   pool has no block for one of them, the newest running request is preempted (recompute);
+2. running requests still in prefill get a chunk of what budget is left;
+3. waiting requests are admitted in arrival order: prefix-cache hits advance them for free, the
+   rest of their prompt is prefilled in chunks that fit the budget, up to `max_num_seqs`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.hashing import hash_full_blocks
+from tandem.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runs this step: (request, number of new tokens) in batch order."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        root_hash: int,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.root_hash = root_hash
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.enable_prefix_caching = enable_prefix_caching
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.set_status(RequestStatus.QUEUED)
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Adds a request whose KV is already in the pool (imported from a prefill engine)."""
+        self.running.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Takes a request out of the queues and frees its blocks unless it keeps its KV."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if not request.keep_kv:
+            self.free_blocks(request)
+
+    def free_blocks(self, request: Request) -> None:
+        if request.block_table:
+            self.block_manager.free(request.block_table)
+            request.block_table = []
+        request.num_cached_blocks = 0
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget, decode=True)
+        budget = self._schedule_running(out, budget, decode=False)
+        budget = self._admit_waiting(out, budget)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, *, decode: bool) -> int:
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            i += 1
+            remaining = req.num_tokens - req.num_computed_tokens
+            if (remaining == 1) != decode or remaining <= 0:
+                continue
+            n = min(remaining, budget)
+            if not decode:
+                if bm.allocate(req.block_table, req.num_computed_tokens + n):
+                    out.scheduled.append((req, n))
+                    budget -= n
+                continue
+            while not bm.allocate(req.block_table, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, n))
+                budget -= n
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks = self._lookup_prefix(req)
+            num_hit = len(hit_blocks) * self.block_size
+            n = min(req.num_tokens - num_hit, budget)
+            if not bm.allocate(req.block_table, num_hit + n, hit_blocks):
+                req.status = RequestStatus.QUEUED  # still waiting; the lookup is redone next step
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            req.num_cached_blocks = len(hit_blocks)
+            if req.num_preemptions == 0:
+                req.num_prefix_hit_tokens = num_hit
+            req.set_status(RequestStatus.PREFILLING)
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+        return budget
+
+    def _lookup_prefix(self, req: Request) -> list[int]:
+        """Cached full blocks of the request's tokens, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        req.set_status(RequestStatus.PREFIX_LOOKUP)
+        self._extend_hashes(req, req.num_tokens)
+        hits = self.block_manager.match_prefix(req.block_hashes, req.token_ids)
+        return hits[: (req.num_tokens - 1) // self.block_size]
+
+    def _preempt(self, req: Request) -> None:
+        self.free_blocks(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.set_status(RequestStatus.QUEUED)
+        self.waiting.appendleft(req)
+
+    # ---- after the model ran --------------------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> None:
+        """Credits computed tokens and registers newly full blocks in the prefix cache."""
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            if self.enable_prefix_caching:
+                full = req.num_computed_tokens // self.block_size
+                if full > req.num_cached_blocks:
+                    self._extend_hashes(req, full * self.block_size)
+                    req.num_cached_blocks = self.block_manager.cache_blocks(
+                        req.block_table, req.block_hashes[:full], req.token_ids, req.num_cached_blocks
+                    )
+
+    def _extend_hashes(self, req: Request, num_tokens: int) -> None:
+        have = len(req.block_hashes)
+        if (have + 1) * self.block_size > num_tokens:
+            return
+        parent = req.block_hashes[-1] if have else None
+        req.block_hashes.extend(
+            hash_full_blocks(
+                self.root_hash,
+                req.token_ids[:num_tokens],
+                self.block_size,
+                start_block=have,
+                parent=parent,
+            )
+        )

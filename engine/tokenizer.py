@@ -1,0 +1,213 @@
+"""The engine's tokenizer: a thin, typed wrapper over a local Hugging Face fast tokenizer.
+
+`Tokenizer.from_pretrained(path)` loads with `transformers.AutoTokenizer` (offline, local files
+only), so encodings are exactly Hugging Face's. Decoding takes a fast path straight into the Rust
+`tokenizers` backend when that gives the same result as `hf.decode` (no clean-up of tokenization
+spaces), because the incremental detokenizer calls it once per generated token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from tandem.engine.errors import CheckpointError
+
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+"""Files that define a tokenizer's behaviour; `Tokenizer.digest` hashes those present."""
+
+_MODEL_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return data
+
+
+def generation_eos_token_ids(model_dir: str | Path) -> set[int]:
+    """Return the eos ids a checkpoint asks generation to stop at (possibly empty).
+
+    Read from ``generation_config.json`` when present, else from ``config.json`` (as transformers
+    does when it builds a generation config from the model config). Either may hold an int or a
+    list of ints.
+    """
+    root = Path(model_dir)
+    for name in ("generation_config.json", "config.json"):
+        if (root / name).is_file():
+            return _as_id_set(_read_json(root / name).get("eos_token_id"))
+    return set()
+
+
+class Tokenizer:
+    """A loaded tokenizer plus the checkpoint facts the engine needs (eos ids, digest).
+
+    Instances are immutable after construction and safe to share between requests.
+    """
+
+    def __init__(
+        self,
+        hf: Any,
+        *,
+        source_dir: str | Path | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        """Wrap an already-loaded HF tokenizer.
+
+        ``source_dir`` (where its files are) is used for `digest`; ``extra_eos_token_ids`` are
+        added to the tokenizer's own eos id (e.g. those of ``generation_config.json``).
+        """
+        self._hf = hf
+        self._source_dir = Path(source_dir) if source_dir is not None else None
+        eos = _as_id_set(extra_eos_token_ids)
+        if getattr(hf, "eos_token_id", None) is not None:
+            eos.add(int(hf.eos_token_id))
+        self._eos_token_ids = frozenset(eos)
+        self._vocab_size = len(hf)
+        self._digest: str | None = None
+        self._backend = self._fast_backend()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load the tokenizer in the local directory ``path`` (never touches the network).
+
+        Raises CheckpointError if the directory or its tokenizer files are missing or unreadable.
+        """
+        root = Path(path)
+        if not root.is_dir():
+            raise CheckpointError(f"tokenizer directory {str(root)!r} does not exist")
+        if not any((root / name).is_file() for name in _MODEL_FILES):
+            raise CheckpointError(
+                f"no tokenizer in {str(root)!r}: expected one of {', '.join(_MODEL_FILES)}"
+            )
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"cannot load the tokenizer in {str(root)!r}: {exc}") from exc
+        return cls(hf, source_dir=root, extra_eos_token_ids=generation_eos_token_ids(root))
+
+    @property
+    def hf(self) -> Any:
+        """The underlying transformers tokenizer."""
+        return self._hf
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added/special tokens included (``len(hf)``).
+
+        A model's vocab may be larger (padded); ids beyond this decode to nothing.
+        """
+        return self._vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Ids that end generation: the tokenizer's eos plus the checkpoint's generation eos."""
+        return self._eos_token_ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, exactly as ``hf.encode`` gives them."""
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``, exactly as ``hf.decode`` gives it (unknown ids decode to nothing)."""
+        id_list = ids if isinstance(ids, list) else list(ids)
+        if self._backend is not None:
+            text: str = self._backend.decode(id_list, skip_special_tokens=skip_special_tokens)
+            return text
+        return str(self._hf.decode(id_list, skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render ``messages`` with the tokenizer's chat template and return the token ids.
+
+        transformers raises ValueError if the tokenizer has no chat template.
+        """
+        out = self._hf.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+        )
+        return [int(i) for i in out]
+
+    def digest(self) -> str:
+        """A stable hex digest (xxh3_128) of what determines tokenization and decoding.
+
+        For a tokenizer loaded from a directory: the content of the files in TOKENIZER_FILES that
+        exist there (tokenizer.json, tokenizer_config.json with its chat template, special tokens,
+        ...). Otherwise: the backend's serialized JSON, the chat template and the special tokens.
+        """
+        if self._digest is None:
+            h = xxhash.xxh3_128()
+            for name, data in self._digest_parts():
+                h.update(name.encode())
+                h.update(len(data).to_bytes(8, "little"))
+                h.update(data)
+            self._digest = h.hexdigest()
+        return self._digest
+
+    def _digest_parts(self) -> list[tuple[str, bytes]]:
+        if self._source_dir is not None:
+            parts = [
+                (name, (self._source_dir / name).read_bytes())
+                for name in TOKENIZER_FILES
+                if (self._source_dir / name).is_file()
+            ]
+            if parts:
+                return parts
+        backend = getattr(self._hf, "backend_tokenizer", None)
+        special = json.dumps(
+            [str(t) for t in getattr(self._hf, "all_special_tokens", [])], ensure_ascii=False
+        )
+        template = getattr(self._hf, "chat_template", None)
+        return [
+            ("backend", (backend.to_str() if backend is not None else repr(self._hf)).encode()),
+            ("chat_template", json.dumps(template, ensure_ascii=False, sort_keys=True).encode()),
+            ("special_tokens", special.encode()),
+        ]
+
+    def _fast_backend(self) -> Any | None:
+        """The Rust backend if its decode matches ``hf.decode`` exactly, else None."""
+        try:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:  # pragma: no cover - transformers layout changed
+            return None
+        hf = self._hf
+        if not isinstance(hf, TokenizersBackend) or type(hf)._decode is not TokenizersBackend._decode:
+            return None
+        if getattr(hf, "clean_up_tokenization_spaces", False):
+            return None  # hf.decode post-processes the text
+        return hf.backend_tokenizer
+
+    def __repr__(self) -> str:
+        where = f", source_dir={str(self._source_dir)!r}" if self._source_dir is not None else ""
+        return f"Tokenizer(vocab_size={self._vocab_size}{where})"

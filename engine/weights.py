@@ -1,0 +1,120 @@
+"""Loading Hugging Face safetensors checkpoints (single file or sharded) into `CausalLM`.
+
+HF names map onto ours one to one, except that q/k/v projections are fused into `qkv_proj` and
+gate/up into `gate_up_proj` (one matmul each instead of three and two).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tandem.engine.errors import CheckpointError, UnsupportedModelError
+from tandem.engine.model import CausalLM
+
+logger = logging.getLogger(__name__)
+
+_FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from its index when it is sharded."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{model_dir}: shards listed in {index.name} are missing: {missing}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    others = sorted(model_dir.glob("*.safetensors"))
+    if others:
+        return others
+    if any(model_dir.glob("*.bin")):
+        raise CheckpointError(
+            f"{model_dir} holds only PyTorch .bin weights; tandem loads safetensors only "
+            "(convert with transformers' save_pretrained(safe_serialization=True))"
+        )
+    raise CheckpointError(f"{model_dir} has no model.safetensors or safetensors index")
+
+
+def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, handle.get_tensor(name)
+
+
+def load_weights(model: CausalLM, model_dir: Path, dtype: torch.dtype) -> None:
+    """Copies every checkpoint tensor into `model`, fusing projections; strict about names."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for hf_name, tensor in iter_checkpoint_tensors(checkpoint_files(model_dir)):
+        name = hf_name.removeprefix("model.")
+        if name.startswith("rotary_emb.") or name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+            continue
+        fused = _fused_target(name)
+        if fused is None:
+            _copy(params, name, tensor, dtype)
+            loaded.add(name)
+            continue
+        target, part = fused
+        parts = pending.setdefault(target, {})
+        parts[part] = tensor
+        if len(parts) == len(_FUSED[_fused_kind(target)]):
+            order = _FUSED[_fused_kind(target)]
+            _copy(params, target, torch.cat([parts[p] for p in order], dim=0), dtype)
+            loaded.add(target)
+            del pending[target]
+    if pending:
+        raise CheckpointError(f"{model_dir}: incomplete fused weights {sorted(pending)}")
+    expected = {n for n in params if not (n == "lm_head.weight" and model.spec.tie_word_embeddings)}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise CheckpointError(f"{model_dir}: weights missing from the checkpoint: {missing[:8]}")
+    logger.info("loaded %d tensors from %s", len(loaded), model_dir)
+
+
+def _fused_kind(target: str) -> str:
+    return target.rsplit(".", 2)[-2]
+
+
+def _fused_target(name: str) -> tuple[str, str] | None:
+    """'layers.0.self_attn.k_proj.bias' -> ('layers.0.self_attn.qkv_proj.bias', 'k_proj')."""
+    pieces = name.split(".")
+    if len(pieces) < 2:
+        return None
+    module, leaf = pieces[-2], pieces[-1]
+    for fused, members in _FUSED.items():
+        if module in members:
+            return ".".join([*pieces[:-2], fused, leaf]), module
+    return None
+
+
+def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    param = params.get(name)
+    if param is None:
+        raise UnsupportedModelError(
+            f"checkpoint tensor {name!r} has no counterpart in tandem's model "
+            "(a feature of this checkpoint is not supported)"
+        )
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise CheckpointError(
+            f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, config expects {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.data = tensor.to(dtype).contiguous()
