@@ -58,7 +58,7 @@ def tiny_model(
         int, typer.Option(min=1, help="Key/value heads (GQA); must divide --heads.")
     ] = 2,
     head_dim: Annotated[
-        int | None, typer.Option(min=2, help="Per-head dimension [default: hidden / heads].")
+        int | None, typer.Option(min=2, help="Per-head dimension (default: hidden / heads).")
     ] = None,
     vocab: Annotated[
         int,
@@ -68,7 +68,7 @@ def tiny_model(
         ),
     ] = 512,
     intermediate: Annotated[
-        int | None, typer.Option(min=1, help="MLP intermediate size [default: 2 * hidden].")
+        int | None, typer.Option(min=1, help="MLP intermediate size (default: 2 * hidden).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
     tie_embeddings: Annotated[
@@ -93,9 +93,9 @@ def tiny_model(
 ) -> None:
     """Write a tiny random Hugging Face checkpoint (weights, config, tokenizer) to OUT_DIR.
 
-    The result is deterministic for a given seed and loads offline with transformers'
-    AutoModelForCausalLM / AutoTokenizer. With --force, files of the same names are overwritten
-    and other files in OUT_DIR are left alone.
+    Deterministic for a given seed; loads offline with AutoModelForCausalLM / AutoTokenizer.
+
+    With --force, files of the same names are overwritten; other files are left alone.
     """
     from tandem.deploy.tiny_model import build_tiny_checkpoint
 

@@ -56,7 +56,7 @@ NORM_WEIGHT_STD = 0.1
 """Norm weights are drawn from 1 + normal(0, NORM_WEIGHT_STD) so that a missed norm is visible."""
 
 _CORPUS_SEED = 20240611
-_WORDS = (
+_WORDS = (  # noqa: SIM905 - a word list reads better as one string
     "the a an of to and in is it that for on with as by at from this be are was not or but all we "
     "you they model token tokens cache prefix decode prefill serve serving engine request batch "
     "block page kernel attention layer head rotary paged queue worker router stream fast slow "
@@ -66,7 +66,7 @@ _WORDS = (
     "Ελληνικά γλώσσα привет мир спасибо 中文 日本語 你好 世界 模型 東京 北京 学习 计算机 "
     "こんにちは ありがとう 한국어 안녕하세요 مرحبا שלום नमस्ते 🙂 🚀 🎉 👍🏽 ❤️ 🌍 🤖 ✨ 🐍 🍣"
 ).split()
-_SYLLABLES = "ka to ri ne mo su la pe chi zu ba do gi ho ku mi na se ta yo ré ça ü 語 界 ñ".split()
+_SYLLABLES = "ka to ri ne mo su la pe chi zu ba do gi ho ku mi na se ta yo ré ça ü 語 界 ñ".split()  # noqa: SIM905
 _PUNCT = (".", "!", "?", ",", ";", ":", "", "", "...")
 
 
@@ -268,7 +268,9 @@ def build_tiny_checkpoint(
     head_dim = hidden // heads if head_dim is None else head_dim
     intermediate = 2 * hidden if intermediate is None else intermediate
     if head_dim < 2 or head_dim % 2 != 0:
-        raise ValueError(f"head_dim must be an even number >= 2 for rotary embeddings, got {head_dim}")
+        raise ValueError(
+            f"head_dim must be an even number >= 2 for rotary embeddings, got {head_dim}"
+        )
 
     tokenizer = train_tiny_tokenizer(vocab, model_max_length=max_position)
     if len(tokenizer) > vocab:  # cannot happen with BPE training, kept as a guard

@@ -92,7 +92,9 @@ def _as_prompt_list(
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
-        raise InvalidRequestError("token-id prompts must be a list of lists of ints, one per prompt")
+        raise InvalidRequestError(
+            "token-id prompts must be a list of lists of ints, one per prompt"
+        )
     if all(isinstance(p, str) for p in items):
         return [str(p) for p in items]
     return [list(p) for p in items]  # type: ignore[arg-type]

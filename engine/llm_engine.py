@@ -10,11 +10,13 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine import kv_io
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.checkpoint import build_namespace, model_revision
 from tandem.engine.config import EngineConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.errors import InvalidRequestError, PromptTooLongError, TandemError
+from tandem.engine.kv_blocks import KVBlocks
 from tandem.engine.model import CausalLM
 from tandem.engine.model_config import ModelSpec, load_model_spec
 from tandem.engine.model_runner import ModelRunner
@@ -98,7 +100,12 @@ class LLMEngine:
             num_blocks = cfg.num_kv_blocks
         else:
             per_block = KVCachePool.bytes_for(
-                1, self.spec.num_layers, cfg.block_size, self.spec.num_kv_heads, self.spec.head_dim, cfg.torch_dtype
+                1,
+                self.spec.num_layers,
+                cfg.block_size,
+                self.spec.num_kv_heads,
+                self.spec.head_dim,
+                cfg.torch_dtype,
             )
             by_memory = int(cfg.kv_cache_memory_gb * (1 << 30)) // per_block
             num_blocks = max(1, min(by_memory, blocks_per_seq * cfg.max_num_seqs))
@@ -227,6 +234,25 @@ class LLMEngine:
             stop_reason=req.stop_reason,
             num_cached_tokens=req.num_prefix_hit_tokens,
             finished=req.is_finished,
+        )
+
+    # ---- KV hand-off between engines (prefill -> decode) -------------------------------------------
+    def export_kv(self, request_id: str) -> KVBlocks:
+        """The request's computed KV blocks as one contiguous array, with their block hashes."""
+        return kv_io.export_kv(self, request_id)
+
+    def import_request(
+        self,
+        request_id: str,
+        kv: KVBlocks,
+        output_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        stream_text: bool = False,
+    ) -> Request:
+        """Commits a request prefilled elsewhere into this engine's running batch."""
+        return kv_io.import_request(
+            self, request_id, kv, output_token_ids, params, stream_text=stream_text
         )
 
     @property

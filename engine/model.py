@@ -55,7 +55,9 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
         self.scale = spec.head_dim**-0.5
         self.sliding_window = spec.sliding_windows[layer]
-        self.qkv_proj = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
+        self.qkv_proj = nn.Linear(
+            spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias
+        )
         self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
@@ -95,7 +97,9 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.intermediate = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.gate_up_proj = nn.Linear(
+            spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias
+        )
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

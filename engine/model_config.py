@@ -78,7 +78,9 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
     config_path = path / "config.json"
     if not config_path.is_file():
-        raise CheckpointError(f"{str(path)!r} has no config.json; expected a Hugging Face checkpoint")
+        raise CheckpointError(
+            f"{str(path)!r} has no config.json; expected a Hugging Face checkpoint"
+        )
     try:
         cfg = json.loads(config_path.read_text())
     except json.JSONDecodeError as exc:
@@ -100,7 +102,9 @@ def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     if heads % kv_heads:
-        raise UnsupportedModelError(f"num_attention_heads {heads} is not a multiple of kv heads {kv_heads}")
+        raise UnsupportedModelError(
+            f"num_attention_heads {heads} is not a multiple of kv heads {kv_heads}"
+        )
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     num_layers = int(cfg["num_hidden_layers"])
     is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -156,12 +160,16 @@ def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
 def _sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
     """Per-layer sliding window (None = full attention), following transformers' conventions."""
     window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get(
+        "use_sliding_window", False
+    ):
         window = None
     layer_types = cfg.get("layer_types")
     if layer_types:
         if len(layer_types) != num_layers:
-            raise UnsupportedModelError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+            raise UnsupportedModelError(
+                f"layer_types has {len(layer_types)} entries for {num_layers} layers"
+            )
         unknown = set(layer_types) - {"full_attention", "sliding_attention"}
         if unknown:
             raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported")

@@ -45,7 +45,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(rope, head_dim), persistent=False)
         self.rotary_dim = 2 * self.inv_freq.numel()
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]

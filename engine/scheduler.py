@@ -162,7 +162,10 @@ class Scheduler:
                 if full > req.num_cached_blocks:
                     self._extend_hashes(req, full * self.block_size)
                     req.num_cached_blocks = self.block_manager.cache_blocks(
-                        req.block_table, req.block_hashes[:full], req.token_ids, req.num_cached_blocks
+                        req.block_table,
+                        req.block_hashes[:full],
+                        req.token_ids,
+                        req.num_cached_blocks,
                     )
 
     def _extend_hashes(self, req: Request, num_tokens: int) -> None:

@@ -202,7 +202,10 @@ class Tokenizer:
         except ImportError:  # pragma: no cover - transformers layout changed
             return None
         hf = self._hf
-        if not isinstance(hf, TokenizersBackend) or type(hf)._decode is not TokenizersBackend._decode:
+        if (
+            not isinstance(hf, TokenizersBackend)
+            or type(hf)._decode is not TokenizersBackend._decode
+        ):
             return None
         if getattr(hf, "clean_up_tokenization_spaces", False):
             return None  # hf.decode post-processes the text

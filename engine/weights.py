@@ -33,7 +33,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         files = sorted({model_dir / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"{model_dir}: shards listed in {index.name} are missing: {missing}")
+            raise CheckpointError(
+                f"{model_dir}: shards listed in {index.name} are missing: {missing}"
+            )
         return files
     single = model_dir / "model.safetensors"
     if single.is_file():
@@ -105,7 +107,9 @@ def _fused_target(name: str) -> tuple[str, str] | None:
     return None
 
 
-def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+def _copy(
+    params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor, dtype: torch.dtype
+) -> None:
     param = params.get(name)
     if param is None:
         raise UnsupportedModelError(

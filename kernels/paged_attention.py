@@ -156,7 +156,7 @@ def _decode_batch(
     block_size = k_cache.shape[1]
     max_ctx = int(ctx.max())
     n_blocks = -(-max_ctx // block_size)
-    table = tables[:, :n_blocks].to(device=k_cache.device, dtype=torch.int64).clamp_(min=0)
+    table = tables[:, :n_blocks].to(device=k_cache.device, dtype=torch.int64).clamp(min=0)
     # (Bd, S, kvh, D) -> (Bd, kvh, S, D) strided views; SDPA reads them in place.
     keys = _gather(k_cache, table)[:, :max_ctx].transpose(1, 2)
     values = _gather(v_cache, table)[:, :max_ctx].transpose(1, 2)
@@ -189,7 +189,7 @@ def _prefill_one(
     q_len = query.shape[0]
     block_size = k_cache.shape[1]
     n_blocks = -(-ctx // block_size)
-    row = table[None, :n_blocks].to(device=k_cache.device, dtype=torch.int64).clamp_(min=0)
+    row = table[None, :n_blocks].to(device=k_cache.device, dtype=torch.int64).clamp(min=0)
     keys = _gather(k_cache, row)[0, :ctx].transpose(0, 1).unsqueeze(0)  # (1, kvh, ctx, D)
     values = _gather(v_cache, row)[0, :ctx].transpose(0, 1).unsqueeze(0)
     prefix = ctx - q_len
