@@ -13,6 +13,8 @@ from typing import Annotated
 
 import typer
 
+from tandem.deploy.generate_cmd import generate
+
 app = typer.Typer(
     name="tandem",
     help="tandem: disaggregated prefill/decode LLM serving on Ray.",
@@ -133,6 +135,9 @@ def tiny_model(
         f"kv_heads={kv_heads}, vocab={vocab}, seed={seed}, dtype={dtype.value}) to {path} "
         f"in {time.perf_counter() - start:.1f}s: {files}"
     )
+
+
+app.command("generate")(generate)
 
 
 if __name__ == "__main__":  # pragma: no cover

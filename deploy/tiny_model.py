@@ -249,6 +249,7 @@ def build_tiny_checkpoint(
     The same arguments give byte-identical files. Raises ValueError for bad arguments.
     """
     import transformers
+    from huggingface_hub.errors import StrictDataclassError  # config validation errors
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
@@ -261,8 +262,8 @@ def build_tiny_checkpoint(
             raise ValueError(f"{label} must be >= 1, got {value}")
     if kv_heads < 1 or heads % kv_heads != 0:
         raise ValueError(f"heads={heads} must be a positive multiple of kv_heads={kv_heads}")
-    if hidden % heads != 0:
-        raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
+    if head_dim is None and hidden % heads != 0:
+        raise ValueError(f"hidden={hidden} must be a multiple of heads={heads} (or pass head_dim)")
     if sliding_window is not None and arch != "mistral":
         raise ValueError(f"sliding_window is only supported for arch='mistral', not {arch!r}")
     head_dim = hidden // heads if head_dim is None else head_dim
@@ -276,25 +277,29 @@ def build_tiny_checkpoint(
     if len(tokenizer) > vocab:  # cannot happen with BPE training, kept as a guard
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than vocab={vocab}")
 
-    config = _make_config(
-        arch,
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        vocab=vocab,
-        intermediate=intermediate,
-        tie_embeddings=tie_embeddings,
-        max_position=max_position,
-        dtype=dtype,
-        rope=rope_parameters(rope_theta, rope_scaling),
-        init_std=init_std,
-        sliding_window=sliding_window,
-    )
+    try:
+        config = _make_config(
+            arch,
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab=vocab,
+            intermediate=intermediate,
+            tie_embeddings=tie_embeddings,
+            max_position=max_position,
+            dtype=dtype,
+            rope=rope_parameters(rope_theta, rope_scaling),
+            init_std=init_std,
+            sliding_window=sliding_window,
+        )
+    except (ValueError, TypeError, StrictDataclassError) as exc:
+        raise ValueError(f"invalid {arch} config: {exc}") from exc
     model_cls = getattr(transformers, ARCHITECTURES[arch])
-    torch.manual_seed(seed)
-    model = model_cls(config)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG state alone
+        torch.manual_seed(seed)
+        model = model_cls(config)
     _reinit_parameters(model, seed, init_std)
     model = model.to(DTYPES[dtype]).eval()
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in (ENDOFTEXT, IM_END)]

@@ -197,6 +197,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Schedules and runs one batch; returns the new token of every request that got one."""
         out = self.scheduler.schedule()

@@ -67,4 +67,5 @@ def _apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
 def _suppress_stops_before_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     for i, req in enumerate(requests):
         if req.params.min_tokens and req.num_output_tokens < req.params.min_tokens and req.stop_ids:
-            logits[i, list(req.stop_ids)] = float("-inf")
+            ids = [t for t in req.stop_ids if t < logits.shape[-1]]
+            logits[i, ids] = float("-inf")

@@ -97,7 +97,10 @@ def test_window_convention_is_transformers() -> None:
     fn = masking.and_masks(masking.causal_mask_function, masking.sliding_window_overlay(window))
     prefix = ctx - q_len
     hf = torch.tensor(
-        [[bool(fn(*map(torch.tensor, (0, 0, prefix + i, j)))) for j in range(ctx)] for i in range(q_len)]
+        [
+            [bool(fn(*map(torch.tensor, (0, 0, prefix + i, j)))) for j in range(ctx)]
+            for i in range(q_len)
+        ]
     )
     assert torch.equal(hf, dense_mask(q_len, ctx, window))
     assert int(hf[-1].sum()) == window  # the last `window` positions, itself included

@@ -13,9 +13,13 @@ from tandem.engine.llm_engine import LLMEngine
 from tests.hf_reference import random_prompts
 
 
-def _prefill(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams) -> list[int]:
+def _prefill(
+    engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams
+) -> list[int]:
     """Runs a request until its first token, keeping its KV for export."""
-    engine.add_request(prompt, params.model_copy(update={"max_tokens": 1}), request_id=request_id, keep_kv=True)
+    engine.add_request(
+        prompt, params.model_copy(update={"max_tokens": 1}), request_id=request_id, keep_kv=True
+    )
     first: list[int] = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -40,7 +44,9 @@ def model_path(tiny_checkpoint: Any) -> str:
 def test_imported_request_continues_like_colocated(model_path: str) -> None:
     prompts = random_prompts(6, 512, seed=3, min_len=20, max_len=120, shared_prefix=48)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(model=model_path, num_kv_blocks=256).generate(prompts, params)]
+    expected = [
+        o.token_ids for o in LLM(model=model_path, num_kv_blocks=256).generate(prompts, params)
+    ]
 
     prefill = LLM(model=model_path, num_kv_blocks=256).engine
     decode = LLM(model=model_path, num_kv_blocks=256).engine

@@ -163,6 +163,8 @@ def test_vocab_sizes(tmp_path: Path) -> None:
         build_tiny_checkpoint(tmp_path / "small", vocab=100)
     with pytest.raises(ValueError, match="arch"):
         build_tiny_checkpoint(tmp_path / "arch", arch="gpt2")
+    with pytest.raises(ValueError, match="multiple of the number of attention heads"):
+        build_tiny_checkpoint(tmp_path / "heads", hidden=64, heads=3, kv_heads=1, head_dim=16)
     big = train_tiny_tokenizer(4096)
     assert 512 < len(big) < 4096  # training yields fewer tokens than asked for
     assert len(train_tiny_tokenizer(300)) == 300

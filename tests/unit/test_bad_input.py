@@ -1,0 +1,152 @@
+"""Bad input gets a specific exception with a clear message, and the engine keeps working."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.engine.errors import (
+    CheckpointError,
+    InvalidRequestError,
+    PromptTooLongError,
+    UnsupportedModelError,
+)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint: Any) -> LLM:
+    return LLM(model=str(tiny_checkpoint()), num_kv_blocks=64, max_model_len=128)
+
+
+def _still_works(llm: LLM) -> None:
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+    llm.engine.check_integrity()
+    assert not llm.engine.requests
+    assert llm.engine.block_manager.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("prompt", ["", []])
+def test_empty_prompt(llm: LLM, prompt: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        llm.generate([prompt])
+    _still_works(llm)
+
+
+def test_prompt_longer_than_max_model_len(llm: LLM) -> None:
+    with pytest.raises(PromptTooLongError, match="max_model_len is 128"):
+        llm.generate([[1] * 128])
+    _still_works(llm)
+
+
+def test_bad_prompt_in_a_batch_leaves_nothing_queued(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate([[1, 2], [3, 10_000]])
+    _still_works(llm)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": 0}, "top_k must be -1"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"stop": [""]}, "stop strings must be non-empty"),
+    ],
+)
+def test_bad_sampling_params(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_params_count_must_match_prompts(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match="2 SamplingParams for 1 prompts"):
+        llm.generate([[1]], [SamplingParams(), SamplingParams()])
+
+
+def _copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_architecture(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    path = _copy_checkpoint(tiny_checkpoint(), tmp_path / "gpt2")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+        LLM(model=str(path))
+
+
+def test_unsupported_rope_type(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    path = _copy_checkpoint(tiny_checkpoint(), tmp_path / "yarn")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="rope_type 'yarn'"):
+        LLM(model=str(path))
+
+
+def test_missing_weights(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    path = _copy_checkpoint(tiny_checkpoint(), tmp_path / "noweights")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        LLM(model=str(path))
+
+
+def test_missing_directory_and_config(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        LLM(model=str(tmp_path / "nope"))
+    with pytest.raises(CheckpointError, match="no config.json"):
+        LLM(model=str(tmp_path))
+
+
+def test_incomplete_weights_are_named(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = _copy_checkpoint(tiny_checkpoint(), tmp_path / "partial")
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="norm.weight"):
+        LLM(model=str(path))
+
+
+def test_max_model_len_larger_than_pool(tiny_checkpoint: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="does not fit in the KV pool"):
+        LLM(model=str(tiny_checkpoint()), num_kv_blocks=4, max_model_len=1024)
+
+
+def test_sharded_checkpoint_loads(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoint()
+    path = _copy_checkpoint(src, tmp_path / "sharded")
+    tensors = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for shard, chunk in (
+        ("model-00001-of-00002.safetensors", names[:half]),
+        ("model-00002-of-00002.safetensors", names[half:]),
+    ):
+        save_file({n: tensors[n] for n in chunk}, str(path / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(chunk, shard))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    a = LLM(model=str(src), num_kv_blocks=32).generate([[1, 2, 3]], params)[0].token_ids
+    b = LLM(model=str(path), num_kv_blocks=32).generate([[1, 2, 3]], params)[0].token_ids
+    assert a == b
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        LLM(model=str(path))
