@@ -87,17 +87,20 @@ class LLM:
 
 def _as_prompt_list(
     prompts: str | Sequence[str] | Sequence[Sequence[int]],
-) -> list[str] | list[list[int]]:
+) -> list[str | list[int]]:
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
-        raise InvalidRequestError(
-            "token-id prompts must be a list of lists of ints, one per prompt"
-        )
-    if all(isinstance(p, str) for p in items):
-        return [str(p) for p in items]
-    return [list(p) for p in items]  # type: ignore[arg-type]
+    out: list[str | list[int]] = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            out.append(prompt)
+        elif isinstance(prompt, int):
+            raise InvalidRequestError(
+                "token-id prompts must be a list of lists of ints, one per prompt"
+            )
+        else:
+            out.append([int(t) for t in prompt])
+    return out
 
 
 def _as_param_list(

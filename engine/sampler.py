@@ -18,7 +18,8 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
     """One token per row of `logits` (fp32, (B, vocab)); row i belongs to requests[i]."""
     _suppress_stops_before_min_tokens(logits, requests)
     if all(r.params.greedy for r in requests):
-        return logits.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
+        greedy: list[int] = logits.argmax(dim=-1).tolist()
+        return greedy
     tokens: list[int] = logits.argmax(dim=-1).tolist()
     batch_rows = [i for i, r in enumerate(requests) if not r.params.greedy and r.generator is None]
     if batch_rows:

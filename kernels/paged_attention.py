@@ -133,6 +133,10 @@ def paged_attention_reference(
 
 
 # --------------------------------------------------------------------------- fast CPU
+DECODE_CHUNK_BYTES = 4 << 20
+"""Target size of the gathered K+V of one decode chunk (see ``_decode``)."""
+
+
 def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """``cache`` blocks for a ``(n, m)`` table -> ``(n, m * block_size, kvh, hd)``, one copy.
 
@@ -210,6 +214,43 @@ def _prefill_one(
     return out[0].transpose(0, 1)
 
 
+def _decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    ctx: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Decode sequences in cache-sized chunks of ``_decode_batch``.
+
+    One giant gather + SDPA is memory-bound and falls out of cache: measured on a 2-core
+    EPYC (32 MiB L3), 256 decodes of context 100-400 took ~4x longer as one batch than
+    in chunks of ~4 MiB of gathered K+V. Sequences are sorted by context length first,
+    so each chunk pads to a similar length.
+    """
+    batch = query.shape[0]
+    token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    per_chunk = max(1, DECODE_CHUNK_BYTES // (token_bytes * int(ctx.max())))
+    if per_chunk >= batch:
+        return _decode_batch(query, k_cache, v_cache, tables, ctx, scale, sliding_window)
+    out = torch.empty_like(query)
+    order = torch.argsort(ctx.to(query.device))
+    for idx in order.split(per_chunk):
+        part = _decode_batch(
+            query.index_select(0, idx),
+            k_cache,
+            v_cache,
+            tables.index_select(0, idx.to(tables.device)),
+            ctx.index_select(0, idx.to(ctx.device)),
+            scale,
+            sliding_window,
+        )
+        out.index_copy_(0, idx, part)
+    return out
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -240,14 +281,12 @@ def paged_attention(
     is_decode = q_lens == 1
     n_decode = int(is_decode.sum())
     if n_decode == batch:  # decode-only batch: rows are the sequences, in order
-        return _decode_batch(
-            query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window
-        )
+        return _decode(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
     out = torch.empty_like(query)
     if n_decode > 0:
         seqs = is_decode.nonzero().squeeze(1)
         rows = query_start_loc[seqs].to(device=query.device, dtype=torch.int64)
-        dec_out = _decode_batch(
+        dec_out = _decode(
             query.index_select(0, rows),
             k_cache,
             v_cache,
