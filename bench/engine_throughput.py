@@ -298,14 +298,17 @@ class NoOpModel:
 
 class PhaseTimer:
     """Wraps engine parts with perf_counter timers: schedule, prepare, model, sample, process,
-    advance. Instance attributes shadow the methods; `restore` removes them."""
+    advance. Instance attributes shadow the methods; `restore` removes them. Every call's
+    duration is kept, and for the model also its batch shape (tokens, rows sampled)."""
+
+    PHASES = ("schedule", "prepare", "model", "sample", "process", "advance")
 
     def __init__(self, engine: LLMEngine) -> None:
         import tandem.engine.llm_engine as llm_engine_mod
 
         self.engine = engine
-        self.totals: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
+        self.durations: dict[str, list[float]] = defaultdict(list)
+        self.model_shapes: list[tuple[int, int]] = []  # (tokens in the batch, rows sampled)
         self._mod = llm_engine_mod
         self._orig_sample = llm_engine_mod.sample
         self._orig_model = engine.runner.model
@@ -313,28 +316,51 @@ class PhaseTimer:
         sched.schedule = self._wrap("schedule", sched.schedule)  # type: ignore[method-assign]
         sched.advance = self._wrap("advance", sched.advance)  # type: ignore[method-assign]
         runner.prepare = self._wrap("prepare", runner.prepare)  # type: ignore[method-assign]
-        runner.model = self._wrap("model", runner.model)
         proc.process = self._wrap("process", proc.process)  # type: ignore[method-assign]
         llm_engine_mod.sample = self._wrap("sample", llm_engine_mod.sample)  # type: ignore[assignment]
+        model, shapes = self._wrap("model", runner.model), self.model_shapes
+
+        def model_call(*args: Any) -> torch.Tensor:
+            shapes.append((int(args[0].shape[0]), int(args[4].shape[0])))
+            return model(*args)  # type: ignore[no-any-return]
+
+        runner.model = model_call
 
     def _wrap(self, name: str, fn: Callable[..., T]) -> Callable[..., T]:
-        totals, calls, clock = self.totals, self.calls, time.perf_counter
+        record, clock = self.durations[name].append, time.perf_counter
 
         def timed(*args: Any, **kwargs: Any) -> T:
             t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                totals[name] += clock() - t0
-                calls[name] += 1
+                record(clock() - t0)
 
         return timed
+
+    @property
+    def totals(self) -> dict[str, float]:
+        return {k: sum(self.durations[k]) for k in self.PHASES if self.durations[k]}
+
+    def medians_us(self) -> dict[str, float]:
+        return {
+            k: round(statistics.median(self.durations[k]) * 1e6, 1) for k in self.PHASES if self.durations[k]
+        }
 
     def restore(self) -> None:
         e = self.engine
         del e.scheduler.schedule, e.scheduler.advance, e.runner.prepare, e.output_processor.process
         e.runner.model = self._orig_model
         self._mod.sample = self._orig_sample  # type: ignore[assignment]
+
+
+@contextmanager
+def phase_timer(engine: LLMEngine) -> Iterator[PhaseTimer]:
+    timer = PhaseTimer(engine)
+    try:
+        yield timer
+    finally:
+        timer.restore()
 
 
 def _steady(engine: LLMEngine, n: int) -> bool:
@@ -346,14 +372,32 @@ def _steady(engine: LLMEngine, n: int) -> bool:
     )
 
 
+def _timed_steps(engine: LLMEngine, n: int, steps: int) -> list[float]:
+    times = []
+    clock = time.perf_counter
+    for _ in range(steps):
+        t0 = clock()
+        outs = engine.step()
+        times.append(clock() - t0)
+        if len(outs) != n:
+            raise RuntimeError(f"N={n}: a step returned {len(outs)} tokens, expected {n}")
+    return times
+
+
 def host_overhead(
-    model_dir: Path, vocab: int, w: Workload, *, warm_steps: int = 20
+    model_dir: Path, vocab: int, w: Workload, *, logits_width: int, warm_steps: int = 20
 ) -> list[dict[str, Any]]:
+    """Steady-decode `engine.step()` time with a no-op model returning (rows, logits_width) zeros.
+
+    Per N: add N requests (random 16-token prompts, max_tokens far away), step until all are in
+    steady decode, `warm_steps` more, then time `overhead_steps` steps (clean), then the same
+    number again under `PhaseTimer` for the per-phase medians. The requests are then aborted.
+    """
     bs = 16
     max_n = max(w.overhead_ns)
-    tokens_per_req = w.overhead_prompt_len + warm_steps + w.overhead_steps + 64
+    tokens_per_req = w.overhead_prompt_len + 2 * (warm_steps + w.overhead_steps) + 64
     num_blocks = max_n * math.ceil(tokens_per_req / bs) + 64
-    max_tokens = tokens_per_req + 1000  # never reached: the requests are aborted after timing
+    max_tokens = 1500  # never reached: the requests are aborted after timing
     llm = LLM(
         model=str(model_dir),
         dtype="float32",
@@ -364,7 +408,7 @@ def host_overhead(
         max_model_len=2048,
     )
     engine = llm.engine
-    engine.runner.model = NoOpModel(vocab)
+    engine.runner.model = NoOpModel(logits_width)
     rng = random.Random(2)
     results = []
     for n in w.overhead_ns:
@@ -384,41 +428,27 @@ def host_overhead(
             engine.step()
         assert _steady(engine, n)
         gc.collect()
-        times = []
-        clock = time.perf_counter
-        for _ in range(w.overhead_steps):
-            t0 = clock()
-            outs = engine.step()
-            times.append(clock() - t0)
-            if len(outs) != n:
-                raise RuntimeError(f"N={n}: a step returned {len(outs)} tokens, expected {n}")
-        # Same again with per-phase timers, for the breakdown (a separate run: timers add a little).
-        timer = PhaseTimer(engine)
-        for _ in range(w.overhead_steps):
-            engine.step()
-        timer.restore()
+        times = _timed_steps(engine, n, w.overhead_steps)
+        with phase_timer(engine) as timer:
+            _timed_steps(engine, n, w.overhead_steps)
         for r in reqs:
             engine.abort(r.request_id)
         target = 200 + 5 * n
-        mean_us = statistics.fmean(times) * 1e6
         median_us = statistics.median(times) * 1e6
-        breakdown = {k: round(v / w.overhead_steps * 1e6, 1) for k, v in timer.totals.items()}
+        phases = timer.medians_us()
         row = {
             "n": n,
-            "us_per_step_mean": round(mean_us, 1),
             "us_per_step_median": round(median_us, 1),
+            "us_per_step_mean": round(statistics.fmean(times) * 1e6, 1),
             "us_per_step_min": round(min(times) * 1e6, 1),
             "target_us": target,
             "met": median_us <= target,
-            "us_per_request_median": round(median_us / n, 2),
-            "breakdown_us_per_step": breakdown,
-            "us_excl_model_and_sample": round(
-                median_us - breakdown.get("model", 0.0) - breakdown.get("sample", 0.0), 1
-            ),
+            "us_per_request": round(median_us / n, 2),
+            "phase_median_us": phases,
         }
         log(
-            f"  N={n:4d}: median {median_us:8.1f} us/step (mean {mean_us:.1f}), target {target} us -> "
-            f"{'MET' if row['met'] else 'missed'}; breakdown {breakdown}"
+            f"  N={n:4d}: median {median_us:8.1f} us/step (min {row['us_per_step_min']}), "
+            f"target {target} us -> {'MET' if row['met'] else 'missed'}; phase medians {phases}"
         )
         results.append(row)
     del llm, engine
@@ -429,20 +459,44 @@ def host_overhead(
 # ---- 3. profile -------------------------------------------------------------------------------
 @dataclass
 class ProfileReport:
+    wall_s: float = 0.0
     phases_s: dict[str, float] = field(default_factory=dict)
     phases_pct: dict[str, float] = field(default_factory=dict)
-    wall_s: float = 0.0
+    model_steps: dict[str, Any] = field(default_factory=dict)
     cprofile_top: list[str] = field(default_factory=list)
     torch_ops_top: list[dict[str, Any]] = field(default_factory=list)
 
 
-@contextmanager
-def phase_timer(engine: LLMEngine) -> Iterator[PhaseTimer]:
-    timer = PhaseTimer(engine)
-    try:
-        yield timer
-    finally:
-        timer.restore()
+def _model_step_summary(timer: PhaseTimer) -> dict[str, Any]:
+    """Model time split into steps with prefill tokens and decode-only steps by batch size."""
+    rows = list(zip(timer.model_shapes, timer.durations["model"], strict=True))
+    prefill = [(s, d) for s, d in rows if s[0] != s[1]]
+    decode = [(s, d) for s, d in rows if s[0] == s[1]]
+    summary: dict[str, Any] = {
+        "prefill_steps": len(prefill),
+        "prefill_tokens": sum(s[0] for s, _ in prefill),
+        "prefill_model_s": round(sum(d for _, d in prefill), 3),
+        "decode_steps": len(decode),
+        "decode_tokens": sum(s[0] for s, _ in decode),
+        "decode_model_s": round(sum(d for _, d in decode), 3),
+    }
+    buckets: dict[str, Any] = {}
+    for lo, hi in ((1, 8), (9, 16), (17, 32), (33, 48), (49, 64), (65, 256)):
+        sel = [d for s, d in decode if lo <= s[0] <= hi]
+        if sel:
+            mean_b = statistics.fmean(s[0] for s, _ in decode if lo <= s[0] <= hi)
+            buckets[f"{lo}-{hi}"] = {
+                "steps": len(sel),
+                "mean_batch": round(mean_b, 1),
+                "median_model_ms": round(statistics.median(sel) * 1e3, 2),
+                "ms_per_token": round(statistics.median(sel) * 1e3 / mean_b, 3),
+            }
+    summary["decode_by_batch"] = buckets
+    if prefill:
+        summary["prefill_ms_per_token"] = round(
+            1e3 * summary["prefill_model_s"] / max(1, summary["prefill_tokens"]), 3
+        )
+    return summary
 
 
 def profile_tandem(
@@ -455,18 +509,18 @@ def profile_tandem(
     with phase_timer(engine) as timer:
         t0 = time.perf_counter()
         llm.generate(prompts, [greedy(n) for n in lengths])
-        report.wall_s = time.perf_counter() - t0
-    accounted = sum(timer.totals.values())
-    phases = dict(timer.totals)
-    phases["other (step glue, generate loop)"] = report.wall_s - accounted
+        report.wall_s = round(time.perf_counter() - t0, 3)
+    phases = timer.totals
+    phases["other (step glue, generate loop)"] = report.wall_s - sum(phases.values())
     report.phases_s = {k: round(v, 3) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])}
     report.phases_pct = {k: round(100 * v / report.wall_s, 1) for k, v in report.phases_s.items()}
-    lines = [
-        f"    {k:36s} {v:8.3f} s  {report.phases_pct[k]:5.1f}%" for k, v in report.phases_s.items()
-    ]
+    report.model_steps = _model_step_summary(timer)
+    lines = [f"    {k:36s} {v:8.3f} s  {report.phases_pct[k]:5.1f}%" for k, v in report.phases_s.items()]
     log(
-        f"phase breakdown (wall {report.wall_s:.2f} s, {timer.calls['model']} steps):\n"
+        f"phase breakdown (wall {report.wall_s:.2f} s, {len(timer.durations['model'])} steps):\n"
         + "\n".join(lines)
+        + "\n    model steps: "
+        + json.dumps(report.model_steps)
     )
 
     sub_p, sub_l = prompts[:small], lengths[:small]
@@ -479,18 +533,20 @@ def profile_tandem(
     stats = pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime")
     stats.print_stats(top)
     log("cProfile, top by tottime:\n" + buf.getvalue())
-    report.cprofile_top = _cprofile_rows(stats, top)
+    report.cprofile_top = _cprofile_rows(stats, 15)
 
     log(f"profile 3/3: torch.profiler over {small} requests")
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CPU]) as tp:
+    with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as tp:
         llm.generate(sub_p, [greedy(n) for n in sub_l])
     averages = tp.key_averages()
+    log("torch.profiler, top by self CPU time:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=top))
+    by_shape = tp.key_averages(group_by_input_shape=True)
     log(
-        "torch.profiler, top by self CPU time:\n"
-        + averages.table(sort_by="self_cpu_time_total", row_limit=top)
+        "torch.profiler, top by self CPU time, by input shape:\n"
+        + by_shape.table(sort_by="self_cpu_time_total", row_limit=top)
     )
     total_self = sum(e.self_cpu_time_total for e in averages) or 1.0
     rows = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:15]
