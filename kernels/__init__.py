@@ -1,7 +1,9 @@
 """Attention and KV-cache kernels: the paged KV pool, the KV write, paged attention.
 
 Torch-only on import (no CUDA/Triton needed). See ``paged_attention`` for the attention
-contract and ``kv_cache`` for the pool layout.
+contract and ``kv_cache`` for the pool layout. Note: the package attribute
+``tandem.kernels.paged_attention`` is the *function*; the module of the same name is
+reachable with ``from tandem.kernels.paged_attention import ...`` or ``importlib``.
 """
 
 from tandem.kernels.backends import (

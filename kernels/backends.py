@@ -46,9 +46,7 @@ ATTENTION_BACKENDS: dict[str, PagedAttentionFn] = {
 }
 
 
-def register_attention_backend(
-    name: str, fn: PagedAttentionFn, *, overwrite: bool = False
-) -> None:
+def register_attention_backend(name: str, fn: PagedAttentionFn, *, overwrite: bool = False) -> None:
     """Add a backend under ``name``; ValueError if taken unless ``overwrite``."""
     if name in ATTENTION_BACKENDS and not overwrite:
         raise ValueError(f"attention backend {name!r} is already registered")

@@ -142,7 +142,7 @@ class KVCachePool:
         if self.device.type != "cpu":
             raise ValueError(f"as_bytes needs a CPU pool, this one is on {self.device}")
         raw = self.block_view(block_id).view(torch.uint8).reshape(-1)
-        return memoryview(raw.numpy()).cast("B")
+        return raw.numpy().data  # 1-D uint8 -> format "B", len == bytes_per_block
 
     # ------------------------------------------------------------- transfer
     def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:

@@ -24,12 +24,15 @@ Contract (shared by every backend, see ``PagedAttentionFn``)
 Numerics
 --------
 * ``paged_attention_reference`` upcasts q/k/v to float32, computes scores, an explicit
-  ``-inf`` mask, softmax and the weighted sum in float32, and casts the result back.
-* ``paged_attention`` (the fast CPU path) calls ``scaled_dot_product_attention`` on the
-  gathered K/V in the *input* dtype, exactly as transformers' ``sdpa`` attention does: on
-  CPU, SDPA's flash kernel accumulates q.k, the softmax and p.v in float32 for bf16/fp16
-  inputs (probabilities are rounded to the input dtype before the p.v product) and rounds
-  the output once. In float32 it matches dense SDPA within ~1e-6.
+  ``-inf`` mask, softmax and the weighted sum in float32, and casts the result back once.
+* ``paged_attention`` (the fast CPU path) calls ``scaled_dot_product_attention`` with 4-D
+  tensors on the gathered K/V in the *input* dtype, as transformers' ``sdpa`` attention
+  does, so the same CPU kernel (flash) runs: for bf16/fp16 it accumulates q.k, the softmax
+  and p.v in float32, rounding the probabilities to the input dtype before p.v and the
+  output once. Measured: fast bf16 == HF-style dense bf16 SDPA bit for bit on decode-only
+  and prefill-only batches (<= 1 bf16 ulp on mixed ones); vs the float32 result of the
+  same inputs, max abs error ~1e-2 (mean ~5e-4, the reference in bf16 is ~20% lower).
+  In float32 the fast path matches dense SDPA within ~1e-6.
 """
 
 from __future__ import annotations
@@ -264,8 +267,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Fast CPU paged attention (see the module docstring for the contract).
 
-    Decode sequences (``q_len == 1``) are done together: one ``index_select`` gather of
-    their blocks per cache, a padding/window mask, one SDPA call with ``enable_gqa`` (no
+    Decode sequences (``q_len == 1``) are batched: sorted by context length and split in
+    chunks of about ``DECODE_CHUNK_BYTES`` of K+V; per chunk one ``index_select`` gather
+    of the blocks per cache, a padding/window mask, one SDPA call with ``enable_gqa`` (no
     K/V head repeat). Other sequences (prefill chunks) go one by one through SDPA with an
     offset causal mask, or ``is_causal`` when there is no cached prefix and no active
     window. Python work is per prefill sequence only; values are not validated (use

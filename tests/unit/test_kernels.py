@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 
 import pytest
@@ -133,8 +134,25 @@ def test_large_decode_batch_with_int32_tables_and_negative_padding() -> None:
         ctx, [1] * 64, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
         pad_value=-1, table_dtype=torch.int32,
     )  # fmt: skip
+    tables_before = batch.block_tables.clone()
     want = dense_attention(batch, 0.125)
     assert _max_diff(_run(paged_attention, batch, 0.125), want) < FP32_TOL
+    assert torch.equal(batch.block_tables, tables_before)  # inputs are never modified
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_chunked_decode_path(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    """Tiny chunk budget: decodes are sorted by length and run a few at a time."""
+    module = importlib.import_module("tandem.kernels.paged_attention")
+    monkeypatch.setattr(module, "DECODE_CHUNK_BYTES", 2 * 2 * 8 * 4 * 40 * 3)  # ~3 seqs
+    ctx = [40, 3, 17, 29, 8, 40, 1, 22, 35, 12, 5]
+    q_lens = [1] * len(ctx)
+    q_lens[4] = 8  # one prefill in the middle of the decodes
+    batch = make_paged_batch(
+        ctx, q_lens, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=11
+    )
+    want = dense_attention(batch, 0.4, sliding_window=window)
+    assert _max_diff(_run(paged_attention, batch, 0.4, window), want) < FP32_TOL
 
 
 def test_zero_length_queries_and_long_prefill_chunk() -> None:
