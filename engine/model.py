@@ -139,9 +139,9 @@ class CausalLM(nn.Module):
             DecoderLayer(spec, i, attention_fn) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # With tied embeddings the loader copies embed_tokens into lm_head (column-major, for
+        # fast logits), so the two are separate tensors here.
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
 
     @torch.inference_mode()

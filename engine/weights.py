@@ -69,6 +69,9 @@ def load_weights(model: CausalLM, model_dir: Path, dtype: torch.dtype) -> None:
             continue
         if name == "lm_head.weight" and model.spec.tie_word_embeddings:
             continue
+        if name == "embed_tokens.weight" and model.spec.tie_word_embeddings:
+            _copy(params, "lm_head.weight", tensor, dtype)
+            loaded.add("lm_head.weight")
         fused = _fused_target(name)
         if fused is None:
             _copy(params, name, tensor, dtype)
@@ -84,8 +87,7 @@ def load_weights(model: CausalLM, model_dir: Path, dtype: torch.dtype) -> None:
             del pending[target]
     if pending:
         raise CheckpointError(f"{model_dir}: incomplete fused weights {sorted(pending)}")
-    expected = {n for n in params if not (n == "lm_head.weight" and model.spec.tie_word_embeddings)}
-    missing = sorted(expected - loaded)
+    missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{model_dir}: weights missing from the checkpoint: {missing[:8]}")
     logger.info("loaded %d tensors from %s", len(loaded), model_dir)
@@ -120,5 +122,10 @@ def _copy(
         raise CheckpointError(
             f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, config expects {tuple(param.shape)}"
         )
+    data = tensor.to(dtype).contiguous()
+    if data.dim() == 2 and name != "embed_tokens.weight":
+        # Column-major storage: F.linear then multiplies by a contiguous (in, out) matrix,
+        # which CPU BLAS runs up to 2x faster for small batches (odd row counts especially).
+        data = data.t().contiguous().t()
     with torch.no_grad():
-        param.data = tensor.to(dtype).contiguous()
+        param.data = data

@@ -172,15 +172,19 @@ def _decode_batch(
     mask = k_pos[None, :] < ctx[:, None]  # the query sits at position ctx - 1
     if sliding_window is not None:
         mask &= k_pos[None, :] >= (ctx - sliding_window)[:, None]
+    # GQA packing: the `group` query heads sharing a KV head become `group` query rows of that
+    # head, so each K/V row is read once per KV head instead of once per query head (~2x faster
+    # than `enable_gqa=True` on CPU). Query head h uses KV head h // group, as in transformers.
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
     out = F.scaled_dot_product_attention(
-        query.unsqueeze(2),  # (Bd, H, 1, D)
+        query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim),
         keys.to(query.dtype),
         values.to(query.dtype),
         attn_mask=mask[:, None, None, :],
         scale=scale,
-        enable_gqa=True,
     )
-    return out.squeeze(2)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def _prefill_one(
