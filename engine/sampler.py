@@ -46,7 +46,11 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """
     rows, vocab = logits.shape
     groups = vocab // ARGMAX_GROUP
-    if vocab < 4096 or not logits.is_contiguous():
+    if vocab < 4096:
+        return logits.argmax(dim=-1)
+    if logits.t().is_contiguous() and rows > 1:  # vocab-major logits, as the model returns them
+        return _greedy_argmax_vocab_major(logits.t())
+    if not logits.is_contiguous():
         return logits.argmax(dim=-1)
     grouped = logits.as_strided((rows, groups, ARGMAX_GROUP), (vocab, ARGMAX_GROUP, 1))
     group_max = grouped.amax(dim=-1)
@@ -58,6 +62,24 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     if tail_start < vocab:
         tail_max, tail_idx = logits[:, tail_start:].max(dim=-1)
         better = tail_max > group_max[row_ids, best_group]
+        result = torch.where(better, tail_idx + tail_start, result)
+    return result
+
+
+def _greedy_argmax_vocab_major(logits_t: torch.Tensor) -> torch.Tensor:
+    """`greedy_argmax` of contiguous (vocab, rows) logits: groups of 32 vocabulary rows."""
+    vocab, rows = logits_t.shape
+    groups = vocab // ARGMAX_GROUP
+    grouped = logits_t[: groups * ARGMAX_GROUP].view(groups, ARGMAX_GROUP, rows)
+    group_max = grouped.amax(dim=1)  # (groups, rows)
+    best_group = group_max.argmax(dim=0)  # (rows,)
+    cols = torch.arange(rows)
+    within = grouped[best_group, :, cols].argmax(dim=-1)
+    result = best_group * ARGMAX_GROUP + within
+    tail_start = groups * ARGMAX_GROUP
+    if tail_start < vocab:
+        tail_max, tail_idx = logits_t[tail_start:].max(dim=0)
+        better = tail_max > group_max[best_group, cols]
         result = torch.where(better, tail_idx + tail_start, result)
     return result
 

@@ -122,10 +122,5 @@ def _copy(
         raise CheckpointError(
             f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, config expects {tuple(param.shape)}"
         )
-    data = tensor.to(dtype).contiguous()
-    if data.dim() == 2 and name != "embed_tokens.weight":
-        # Column-major storage: F.linear then multiplies by a contiguous (in, out) matrix,
-        # which CPU BLAS runs up to 2x faster for small batches (odd row counts especially).
-        data = data.t().contiguous().t()
     with torch.no_grad():
-        param.data = data
+        param.data = tensor.to(dtype).contiguous()

@@ -20,3 +20,13 @@ def test_greedy_argmax_equals_argmax(vocab: int, rows: int) -> None:
     if rows > 2:
         x[2] = 0.0  # all equal
     assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_greedy_argmax_on_vocab_major_logits(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    logits_t = torch.randn(32000, rows, generator=gen)
+    logits_t[31999, 0] = logits_t[:, 0].max() + 1
+    logits = logits_t.t()
+    assert rows == 1 or not logits.is_contiguous()
+    assert torch.equal(greedy_argmax(logits), logits.contiguous().argmax(dim=-1))
