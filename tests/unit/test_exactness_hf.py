@@ -35,12 +35,16 @@ ARCH_CASES: dict[str, dict[str, Any]] = {
     "mistral": dict(arch="mistral", seed=4, tie_embeddings=True, sliding_window=48),
 }
 
+# Every budget with prefix caching on and off, plus a pool small enough to force preemption.
 ENGINE_MODES: dict[str, dict[str, Any]] = {
-    "prefix-cache": dict(enable_prefix_caching=True, max_num_batched_tokens=4096),
-    "no-prefix-cache": dict(enable_prefix_caching=False, max_num_batched_tokens=4096),
-    "chunk-16": dict(max_num_batched_tokens=16),
-    "chunk-64": dict(max_num_batched_tokens=64),
-    "preempting": dict(num_kv_blocks=40, max_model_len=400, max_num_batched_tokens=4096),
+    f"{'prefix' if prefix else 'no-prefix'}-{name}": dict(enable_prefix_caching=prefix, **kwargs)
+    for prefix in (True, False)
+    for name, kwargs in {
+        "chunk-16": dict(max_num_batched_tokens=16),
+        "chunk-64": dict(max_num_batched_tokens=64),
+        "chunk-4096": dict(max_num_batched_tokens=4096),
+        "preempting": dict(num_kv_blocks=40, max_model_len=400, max_num_batched_tokens=4096),
+    }.items()
 }
 
 
@@ -63,16 +67,16 @@ def test_greedy_tokens_equal_hf(arch_case: dict[str, Any], mode: str) -> None:
     assert not mismatched, f"prompts {mismatched} differ from transformers"
     assert [o.finish_reason for o in outs] == ["length"] * NUM_PROMPTS
     assert [o.prompt_token_ids for o in outs] == arch_case["prompts"]
-    if mode == "preempting":
+    if mode.endswith("preempting"):
         assert llm.engine.num_preemptions > 0
-    if mode == "prefix-cache":
+    if mode == "prefix-chunk-4096":
         # The same prompts again: now served mostly from the prefix cache, with the same tokens.
         again = llm.generate(arch_case["prompts"], params)
         assert [o.token_ids for o in again] == arch_case["ref"]
         assert sum(o.num_cached_tokens for o in again) >= sum(
             len(p) // 16 * 16 - 16 for p in arch_case["prompts"]
         )
-    if mode == "no-prefix-cache":
+    if mode.startswith("no-prefix"):
         assert all(o.num_cached_tokens == 0 for o in outs)
     llm.engine.check_integrity()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
