@@ -1,0 +1,76 @@
+"""The transport contract: JSON headers plus KV pages between authenticated endpoints.
+
+A transport only moves bytes; the protocol (reservations, chunks, acks, cancel, leases) lives in
+`tandem.kv_transfer.sender` / `receiver` and is the same over every transport.
+
+Semantics every implementation keeps:
+- `send` is non-blocking and FIFO per peer: messages to one peer arrive in the order sent.
+- The pages of `src_block_ids` are read from the registered pool when the message is actually
+  sent; the caller keeps those blocks pinned until the peer acknowledges them.
+- A received message carries the pages as a tensor `(n, layers, 2, block_size, kv_heads,
+  head_dim)` (`Message.pages`), or, for transports that write straight into the receiver's pool
+  (`Message.pages is None` and `header["direct"] is True`), they already sit at
+  `header["manifest"]["dst_block_ids"]`.
+- Every connection starts with the cluster token; a peer that does not present it is refused
+  and can neither write pages nor send headers. Headers are JSON: nothing received is unpickled.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from tandem.kernels.kv_cache import KVCachePool
+
+
+class Message(NamedTuple):
+    """One received message: who sent it (their address), its JSON header, and staged pages."""
+
+    peer: str
+    header: dict[str, Any]
+    pages: torch.Tensor | None = None
+
+
+class KVTransport(ABC):
+    """Moves headers and KV pages between endpoints; one instance per process and role."""
+
+    name: ClassVar[str]
+
+    def __init__(self, auth_token: str) -> None:
+        if not auth_token:
+            raise ValueError("a KV transport needs a non-empty cluster auth token")
+        self.auth_token = auth_token
+
+    @property
+    @abstractmethod
+    def address(self) -> str:
+        """How peers reach this endpoint (transport-specific string, safe to pass around)."""
+
+    @abstractmethod
+    def register_pool(self, pool: KVCachePool) -> None:
+        """The KV pool pages are read from when sending (and written to, for direct transports)."""
+
+    @abstractmethod
+    def send(self, peer: str, header: dict[str, Any], src_block_ids: Sequence[int] = ()) -> None:
+        """Queues `header` and the pages of `src_block_ids` for `peer` (non-blocking, FIFO)."""
+
+    @abstractmethod
+    def poll(self, timeout: float = 0.0) -> list[Message]:
+        """Messages received since the last call; waits up to `timeout` seconds for the first."""
+
+    @abstractmethod
+    def cancel(self, request_id: str) -> int:
+        """Drops queued, not yet sent messages whose header names `request_id`; returns how many."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stops background work and releases connections and memory; idempotent."""
+
+    def __enter__(self) -> KVTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

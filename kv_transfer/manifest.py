@@ -1,0 +1,108 @@
+"""What travels with every page transfer, and the check that refuses pages of another model.
+
+Headers are JSON (never pickle): a manifest names the request, the cache namespace and the exact
+KV layout of the pages, which source blocks they came from and which reserved blocks they go to.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import torch
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.engine.errors import TandemError
+from tandem.kernels.kv_cache import KVCachePool
+
+POOL_LAYOUT = "block,layer,kv,slot,head,dim"
+"""The order of a block's dimensions in `KVCachePool` (one block = one contiguous region)."""
+
+
+class TransferError(TandemError):
+    """A KV transfer failed (refused manifest, timeout, peer gone, cancelled)."""
+
+
+class ManifestMismatchError(TransferError):
+    """Pages were computed for another model, tokenizer, dtype or layout than the receiver's."""
+
+
+class KVLayout(BaseModel):
+    """Everything that must be equal on both sides for pages to mean the same thing."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    namespace: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    layout: str = POOL_LAYOUT
+
+    @classmethod
+    def of_pool(cls, pool: KVCachePool, namespace: str) -> KVLayout:
+        return cls(
+            namespace=namespace,
+            block_size=pool.block_size,
+            num_layers=pool.num_layers,
+            num_kv_heads=pool.num_kv_heads,
+            head_dim=pool.head_dim,
+            dtype=str(pool.dtype).removeprefix("torch."),
+        )
+
+    def check_matches(self, expected: KVLayout) -> None:
+        """Raises `ManifestMismatchError` naming every field that differs."""
+        diffs = [
+            f"{name}: sent {getattr(self, name)!r}, expected {getattr(expected, name)!r}"
+            for name in type(self).model_fields
+            if getattr(self, name) != getattr(expected, name)
+        ]
+        if diffs:
+            raise ManifestMismatchError("KV pages do not match this model: " + "; ".join(diffs))
+
+
+class ChunkManifest(BaseModel):
+    """One chunk of a request's pages: src blocks on the sender, reserved dst blocks on the receiver.
+
+    `num_tokens` counts the tokens whose KV is complete once this chunk has landed. The last chunk
+    carries the first sampled token(s) and the sampler state, and commits the request.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    request_id: str
+    layout: KVLayout
+    chunk_index: int = Field(ge=0)
+    last: bool
+    num_tokens: int = Field(ge=0)
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    checksum: str | None = None
+    first_token_ids: list[int] = Field(default_factory=list)
+    sampler_state: str | None = None  # base64 of torch.Generator state bytes
+
+    def model_post_init(self, __context: Any) -> None:
+        if len(self.src_block_ids) != len(self.dst_block_ids):
+            raise ValueError("src_block_ids and dst_block_ids differ in length")
+        if self.last and not self.first_token_ids:
+            raise ValueError("the last chunk must carry the first sampled token")
+
+
+def pages_checksum(pages: torch.Tensor) -> str:
+    """xxh3-64 hex digest of the raw bytes of a contiguous page tensor."""
+    raw = pages.contiguous().view(torch.uint8).reshape(-1).numpy()
+    return xxhash.xxh3_64_hexdigest(raw.tobytes())
+
+
+def encode_state(state: torch.Tensor | None) -> str | None:
+    if state is None:
+        return None
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def decode_state(text: str | None) -> torch.Tensor | None:
+    if text is None:
+        return None
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
