@@ -10,6 +10,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import torch
+
+from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.errors import InvalidRequestError, TandemError
 from tandem.engine.hashing import hash_full_blocks
 from tandem.engine.kv_blocks import KVBlocks
@@ -61,30 +64,58 @@ def import_request(
         raise InvalidRequestError("an imported request needs its first sampled token")
     if request_id in engine.requests:
         raise InvalidRequestError(f"request id {request_id!r} is already in use")
-    bs = kv.block_size
-    output_text = None
-    if stream_text or params.stop:
-        from tandem.engine.detokenizer import IncrementalDetokenizer
-
-        output_text = OutputText(IncrementalDetokenizer(engine.tokenizer, kv.token_ids))
-    req = Request(
-        request_id, list(kv.token_ids), params, engine.eos_token_ids, output_text=output_text
-    )
-    req.token_ids.extend(output_token_ids)
-    if req.generator is not None and kv.sampler_state is not None:
-        req.generator.set_state(kv.sampler_state)
     bm = engine.block_manager
     hits = bm.match_prefix(kv.block_hashes, kv.token_ids)
-    if not bm.allocate(req.block_table, kv.num_tokens, hits):
+    block_table: list[int] = []
+    if not bm.allocate(block_table, kv.num_tokens, hits):
         raise NoFreeBlocksError(f"no room for {kv.num_blocks} blocks of request {request_id!r}")
-    fresh = req.block_table[len(hits) :]
+    fresh = block_table[len(hits) :]
     if fresh:
         engine.kv_pool.import_blocks(fresh, kv.data[len(hits) :])
-    req.num_computed_tokens = kv.num_tokens
-    req.num_prefix_hit_tokens = len(hits) * bs
-    req.block_hashes = list(kv.block_hashes)
-    req.num_cached_blocks = bm.cache_blocks(
-        req.block_table, req.block_hashes, req.token_ids, len(hits)
+    return commit_request(
+        engine,
+        request_id,
+        list(kv.token_ids),
+        output_token_ids,
+        params,
+        block_table,
+        num_hit_blocks=len(hits),
+        sampler_state=kv.sampler_state,
+        stream_text=stream_text,
+    )
+
+
+def commit_request(
+    engine: LLMEngine,
+    request_id: str,
+    prompt_token_ids: list[int],
+    output_token_ids: list[int],
+    params: SamplingParams,
+    block_table: list[int],
+    *,
+    num_hit_blocks: int = 0,
+    sampler_state: torch.Tensor | None = None,
+    stream_text: bool = False,
+) -> Request:
+    """Turns blocks that hold the prompt's KV (already referenced by `block_table`) into a
+    running request that continues after `output_token_ids`. The request owns the blocks now."""
+    bs = engine.config.block_size
+    output_text = None
+    if stream_text or params.stop:
+        output_text = OutputText(IncrementalDetokenizer(engine.tokenizer, prompt_token_ids))
+    req = Request(request_id, prompt_token_ids, params, engine.eos_token_ids, output_text=output_text)
+    req.token_ids.extend(output_token_ids)
+    if output_text is not None:
+        for token in output_token_ids:
+            output_text.add(token)
+    if req.generator is not None and sampler_state is not None:
+        req.generator.set_state(sampler_state)
+    req.block_table = block_table
+    req.num_computed_tokens = len(prompt_token_ids)
+    req.num_prefix_hit_tokens = num_hit_blocks * bs
+    req.block_hashes = hash_full_blocks(engine.namespace.root_hash(), prompt_token_ids, bs)
+    req.num_cached_blocks = engine.block_manager.cache_blocks(
+        block_table, req.block_hashes, req.token_ids, num_hit_blocks
     )
     req.set_status(RequestStatus.READY_TO_DECODE)
     engine.requests[request_id] = req

@@ -1,0 +1,19 @@
+"""What the transfer protocol reports to its owner (a worker loop or a test)."""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+EventKind = Literal["first_token", "sent", "committed", "finished_early", "failed", "cancelled"]
+
+
+class TransferEvent(NamedTuple):
+    """`first_token`: prefill sampled the first token(s) (`token_ids`); `sent`: every chunk was
+    acknowledged and the prefill side let go of the pages; `committed`: the request runs in the
+    decode engine; `finished_early`: the first token already ended the request; `failed` /
+    `cancelled`: the transfer ended without a commit and every block was released."""
+
+    kind: EventKind
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    error: str | None = None

@@ -1,0 +1,273 @@
+"""Decode side of the KV transfer protocol (DESIGN §5): reserve, receive chunks, commit.
+
+1. `reserve` allocates blocks for a request's prompt under a lease; full blocks the decode
+   engine already caches are reused (decode-side prefix reuse) and only the rest is asked for.
+2. Each `pages` message must be the next chunk of a live reservation from the peer that started
+   it, land exactly on the next reserved blocks, and carry this engine's KV layout; anything else
+   fails the request (duplicates of an already accepted chunk are acknowledged and ignored).
+3. The last chunk carries the first token and sampler state and commits the request into the
+   decode engine's running batch.
+4. Cancel from either side releases the reservation and is acknowledged; a reservation that sees
+   no chunk within its lease, or whose stream stalls, is released by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from pydantic import ValidationError
+
+from tandem.engine.hashing import hash_full_blocks
+from tandem.engine.kv_io import NoFreeBlocksError, commit_request
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer.base import KVTransport, Message
+from tandem.kv_transfer.events import TransferEvent
+from tandem.kv_transfer.manifest import (
+    ChunkManifest,
+    KVLayout,
+    ManifestMismatchError,
+    decode_state,
+    pages_checksum,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ReservationGrant(NamedTuple):
+    """What the prefill side needs: where to send, which blocks, and which it may skip."""
+
+    request_id: str
+    address: str
+    dst_block_ids: list[int]
+    num_hit_blocks: int
+    lease_s: float
+
+
+@dataclass
+class _Reservation:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_table: list[int]
+    num_hit_blocks: int
+    deadline: float
+    next_block: int
+    next_chunk: int = 0
+    peer: str | None = None
+
+
+class KVReceiver:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        transport: KVTransport,
+        *,
+        lease_s: float = 30.0,
+        stall_timeout_s: float = 10.0,
+        verify_checksums: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.lease_s = lease_s
+        self.stall_timeout_s = stall_timeout_s
+        self.verify_checksums = verify_checksums
+        self.clock = clock
+        self.layout = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
+        self.reservations: dict[str, _Reservation] = {}
+        transport.register_pool(engine.kv_pool)
+
+    # ---- reservations ---------------------------------------------------------------------------
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> ReservationGrant:
+        """Allocates the prompt's blocks (reusing cached full blocks) under a lease."""
+        engine = self.engine
+        if request_id in self.reservations or request_id in engine.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        bs = engine.config.block_size
+        hashes = hash_full_blocks(engine.namespace.root_hash(), prompt_token_ids, bs)
+        hits = engine.block_manager.match_prefix(hashes, prompt_token_ids)
+        table: list[int] = []
+        if not engine.block_manager.allocate(table, len(prompt_token_ids), hits):
+            raise NoFreeBlocksError(
+                f"no room to reserve {request_id!r} ({len(prompt_token_ids)} tokens)"
+            )
+        self.reservations[request_id] = _Reservation(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            table,
+            len(hits),
+            deadline=self.clock() + self.lease_s,
+            next_block=len(hits),
+        )
+        return ReservationGrant(
+            request_id, self.transport.address, table[len(hits) :], len(hits), self.lease_s
+        )
+
+    def cancel(self, request_id: str, reason: str = "cancelled by decode") -> bool:
+        """Decode-side cancel: releases the reservation and tells the sender (if it started)."""
+        res = self.reservations.pop(request_id, None)
+        if res is None:
+            return False
+        self.engine.block_manager.free(res.block_table)
+        if res.peer is not None:
+            self.transport.send(
+                res.peer, {"type": "cancel", "request_id": request_id, "reason": reason}
+            )
+        return True
+
+    def block_tables(self) -> list[list[int]]:
+        """Block tables held by reservations (for integrity checks next to the engine's)."""
+        return [r.block_table for r in self.reservations.values()]
+
+    # ---- message loop -------------------------------------------------------------------------
+    def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
+        events: list[TransferEvent] = []
+        for message in self.transport.poll(timeout):
+            event = self._handle(message)
+            if event is not None:
+                events.append(event)
+        events.extend(self._expire())
+        return events
+
+    def _handle(self, message: Message) -> TransferEvent | None:
+        kind = message.header.get("type")
+        request_id = str(message.header.get("request_id", ""))
+        if kind == "pages":
+            return self._on_pages(message, request_id)
+        if kind == "cancel":
+            res = self.reservations.pop(request_id, None)
+            if res is not None:
+                self.engine.block_manager.free(res.block_table)
+            self.transport.send(message.peer, {"type": "cancelled", "request_id": request_id})
+            return (
+                TransferEvent("cancelled", request_id, error="cancelled by prefill")
+                if res
+                else None
+            )
+        if kind == "transport_error":
+            res = self.reservations.get(request_id)
+            if res is not None:
+                return self._fail(
+                    res, f"transport error: {message.header.get('error')}", notify=False
+                )
+        return None
+
+    def _on_pages(self, message: Message, request_id: str) -> TransferEvent | None:
+        res = self.reservations.get(request_id)
+        if res is None:
+            self._reply_error(message.peer, request_id, "unknown, expired or cancelled reservation")
+            return None
+        if res.peer is not None and res.peer != message.peer:
+            self._reply_error(message.peer, request_id, "reservation belongs to another sender")
+            return None
+        try:
+            manifest = ChunkManifest.model_validate(message.header.get("manifest"))
+            manifest.layout.check_matches(self.layout)
+        except (ValidationError, ManifestMismatchError) as exc:
+            res.peer = message.peer
+            return self._fail(res, f"refused manifest: {exc}")
+        res.peer = message.peer
+        if manifest.chunk_index < res.next_chunk:  # a duplicate of an accepted chunk
+            self._ack(res, manifest.chunk_index)
+            return None
+        problem = self._check_chunk(res, manifest, message)
+        if problem:
+            return self._fail(res, problem)
+        if message.pages is not None and manifest.dst_block_ids:
+            self.engine.kv_pool.import_blocks(manifest.dst_block_ids, message.pages)
+        res.next_block += len(manifest.dst_block_ids)
+        res.next_chunk += 1
+        res.deadline = self.clock() + self.stall_timeout_s
+        if not manifest.last:
+            self._ack(res, manifest.chunk_index)
+            return None
+        return self._commit(res, manifest, message.header)
+
+    def _check_chunk(
+        self, res: _Reservation, manifest: ChunkManifest, message: Message
+    ) -> str | None:
+        if manifest.chunk_index > res.next_chunk:
+            return f"chunk {manifest.chunk_index} arrived out of order (expected {res.next_chunk})"
+        expected = res.block_table[res.next_block : res.next_block + len(manifest.dst_block_ids)]
+        if manifest.dst_block_ids != expected:
+            return f"chunk {manifest.chunk_index} targets blocks {manifest.dst_block_ids}, expected {expected}"
+        if message.pages is None and manifest.dst_block_ids and not message.header.get("direct"):
+            return f"chunk {manifest.chunk_index} carries no pages"
+        if message.pages is not None and tuple(
+            message.pages.shape
+        ) != self.engine.kv_pool.blocks_shape(len(expected)):
+            return f"chunk {manifest.chunk_index} pages have shape {tuple(message.pages.shape)}"
+        if manifest.checksum and self.verify_checksums:
+            pages = (
+                message.pages
+                if message.pages is not None
+                else self.engine.kv_pool.export_blocks(expected)
+            )
+            if pages_checksum(pages) != manifest.checksum:
+                return f"chunk {manifest.chunk_index} failed its checksum"
+        if manifest.last:
+            if res.next_block + len(expected) != len(res.block_table):
+                return "last chunk arrived before all reserved blocks were filled"
+            if manifest.num_tokens != len(res.prompt_token_ids):
+                return f"last chunk covers {manifest.num_tokens} tokens, prompt has {len(res.prompt_token_ids)}"
+        return None
+
+    def _commit(
+        self, res: _Reservation, manifest: ChunkManifest, header: dict[str, Any]
+    ) -> TransferEvent:
+        del self.reservations[res.request_id]
+        assert res.peer is not None
+        if header.get("finished"):
+            self.engine.block_manager.free(res.block_table)
+            self._ack(res, manifest.chunk_index)
+            return TransferEvent("finished_early", res.request_id, tuple(manifest.first_token_ids))
+        commit_request(
+            self.engine,
+            res.request_id,
+            res.prompt_token_ids,
+            list(manifest.first_token_ids),
+            res.params,
+            res.block_table,
+            num_hit_blocks=res.num_hit_blocks,
+            sampler_state=decode_state(manifest.sampler_state),
+        )
+        self._ack(res, manifest.chunk_index)
+        return TransferEvent("committed", res.request_id, tuple(manifest.first_token_ids))
+
+    def _expire(self) -> list[TransferEvent]:
+        now = self.clock()
+        expired = [r for r in self.reservations.values() if now > r.deadline]
+        events = []
+        for res in expired:
+            why = (
+                "lease expired before any page arrived"
+                if res.next_chunk == 0
+                else "transfer stalled"
+            )
+            events.append(self._fail(res, why))
+        return events
+
+    def _fail(self, res: _Reservation, error: str, *, notify: bool = True) -> TransferEvent:
+        logger.warning("KV transfer of %s failed: %s", res.request_id, error)
+        self.reservations.pop(res.request_id, None)
+        self.engine.block_manager.free(res.block_table)
+        if notify and res.peer is not None:
+            self._reply_error(res.peer, res.request_id, error)
+        return TransferEvent("failed", res.request_id, error=error)
+
+    def _ack(self, res: _Reservation, chunk_index: int) -> None:
+        assert res.peer is not None
+        self.transport.send(
+            res.peer, {"type": "ack", "request_id": res.request_id, "chunk_index": chunk_index}
+        )
+
+    def _reply_error(self, peer: str, request_id: str, error: str) -> None:
+        self.transport.send(peer, {"type": "error", "request_id": request_id, "error": error})

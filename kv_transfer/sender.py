@@ -1,0 +1,209 @@
+"""Prefill side of the KV transfer protocol (DESIGN §5): stream pages as prefill proceeds.
+
+`start` queues the prompt in the prefill engine. After every engine step the sender sends the
+blocks that became full since the last step as one chunk (so the first chunk leaves while the
+rest of the prompt is still being computed); when the first token is sampled, the last chunk
+carries the partial last block, the token and the sampler state. Every block stays pinned until
+the receiver acknowledges its chunk, so no page is reused while a transport may still read it.
+A cancel from the receiver, an error reply or a missing acknowledgement releases everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer.base import KVTransport, Message
+from tandem.kv_transfer.events import TransferEvent
+from tandem.kv_transfer.manifest import ChunkManifest, KVLayout, encode_state, pages_checksum
+from tandem.kv_transfer.receiver import ReservationGrant
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Outgoing:
+    request: Request
+    params: SamplingParams  # the request's own; the prefill engine runs it with max_tokens=1
+    grant: ReservationGrant
+    next_block: int
+    next_chunk: int = 0
+    unacked: dict[int, list[int]] = field(default_factory=dict)  # chunk index -> pinned blocks
+    last_sent: bool = False
+    finished: bool = False
+    cancelling: bool = False
+    deadline: float = math.inf
+
+
+class KVSender:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        transport: KVTransport,
+        *,
+        ack_timeout_s: float = 10.0,
+        checksums: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.ack_timeout_s = ack_timeout_s
+        self.checksums = checksums
+        self.clock = clock
+        self.layout = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
+        self.outgoing: dict[str, _Outgoing] = {}
+        self.num_chunks_sent = 0
+        transport.register_pool(engine.kv_pool)
+
+    def start(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        grant: ReservationGrant,
+    ) -> None:
+        """Queues the prompt for prefill; its pages go to the reservation `grant` describes."""
+        prefill_params = params.model_copy(update={"max_tokens": 1, "stop": None})
+        req = self.engine.add_request(
+            prompt_token_ids, prefill_params, request_id=request_id, keep_kv=True
+        )
+        expected = (
+            math.ceil(len(prompt_token_ids) / self.engine.config.block_size) - grant.num_hit_blocks
+        )
+        if len(grant.dst_block_ids) != expected:
+            self.engine.abort(request_id)
+            raise ValueError(
+                f"reservation has {len(grant.dst_block_ids)} blocks, prompt needs {expected}"
+            )
+        self.outgoing[request_id] = _Outgoing(req, params, grant, next_block=grant.num_hit_blocks)
+
+    def cancel(self, request_id: str) -> bool:
+        """Prefill-side cancel: stops prefill, tells the receiver, unpins once it acknowledges."""
+        out = self.outgoing.get(request_id)
+        if out is None or out.cancelling:
+            return False
+        out.cancelling = True
+        self.transport.cancel(request_id)
+        self.transport.send(out.grant.address, {"type": "cancel", "request_id": request_id})
+        out.deadline = self.clock() + self.ack_timeout_s
+        if not out.request.is_finished:
+            self.engine.abort(request_id)
+        return True
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[TransferEvent]:
+        """One engine step, then streams what it completed and handles replies."""
+        events: list[TransferEvent] = []
+        for result in self.engine.step():
+            out = self.outgoing.get(result.request_id)
+            if out is not None and result.finished:
+                out.finished = True
+                events.append(
+                    TransferEvent("first_token", result.request_id, tuple(result.new_token_ids))
+                )
+        for out in list(self.outgoing.values()):
+            if not out.cancelling and not out.last_sent:
+                self._stream(out)
+        events.extend(self.poll())
+        return events
+
+    def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
+        events = [e for m in self.transport.poll(timeout) if (e := self._handle(m)) is not None]
+        now = self.clock()
+        for out in list(self.outgoing.values()):
+            if now > out.deadline:
+                what = "cancel acknowledgement" if out.cancelling else "acknowledgement"
+                events.append(
+                    self._close(
+                        out, "failed", f"no {what} from the decode side in {self.ack_timeout_s}s"
+                    )
+                )
+        return events
+
+    def _stream(self, out: _Outgoing) -> None:
+        req, bs = out.request, self.engine.config.block_size
+        if out.finished:
+            end, last = math.ceil(req.num_prompt_tokens / bs), True
+        else:
+            end, last = req.num_computed_tokens // bs, False
+        if end <= out.next_block and not last:
+            return
+        blocks = req.block_table[out.next_block : end]
+        offset = out.next_block - out.grant.num_hit_blocks
+        dst = out.grant.dst_block_ids[offset : offset + len(blocks)]
+        self.engine.block_manager.pin(blocks)
+        manifest = ChunkManifest(
+            request_id=req.request_id,
+            layout=self.layout,
+            chunk_index=out.next_chunk,
+            last=last,
+            num_tokens=min(end * bs, req.num_prompt_tokens) if last else end * bs,
+            src_block_ids=blocks,
+            dst_block_ids=dst,
+            checksum=pages_checksum(self.engine.kv_pool.export_blocks(blocks))
+            if self.checksums and blocks
+            else None,
+            first_token_ids=req.output_token_ids if last else [],
+            sampler_state=encode_state(req.generator.get_state())
+            if last and req.generator
+            else None,
+        )
+        header: dict[str, Any] = {
+            "type": "pages",
+            "request_id": req.request_id,
+            "manifest": manifest.model_dump(mode="json"),
+        }
+        if last:
+            header["finished"] = req.finish_reason == "stop" or out.params.max_tokens <= 1
+        self.transport.send(out.grant.address, header, blocks)
+        out.unacked[out.next_chunk] = blocks
+        out.next_chunk += 1
+        out.next_block = end
+        out.last_sent = last
+        out.deadline = self.clock() + self.ack_timeout_s
+        self.num_chunks_sent += 1
+
+    def _handle(self, message: Message) -> TransferEvent | None:
+        header = message.header
+        out = self.outgoing.get(str(header.get("request_id", "")))
+        if out is None:
+            return None
+        kind = header.get("type")
+        if kind == "ack" and not out.cancelling:
+            pinned = out.unacked.pop(int(header.get("chunk_index", -1)), None)
+            if pinned is not None:
+                self.engine.block_manager.unpin(pinned)
+            out.deadline = self.clock() + self.ack_timeout_s if out.unacked else math.inf
+            if out.last_sent and not out.unacked:
+                return self._close(out, "sent")
+            return None
+        if kind == "cancelled":
+            return self._close(out, "cancelled", "cancelled by prefill")
+        if kind == "cancel":
+            self.transport.cancel(out.request.request_id)
+            self.transport.send(
+                message.peer, {"type": "cancelled", "request_id": out.request.request_id}
+            )
+            return self._close(out, "cancelled", str(header.get("reason", "cancelled by decode")))
+        if kind in ("error", "transport_error"):
+            return self._close(out, "failed", str(header.get("error", "transfer error")))
+        return None
+
+    def _close(self, out: _Outgoing, kind: str, error: str | None = None) -> TransferEvent:
+        """Unpins everything in flight and gives the request's blocks back to the engine."""
+        rid = out.request.request_id
+        del self.outgoing[rid]
+        for blocks in out.unacked.values():
+            self.engine.block_manager.unpin(blocks)
+        if rid in self.engine.requests:
+            self.engine.abort(rid)
+        if error:
+            logger.info("KV transfer of %s ended (%s): %s", rid, kind, error)
+        return TransferEvent(kind, rid, error=error)  # type: ignore[arg-type]
