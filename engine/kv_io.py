@@ -103,7 +103,9 @@ def commit_request(
     output_text = None
     if stream_text or params.stop:
         output_text = OutputText(IncrementalDetokenizer(engine.tokenizer, prompt_token_ids))
-    req = Request(request_id, prompt_token_ids, params, engine.eos_token_ids, output_text=output_text)
+    req = Request(
+        request_id, prompt_token_ids, params, engine.eos_token_ids, output_text=output_text
+    )
     req.token_ids.extend(output_token_ids)
     if output_text is not None:
         for token in output_token_ids:

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import InvalidRequestError
-from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.llm_engine import KVPoolFactory, LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
@@ -35,6 +35,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        kv_pool_factory: KVPoolFactory | None = None,
         **kwargs: Any,
     ) -> None:
         config = EngineConfig(
@@ -48,7 +49,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             **kwargs,
         )
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, kv_pool_factory=kv_pool_factory)
 
     @property
     def tokenizer(self) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -34,12 +34,17 @@ from tandem.kernels.kv_cache import KVCachePool
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+KVPoolFactory = Callable[[int, int, int, int, int, torch.dtype], KVCachePool]
 
 
 class LLMEngine:
     """Owns model, KV pool, block manager and scheduler; `step()` runs one batch."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, *, kv_pool_factory: KVPoolFactory | None = None
+    ) -> None:
+        """`kv_pool_factory(num_blocks, num_layers, block_size, kv_heads, head_dim, dtype)` lets
+        a KV transport place the pool in memory it can share (e.g. a shared-memory region)."""
         self.config = config
         model_dir = Path(config.model)
         self.spec: ModelSpec = load_model_spec(model_dir)
@@ -49,13 +54,13 @@ class LLMEngine:
         load_weights(self.model, model_dir, config.torch_dtype)
         self.model.eval()
         num_blocks, self.max_model_len = self._size_kv_pool()
-        self.kv_pool = KVCachePool(
+        self.kv_pool = (kv_pool_factory or KVCachePool)(
             num_blocks,
             self.spec.num_layers,
             config.block_size,
             self.spec.num_kv_heads,
             self.spec.head_dim,
-            dtype=config.torch_dtype,
+            config.torch_dtype,
         )
         self.namespace = build_namespace(
             self.spec,
