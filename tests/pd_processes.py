@@ -1,0 +1,192 @@
+"""A prefill process and a decode process joined by a real KV transport (for two-process tests).
+
+Each process runs its engine and its half of the protocol in a loop and talks to the test over a
+multiprocessing pipe: the test plays the router (reserve on decode, start on prefill).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+TOKEN = "two-process-token"
+
+
+def _setup(
+    model: str, transport_name: str, options: dict[str, Any], **llm_kwargs: Any
+) -> tuple[Any, Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from tandem import LLM
+    from tandem.kv_transfer.registry import create_transport
+
+    transport = create_transport(transport_name, TOKEN, **options)
+    factory = getattr(transport, "allocate_pool", None)
+    engine = LLM(model=model, num_kv_blocks=256, kv_pool_factory=factory, **llm_kwargs).engine
+    return engine, transport
+
+
+def decode_main(conn: Connection, model: str, transport_name: str, options: dict[str, Any]) -> None:
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.kv_transfer.receiver import KVReceiver
+
+    engine, transport = _setup(model, transport_name, options)
+    receiver = KVReceiver(engine, transport, lease_s=10, stall_timeout_s=3)
+    conn.send(("ready", transport.address))
+    tokens: dict[str, list[int]] = {}
+    try:
+        while True:
+            if conn.poll():
+                cmd, *args = conn.recv()
+                if cmd == "stop":
+                    break
+                if cmd == "reserve":
+                    rid, prompt, params = args
+                    conn.send(
+                        ("grant", receiver.reserve(rid, prompt, SamplingParams(**params))._asdict())
+                    )
+                if cmd == "check":
+                    tables = [r.block_table for r in engine.requests.values() if r.block_table]
+                    engine.block_manager.check_integrity(tables + receiver.block_tables())
+                    conn.send(
+                        (
+                            "checked",
+                            engine.block_manager.num_free_blocks,
+                            engine.block_manager.num_blocks,
+                        )
+                    )
+            for event in receiver.poll(timeout=0.002):
+                conn.send(("event", event._asdict()))
+            if engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    if out.finished:
+                        conn.send(("done", out.request_id, tokens.pop(out.request_id)))
+    finally:
+        transport.close()
+
+
+def prefill_main(
+    conn: Connection, model: str, transport_name: str, options: dict[str, Any], chunk_blocks: int
+) -> None:
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.kv_transfer.receiver import ReservationGrant
+    from tandem.kv_transfer.sender import KVSender
+
+    engine, transport = _setup(
+        model, transport_name, options, max_num_batched_tokens=16 * chunk_blocks
+    )
+    sender = KVSender(engine, transport, checksums=True, ack_timeout_s=10)
+    conn.send(("ready", transport.address))
+    try:
+        while True:
+            if conn.poll():
+                cmd, *args = conn.recv()
+                if cmd == "stop":
+                    break
+                if cmd == "start":
+                    rid, prompt, params, grant = args
+                    sender.start(rid, prompt, SamplingParams(**params), ReservationGrant(**grant))
+            busy = engine.has_unfinished_requests()
+            events = sender.step() if busy else sender.poll(timeout=0.002)
+            for event in events:
+                conn.send(("event", event._asdict()))
+    finally:
+        transport.close()
+
+
+class PDProcesses:
+    """Starts both processes; `run(rid, prompt, params)` returns first token + decoded tokens."""
+
+    def __init__(
+        self,
+        model: str,
+        transport: str,
+        options: dict[str, Any] | None = None,
+        chunk_blocks: int = 8,
+    ):
+        ctx = mp.get_context("spawn")
+        self.decode_conn, d_child = ctx.Pipe()
+        self.prefill_conn, p_child = ctx.Pipe()
+        opts = options or {}
+        self.decode = ctx.Process(
+            target=decode_main, args=(d_child, model, transport, opts), daemon=True
+        )
+        self.prefill = ctx.Process(
+            target=prefill_main, args=(p_child, model, transport, opts, chunk_blocks), daemon=True
+        )
+        self.decode.start()
+        self.prefill.start()
+        self.decode_address = self._expect(self.decode_conn, "ready")[1]
+        self.prefill_address = self._expect(self.prefill_conn, "ready")[1]
+        self.events: list[dict[str, Any]] = []
+
+    @staticmethod
+    def _expect(conn: Connection, kind: str, timeout: float = 60.0) -> tuple[Any, ...]:
+        if not conn.poll(timeout):
+            raise TimeoutError(f"no {kind!r} from the worker process in {timeout}s")
+        msg = conn.recv()
+        if msg[0] != kind:
+            raise AssertionError(f"expected {kind!r}, got {msg!r}")
+        return tuple(msg)
+
+    def start(self, rid: str, prompt: list[int], params: dict[str, Any]) -> None:
+        self.decode_conn.send(("reserve", rid, prompt, params))
+        grant = self._expect(self.decode_conn, "grant")[1]
+        self.prefill_conn.send(("start", rid, prompt, params, grant))
+
+    def run(
+        self, rid: str, prompt: list[int], params: dict[str, Any], timeout: float = 60.0
+    ) -> list[int]:
+        self.start(rid, prompt, params)
+        first: list[int] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for conn in (self.prefill_conn, self.decode_conn):
+                while conn.poll():
+                    msg = conn.recv()
+                    if msg[0] == "event":
+                        self.events.append(msg[1])
+                        if msg[1]["kind"] == "first_token" and msg[1]["request_id"] == rid:
+                            first = list(msg[1]["token_ids"])
+                        if msg[1]["kind"] == "failed" and msg[1]["request_id"] == rid:
+                            raise AssertionError(f"transfer failed: {msg[1]['error']}")
+                    elif msg[0] == "done" and msg[1] == rid:
+                        return first + list(msg[2])
+            time.sleep(0.002)
+        raise TimeoutError(f"request {rid} did not finish in {timeout}s")
+
+    def wait_event(
+        self, conn: Connection, kind: str, rid: str, timeout: float = 30.0
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if conn.poll(0.05):
+                msg = conn.recv()
+                if msg[0] == "event":
+                    self.events.append(msg[1])
+                    if msg[1]["kind"] == kind and msg[1]["request_id"] == rid:
+                        return dict(msg[1])
+        raise TimeoutError(f"no {kind} event for {rid} in {timeout}s")
+
+    def check_decode(self) -> tuple[int, int]:
+        self.decode_conn.send(("check",))
+        while True:
+            msg = self.decode_conn.recv()
+            if msg[0] == "checked":
+                return int(msg[1]), int(msg[2])
+
+    def close(self) -> None:
+        for conn, proc in ((self.prefill_conn, self.prefill), (self.decode_conn, self.decode)):
+            if proc.is_alive():
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    conn.send(("stop",))
+                proc.join(10)
+            if proc.is_alive():
+                proc.kill()
