@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tandem import LLM, SamplingParams
-from tests.pd_processes import PDProcesses
+from tandem.kv_transfer.process_pair import PDProcesses
 
 TRANSPORTS = ["shm", "torch", "ucx"]
 

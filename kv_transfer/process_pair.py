@@ -1,7 +1,8 @@
-"""A prefill process and a decode process joined by a real KV transport (for two-process tests).
+"""A prefill process and a decode process joined by a real KV transport (tests, benchmarks).
 
-Each process runs its engine and its half of the protocol in a loop and talks to the test over a
-multiprocessing pipe: the test plays the router (reserve on decode, start on prefill).
+Each process runs its engine and its half of the protocol in a loop and talks to its owner over a
+multiprocessing pipe; the owner plays the router (reserve on decode, start on prefill). The pipe
+is local IPC between processes this module starts, never a network connection.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ TOKEN = "two-process-token"
 
 
 def _setup(
-    model: str, transport_name: str, options: dict[str, Any], **llm_kwargs: Any
+    model: str, transport_name: str, options: dict[str, Any], threads: int, **llm_kwargs: Any
 ) -> tuple[Any, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     from tandem import LLM
     from tandem.kv_transfer.registry import create_transport
 
@@ -32,11 +33,13 @@ def _setup(
     return engine, transport
 
 
-def decode_main(conn: Connection, model: str, transport_name: str, options: dict[str, Any]) -> None:
+def decode_main(
+    conn: Connection, model: str, transport_name: str, options: dict[str, Any], threads: int
+) -> None:
     from tandem.engine.sampling_params import SamplingParams
     from tandem.kv_transfer.receiver import KVReceiver
 
-    engine, transport = _setup(model, transport_name, options)
+    engine, transport = _setup(model, transport_name, options, threads)
     receiver = KVReceiver(engine, transport, lease_s=10, stall_timeout_s=3)
     conn.send(("ready", transport.address))
     tokens: dict[str, list[int]] = {}
@@ -73,14 +76,19 @@ def decode_main(conn: Connection, model: str, transport_name: str, options: dict
 
 
 def prefill_main(
-    conn: Connection, model: str, transport_name: str, options: dict[str, Any], chunk_blocks: int
+    conn: Connection,
+    model: str,
+    transport_name: str,
+    options: dict[str, Any],
+    threads: int,
+    chunk_blocks: int,
 ) -> None:
     from tandem.engine.sampling_params import SamplingParams
     from tandem.kv_transfer.receiver import ReservationGrant
     from tandem.kv_transfer.sender import KVSender
 
     engine, transport = _setup(
-        model, transport_name, options, max_num_batched_tokens=16 * chunk_blocks
+        model, transport_name, options, threads, max_num_batched_tokens=16 * chunk_blocks
     )
     sender = KVSender(engine, transport, checksums=True, ack_timeout_s=10)
     conn.send(("ready", transport.address))
@@ -110,16 +118,19 @@ class PDProcesses:
         transport: str,
         options: dict[str, Any] | None = None,
         chunk_blocks: int = 8,
-    ):
+        threads: int = 1,
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.decode_conn, d_child = ctx.Pipe()
         self.prefill_conn, p_child = ctx.Pipe()
         opts = options or {}
         self.decode = ctx.Process(
-            target=decode_main, args=(d_child, model, transport, opts), daemon=True
+            target=decode_main, args=(d_child, model, transport, opts, threads), daemon=True
         )
         self.prefill = ctx.Process(
-            target=prefill_main, args=(p_child, model, transport, opts, chunk_blocks), daemon=True
+            target=prefill_main,
+            args=(p_child, model, transport, opts, threads, chunk_blocks),
+            daemon=True,
         )
         self.decode.start()
         self.prefill.start()
