@@ -82,6 +82,7 @@ def prefill_main(
     options: dict[str, Any],
     threads: int,
     chunk_blocks: int,
+    checksums: bool,
 ) -> None:
     from tandem.engine.sampling_params import SamplingParams
     from tandem.kv_transfer.receiver import ReservationGrant
@@ -90,7 +91,7 @@ def prefill_main(
     engine, transport = _setup(
         model, transport_name, options, threads, max_num_batched_tokens=16 * chunk_blocks
     )
-    sender = KVSender(engine, transport, checksums=True, ack_timeout_s=10)
+    sender = KVSender(engine, transport, checksums=checksums, ack_timeout_s=10)
     conn.send(("ready", transport.address))
     try:
         while True:
@@ -119,6 +120,7 @@ class PDProcesses:
         options: dict[str, Any] | None = None,
         chunk_blocks: int = 8,
         threads: int = 1,
+        checksums: bool = True,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.decode_conn, d_child = ctx.Pipe()
@@ -129,7 +131,7 @@ class PDProcesses:
         )
         self.prefill = ctx.Process(
             target=prefill_main,
-            args=(p_child, model, transport, opts, threads, chunk_blocks),
+            args=(p_child, model, transport, opts, threads, chunk_blocks, checksums),
             daemon=True,
         )
         self.decode.start()
