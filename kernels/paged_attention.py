@@ -273,8 +273,8 @@ def paged_attention(
 
     Decode sequences (``q_len == 1``) are batched: sorted by context length and split in
     chunks of about ``DECODE_CHUNK_BYTES`` of K+V; per chunk one ``index_select`` gather
-    of the blocks per cache, a padding/window mask, one SDPA call with ``enable_gqa`` (no
-    K/V head repeat). Other sequences (prefill chunks) go one by one through SDPA with an
+    of the blocks per cache, a padding/window mask, one SDPA call in which the query heads
+    that share a KV head are packed as rows of that head (no K/V head repeat). Other sequences (prefill chunks) go one by one through SDPA with an
     offset causal mask, or ``is_causal`` when there is no cached prefix and no active
     window. Python work is per prefill sequence only; values are not validated (use
     ``paged_attention_reference`` to debug bad metadata).
