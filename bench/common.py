@@ -134,24 +134,28 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 # ---- a shared 2-core machine -------------------------------------------------------------------
-def system_busy(interval: float = 0.5) -> float | None:
-    """Fraction of all CPUs busy over `interval` seconds (Linux /proc/stat), None elsewhere."""
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(total, idle + iowait) jiffies over all CPUs since boot, from /proc/stat; None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)
 
-    def read() -> tuple[int, int] | None:
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(x) for x in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        return sum(fields), idle
 
-    a = read()
-    time.sleep(interval)
-    b = read()
+def _busy_between(a: tuple[int, int] | None, b: tuple[int, int] | None) -> float | None:
+    """Fraction of all CPUs busy between two `_cpu_jiffies` readings."""
     if a is None or b is None or b[0] == a[0]:
         return None
     return 1.0 - (b[1] - a[1]) / (b[0] - a[0])
+
+
+def system_busy(interval: float = 0.5) -> float | None:
+    """Fraction of all CPUs busy over `interval` seconds (all processes), None off Linux."""
+    a = _cpu_jiffies()
+    time.sleep(interval)
+    return _busy_between(a, _cpu_jiffies())
 
 
 def wait_for_quiet(max_wait_s: float, threshold: float = 0.15) -> None:
@@ -175,20 +179,28 @@ def wait_for_quiet(max_wait_s: float, threshold: float = 0.15) -> None:
 @dataclass
 class Timing:
     wall_s: float = 0.0
-    cpu_share: float = 0.0  # process CPU time / (wall * threads); well below 1: CPU contention
+    # Process CPU time / (wall * threads). Close to 1 is necessary, not sufficient, for a clean
+    # run: OpenMP threads that spin while waiting for a descheduled peer still burn CPU time.
+    cpu_share: float = 0.0
+    # CPU time of all other processes / (wall * CPUs), from /proc/stat: the direct measure of
+    # contention. None off Linux.
+    others_cpu: float | None = None
 
 
 @contextmanager
 def timed() -> Iterator[Timing]:
-    """Measures the wall time and the CPU share of the block (filled in when it exits)."""
+    """Measures the wall time and the CPU accounting of the block (filled in when it exits)."""
     timing = Timing()
-    t = os.times()
+    t, j0 = os.times(), _cpu_jiffies()
     c0, t0 = t.user + t.system, time.perf_counter()
     yield timing
-    timing.wall_s = time.perf_counter() - t0
-    t = os.times()
+    wall = timing.wall_s = time.perf_counter() - t0
+    t, busy = os.times(), _busy_between(j0, _cpu_jiffies())
     cpu = t.user + t.system - c0
-    timing.cpu_share = cpu / (timing.wall_s * torch.get_num_threads()) if timing.wall_s else 0.0
+    timing.cpu_share = cpu / (wall * torch.get_num_threads()) if wall else 0.0
+    ncpu = os.cpu_count() or 1
+    if busy is not None and wall:
+        timing.others_cpu = max(0.0, busy - cpu / (wall * ncpu))
 
 
 # ---- command line and summary ------------------------------------------------------------------

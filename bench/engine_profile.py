@@ -175,10 +175,10 @@ def profile_decode_steps(
     warm_steps: int = 60,
     steps: int = 20,
     top: int = 16,
-) -> list[dict[str, Any]]:
+) -> dict[str, Any]:
     """Part 4: torch.profiler over `steps` steady decode steps with every prompt in the batch
-    (after `warm_steps` steps: the prefill plus some decode), grouped by op and input shape.
-    Returns the step wall time under the profiler, then the top entries in ms per step."""
+    (after `warm_steps` steps: the prefill plus some decode). Returns the step wall time under
+    the profiler and the top ops, in ms per step, by op and by op and input shape."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
@@ -199,37 +199,39 @@ def profile_decode_steps(
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     for r in reqs:
         engine.abort(r.request_id)
-    by_shape = sorted(
-        tp.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total
-    )
-    total = sum(e.self_cpu_time_total for e in by_shape) or 1.0
-    rows: list[dict[str, Any]] = [
-        {
+    total = sum(e.self_cpu_time_total for e in tp.key_averages()) or 1.0
+
+    def row(e: Any, with_shapes: bool) -> dict[str, Any]:
+        r = {
             "op": e.key,
-            "shapes": str(e.input_shapes)[:100],
             "ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 2),
             "pct": round(100 * e.self_cpu_time_total / total, 1),
             "calls_per_step": round(e.count / steps, 1),
         }
-        for e in by_shape[:top]
-    ]
-    by_op = sorted(tp.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
-    lines = [
-        f"    {r['op']:50s} {r['ms_per_step']:7.2f} ms/step {r['pct']:5.1f}%  "
-        f"x{r['calls_per_step']:<5} {r['shapes']}"
-        for r in rows
-    ]
-    op_lines = [
-        f"    {e.key:50s} {e.self_cpu_time_total / 1e3 / steps:7.2f} ms/step "
-        f"{100 * e.self_cpu_time_total / total:5.1f}%"
-        for e in by_op
-    ]
+        return {**r, "shapes": str(e.input_shapes)[:100]} if with_shapes else r
+
+    def top_of(events: Any, n: int, with_shapes: bool) -> list[dict[str, Any]]:
+        return [
+            row(e, with_shapes) for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:n]
+        ]
+
+    by_shape = top_of(tp.key_averages(group_by_input_shape=True), top, True)
+    by_op = top_of(tp.key_averages(), 10, False)
+    fmt = "    {op:50s} {ms_per_step:7.2f} ms/step {pct:5.1f}%  x{calls_per_step:<5} {shapes}"
     log(
         f"decode step (batch {n}, context ~{ctx:.0f}): {wall_ms:.1f} ms/step under the profiler; "
-        f"by op and shape:\n" + "\n".join(lines) + "\n  by op:\n" + "\n".join(op_lines)
+        "by op and shape:\n"
+        + "\n".join(fmt.format(**r) for r in by_shape)
+        + "\n  by op:\n"
+        + "\n".join(fmt.format(**r, shapes="") for r in by_op)
     )
-    rows.insert(0, {"op": "(step wall under profiler)", "ms_per_step": round(wall_ms, 2)})
-    return rows
+    return {
+        "batch": n,
+        "mean_context": round(ctx, 1),
+        "wall_ms_per_step": round(wall_ms, 2),
+        "by_op": by_op,
+        "by_op_and_shape": by_shape,
+    }
 
 
 def profile_tandem(
@@ -242,7 +244,7 @@ def profile_tandem(
         **profile_phases(llm, prompts, lengths, wait_quiet_s),
         "cprofile_top": profile_cprofile(llm, prompts, capped, wait_quiet_s),
         "torch_ops_top": profile_torch_ops(llm, prompts, capped, wait_quiet_s),
-        "decode_step_ops": profile_decode_steps(llm, prompts, wait_quiet_s),
+        "decode_step": profile_decode_steps(llm, prompts, wait_quiet_s),
     }
 
 

@@ -49,6 +49,7 @@ from bench.throughput import (  # noqa: E402
     best_of,
     load_hf,
     load_tandem,
+    match_fraction,
     run_hf,
     run_tandem,
     spot_check,
@@ -74,7 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--repeats",
         type=int,
         default=1,
-        help="timed runs of tandem and of HF each, per dtype; the best (highest tok/s) counts",
+        help="timed runs of tandem and of HF each, per dtype; the best (highest tok/s) counts. "
+        "With --wait-quiet on, runs that other processes slowed are redone (at most N more)",
     )
     parser.add_argument(
         "--profile", action="store_true", help="also profile tandem (phases, cProfile, torch)"
@@ -99,9 +101,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run_dtype(
     s: Setup, args: argparse.Namespace, dtype: str, prompts: list[list[int]], lengths: list[int]
-) -> dict[str, Any]:
-    """Throughput of tandem and HF in `dtype` (and the profile): the summary entry."""
+) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
+    """Throughput of tandem and HF in `dtype` (and the profile). Returns the summary entry and
+    the greedy tokens of the first HF batch, by engine ("tandem", "hf"), for what ran."""
     entry: dict[str, Any] = {}
+    firsts: dict[str, list[list[int]]] = {}
     batch = s.work.hf_batch
     tandem_best: GenRun | None = None
     if not args.skip_tandem or args.profile:
@@ -114,6 +118,7 @@ def run_dtype(
                 args.wait_quiet,
                 lambda: run_tandem(llm, prompts, lengths, batch),
             )
+            firsts["tandem"] = tandem_best.first_batch
             if tandem_best.tokens != sum(lengths):
                 log(f"WARNING: tandem generated {tandem_best.tokens} tokens, not {sum(lengths)}")
         if args.profile:
@@ -132,18 +137,36 @@ def run_dtype(
             args.wait_quiet,
             lambda: run_hf(model, prompts, lengths, batch),
         )
-        del model
-        gc.collect()
+        firsts["hf"] = hf_best.first_batch
         if tandem_best is not None:
             ratio = tandem_best.tok_s / hf_best.tok_s
             entry["ratio"] = round(ratio, 2)
             entry["ratio_met"] = ratio >= RATIO_TARGET
-            entry["spot_check"] = spot_check(dtype, tandem_best.first_batch, hf_best.first_batch)
+            entry["spot_check"] = spot_check(
+                dtype, tandem_best.first_batch, hf_best.first_batch, model, prompts[:batch]
+            )
             log(
                 f"{dtype}: ratio tandem/hf = {ratio:.2f} (target >= {RATIO_TARGET}); "
                 f"spot check {entry['spot_check']}"
             )
-    return entry
+        del model
+        gc.collect()
+    return entry, firsts
+
+
+def add_vs_float32(
+    entries: dict[str, dict[str, Any]], firsts: dict[str, dict[str, list[list[int]]]]
+) -> None:
+    """When both dtypes ran: how many of each engine's bfloat16 tokens (first HF batch) equal
+    its own float32 tokens. It shows how much greedy decoding of this random-weight model moves
+    with bf16 rounding alone, whatever the engine."""
+    if "float32" not in firsts or "bfloat16" not in firsts:
+        return
+    entries["bfloat16"]["token_match_vs_float32"] = {
+        engine: round(match_fraction(firsts["bfloat16"][engine], firsts["float32"][engine]), 4)
+        for engine in ("tandem", "hf")
+        if engine in firsts["bfloat16"] and engine in firsts["float32"]
+    }
 
 
 def report(summary: dict[str, Any]) -> None:
@@ -154,7 +177,9 @@ def report(summary: dict[str, Any]) -> None:
         check = e.get("spot_check")
         check_s = (
             f"{check['mismatched_requests']} mismatched requests, "
-            f"{check['token_match_fraction']:.1%} tokens equal, passed={check['passed']}"
+            f"{check['token_match_fraction']:.1%} tokens equal, "
+            f"max gap at divergence {check['max_divergence_gap_ulps']} ulp, "
+            f"passed={check['passed']}"
             if check
             else "-"
         )
@@ -162,6 +187,8 @@ def report(summary: dict[str, Any]) -> None:
             f"  {dtype:9s} tandem {t} tok/s | hf {h} tok/s | ratio {e.get('ratio', '-')} | "
             f"spot check: {check_s}"
         )
+        if "token_match_vs_float32" in e:
+            lines.append(f"  {dtype:9s} tokens equal to float32: {e['token_match_vs_float32']}")
     overhead = summary.get("host_overhead", {})
     for key in ("vocab", "narrow"):
         for r in overhead.get(key, []):
@@ -186,8 +213,10 @@ def main(argv: list[str] | None = None) -> None:
         "ratio_target": RATIO_TARGET,
     }
     s.summary["dtypes"] = {}
+    firsts: dict[str, dict[str, list[list[int]]]] = {}
     for dtype in dtype_list(args.dtype):
-        s.summary["dtypes"][dtype] = run_dtype(s, args, dtype, prompts, lengths)
+        s.summary["dtypes"][dtype], firsts[dtype] = run_dtype(s, args, dtype, prompts, lengths)
+    add_vs_float32(s.summary["dtypes"], firsts)
 
     if not args.skip_overhead:
         torch.set_num_threads(args.overhead_threads or args.threads)

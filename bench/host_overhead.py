@@ -38,6 +38,7 @@ from bench.common import (  # noqa: E402
     log,
     print_summary,
     setup,
+    timed,
     wait_for_quiet,
 )
 from bench.engine_hooks import is_steady, phase_timer  # noqa: E402
@@ -132,7 +133,8 @@ def host_overhead(
         _reach_steady(engine, n)
         wait_for_quiet(wait_quiet_s)
         gc.collect()
-        times = _timed_steps(engine, n, w.overhead_steps)
+        with timed() as t:
+            times = _timed_steps(engine, n, w.overhead_steps)
         with phase_timer(engine) as timer:
             _timed_steps(engine, n, w.overhead_steps)
         for r in reqs:
@@ -148,11 +150,12 @@ def host_overhead(
             "met": median_us <= target,
             "us_per_request": round(median_us / n, 2),
             "phase_median_us": timer.medians_us(),
+            "others_cpu": None if t.others_cpu is None else round(t.others_cpu, 3),
         }
         log(
             f"  N={n:4d}: median {median_us:8.1f} us/step (min {row['us_per_step_min']}), "
             f"target {target} us -> {'MET' if row['met'] else 'missed'}; "
-            f"phase medians {row['phase_median_us']}"
+            f"phase medians {row['phase_median_us']}; other processes {row['others_cpu']}"
         )
         results.append(row)
     del llm, engine

@@ -55,6 +55,9 @@ class KVCachePool:
 
     The tensor is allocated (and zero-filled, so its pages are touched) once in the
     constructor and never reallocated; every accessor returns a view of it or a copy.
+    ``tensor`` instead wraps an existing C-contiguous tensor of shape
+    ``blocks_shape(num_blocks)`` and ``dtype`` on ``device`` (e.g. one backed by shared memory),
+    used as is: not copied and not zeroed.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class KVCachePool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        tensor: torch.Tensor | None = None,
     ) -> None:
         _check_positive(
             num_blocks=num_blocks,
@@ -81,7 +85,12 @@ class KVCachePool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.tensor = torch.zeros(self.blocks_shape(num_blocks), dtype=dtype, device=device)
+        if tensor is None:
+            self.tensor = torch.zeros(self.blocks_shape(num_blocks), dtype=dtype, device=device)
+        else:
+            self._check_wrapped(tensor)
+            self.device = tensor.device
+            self.tensor = tensor
         self.bytes_per_block: int = self.bytes_for(
             1, num_layers, block_size, num_kv_heads, head_dim, dtype
         )
@@ -168,6 +177,19 @@ class KVCachePool:
         self.tensor.index_copy_(0, index, data.to(self.device))
 
     # -------------------------------------------------------------- helpers
+    def _check_wrapped(self, tensor: torch.Tensor) -> None:
+        expected = self.blocks_shape(self.num_blocks)
+        if tuple(tensor.shape) != expected or tensor.dtype != self.dtype:
+            raise ValueError(
+                f"tensor {tuple(tensor.shape)} {tensor.dtype} is not a pool of {expected} {self.dtype}"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError("a pool tensor must be C-contiguous")
+        if tensor.device.type != self.device.type or (
+            self.device.index is not None and tensor.device != self.device
+        ):
+            raise ValueError(f"tensor is on {tensor.device}, the pool on {self.device}")
+
     def _check_block_id(self, block_id: int) -> None:
         if not 0 <= int(block_id) < self.num_blocks:
             raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")

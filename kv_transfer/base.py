@@ -13,6 +13,12 @@ Semantics every implementation keeps:
   `header["manifest"]["dst_block_ids"]`.
 - Every connection starts with the cluster token; a peer that does not present it is refused
   and can neither write pages nor send headers. Headers are JSON: nothing received is unpickled.
+- Send failures come back through the *sender's own* `poll()`, since `send` does not wait: a
+  `Message(peer, {"type": "transport_error", "peer": peer, "request_id": id or None, "error":
+  text}, None)` per request whose queued messages were lost (wrong token, connection refused,
+  peer died or closed, timeout); the peer's other queued messages are dropped with them.
+  `request_id` is None when the link to `peer` broke with nothing queued (messages already
+  handed over may or may not have arrived: the protocol's acks and leases decide).
 """
 
 from __future__ import annotations

@@ -74,7 +74,9 @@ class LocalTransport(KVTransport):
     def poll(self, timeout: float = 0.0) -> list[Message]:
         out: list[Message] = []
         try:
-            out.append(self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait())
+            out.append(
+                self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+            )
         except queue.Empty:
             return out
         while True:

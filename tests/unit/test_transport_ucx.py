@@ -1,0 +1,154 @@
+"""The UCX transport between two processes (see tests/transport_harness.py).
+
+Skipped where `ucxx` (the optional `ucx` extra, `ucxx-cu12`) is not installed. UCX needs no GPU:
+on a CPU-only machine it moves data over shared memory and CMA.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ucxx", reason="ucxx is not installed (pip install 'tandem-serve[ucx]')")
+
+from tandem.kernels.kv_cache import KVCachePool  # noqa: E402
+from tandem.kv_transfer.ucx import UcxTransport  # noqa: E402
+from tests import transport_harness as h  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[h.PeerProcess]:
+    process = h.PeerProcess()
+    yield process
+    process.stop()
+
+
+def test_pages_land_byte_exact_staged(peer: h.PeerProcess) -> None:
+    got = h.check_pages_land("ucx", peer)
+    assert all(r.header["direct"] is False and r.staged_blocks > 0 for r in got)
+
+
+def test_pages_land_in_the_pool_when_asked_and_possible(peer: h.PeerProcess) -> None:
+    """`direct` headers with one run of dst ids are written into the pool; others are staged."""
+    address, _ = peer.create("ucx", seed=1)
+    before = peer.digests()
+    sender, pool = h.make_endpoint("ucx", seed=9)
+    try:
+        src_digests = h.block_digests(pool)
+        chunks = [
+            ([7], [0], True),
+            (list(range(8, 16)), list(range(1, 9)), True),  # consecutive src: pool slice sent
+            ([40, 2, 33, 17], [10, 11, 12, 13], True),  # gathered src, direct dst
+            ([3, 4], [30, 20], True),  # dst not one run: staged
+            (list(range(16, 40)), list(range(24, 48)), False),  # not asked: staged
+        ]
+        for i, (src, dst, direct) in enumerate(chunks):
+            sender.send(address, h.manifest_header(f"d{i}", dst, direct=direct), src)
+        got = peer.receive(len(chunks))
+        assert [r.header["request_id"] for r in got] == [f"d{i}" for i in range(len(chunks))]
+        assert [r.header["direct"] for r in got] == [True, True, True, False, False]
+        assert [r.staged_blocks for r in got] == [0, 0, 0, 2, 24]
+        expected = list(before)
+        for src, dst, _ in chunks:
+            for s, d in zip(src, dst, strict=True):
+                expected[d] = src_digests[s]
+        assert peer.digests() == expected
+    finally:
+        sender.close()
+
+
+def test_fifo(peer: h.PeerProcess) -> None:
+    h.check_fifo("ucx", peer)
+
+
+def test_wrong_token_is_refused(peer: h.PeerProcess) -> None:
+    h.check_wrong_token("ucx", peer)
+
+
+def test_frames_of_an_unauthenticated_peer_are_dropped() -> None:
+    """A sender that skips waiting for the welcome still cannot deliver headers or write pages."""
+    receiver, pool = h.make_endpoint("ucx", seed=1)
+    intruder, _ = h.make_endpoint("ucx", "not-the-token", seed=2)
+    assert isinstance(intruder, UcxTransport)
+    connect = intruder._connect
+
+    def eager_connect(peer: str) -> Any:
+        link = connect(peer)
+        if link is not None:
+            link.welcomed = True  # pretend the hello was accepted
+        return link
+
+    intruder._connect = eager_connect  # type: ignore[method-assign]
+    try:
+        before = h.block_digests(pool)
+        for i in range(3):
+            header = h.manifest_header(f"x{i}", [0, 1, 2, 3], direct=True)
+            intruder.send(receiver.address, header, [4, 5, 6, 7])
+        intruder.send(receiver.address, {"request_id": "x3"})
+        assert h.collect(receiver, 1, 1.5) == []
+        assert h.block_digests(pool) == before
+    finally:
+        intruder.close()
+        receiver.close()
+
+
+def test_cancel_drops_queued_sends(peer: h.PeerProcess) -> None:
+    h.check_cancel("ucx", peer)
+
+
+def test_sender_sees_peer_death() -> None:
+    started = time.monotonic()
+    h.check_peer_death("ucx")
+    assert time.monotonic() - started < 15  # found by the watch endpoint, not a timeout
+
+
+def test_timeouts_report_the_request() -> None:
+    """A peer that never welcomes us, and one that stops taking pages, both come back as
+    transport_error messages naming the request."""
+    import ucxx._lib.libucxx as ucx_api
+
+    silent = ucx_api.UCXWorker(ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,)))
+    sender, _ = h.make_endpoint("ucx", options={"send_timeout_s": 0.5, "hello_timeout_s": 0.5})
+    receiver, _ = h.make_endpoint("ucx")
+    assert isinstance(receiver, UcxTransport)
+    try:
+        sender.send("ucx:" + silent.address.tobytes().hex(), {"request_id": "t1"})
+        (error,) = [m.header for m in h.collect(sender, 1, 5.0)]
+        assert error["type"] == "transport_error" and error["request_id"] == "t1"
+        assert "no welcome" in error["error"]
+        sender.send(receiver.address, {"request_id": "ok"}, [1])
+        assert [m.header["request_id"] for m in h.collect(receiver, 1, 5.0)] == ["ok"]
+        with receiver._lock:  # its progress thread stalls: the pages are never taken
+            sender.send(receiver.address, {"request_id": "t2"}, [2, 3])
+            (error,) = [m.header for m in h.collect(sender, 1, 5.0)]
+        assert error["request_id"] == "t2" and "timed out" in error["error"]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_close_is_idempotent(peer: h.PeerProcess) -> None:
+    h.check_close("ucx", peer)
+
+
+def test_same_process_round_trip_and_bad_input() -> None:
+    a = UcxTransport(h.TOKEN)
+    b = UcxTransport(h.TOKEN)
+    try:
+        pool = KVCachePool(**h.POOL)
+        h.fill_pool(pool, 4)
+        a.register_pool(pool)
+        with pytest.raises(Exception, match="not in the registered pool"):
+            a.send(b.address, {}, [99])
+        with pytest.raises(Exception, match="not a ucx address"):
+            a.send("shm:/tmp/x", {})
+        a.send(b.address, {"n": 1}, [5, 3])
+        (m,) = h.collect(b, 1, 5.0)
+        assert m.peer == a.address and m.header["n"] == 1 and m.header["direct"] is False
+        assert m.pages is not None and m.pages.equal(pool.export_blocks([5, 3]))
+    finally:
+        a.close()
+        b.close()
