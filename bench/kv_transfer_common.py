@@ -6,7 +6,9 @@ messages of `chunk_bytes` of pages from this process, and returns GB/s (1e9 byte
 first send until the receiver reports it has them all. Chunks cycle through a pool of at least
 256 MiB on both sides (as real transfers do, they miss the caches); each message's source and
 destination blocks are one consecutive run. `"memcpy"` times ``numpy.copyto`` between two
-preallocated buffers of that size with the same chunk cycle, in this process.
+preallocated buffers of that size with the same chunk cycle, in this process; `"memcpy-shm"`
+does the same from a torch-allocated buffer into a shared-memory region, the buffers the shm
+transport copies between (numpy's own buffers get transparent huge pages, those do not).
 
 Run ``python -m bench.kv_transfer_common`` for the table at 64 KiB, 1 MiB, 16 MiB and 64 MiB.
 """
@@ -28,7 +30,7 @@ BLOCK: dict[str, Any] = {"num_layers": 2, "block_size": 16, "num_kv_heads": 4, "
 BLOCK_BYTES = 64 * 1024
 POOL_BYTES = 256 << 20
 TOKEN = "bench-token"
-NAMES = ("memcpy", "shm", "shm-staged", "torch")
+NAMES = ("memcpy", "memcpy-shm", "shm", "shm-staged", "torch")
 
 
 def _geometry(chunk_bytes: int) -> tuple[int, int]:
@@ -44,21 +46,34 @@ def default_repeats(chunk_bytes: int) -> int:
     return max(8, min(4000, (2 << 30) // chunk_bytes))
 
 
-def _memcpy(chunk_bytes: int, repeats: int) -> float:
+def _memcpy(chunk_bytes: int, repeats: int, into_shm: bool = False) -> float:
     chunk_blocks, num_blocks = _geometry(chunk_bytes)
     size = num_blocks * BLOCK_BYTES
-    src, dst = np.ones(size, np.uint8), np.ones(size, np.uint8)
     slots = num_blocks // chunk_blocks
+    region = None
+    if into_shm:  # the buffers the shm transport copies between: a torch pool -> shared memory
+        from tandem.kv_transfer._shm_region import ShmRegion, new_endpoint_id
+
+        region = ShmRegion.create(f"tandem-kv-{new_endpoint_id()}-b0", size)
+        src = torch.ones(size, dtype=torch.uint8).numpy()
+        dst = region.tensor(torch.uint8, (size,)).numpy()
+        dst.fill(1)
+    else:
+        src, dst = np.ones(size, np.uint8), np.ones(size, np.uint8)
 
     def run(count: int) -> None:
         for i in range(count):
             off = (i % slots) * chunk_bytes
             np.copyto(dst[off : off + chunk_bytes], src[off : off + chunk_bytes])
 
-    run(min(repeats, slots))
-    start = time.perf_counter()
-    run(repeats)
-    return repeats * chunk_bytes / (time.perf_counter() - start) / 1e9
+    try:
+        run(min(repeats, slots))
+        start = time.perf_counter()
+        run(repeats)
+        return repeats * chunk_bytes / (time.perf_counter() - start) / 1e9
+    finally:
+        if region is not None:
+            region.unlink()
 
 
 def _receiver_main(pipe: Connection, transport_name: str, num_blocks: int) -> None:
@@ -92,8 +107,8 @@ def measure_throughput(
     `direct=False` (or the name "shm-staged") leaves the manifest out of the headers, so
     transports that can write into the receiver's pool stage the pages instead.
     """
-    if transport_name == "memcpy":
-        return _memcpy(chunk_bytes, repeats)
+    if transport_name in ("memcpy", "memcpy-shm"):
+        return _memcpy(chunk_bytes, repeats, into_shm=transport_name == "memcpy-shm")
     if transport_name == "shm-staged":
         transport_name, direct = "shm", False
     from tandem.kernels.kv_cache import KVCachePool

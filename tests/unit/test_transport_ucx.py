@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("ucxx", reason="ucxx is not installed (pip install 'tandem-serve[ucx]')")
 
 from tandem.kernels.kv_cache import KVCachePool  # noqa: E402
+from tandem.kv_transfer.manifest import TransferError  # noqa: E402
 from tandem.kv_transfer.ucx import UcxTransport  # noqa: E402
 from tests import transport_harness as h  # noqa: E402
 
@@ -77,8 +78,7 @@ def test_frames_of_an_unauthenticated_peer_are_dropped() -> None:
 
     def eager_connect(peer: str) -> Any:
         link = connect(peer)
-        if link is not None:
-            link.welcomed = True  # pretend the hello was accepted
+        link.welcomed = True  # pretend the hello was accepted
         return link
 
     intruder._connect = eager_connect  # type: ignore[method-assign]
@@ -141,10 +141,11 @@ def test_same_process_round_trip_and_bad_input() -> None:
         pool = KVCachePool(**h.POOL)
         h.fill_pool(pool, 4)
         a.register_pool(pool)
-        with pytest.raises(Exception, match="not in the registered pool"):
+        with pytest.raises(TransferError, match="not in the registered pool"):
             a.send(b.address, {}, [99])
-        with pytest.raises(Exception, match="not a ucx address"):
-            a.send("shm:/tmp/x", {})
+        a.send("ucx:nothex", {"request_id": "bad"})
+        (error,) = h.collect(a, 1, 5.0)
+        assert error.header["request_id"] == "bad" and "cannot reach" in error.header["error"]
         a.send(b.address, {"n": 1}, [5, 3])
         (m,) = h.collect(b, 1, 5.0)
         assert m.peer == a.address and m.header["n"] == 1 and m.header["direct"] is False
