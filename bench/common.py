@@ -42,13 +42,15 @@ class ModelShape:
     intermediate: int = 1376
     tie_embeddings: bool = True
     seed: int = 0
+    max_position: int = 2048
 
     @property
     def dirname(self) -> str:
         tie = "tied" if self.tie_embeddings else "untied"
+        ctx = "" if self.max_position == 2048 else f"-ctx{self.max_position}"
         return (
             f"llama-l{self.layers}-h{self.hidden}-a{self.heads}-kv{self.kv_heads}"
-            f"-i{self.intermediate}-v{self.vocab}-{tie}-s{self.seed}"
+            f"-i{self.intermediate}-v{self.vocab}-{tie}-s{self.seed}{ctx}"
         )
 
 
@@ -102,6 +104,7 @@ def ensure_checkpoint(cache_dir: Path, shape: ModelShape) -> Path:
         intermediate=shape.intermediate,
         tie_embeddings=shape.tie_embeddings,
         seed=shape.seed,
+        max_position=shape.max_position,
     )
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)

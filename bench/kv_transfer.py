@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ModelShape, log, wait_for_quiet  # noqa: E402
+from bench.common import ModelShape, ensure_checkpoint, log, wait_for_quiet  # noqa: E402
 from bench.kv_transfer_common import default_repeats, measure_throughput  # noqa: E402
 
 SIZES = {
@@ -150,30 +150,6 @@ def _arrivals(
     return seen
 
 
-def long_context_checkpoint(cache_dir: Path) -> Path:
-    """The benchmark model's shape with a 4,096-token context, so a 2,048-token prompt fits."""
-    shape = ModelShape()
-    target = cache_dir / f"{shape.dirname}-ctx4096"
-    if not (target / "config.json").exists():
-        from tandem.deploy.tiny_model import build_tiny_checkpoint
-
-        log(f"building checkpoint {target} ...")
-        build_tiny_checkpoint(
-            target,
-            arch="llama",
-            layers=shape.layers,
-            hidden=shape.hidden,
-            heads=shape.heads,
-            kv_heads=shape.kv_heads,
-            vocab=shape.vocab,
-            intermediate=shape.intermediate,
-            tie_embeddings=shape.tie_embeddings,
-            seed=shape.seed,
-            max_position=4096,
-        )
-    return target
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -199,7 +175,7 @@ def main() -> None:
         key=lambda n: table[n]["16M"] or 0.0,
         default="shm",
     )
-    model_dir = long_context_checkpoint(args.cache_dir)
+    model_dir = ensure_checkpoint(args.cache_dir, ModelShape(max_position=4096))  # 2,048 tokens fit
     chunk_bytes_label = "1M"
     gbs = table[best].get(chunk_bytes_label) or table[best].get("16M") or 1.0
     hidden = hidden_share(model_dir, best, gbs, args.threads, args.chunk_blocks)
