@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.engine.llm_engine import LLMEngine
 from tandem.kv_transfer.events import TransferEvent
 from tandem.kv_transfer.fake import FakeTransport
 from tandem.kv_transfer.local import LocalHub
@@ -270,7 +268,3 @@ def _next_request_is_exact(pair: Pair, colocated: LLM) -> None:
     first = next(e.token_ids for e in events if e.kind == "first_token")
     assert list(first) + pair.decode_all()["next"] == expect(colocated, prompt)
     pair.idle()
-
-
-def _unused() -> Iterator[LLMEngine]:  # keeps the import used for type checkers
-    yield from ()
