@@ -217,7 +217,6 @@ def test_lease_expires_without_pages(model: str) -> None:
 
 def test_sender_dies_mid_stream_receiver_frees_and_fails(model: str, colocated: LLM) -> None:
     pair = Pair(model)
-    pair.p_transport.drop(lambda h: False)  # no-op rule; the sender "dies" below
     pair.start("k", prompt_of(16 * 30, start=12))
     pair.events += pair.sender.step()
     pair.events += pair.receiver.poll()
