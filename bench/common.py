@@ -179,6 +179,10 @@ def wait_for_quiet(max_wait_s: float, threshold: float = 0.15) -> None:
     log(f"  CPUs still busy ({busy:.0%}) after waiting {max_wait_s:.0f} s; measuring anyway")
 
 
+# /proc/stat counts in jiffies (10 ms): over shorter blocks the contention estimate is noise.
+MIN_ACCOUNTED_S = 0.5
+
+
 @dataclass
 class Timing:
     wall_s: float = 0.0
@@ -186,7 +190,7 @@ class Timing:
     # run: OpenMP threads that spin while waiting for a descheduled peer still burn CPU time.
     cpu_share: float = 0.0
     # CPU time of all other processes / (wall * CPUs), from /proc/stat: the direct measure of
-    # contention. None off Linux.
+    # contention. None off Linux, and for blocks shorter than `MIN_ACCOUNTED_S`.
     others_cpu: float | None = None
 
 
@@ -202,7 +206,7 @@ def timed() -> Iterator[Timing]:
     cpu = t.user + t.system - c0
     timing.cpu_share = cpu / (wall * torch.get_num_threads()) if wall else 0.0
     ncpu = os.cpu_count() or 1
-    if busy is not None and wall:
+    if busy is not None and wall >= MIN_ACCOUNTED_S:
         timing.others_cpu = max(0.0, busy - cpu / (wall * ncpu))
 
 

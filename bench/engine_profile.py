@@ -22,7 +22,6 @@ import json
 import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +36,17 @@ from bench.common import (  # noqa: E402
     make_workload,
     print_summary,
     setup,
+    timed,
     wait_for_quiet,
 )
 from bench.engine_hooks import PhaseTimer, is_steady, phase_timer  # noqa: E402
 from bench.throughput import load_tandem  # noqa: E402
 from tandem import LLM  # noqa: E402
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
 
 DECODE_BUCKETS = ((1, 8), (9, 16), (17, 32), (33, 48), (49, 64), (65, 256))
 
@@ -57,10 +62,9 @@ def profile_phases(
     """Part 1: engine phase totals over the full workload, and model time by step type."""
     log("profile 1/4: engine phases over the full throughput workload")
     wait_for_quiet(wait_quiet_s)
-    with phase_timer(llm.engine) as timer:
-        t0 = time.perf_counter()
+    with phase_timer(llm.engine) as timer, timed() as t:
         _generate(llm, prompts, lengths)
-        wall = time.perf_counter() - t0
+    wall = t.wall_s
     phases = timer.totals
     phases["other (step glue, generate loop)"] = wall - sum(phases.values())
     phases_s = {k: round(v, 3) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])}
@@ -68,13 +72,15 @@ def profile_phases(
     model_steps = _model_step_summary(timer)
     lines = [f"    {k:36s} {v:8.3f} s  {pct[k]:5.1f}%" for k, v in phases_s.items()]
     log(
-        f"phase breakdown (wall {wall:.2f} s, {len(timer.durations['model'])} steps):\n"
+        f"phase breakdown (wall {wall:.2f} s, {len(timer.durations['model'])} steps, "
+        f"other processes {_round(t.others_cpu)} of the CPUs):\n"
         + "\n".join(lines)
         + "\n    model steps: "
         + json.dumps(model_steps)
     )
     return {
         "wall_s": round(wall, 3),
+        "others_cpu": _round(t.others_cpu),
         "phases_s": phases_s,
         "phases_pct": pct,
         "model_steps": model_steps,
@@ -192,11 +198,10 @@ def profile_decode_steps(
     ctx = statistics.fmean(r.num_tokens for r in reqs)
     log(f"profile 4/4: torch.profiler over {steps} decode steps, batch {n}, mean context {ctx:.0f}")
     wait_for_quiet(wait_quiet_s)
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as tp:
-        for _ in range(steps):
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as tp, timed() as t:
+        for _ in range(steps):  # timed inside: the profiler's own start and stop take ~1 s
             engine.step()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    wall_ms = t.wall_s * 1e3 / steps
     for r in reqs:
         engine.abort(r.request_id)
     total = sum(e.self_cpu_time_total for e in tp.key_averages()) or 1.0
@@ -219,7 +224,8 @@ def profile_decode_steps(
     by_op = top_of(tp.key_averages(), 10, False)
     fmt = "    {op:50s} {ms_per_step:7.2f} ms/step {pct:5.1f}%  x{calls_per_step:<5} {shapes}"
     log(
-        f"decode step (batch {n}, context ~{ctx:.0f}): {wall_ms:.1f} ms/step under the profiler; "
+        f"decode step (batch {n}, context ~{ctx:.0f}): {wall_ms:.1f} ms/step under the profiler "
+        f"(other processes {_round(t.others_cpu)} of the CPUs); "
         "by op and shape:\n"
         + "\n".join(fmt.format(**r) for r in by_shape)
         + "\n  by op:\n"
@@ -229,6 +235,7 @@ def profile_decode_steps(
         "batch": n,
         "mean_context": round(ctx, 1),
         "wall_ms_per_step": round(wall_ms, 2),
+        "others_cpu": _round(t.others_cpu),
         "by_op": by_op,
         "by_op_and_shape": by_shape,
     }
