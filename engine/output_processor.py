@@ -25,7 +25,7 @@ class OutputProcessor:
             if req.status != RequestStatus.DECODING:
                 req.set_status(RequestStatus.DECODING)
             reason = self._check_stop(req, token)
-            delta = self._text_delta(req, finished=reason is not None)
+            delta = self.text_delta(req, finished=reason is not None)
             if reason is not None:
                 req.finish_reason = reason
             outputs.append(StepOutput(req.request_id, [token], delta, reason is not None, reason))
@@ -66,7 +66,8 @@ class OutputProcessor:
         return True
 
     @staticmethod
-    def _text_delta(req: Request, *, finished: bool) -> str:
+    def text_delta(req: Request, *, finished: bool) -> str:
+        """Text not streamed yet (holding back what could start a stop string)."""
         detok = req.output_text
         if detok is None:
             return ""

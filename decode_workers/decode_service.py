@@ -1,0 +1,243 @@
+"""The decode role without Ray: an engine, a `KVReceiver` and per-request async token streams.
+
+`generate()` is one async stream per request: it reserves blocks for the prompt (reusing the
+prefix this engine already caches), yields the reservation grant for the router to hand to a
+prefill worker, then yields token events once the pages are committed, until the request ends.
+Closing the stream early (client gone, router cancelled) cancels the request here and, through
+the transfer protocol, on the prefill side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.kv_io import NoFreeBlocksError
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.output_text import OutputText
+from tandem.engine.outputs import StepOutput
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.worker_loop import WorkerLoop
+from tandem.kv_transfer.base import KVTransport
+from tandem.kv_transfer.events import TransferEvent
+from tandem.kv_transfer.receiver import KVReceiver
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[dict[str, Any]]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    reserved_at: float = field(default_factory=time.time)
+    committed_at: float | None = None
+    num_cached_tokens: int = 0
+
+    def put(self, item: dict[str, Any]) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _error(code: str, message: str) -> dict[str, Any]:
+    return {"type": "error", "code": code, "error": message}
+
+
+class DecodeService(WorkerLoop):
+    """Thread-confined engine + receiver; the async API is safe to call from asyncio."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        transport: KVTransport,
+        *,
+        lease_s: float = 30.0,
+        stall_timeout_s: float = 10.0,
+        name: str = "decode",
+        on_stats: Any = None,
+    ) -> None:
+        super().__init__(name, on_stats)
+        self.engine = engine
+        self.transport = transport
+        self.receiver = KVReceiver(
+            engine, transport, lease_s=lease_s, stall_timeout_s=stall_timeout_s
+        )
+        self._streams: dict[str, _Stream] = {}
+
+    @property
+    def address(self) -> str:
+        return self.transport.address
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yields {"type": "grant"}, then {"type": "tokens"} events (the last has a
+        `finish_reason`), or a single {"type": "error"}."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), prompt_token_ids, params)
+        finished = False
+        try:
+            try:
+                grant = await self.submit(lambda: self._reserve(request_id, stream))
+            except NoFreeBlocksError as exc:
+                finished = True
+                yield _error("no_capacity", str(exc))
+                return
+            yield {
+                "type": "grant",
+                "grant": grant._asdict(),
+                "num_cached_tokens": grant.num_hit_blocks * self.engine.config.block_size,
+            }
+            while not finished:
+                item = await stream.queue.get()
+                finished = item["type"] == "error" or item.get("finish_reason") is not None
+                yield item
+        finally:
+            if not finished:
+                self.post(lambda: self._cancel(request_id))
+
+    async def cancel(self, request_id: str) -> bool:
+        return await self.submit(lambda: self._cancel(request_id))
+
+    # ---- the loop thread -----------------------------------------------------------------------
+    def _reserve(self, request_id: str, stream: _Stream) -> Any:
+        grant = self.receiver.reserve(request_id, stream.prompt_token_ids, stream.params)
+        stream.num_cached_tokens = grant.num_hit_blocks * self.engine.config.block_size
+        self._streams[request_id] = stream
+        return grant
+
+    def _cancel(self, request_id: str) -> bool:
+        stream = self._streams.pop(request_id, None)
+        if self.receiver.cancel(request_id, "cancelled by the client"):
+            return True
+        if self.engine.abort(request_id):
+            logger.info("decode: request %s cancelled", request_id)
+            return True
+        return stream is not None
+
+    def run_once(self) -> None:
+        busy = self.engine.has_unfinished_requests()
+        if not busy and not self.receiver.reservations:
+            self.wait_for_command()
+            return
+        for event in self.receiver.poll(timeout=0.0 if busy else 0.001):
+            self._on_transfer_event(event)
+        if self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                self._on_output(output)
+
+    def _on_transfer_event(self, event: TransferEvent) -> None:
+        stream = self._streams.get(event.request_id)
+        if stream is None:
+            return
+        if event.kind == "committed":
+            stream.committed_at = time.time()
+            req = self.engine.requests[event.request_id]
+            if req.output_text is None:
+                req.output_text = OutputText(
+                    IncrementalDetokenizer(self.engine.tokenizer, req.prompt_token_ids)
+                )
+                for token in req.output_token_ids:
+                    req.output_text.add(token)
+            text = self.engine.output_processor.text_delta(req, finished=False)
+            stream.put({"type": "tokens", "token_ids": list(event.token_ids), "text": text})
+        elif event.kind == "finished_early":
+            del self._streams[event.request_id]
+            stream.put(self._finish_early(event, stream))
+        elif event.kind in ("failed", "cancelled"):
+            del self._streams[event.request_id]
+            code = "cancelled" if event.kind == "cancelled" else "transfer_failed"
+            stream.put(_error(code, event.error or event.kind))
+
+    def _finish_early(self, event: TransferEvent, stream: _Stream) -> dict[str, Any]:
+        """The first token already ended the request: apply the usual stop rules to it here."""
+        req = Request(
+            event.request_id,
+            stream.prompt_token_ids,
+            stream.params,
+            self.engine.eos_token_ids,
+            output_text=OutputText(
+                IncrementalDetokenizer(self.engine.tokenizer, stream.prompt_token_ids)
+            ),
+        )
+        outputs = self.engine.output_processor.process(
+            [req] * len(event.token_ids), event.token_ids
+        )
+        last = outputs[-1]
+        return self._tokens_item(
+            StepOutput(
+                event.request_id,
+                list(event.token_ids),
+                "".join(o.text_delta for o in outputs),
+                True,
+                last.finish_reason or "stop",
+            ),
+            req.stop_reason,
+            stream,
+        )
+
+    def _on_output(self, output: StepOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        stop_reason = None
+        if output.finished:
+            del self._streams[output.request_id]
+            req = self.engine.requests.get(output.request_id)
+            stop_reason = req.stop_reason if req is not None else None
+        stream.put(self._tokens_item(output, stop_reason, stream))
+
+    @staticmethod
+    def _tokens_item(
+        output: StepOutput, stop_reason: int | str | None, stream: _Stream
+    ) -> dict[str, Any]:
+        item: dict[str, Any] = {
+            "type": "tokens",
+            "token_ids": output.new_token_ids,
+            "text": output.text_delta,
+        }
+        if output.finished:
+            now = time.time()
+            committed = stream.committed_at or now
+            item["finish_reason"] = output.finish_reason
+            item["stop_reason"] = stop_reason
+            item["num_cached_tokens"] = stream.num_cached_tokens
+            item["timings"] = {
+                "transfer_wait_s": committed - stream.reserved_at,
+                "decode_s": now - committed,
+            }
+        return item
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.engine.block_manager
+        return {
+            "role": "decode",
+            "address": self.transport.address,
+            "num_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_requests": len(self.engine.requests),
+            "num_reservations": len(self.receiver.reservations),
+            "num_streams": len(self._streams),
+            "kv_cache_usage": bm.usage,
+        }
+
+    async def get_stats(self) -> dict[str, Any]:
+        return await self.submit(self.stats)
+
+    def check_integrity(self) -> None:
+        tables = [r.block_table for r in self.engine.requests.values() if r.block_table]
+        self.engine.block_manager.check_integrity(tables + self.receiver.block_tables())
+
+    def on_death(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put(_error("worker_died", f"decode worker died: {exc}"))
+        self._streams.clear()
+
+    def close(self) -> None:
+        self.stop()
+        self.transport.close()

@@ -1,0 +1,147 @@
+"""An engine on its own thread, driven by commands from asyncio callers (prefill and decode roles).
+
+The engine and the transfer protocol are single-threaded: only the loop thread touches them.
+Callers (a Ray Serve replica's event loop) `submit` a function and await its result; the loop
+runs commands between engine steps. Results and stream items go back with
+`loop.call_soon_threadsafe`, so nothing on the caller's side ever blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+IDLE_WAIT_S = 0.05  # how long an idle loop sleeps on its command queue
+STATS_INTERVAL_S = 0.1  # at most this often, stats are reported when they changed
+HEARTBEAT_S = 2.0  # unchanged stats are re-reported this often
+
+
+class WorkerDeadError(RuntimeError):
+    """The worker's loop stopped after an internal error; the worker cannot serve requests."""
+
+
+def resolve(
+    loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value: Any = None
+) -> None:
+    """Sets `future`'s result from any thread (ignored if it was cancelled meanwhile)."""
+
+    def _set() -> None:
+        if not future.done():
+            if isinstance(value, BaseException):
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+
+    loop.call_soon_threadsafe(_set)
+
+
+class WorkerLoop(ABC):
+    """Runs `run_once()` forever on a daemon thread; `submit` queues work onto that thread."""
+
+    def __init__(self, name: str, on_stats: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.name = name
+        self.on_stats = on_stats
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.error: BaseException | None = None
+        self._last_stats: dict[str, Any] | None = None
+        self._last_report = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Runs `fn()` on the loop thread; the returned future gets its result or exception."""
+        if self.error is not None:
+            raise WorkerDeadError(f"{self.name} stopped: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def command() -> None:
+            try:
+                resolve(loop, future, fn())
+            except Exception as exc:  # handed to the caller, not swallowed
+                resolve(loop, future, exc)
+
+        self._commands.put(command)
+        return future
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Runs `fn()` on the loop thread, without a result (fire and forget)."""
+        self._commands.put(fn)
+
+    # ---- the thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_commands()
+                self.run_once()
+                self._maybe_report()
+        except BaseException as exc:
+            self.error = exc
+            logger.exception("%s loop died", self.name)
+            self.on_death(exc)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def wait_for_command(self, timeout: float = IDLE_WAIT_S) -> None:
+        """Blocks the idle loop until a command arrives (or `timeout`), then runs commands."""
+        try:
+            command = self._commands.get(timeout=timeout)
+        except queue.Empty:
+            return
+        command()
+        self._run_commands()
+
+    def _maybe_report(self) -> None:
+        if self.on_stats is None:
+            return
+        now = time.monotonic()
+        if now - self._last_report < STATS_INTERVAL_S:
+            return
+        stats = self.stats()
+        if stats != self._last_stats or now - self._last_report > HEARTBEAT_S:
+            self._last_stats, self._last_report = stats, now
+            try:
+                self.on_stats(stats)
+            except Exception:  # reporting is best effort; serving goes on
+                logger.exception("%s could not report its stats", self.name)
+
+    @abstractmethod
+    def run_once(self) -> None:
+        """One iteration: run a step if there is work, otherwise wait briefly for some."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """A JSON-able snapshot (called on the loop thread)."""
+
+    @abstractmethod
+    def on_death(self, exc: BaseException) -> None:
+        """Fails whatever callers still wait on (called on the loop thread after an error)."""

@@ -1,0 +1,154 @@
+"""The prefill role without Ray: an engine, a `KVSender` and an async API around them.
+
+`prefill()` queues a prompt for chunked prefill (continuous batching with everything else the
+engine holds), streams its pages to the decode worker named in the reservation grant, and
+resolves once every chunk is acknowledged (or the transfer failed or was cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.worker_loop import WorkerLoop, resolve
+from tandem.kv_transfer.base import KVTransport
+from tandem.kv_transfer.events import TransferEvent
+from tandem.kv_transfer.receiver import ReservationGrant
+from tandem.kv_transfer.sender import KVSender
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[dict[str, Any]]
+    started: float = field(default_factory=time.time)
+    first_token_at: float | None = None
+    first_token_ids: list[int] = field(default_factory=list)
+
+
+class PrefillService(WorkerLoop):
+    """Thread-confined engine + sender; every public coroutine is safe to call from asyncio."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        transport: KVTransport,
+        *,
+        ack_timeout_s: float = 10.0,
+        checksums: bool = False,
+        name: str = "prefill",
+        on_stats: Any = None,
+    ) -> None:
+        super().__init__(name, on_stats)
+        self.engine = engine
+        self.transport = transport
+        self.sender = KVSender(engine, transport, ack_timeout_s=ack_timeout_s, checksums=checksums)
+        self._pending: dict[str, _Pending] = {}
+
+    @property
+    def address(self) -> str:
+        return self.transport.address
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        grant: ReservationGrant,
+    ) -> dict[str, Any]:
+        """Prefills and streams; returns {status: sent|failed|cancelled, first_token_ids, error,
+        timings}. Cancelling the awaiting task cancels the request (and tells decode)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[dict[str, Any]] = loop.create_future()
+
+        def start() -> None:
+            self.sender.start(request_id, prompt_token_ids, params, grant)
+            self._pending[request_id] = _Pending(loop, future)
+
+        try:
+            await self.submit(start)
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # commands run in order: this cancel runs after `start`, whenever it was cancelled
+            self.post(lambda: self._cancel(request_id))
+            raise
+
+    async def cancel(self, request_id: str) -> bool:
+        return await self.submit(lambda: self._cancel(request_id))
+
+    def _cancel(self, request_id: str) -> bool:
+        if request_id in self.sender.outgoing:
+            return self.sender.cancel(request_id)
+        return False
+
+    # ---- the loop thread -----------------------------------------------------------------------
+    def run_once(self) -> None:
+        if self.engine.has_unfinished_requests():
+            events = self.sender.step()
+        elif self.sender.outgoing:
+            events = self.sender.poll(timeout=0.001)
+        else:
+            self.wait_for_command()
+            return
+        for event in events:
+            self._on_event(event)
+
+    def _on_event(self, event: TransferEvent) -> None:
+        pending = self._pending.get(event.request_id)
+        if pending is None:
+            return
+        now = time.time()
+        if event.kind == "first_token":
+            pending.first_token_at = now
+            pending.first_token_ids = list(event.token_ids)
+            return
+        del self._pending[event.request_id]
+        first = pending.first_token_at or now
+        status = event.kind if event.kind in ("sent", "cancelled") else "failed"
+        resolve(
+            pending.loop,
+            pending.future,
+            {
+                "status": status,
+                "first_token_ids": pending.first_token_ids,
+                "error": event.error,
+                "timings": {"prefill_s": first - pending.started, "transfer_tail_s": now - first},
+            },
+        )
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.engine.block_manager
+        return {
+            "role": "prefill",
+            "address": self.transport.address,
+            "num_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_requests": len(self.engine.requests),
+            "num_transfers": len(self.sender.outgoing),
+            "num_waiting_tokens": sum(
+                r.num_tokens - r.num_computed_tokens for r in self.engine.requests.values()
+            ),
+        }
+
+    async def get_stats(self) -> dict[str, Any]:
+        return await self.submit(self.stats)
+
+    def on_death(self, exc: BaseException) -> None:
+        for rid, pending in list(self._pending.items()):
+            resolve(
+                pending.loop,
+                pending.future,
+                {"status": "failed", "first_token_ids": [], "error": f"prefill worker died: {exc}"},
+            )
+            del self._pending[rid]
+
+    def close(self) -> None:
+        self.stop()
+        self.transport.close()

@@ -1,0 +1,184 @@
+"""Prefill and decode services (no Ray) joined by the local transport: exact, cancellable."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from tandem import LLM
+from tandem.decode_workers.decode_service import DecodeService
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer.local import LocalHub, LocalTransport
+from tandem.kv_transfer.receiver import ReservationGrant
+from tandem.prefill_workers.prefill_service import PrefillService
+
+PROMPTS = [
+    "hello world",
+    "the quick brown fox jumps over the lazy dog " * 6,
+    "a",
+    "tandem serves prefill and decode apart " * 3,
+]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint: Any) -> str:
+    return str(tiny_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def reference(model: str) -> LLM:
+    return LLM(model=model, num_kv_blocks=128)
+
+
+@pytest.fixture()
+def services(model: str) -> Iterator[tuple[PrefillService, DecodeService]]:
+    hub = LocalHub("token")
+    prefill = PrefillService(
+        LLM(model=model, num_kv_blocks=128, max_num_batched_tokens=32).engine,
+        LocalTransport("token", hub=hub),
+    )
+    decode = DecodeService(
+        LLM(model=model, num_kv_blocks=128).engine, LocalTransport("token", hub=hub)
+    )
+    prefill.start()
+    decode.start()
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+async def run_pd(
+    prefill: PrefillService, decode: DecodeService, rid: str, prompt: list[int], params: Any
+) -> tuple[list[int], str, dict[str, Any], dict[str, Any]]:
+    stream: AsyncIterator[dict[str, Any]] = decode.generate(rid, prompt, params)
+    first = await anext(stream)
+    assert first["type"] == "grant", first
+    task = asyncio.create_task(
+        prefill.prefill(rid, prompt, params, ReservationGrant(**first["grant"]))
+    )
+    tokens: list[int] = []
+    text = ""
+    last: dict[str, Any] = {}
+    async for item in stream:
+        assert item["type"] == "tokens", item
+        tokens += item["token_ids"]
+        text += item["text"]
+        last = item
+    return tokens, text, last, await task
+
+
+async def wait_idle(prefill: PrefillService, decode: DecodeService) -> tuple[dict, dict]:
+    for _ in range(200):
+        p, d = await prefill.get_stats(), await decode.get_stats()
+        if (
+            p["num_free_blocks"] == p["num_blocks"]
+            and d["num_free_blocks"] == d["num_blocks"]
+            and p["num_requests"] == d["num_requests"] == d["num_reservations"] == 0
+        ):
+            return p, d
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"workers did not return to baseline: {p} {d}")
+
+
+def test_pd_services_match_colocated_llm(services: Any, reference: LLM) -> None:
+    prefill, decode = services
+    tok = reference.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    expected = reference.generate(prompts, params)
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(
+            *(run_pd(prefill, decode, f"r{i}", p, params) for i, p in enumerate(prompts))
+        )
+
+    results = asyncio.run(main())
+    for (tokens, text, last, outcome), exp in zip(results, expected, strict=True):
+        assert tokens == exp.token_ids
+        assert text == exp.text
+        assert last["finish_reason"] == "length"
+        assert outcome["status"] == "sent"
+        assert outcome["first_token_ids"] == exp.token_ids[:1]
+    asyncio.run(wait_idle(prefill, decode))
+    decode.post(decode.check_integrity)
+
+
+def test_first_token_can_end_the_request(services: Any, reference: LLM) -> None:
+    prefill, decode = services
+    prompt = reference.tokenizer.encode("one token only")
+    params = SamplingParams(temperature=0, max_tokens=1)
+    expected = reference.generate([prompt], params)[0]
+    tokens, text, last, outcome = asyncio.run(run_pd(prefill, decode, "one", prompt, params))
+    assert tokens == expected.token_ids
+    assert text == expected.text
+    assert last["finish_reason"] == expected.finish_reason == "length"
+    assert outcome["status"] == "sent"
+
+
+def test_stop_string_and_seeded_sampling_match(services: Any, reference: LLM) -> None:
+    prefill, decode = services
+    prompt = reference.tokenizer.encode(PROMPTS[1])
+    for params in (
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    ):
+        expected = reference.generate([prompt], params)[0]
+        stop = expected.text[len(expected.text) // 2 : len(expected.text) // 2 + 2]
+        if stop.strip() and params.temperature == 0:
+            params = params.model_copy(update={"stop": [stop]})
+            expected = reference.generate([prompt], params)[0]
+        tokens, text, last, _ = asyncio.run(
+            run_pd(prefill, decode, f"s{params.seed}", prompt, params)
+        )
+        assert tokens == expected.token_ids
+        assert text == expected.text
+        assert last["finish_reason"] == expected.finish_reason
+
+
+def test_closing_the_stream_cancels_on_both_sides(services: Any, reference: LLM) -> None:
+    prefill, decode = services
+    prompt = reference.tokenizer.encode(PROMPTS[1] * 2)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main() -> None:
+        stream = decode.generate("gone", prompt, params)
+        first = await anext(stream)
+        grant = ReservationGrant(**first["grant"])
+        task = asyncio.create_task(prefill.prefill("gone", prompt, params, grant))
+        item = await anext(stream)
+        assert item["type"] == "tokens"
+        await stream.aclose()  # the client went away mid-stream
+        outcome = await asyncio.wait_for(task, 10)
+        assert outcome["status"] == "sent"
+        await wait_idle(prefill, decode)
+
+    asyncio.run(main())
+    # the next request is exact: no page was left behind or reused
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens, *_ = asyncio.run(run_pd(prefill, decode, "next", prompt, params))
+    assert tokens == reference.generate([prompt], params)[0].token_ids
+
+
+def test_cancel_during_prefill_releases_both_sides(services: Any, reference: LLM) -> None:
+    prefill, decode = services
+    prompt = reference.tokenizer.encode(PROMPTS[1] * 4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def main() -> None:
+        stream = decode.generate("early", prompt, params)
+        first = await anext(stream)
+        task = asyncio.create_task(
+            prefill.prefill("early", prompt, params, ReservationGrant(**first["grant"]))
+        )
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        item = await asyncio.wait_for(anext(stream), 10)
+        assert item["type"] == "error" and item["code"] == "cancelled"
+        await wait_idle(prefill, decode)
+
+    asyncio.run(main())
