@@ -69,6 +69,7 @@ class DecodeService(WorkerLoop):
             engine, transport, lease_s=lease_s, stall_timeout_s=stall_timeout_s
         )
         self._streams: dict[str, _Stream] = {}
+        self.num_cancelled = 0
 
     @property
     def address(self) -> str:
@@ -113,9 +114,10 @@ class DecodeService(WorkerLoop):
 
     def _cancel(self, request_id: str) -> bool:
         stream = self._streams.pop(request_id, None)
-        if self.receiver.cancel(request_id, "cancelled by the client"):
-            return True
-        if self.engine.abort(request_id):
+        if self.receiver.cancel(request_id, "cancelled by the client") or self.engine.abort(
+            request_id
+        ):
+            self.num_cancelled += 1
             logger.info("decode: request %s cancelled", request_id)
             return True
         return stream is not None
@@ -223,6 +225,7 @@ class DecodeService(WorkerLoop):
             "num_requests": len(self.engine.requests),
             "num_reservations": len(self.receiver.reservations),
             "num_streams": len(self._streams),
+            "num_cancelled": self.num_cancelled,
             "kv_cache_usage": bm.usage,
         }
 

@@ -29,7 +29,7 @@ def main() -> None:
     """tandem: disaggregated prefill/decode LLM serving on Ray."""
 
 
-class Arch(str, enum.Enum):
+class Arch(enum.StrEnum):
     """Architectures `tiny-model` can write."""
 
     llama = "llama"
@@ -38,7 +38,7 @@ class Arch(str, enum.Enum):
     mistral = "mistral"
 
 
-class DType(str, enum.Enum):
+class DType(enum.StrEnum):
     """Weight dtypes `tiny-model` can write."""
 
     float32 = "float32"

@@ -40,7 +40,7 @@ class LLM:
     ) -> None:
         config = EngineConfig(
             model=str(model),
-            dtype=dtype,  # type: ignore[arg-type]
+            dtype=dtype,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -51,7 +51,7 @@ class WorkerLoop(ABC):
     def __init__(self, name: str, on_stats: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.name = name
         self.on_stats = on_stats
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None
@@ -87,7 +87,7 @@ class WorkerLoop(ABC):
         self._commands.put(command)
         return future
 
-    def post(self, fn: Callable[[], None]) -> None:
+    def post(self, fn: Callable[[], object]) -> None:
         """Runs `fn()` on the loop thread, without a result (fire and forget)."""
         self._commands.put(fn)
 

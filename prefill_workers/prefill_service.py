@@ -51,6 +51,7 @@ class PrefillService(WorkerLoop):
         self.transport = transport
         self.sender = KVSender(engine, transport, ack_timeout_s=ack_timeout_s, checksums=checksums)
         self._pending: dict[str, _Pending] = {}
+        self.num_cancelled = 0
 
     @property
     def address(self) -> str:
@@ -84,8 +85,9 @@ class PrefillService(WorkerLoop):
         return await self.submit(lambda: self._cancel(request_id))
 
     def _cancel(self, request_id: str) -> bool:
-        if request_id in self.sender.outgoing:
-            return self.sender.cancel(request_id)
+        if request_id in self.sender.outgoing and self.sender.cancel(request_id):
+            self.num_cancelled += 1
+            return True
         return False
 
     # ---- the loop thread -----------------------------------------------------------------------
@@ -132,6 +134,7 @@ class PrefillService(WorkerLoop):
             "num_free_blocks": bm.num_free_blocks,
             "num_requests": len(self.engine.requests),
             "num_transfers": len(self.sender.outgoing),
+            "num_cancelled": self.num_cancelled,
             "num_waiting_tokens": sum(
                 r.num_tokens - r.num_computed_tokens for r in self.engine.requests.values()
             ),

@@ -1,0 +1,68 @@
+"""`build_app(config)`: the Ray Serve application (router -> prefill / decode actor groups).
+
+`app_builder(args)` is the same for Serve config files (`import_path:
+tandem.deploy.app_builder:app_builder`, `args:` = cluster config fields).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ray.serve import Application
+
+from tandem.deploy.cluster_config import ClusterConfig
+from tandem.deploy.embedded_model import ensure_embedded_model
+
+logger = logging.getLogger("tandem.deploy")
+
+
+def resolve_model(config: ClusterConfig) -> str:
+    """The checkpoint to serve: `config.model`, or the embedded tiny model (built once)."""
+    if config.model:
+        path = Path(config.model).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
+        return str(path.resolve())
+    return str(ensure_embedded_model(Path(config.cache_dir).expanduser()))
+
+
+def registry_name(config: ClusterConfig) -> str:
+    return f"tandem-registry-{config.app_name}"
+
+
+def build_app(config: ClusterConfig) -> Application:
+    """Validates `config` (engine settings included) and binds the three deployments."""
+    from tandem.decode_workers.deployment import DecodeWorker
+    from tandem.prefill_workers.deployment import PrefillWorker
+    from tandem.router.deployment import Router
+
+    config = config.with_auth_token()
+    model = resolve_model(config)
+    registry = registry_name(config)
+    prefill = PrefillWorker.options(  # type: ignore[attr-defined]
+        num_replicas=config.prefill.replicas,
+        ray_actor_options=config.prefill.ray_actor_options(),
+    ).bind(config.worker_settings("prefill", model, registry).model_dump(mode="json"))
+    decode = DecodeWorker.options(  # type: ignore[attr-defined]
+        num_replicas=config.decode.replicas,
+        ray_actor_options=config.decode.ray_actor_options(),
+    ).bind(config.worker_settings("decode", model, registry).model_dump(mode="json"))
+    router_settings = {
+        "model": model,
+        "served_model_name": config.served_model_name or Path(model).name,
+        "registry_name": registry,
+        "host": config.host,
+        "grpc_port": config.grpc_port,
+        "request_timeout_s": config.router.request_timeout_s,
+    }
+    return Router.options(  # type: ignore[attr-defined]
+        num_replicas=config.router.replicas,
+        ray_actor_options={"num_cpus": config.router.num_cpus},
+    ).bind(router_settings, prefill, decode)
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Entry point for Serve config files: `args` are `ClusterConfig` fields."""
+    return build_app(ClusterConfig.model_validate(args or {}))

@@ -1,0 +1,49 @@
+"""Where workers report their state, so the router (and its debug endpoint) can see every replica.
+
+A tiny named Ray actor per application. Workers push a stats snapshot when it changes (and a
+heartbeat), fire and forget; readers get the entries that reported recently. Ray is imported
+lazily so that the engine stays usable without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+NAMESPACE = "tandem"
+
+
+class WorkerRegistry:
+    """The actor's class: worker id -> last snapshot (with `reported_at`, wall-clock seconds)."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, dict[str, Any]] = {}
+
+    def report(self, worker_id: str, stats: dict[str, Any]) -> None:
+        self._workers[worker_id] = {**stats, "worker_id": worker_id, "reported_at": time.time()}
+
+    def remove(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    def list(self, max_age_s: float = 10.0) -> list[dict[str, Any]]:
+        now = time.time()
+        return [w for w in self._workers.values() if now - w["reported_at"] <= max_age_s]
+
+
+def get_registry(name: str) -> Any:
+    """The registry actor called `name` (created on first use; detached, zero CPUs)."""
+    import ray
+
+    actor_cls = ray.remote(num_cpus=0)(WorkerRegistry)
+    return actor_cls.options(
+        name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+    ).remote()
+
+
+def kill_registry(name: str) -> None:
+    """Removes the registry actor (when the application is torn down); no-op if absent."""
+    import ray
+
+    with contextlib.suppress(ValueError):
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE))

@@ -1,0 +1,49 @@
+"""What a prefill or decode worker needs to start (built by `tandem.deploy` from the cluster config).
+
+Plain pydantic, JSON-able: it travels to the worker as a Ray Serve deployment argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.engine.config import EngineConfig
+
+
+class WorkerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["prefill", "decode"]
+    engine: EngineConfig
+    transport: str = "shm"
+    transport_options: dict[str, Any] = Field(default_factory=dict)
+    auth_token: str = Field(min_length=1)
+    registry_name: str | None = None
+    torch_threads: int = Field(1, ge=1)
+    lease_s: float = Field(30.0, gt=0)
+    stall_timeout_s: float = Field(10.0, gt=0)
+    ack_timeout_s: float = Field(10.0, gt=0)
+    checksums: bool = False
+
+
+def create_engine_and_transport(settings: WorkerSettings) -> tuple[Any, Any]:
+    """The worker's KV transport, and its engine with the KV pool where the transport wants it."""
+    import torch
+
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.kv_transfer.registry import create_transport
+
+    torch.set_num_threads(settings.torch_threads)
+    transport = create_transport(
+        settings.transport, settings.auth_token, **settings.transport_options
+    )
+    try:
+        engine = LLMEngine(
+            settings.engine, kv_pool_factory=getattr(transport, "allocate_pool", None)
+        )
+    except BaseException:
+        transport.close()
+        raise
+    return engine, transport

@@ -1,0 +1,127 @@
+"""The router: the Serve ingress (FastAPI) with the OpenAI API, a debug view, and gRPC.
+
+(No `from __future__ import annotations` here: FastAPI must see real types on the methods.)
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /debug/workers (every worker's KV block accounting, from the worker registry).
+"""
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.worker_registry import get_registry
+from tandem.router.errors import APIError
+from tandem.router.openai_api import (
+    create_chat_completion,
+    create_completion,
+    error_response,
+    models_body,
+)
+from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tandem.router.pd_orchestrator import PDOrchestrator
+from tandem.router.serving import Serving
+
+logger = logging.getLogger("tandem.router")
+
+api = FastAPI(title="tandem", description="Disaggregated prefill/decode LLM serving (OpenAI API).")
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+@api.exception_handler(RequestValidationError)
+async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return error_response(
+            APIError(400, "the request body is not valid JSON", code="invalid_json")
+        )
+    param = None
+    if errors:
+        loc = [str(p) for p in errors[0].get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+    return error_response(APIError(400, _validation_message(exc), param=param))
+
+
+@api.exception_handler(APIError)
+async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+
+
+@api.exception_handler(Exception)
+async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unexpected error")
+    return error_response(
+        APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
+    )
+
+
+@serve.deployment(name="router", max_ongoing_requests=1024)
+@serve.ingress(api)
+class Router:
+    def __init__(self, settings: dict[str, Any], prefill: Any, decode: Any) -> None:
+        self.settings = settings
+        tokenizer = Tokenizer.from_pretrained(settings["model"])
+        self.serving = Serving(
+            PDOrchestrator(prefill, decode),
+            tokenizer,
+            settings["served_model_name"],
+            settings.get("request_timeout_s", 600.0),
+        )
+        self.registry_name = settings.get("registry_name")
+        self._grpc_server: Any = None
+        port = settings.get("grpc_port")
+        if port:
+            asyncio.get_running_loop().create_task(self._start_grpc(settings["host"], port))
+
+    async def _start_grpc(self, host: str, port: int) -> None:
+        from tandem.router.grpc.server import start_grpc_server
+
+        try:
+            self._grpc_server = await start_grpc_server(self.serving, host, port)
+        except Exception:
+            logger.exception("gRPC server did not start on %s:%s", host, port)
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest) -> Any:
+        return await create_completion(self.serving, body)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
+        return await create_chat_completion(self.serving, body)
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        limits = await self.serving.limits()
+        return models_body(self.serving.model_name, limits.max_model_len)
+
+    @api.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/debug/workers")
+    async def workers(self) -> JSONResponse:
+        if not self.registry_name:
+            return JSONResponse({"workers": []})
+        workers = await get_registry(self.registry_name).list.remote()
+        return JSONResponse(json.loads(json.dumps({"workers": workers}, default=str)))

@@ -1,0 +1,43 @@
+"""Errors the API answers with: an HTTP status and an OpenAI-style JSON body, never a trace."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class APIError(Exception):
+    """A request the router refuses or could not serve; `status` is the HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code or self.status,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, code: str = "unavailable") -> APIError:
+    return APIError(503, message, type="service_unavailable_error", code=code)

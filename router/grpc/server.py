@@ -1,0 +1,102 @@
+"""The gRPC front end: `tandem.v1.Generation/Generate` (server streaming) and grpc.health.v1.
+
+It runs inside the router replica, on the replica's event loop, and goes through the same
+`Serving` core as HTTP, so both refuse and answer requests identically.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tandem.router.errors import APIError
+from tandem.router.grpc import generation_pb2, generation_pb2_grpc
+from tandem.router.pd_orchestrator import RequestTimings
+from tandem.router.serving import Serving
+
+logger = logging.getLogger("tandem.router")
+
+SERVICE_NAME = "tandem.v1.Generation"
+
+_STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.OUT_OF_RANGE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
+    fields: dict[str, Any] = {"ignore_eos": options.ignore_eos, "min_tokens": options.min_tokens}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if options.HasField(name):
+            fields[name] = getattr(options, name)
+    if options.stop:
+        fields["stop"] = list(options.stop)
+    if options.stop_token_ids:
+        fields["stop_token_ids"] = list(options.stop_token_ids)
+    return fields
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    async def Generate(  # noqa: N802 - the RPC's name
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        timings = RequestTimings()
+        options = request.sampling
+        max_tokens = options.max_tokens if options.HasField("max_tokens") else 16
+        prompt: str | list[int] = (
+            list(request.prompt_token_ids) if request.prompt_token_ids else request.prompt
+        )
+        try:
+            req = await self.serving.prepare(
+                request.request_id or f"grpc-{uuid.uuid4().hex}",
+                request.model or None,
+                prompt,
+                max_tokens,
+                _sampling_fields(options),
+                timings,
+            )
+            async for item in self.serving.run(req):
+                finish = item.get("finish_reason") or ""
+                usage = None
+                if finish:
+                    usage = generation_pb2.Usage(
+                        prompt_tokens=len(req.prompt_token_ids),
+                        completion_tokens=req.completion_tokens,
+                        cached_tokens=req.num_cached_tokens,
+                    )
+                yield generation_pb2.GenerateResponse(
+                    request_id=req.request_id,
+                    token_ids=item["token_ids"],
+                    text=item["text"],
+                    finish_reason=finish,
+                    usage=usage,
+                )
+        except APIError as exc:
+            code = _STATUS_CODES.get(exc.status, grpc.StatusCode.UNAVAILABLE)
+            await context.abort(code, exc.message)
+
+
+async def start_grpc_server(serving: Serving, host: str, port: int) -> grpc.aio.Server:
+    """Starts Generation + health on `host:port` (SERVING for "" and the Generation service)."""
+    server = grpc.aio.server()
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(serving), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"gRPC: cannot bind {host}:{port}")
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("gRPC Generation + health serving on %s:%d", host, bound)
+    return server

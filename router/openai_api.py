@@ -1,0 +1,164 @@
+"""OpenAI-compatible responses: JSON bodies and SSE streams for completions and chat.
+
+Streams follow OpenAI: `data: {chunk}` events, an optional usage chunk with empty `choices`
+(`stream_options.include_usage`), then `data: [DONE]`. An error after the stream started is
+sent as one `data: {"error": ...}` event before `[DONE]`. Every response carries the request's
+stage timings: the `x-tandem-timings` header (non-streaming) and a `tandem_timings` field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tandem.router.errors import APIError
+from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tandem.router.pd_orchestrator import RequestTimings
+from tandem.router.serving import Prepared, Serving
+
+Kind = Literal["completion", "chat"]
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
+    timings = RequestTimings()
+    body.check_supported()
+    req = await serving.prepare(
+        f"cmpl-{uuid.uuid4().hex}",
+        body.model,
+        body.single_prompt(),
+        body.max_tokens,
+        body.sampling_dict(),
+        timings,
+    )
+    return await _respond(serving, req, "completion", body.stream, body.stream_options)
+
+
+async def create_chat_completion(serving: Serving, body: ChatCompletionRequest) -> Any:
+    timings = RequestTimings()
+    body.check_supported()
+    max_tokens = body.requested_max_tokens()
+    req = await serving.prepare(
+        f"chatcmpl-{uuid.uuid4().hex}",
+        body.model,
+        body.template_messages(),
+        max_tokens,
+        body.sampling_dict(),
+        timings,
+    )
+    return await _respond(serving, req, "chat", body.stream, body.stream_options)
+
+
+async def _respond(
+    serving: Serving, req: Prepared, kind: Kind, stream: bool, options: Any
+) -> JSONResponse | StreamingResponse:
+    if stream:
+        include_usage = bool(options and options.include_usage)
+        return StreamingResponse(
+            _sse(serving, req, kind, include_usage), media_type="text/event-stream"
+        )
+    async for _ in serving.run(req):
+        pass
+    body = _full_body(serving.model_name, req, kind)
+    timings = req.timings.stages_ms()
+    return JSONResponse(
+        body, headers={"x-tandem-timings": json.dumps(timings, separators=(",", ":"))}
+    )
+
+
+def _full_body(model: str, req: Prepared, kind: Kind) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": req.finish_reason, "logprobs": None}
+    choice["stop_reason"] = req.stop_reason
+    if kind == "chat":
+        choice["message"] = {"role": "assistant", "content": req.text}
+    else:
+        choice["text"] = req.text
+    return {
+        "id": req.request_id,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": int(req.timings.arrival),
+        "model": model,
+        "choices": [choice],
+        "usage": req.usage(),
+        "tandem_timings": req.timings.stages_ms(),
+    }
+
+
+def _chunk(
+    model: str, req: Prepared, kind: Kind, text: str | None, finish: str | None, role: bool = False
+) -> str:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    if finish is not None:
+        choice["stop_reason"] = req.stop_reason
+    data: dict[str, Any] = {
+        "id": req.request_id,
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": int(req.timings.arrival),
+        "model": model,
+        "choices": [choice],
+    }
+    if finish is not None:
+        data["tandem_timings"] = req.timings.stages_ms()
+    return _event(data)
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def _sse(
+    serving: Serving, req: Prepared, kind: Kind, include_usage: bool
+) -> AsyncIterator[str]:
+    model = serving.model_name
+    try:
+        if kind == "chat":
+            yield _chunk(model, req, kind, "", None, role=True)
+        async for item in serving.run(req):
+            finish = item.get("finish_reason")
+            if item["text"] or finish is not None:
+                yield _chunk(model, req, kind, item["text"] or None, finish)
+        if include_usage:
+            yield _event(
+                {
+                    "id": req.request_id,
+                    "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                    "created": int(req.timings.arrival),
+                    "model": model,
+                    "choices": [],
+                    "usage": req.usage(),
+                }
+            )
+    except APIError as exc:
+        yield _event(exc.body())
+    yield "data: [DONE]\n\n"
+
+
+def models_body(model: str, max_model_len: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "tandem",
+                "root": model,
+                "max_model_len": max_model_len,
+            }
+        ],
+    }

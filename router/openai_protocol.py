@@ -1,0 +1,138 @@
+"""OpenAI-compatible request schemas (completions and chat) and what they mean for the engine.
+
+Unknown fields are accepted and ignored, as OpenAI-compatible servers do; known fields are
+type-checked. Features tandem does not implement (n > 1, logprobs, echo, penalties, ...) are
+refused with a 400 that names the field rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.router.errors import bad_request
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise bad_request(f"n={self.n} is not supported (only n=1)", "n", "unsupported")
+        if self.logprobs not in (None, False, 0):
+            raise bad_request("logprobs are not supported", "logprobs", "unsupported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported", name, "unsupported")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options needs stream=true", "stream_options")
+
+    def sampling_dict(self) -> dict[str, Any]:
+        """SamplingParams fields but max_tokens (validated later, with the prompt length known)."""
+        params: dict[str, Any] = {
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+        }
+        for name in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = value
+        return params
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise bad_request("echo is not supported", "echo", "unsupported")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix", "unsupported")
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of > 1 is not supported", "best_of", "unsupported")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (a batch of several prompts is refused)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request("a batch of several prompts is not supported", "prompt")
+            return prompt[0]
+        return prompt  # type: ignore[return-value]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"content parts of type {part.type!r} are not supported", "messages"
+                )
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+
+    def requested_max_tokens(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -1,0 +1,148 @@
+"""One request through the PD cluster: reserve on decode, prefill elsewhere, stream tokens back.
+
+1. A streaming call to a decode replica reserves blocks and yields the reservation grant; the
+   same call then yields the request's tokens, so reservation and decode share one replica.
+2. The grant goes to a prefill replica, which prefills and streams pages straight to decode.
+3. Tokens flow from decode to the caller. If prefill fails first, the decode stream is closed.
+Leaving early (client gone, error, timeout) cancels both calls; the workers release their
+blocks and tell each other through the transfer protocol. The router only awaits: it never
+blocks its event loop. Routing is Serve's (least ongoing requests of two random replicas).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.router.errors import APIError, unavailable
+
+logger = logging.getLogger("tandem.router")
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock marks of one request's lifecycle (DESIGN §2) and its per-stage durations."""
+
+    arrival: float = field(default_factory=time.time)
+    marks: dict[str, float] = field(default_factory=dict)
+    worker: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str) -> None:
+        self.marks.setdefault(name, time.time())
+
+    def stages_ms(self) -> dict[str, float]:
+        m, start = self.marks, self.arrival
+        out: dict[str, float] = {}
+
+        def span(name: str, a: float | None, b: float | None) -> None:
+            if a is not None and b is not None:
+                out[name] = round((b - a) * 1000, 3)
+
+        span("tokenize", start, m.get("tokenized"))
+        span("reserve", m.get("tokenized"), m.get("reserved"))
+        for key in ("prefill_s", "transfer_tail_s", "transfer_wait_s", "decode_s"):
+            if key in self.worker:
+                out[key.removesuffix("_s")] = round(self.worker[key] * 1000, 3)
+        span("ttft", start, m.get("first_token"))
+        span("decode_stream", m.get("first_token"), m.get("finished"))
+        span("e2e", start, m.get("finished"))
+        return out
+
+
+class PDOrchestrator:
+    def __init__(self, prefill: Any, decode: Any) -> None:
+        self.prefill = prefill
+        self.decode = decode
+
+    async def limits(self) -> dict[str, Any]:
+        info: dict[str, Any] = await self.decode.info.remote()
+        return info
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        timings: RequestTimings,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yields decode's token items; the last carries `finish_reason`. Raises APIError."""
+        decode_stream = self.decode.options(stream=True).generate.remote(
+            request_id, prompt_token_ids, params
+        )
+        prefill_call: Any = None
+        pending: set[asyncio.Future[Any]] = set()
+        finished = False
+        try:
+            first = await _next(decode_stream)
+            if first["type"] == "error":
+                finished = True
+                raise _worker_error(first)
+            timings.mark("reserved")
+            prefill_call = self.prefill.prefill.remote(
+                request_id, prompt_token_ids, params, first["grant"]
+            )
+            prefill_task = asyncio.ensure_future(_await(prefill_call))
+            next_item = asyncio.ensure_future(_next(decode_stream))
+            pending = {prefill_task, next_item}
+            while True:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if prefill_task in done:
+                    pending.discard(prefill_task)
+                    outcome = prefill_task.result()
+                    if outcome["status"] != "sent":
+                        raise unavailable(
+                            f"prefill failed: {outcome.get('error')}", "prefill_failed"
+                        )
+                    timings.worker.update(outcome.get("timings", {}))
+                if next_item not in done:
+                    continue
+                item = next_item.result()
+                if item["type"] == "error":
+                    finished = True
+                    raise _worker_error(item)
+                timings.mark("first_token")
+                if item.get("finish_reason") is not None:
+                    finished = True
+                    timings.mark("finished")
+                    timings.worker.update(item.get("timings", {}))
+                    if prefill_task in pending:  # its outcome only adds timings now
+                        with contextlib.suppress(Exception, asyncio.TimeoutError):
+                            outcome = await asyncio.wait_for(asyncio.shield(prefill_task), 1.0)
+                            timings.worker.update(outcome.get("timings", {}))
+                    yield item
+                    return
+                yield item
+                next_item = asyncio.ensure_future(_next(decode_stream))
+                pending.add(next_item)
+        finally:
+            for task in pending:
+                task.cancel()
+            if not finished:
+                decode_stream.cancel()
+                if prefill_call is not None:
+                    prefill_call.cancel()
+
+
+async def _next(stream: Any) -> dict[str, Any]:
+    try:
+        item: dict[str, Any] = await stream.__anext__()
+    except StopAsyncIteration:
+        raise unavailable("the decode worker ended the stream early", "decode_failed") from None
+    return item
+
+
+async def _await(call: Any) -> dict[str, Any]:
+    result: dict[str, Any] = await call
+    return result
+
+
+def _worker_error(item: dict[str, Any]) -> APIError:
+    code = str(item.get("code", "worker_error"))
+    if code == "no_capacity":
+        return unavailable(f"no KV cache room on the decode worker: {item['error']}", code)
+    return unavailable(str(item.get("error", "worker error")), code)

@@ -1,0 +1,72 @@
+"""Turns an API request into prompt token ids and `SamplingParams`, or a 4xx `APIError`.
+
+Shared by the HTTP and gRPC front ends so both refuse the same things the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tokenizer import Tokenizer
+from tandem.router.errors import APIError, bad_request
+
+
+class ModelLimits(NamedTuple):
+    """What the decode workers accept (asked once from a decode replica)."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
+        token_ids = tokenizer.encode(prompt)
+    else:
+        token_ids = list(prompt)
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "prompt"
+            )
+    if not token_ids:
+        raise bad_request("prompt is empty", "prompt")
+    return token_ids
+
+
+def sampling_params(
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    fields: dict[str, Any],
+    limits: ModelLimits,
+) -> SamplingParams:
+    """Checks lengths against the context window, then builds the params (400 when invalid)."""
+    room = limits.max_model_len - num_prompt_tokens
+    if room <= 0:
+        raise APIError(
+            413,
+            f"This model's maximum context length is {limits.max_model_len} tokens; the prompt "
+            f"has {num_prompt_tokens} tokens (the prompt plus at least one generated token must "
+            "fit).",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        max_tokens = room
+    if max_tokens <= 0:
+        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if max_tokens > room:
+        raise bad_request(
+            f"This model's maximum context length is {limits.max_model_len} tokens; "
+            f"{num_prompt_tokens} prompt tokens + max_tokens={max_tokens} exceed it "
+            f"(at most {room} can be generated).",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    try:
+        return SamplingParams(**{**fields, "max_tokens": max_tokens})
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc)) from None

@@ -1,0 +1,93 @@
+"""One local Ray cluster (and Serve) per test run, shared by every integration test.
+
+`deploy_tandem(**config)` (re)deploys the application with a `ClusterConfig` and returns its
+base URL; the cluster, Serve's HTTP port and the gRPC port stay the same across deployments.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+APP = "tandem"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+class Cluster:
+    def __init__(self, http_port: int, grpc_port: int, model: Path) -> None:
+        self.http_port = http_port
+        self.grpc_port = grpc_port
+        self.model = model
+        self.base_url = f"http://127.0.0.1:{http_port}"
+        self.config: dict[str, Any] = {}
+
+    def deploy(self, **overrides: Any) -> str:
+        from ray import serve
+
+        from tandem.deploy.app_builder import build_app
+        from tandem.deploy.cluster_config import ClusterConfig
+
+        config = {
+            "model": str(self.model),
+            "served_model_name": "tiny",
+            "grpc_port": self.grpc_port,
+            "engine": {"num_kv_blocks": 512, "max_num_batched_tokens": 256},
+            "prefill": {"num_cpus": 0.25},
+            "decode": {"num_cpus": 0.25},
+            **overrides,
+        }
+        if config == self.config:
+            return self.base_url
+        serve.run(build_app(ClusterConfig(**config)), name=APP, route_prefix="/")
+        self.config = config
+        wait_ready(self.base_url)
+        return self.base_url
+
+    def workers(self) -> list[dict[str, Any]]:
+        workers: list[dict[str, Any]] = requests.get(
+            f"{self.base_url}/debug/workers", timeout=10
+        ).json()["workers"]
+        return workers
+
+
+def wait_ready(base_url: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{base_url}/v1/models", timeout=5).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{base_url} did not become ready in {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_checkpoint: Callable[..., Path]) -> Iterator[Cluster]:
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=4, include_dashboard=False, namespace="tandem-tests", log_to_driver=False)
+    http_port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    try:
+        yield Cluster(http_port, free_port(), tiny_checkpoint())
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,224 @@
+"""End to end through the real `openai` client: 1 prefill + 1 decode and 2 + 2, exact vs `LLM`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import openai
+import pytest
+import requests
+
+from tandem import LLM
+from tandem.engine.sampling_params import SamplingParams
+from tests.integration.conftest import Cluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+WORDS = [
+    "prefill",
+    "decode",
+    "router",
+    "cache",
+    "block",
+    "token",
+    "stream",
+    "lease",
+    "chunk",
+    "page",
+]
+PROMPTS = [
+    "hello",
+    "The quick brown fox",
+    "tandem serves prefill and decode on separate workers",
+    "a b c d e f g",
+    *(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(8 + 9 * i)) for i in range(10)),
+    "ünïcödé ça 語 界 ñ",
+    "end.",
+]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster) -> LLM:
+    return LLM(model=str(cluster.model), num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def expected(reference: LLM) -> list[Any]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return reference.generate(PROMPTS, params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module", params=["1x1", "2x2"])
+def base_url(request: pytest.FixtureRequest, cluster: Cluster) -> str:
+    n = int(request.param[0])
+    return cluster.deploy(
+        prefill={"replicas": n, "num_cpus": 0.25}, decode={"replicas": n, "num_cpus": 0.25}
+    )
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def wait_baseline(cluster: Cluster, replicas: int, timeout: float = 20.0) -> list[dict[str, Any]]:
+    """Every worker back to all blocks free, no request, no reservation, no transfer."""
+    deadline = time.monotonic() + timeout
+    workers: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        workers = cluster.workers()
+        roles = [w["role"] for w in workers]
+        idle = all(
+            w["num_free_blocks"] == w["num_blocks"]
+            and w["num_requests"] == 0
+            and w.get("num_reservations", 0) == 0
+            and w.get("num_transfers", 0) == 0
+            for w in workers
+        )
+        if idle and roles.count("prefill") == replicas and roles.count("decode") == replicas:
+            return workers
+        time.sleep(0.1)
+    raise AssertionError(f"workers did not return to baseline: {workers}")
+
+
+def test_models_and_health(base_url: str) -> None:
+    models = client(base_url).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert requests.get(f"{base_url}/health", timeout=10).status_code == 200
+
+
+def test_completions_match_colocated_llm(base_url: str, expected: list[Any]) -> None:
+    c = client(base_url)
+    for prompt, exp in zip(PROMPTS, expected, strict=True):
+        out = c.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert out.choices[0].text == exp.text, prompt
+        assert out.choices[0].finish_reason == "length"
+        assert out.usage is not None
+        assert out.usage.prompt_tokens == len(exp.prompt_token_ids)
+        assert out.usage.completion_tokens == len(exp.token_ids) == MAX_TOKENS
+        assert out.usage.total_tokens == out.usage.prompt_tokens + MAX_TOKENS
+
+
+def test_streaming_completion_with_usage(base_url: str, expected: list[Any]) -> None:
+    stream = client(base_url).completions.create(
+        model="tiny",
+        prompt=PROMPTS[5],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == expected[5].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        len(expected[5].prompt_token_ids),
+        MAX_TOKENS,
+    )
+
+
+def test_chat_streaming_and_not(base_url: str, reference: LLM) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    prompt_ids = reference.tokenizer.apply_chat_template(messages)
+    exp = reference.generate(
+        [prompt_ids], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False
+    )[0]
+    c = client(base_url)
+    out = c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)  # type: ignore[arg-type]
+    assert out.choices[0].message.content == exp.text
+    assert out.choices[0].message.role == "assistant"
+    assert out.usage is not None and out.usage.prompt_tokens == len(prompt_ids)
+    assert out.usage.completion_tokens == len(exp.token_ids)
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True
+        )  # type: ignore[arg-type]
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == exp.text
+    assert chunks[-1].choices[0].finish_reason == exp.finish_reason
+
+
+def test_stop_seed_and_timings(base_url: str, reference: LLM) -> None:
+    prompt = PROMPTS[8]
+    params = SamplingParams(
+        temperature=0.9, top_p=0.8, top_k=50, seed=11, max_tokens=16, ignore_eos=True
+    )
+    exp = reference.generate([prompt], params, use_tqdm=False)[0]
+    resp = requests.post(
+        f"{base_url}/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": prompt,
+            "temperature": 0.9,
+            "top_p": 0.8,
+            "top_k": 50,
+            "seed": 11,
+            "max_tokens": 16,
+            "ignore_eos": True,
+            "user": "tester",
+        },
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == exp.text
+    timings = resp.json()["tandem_timings"]
+    assert {"ttft", "prefill", "e2e"} <= set(timings)
+    assert "ttft" in resp.headers["x-tandem-timings"]
+
+
+def test_32_concurrent_streams_are_exact(base_url: str, expected: list[Any]) -> None:
+    async def one(c: openai.AsyncOpenAI, i: int) -> str:
+        stream = await c.completions.create(
+            model="tiny",
+            prompt=PROMPTS[i % len(PROMPTS)],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+
+    async def main() -> list[str]:
+        c = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(c, i) for i in range(32)))
+
+    texts = asyncio.run(main())
+    assert texts == [expected[i % len(PROMPTS)].text for i in range(32)]
+
+
+def test_client_disconnect_cancels_and_frees_blocks(base_url: str, cluster: Cluster) -> None:
+    replicas = int(cluster.config["decode"]["replicas"])
+    before = wait_baseline(cluster, replicas)
+    cancelled_before = sum(w["num_cancelled"] for w in before if w["role"] == "decode")
+    body = {
+        "model": "tiny",
+        "prompt": PROMPTS[9],
+        "max_tokens": 1800,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=60) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith(b"data: {") for line in got)
+    after = wait_baseline(cluster, replicas)
+    assert sum(w["num_cancelled"] for w in after if w["role"] == "decode") == cancelled_before + 1
+    # the cluster still answers exactly afterwards
+    out = client(base_url).completions.create(
+        model="tiny", prompt="hello", max_tokens=4, temperature=0
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 4
