@@ -59,6 +59,11 @@ class Cluster:
         wait_ready(self.base_url)
         return self.base_url
 
+    def deploy_pd(self, replicas: int = 1) -> str:
+        """`replicas` prefill + `replicas` decode workers (the default deployment)."""
+        role = {"replicas": replicas, "num_cpus": 0.25}
+        return self.deploy(prefill=role, decode=dict(role))
+
     def workers(self) -> list[dict[str, Any]]:
         workers: list[dict[str, Any]] = requests.get(
             f"{self.base_url}/debug/workers", timeout=10

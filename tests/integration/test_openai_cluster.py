@@ -53,10 +53,7 @@ def expected(reference: LLM) -> list[Any]:
 
 @pytest.fixture(scope="module", params=["1x1", "2x2"])
 def base_url(request: pytest.FixtureRequest, cluster: Cluster) -> str:
-    n = int(request.param[0])
-    return cluster.deploy(
-        prefill={"replicas": n, "num_cpus": 0.25}, decode={"replicas": n, "num_cpus": 0.25}
-    )
+    return cluster.deploy_pd(int(request.param[0]))
 
 
 def client(base_url: str) -> openai.OpenAI:

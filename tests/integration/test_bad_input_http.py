@@ -1,0 +1,99 @@
+"""Bad requests get a 4xx with an OpenAI-style error body, never a 500; the server keeps serving."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import requests
+
+from tests.integration.conftest import Cluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+OK = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def base_url(cluster: Cluster) -> str:
+    return cluster.deploy_pd(1)
+
+
+def post(base_url: str, path: str, **kwargs: Any) -> requests.Response:
+    return requests.post(f"{base_url}{path}", timeout=30, **kwargs)
+
+
+def assert_error(resp: requests.Response, status: int, param: str | None = None) -> None:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    assert body["error"]["type"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    assert "Traceback" not in resp.text
+
+
+CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
+    ("unknown model", "/v1/completions", {**OK, "model": "gpt-9"}, 404, "model"),
+    ("unknown chat model", "/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 404, "model"),
+    ("max_tokens 0", "/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", "/v1/completions", {**OK, "max_tokens": -3}, 400, "max_tokens"),
+    ("max_tokens beyond limit", "/v1/completions", {**OK, "max_tokens": 10**6}, 400, "max_tokens"),
+    ("prompt too long", "/v1/completions", {**OK, "prompt": "word " * 3000}, 413, "prompt"),
+    ("max_tokens wrong type", "/v1/completions", {**OK, "max_tokens": "many"}, 400, "max_tokens"),
+    ("temperature wrong type", "/v1/completions", {**OK, "temperature": "hot"}, 400, "temperature"),
+    ("temperature out of range", "/v1/completions", {**OK, "temperature": -1}, 400, "temperature"),
+    ("top_p out of range", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p"),
+    ("top_k zero", "/v1/completions", {**OK, "top_k": 0}, 400, None),
+    ("prompt wrong type", "/v1/completions", {**OK, "prompt": {"text": "hi"}}, 400, None),
+    ("prompt missing", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("empty prompt", "/v1/completions", {**OK, "prompt": ""}, 400, "prompt"),
+    ("token id outside vocab", "/v1/completions", {**OK, "prompt": [1, 2, 999999]}, 400, "prompt"),
+    ("n > 1", "/v1/completions", {**OK, "n": 2}, 400, "n"),
+    ("stream wrong type", "/v1/completions", {**OK, "stream": "maybe"}, 400, "stream"),
+    ("stop wrong type", "/v1/completions", {**OK, "stop": 5}, 400, None),
+    ("messages missing", "/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("messages empty", "/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    (
+        "bad role",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        None,
+    ),
+    ("chat max_tokens 0", "/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ("body is a list", "/v1/completions", [1, 2, 3], 400, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "body", "status", "param"), CASES, ids=[c[0] for c in CASES]
+)
+def test_bad_request_is_refused(
+    base_url: str, name: str, path: str, body: Any, status: int, param: str | None
+) -> None:
+    assert_error(post(base_url, path, json=body), status, param)
+
+
+def test_malformed_json_and_unknown_route(base_url: str) -> None:
+    headers = {"content-type": "application/json"}
+    assert_error(
+        post(base_url, "/v1/completions", data=b'{"model": "tiny", ', headers=headers), 400
+    )
+    assert_error(post(base_url, "/v1/chat/completions", data=b"not json", headers=headers), 400)
+    assert_error(post(base_url, "/v1/nothing", json=OK), 404)
+
+
+def test_unknown_fields_are_ignored_and_server_keeps_serving(base_url: str) -> None:
+    resp = post(base_url, "/v1/completions", json={**OK, "surprise": {"nested": [1, 2]}, "x": None})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 4
+    resp = post(base_url, "/v1/chat/completions", json=CHAT)
+    assert resp.status_code == 200, resp.text
+
+
+def test_streaming_bad_request_is_refused_before_streaming(base_url: str) -> None:
+    resp = post(base_url, "/v1/completions", json={**OK, "stream": True, "max_tokens": 0})
+    assert_error(resp, 400, "max_tokens")

@@ -1,0 +1,80 @@
+"""gRPC: `Generate` streams the same tokens as the colocated `LLM`; health reports SERVING."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem import LLM
+from tandem.engine.sampling_params import SamplingParams
+from tandem.router.grpc import generation_pb2, generation_pb2_grpc
+from tests.integration.conftest import Cluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def channel(cluster: Cluster) -> grpc.Channel:
+    cluster.deploy_pd(1)
+    ch = grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}")
+    grpc.channel_ready_future(ch).result(timeout=30)
+    return ch
+
+
+def test_health_reports_serving(channel: grpc.Channel) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "tandem.v1.Generation"):
+        deadline = time.monotonic() + 10
+        while True:
+            status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            if status == health_pb2.HealthCheckResponse.SERVING or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_generate_streams_the_same_tokens(channel: grpc.Channel, cluster: Cluster) -> None:
+    llm = LLM(model=str(cluster.model), num_kv_blocks=256)
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    for prompt in ("hello grpc", "tandem streams tokens over grpc " * 5):
+        exp = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+        )[0]
+        request = generation_pb2.GenerateRequest(
+            model="tiny",
+            prompt=prompt,
+            sampling=generation_pb2.SamplingOptions(temperature=0, max_tokens=10, ignore_eos=True),
+        )
+        replies = list(stub.Generate(request, timeout=60))
+        assert [t for r in replies for t in r.token_ids] == exp.token_ids
+        assert "".join(r.text for r in replies) == exp.text
+        assert replies[-1].finish_reason == "length"
+        assert replies[-1].usage.completion_tokens == 10
+        assert replies[-1].usage.prompt_tokens == len(exp.prompt_token_ids)
+    ids_request = generation_pb2.GenerateRequest(
+        prompt_token_ids=exp.prompt_token_ids,
+        sampling=generation_pb2.SamplingOptions(temperature=0, max_tokens=10, ignore_eos=True),
+    )
+    assert [t for r in stub.Generate(ids_request, timeout=60) for t in r.token_ids] == exp.token_ids
+
+
+def test_generate_refuses_bad_input(channel: grpc.Channel) -> None:
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    cases = [
+        (generation_pb2.GenerateRequest(model="nope", prompt="x"), grpc.StatusCode.NOT_FOUND),
+        (generation_pb2.GenerateRequest(prompt=""), grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            generation_pb2.GenerateRequest(
+                prompt="x", sampling=generation_pb2.SamplingOptions(max_tokens=0)
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (generation_pb2.GenerateRequest(prompt="word " * 3000), grpc.StatusCode.OUT_OF_RANGE),
+    ]
+    for request, code in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request, timeout=30))
+        assert info.value.code() == code
