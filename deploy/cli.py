@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from tandem.deploy.generate_cmd import generate
+from tandem.deploy.serve_cmd import serve
 
 app = typer.Typer(
     name="tandem",
@@ -138,6 +139,7 @@ def tiny_model(
 
 
 app.command("generate")(generate)
+app.command("serve")(serve)
 
 
 if __name__ == "__main__":  # pragma: no cover

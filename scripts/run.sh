@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
-# Sets up the environment, builds the embedded tiny model once, and runs the main job on it.
-# Until the Ray cluster lands this is offline generation with `tandem.LLM` (`tandem generate`).
+# Sets up the environment, then serves the embedded tiny model on a local Ray cluster
+# (1 prefill + 1 decode worker; OpenAI API on http://127.0.0.1:8000/v1). Extra arguments go to
+# `tandem serve` (see `.venv/bin/tandem serve --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-model=.tandem/models/tiny-llama
-if [ ! -f "$model/config.json" ]; then
-  .venv/bin/tandem tiny-model "$model" --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --vocab 512 --seed 0
-fi
-exec .venv/bin/tandem generate --model "$model" "$@"
+export TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-.tandem}
+exec .venv/bin/tandem serve "$@"

@@ -77,7 +77,7 @@ def wait_ready(base_url: str, timeout: float = 120.0) -> None:
         try:
             if requests.get(f"{base_url}/v1/models", timeout=5).status_code == 200:
                 return
-        except requests.ConnectionError:
+        except requests.RequestException:  # not up yet, or still starting its replicas
             pass
         time.sleep(0.25)
     raise TimeoutError(f"{base_url} did not become ready in {timeout}s")

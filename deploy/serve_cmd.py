@@ -1,0 +1,173 @@
+"""`tandem serve`: start (or join) a Ray cluster, deploy the PD application, serve until Ctrl-C."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+
+logger = logging.getLogger("tandem.deploy")
+
+
+def _config(
+    config_file: Path | None, overrides: dict[str, Any], role_overrides: dict[str, int | None]
+) -> Any:
+    from tandem.deploy.cluster_config import ClusterConfig
+
+    data: dict[str, Any] = {}
+    if config_file is not None:
+        import yaml
+
+        loaded = yaml.safe_load(config_file.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{config_file}: expected a mapping at the top level")
+        data = loaded
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    for role, replicas in role_overrides.items():
+        if replicas is not None:
+            data[role] = {**(data.get(role) or {}), "replicas": replicas}
+    return ClusterConfig.model_validate(data)
+
+
+def _start_ray(address: str | None, host: str, num_cpus: float | None, dashboard_port: int) -> Any:
+    """Joins `address` (or a cluster already running here); otherwise starts a local one."""
+    import ray
+
+    if address:
+        return ray.init(address=address), False
+    try:
+        return ray.init(address="auto"), False
+    except ConnectionError:
+        pass
+    ctx = ray.init(
+        num_cpus=int(num_cpus) if num_cpus else None,
+        include_dashboard=True,
+        dashboard_host=host,
+        dashboard_port=dashboard_port,
+    )
+    return ctx, True
+
+
+def serve(
+    model: Annotated[
+        Path | None,
+        typer.Option(help="Local Hugging Face checkpoint (default: the embedded tiny model)."),
+    ] = None,
+    prefill_replicas: Annotated[
+        int | None, typer.Option(min=1, help="Prefill workers (default 1).")
+    ] = None,
+    decode_replicas: Annotated[
+        int | None, typer.Option(min=1, help="Decode workers (default 1).")
+    ] = None,
+    transport: Annotated[
+        str | None, typer.Option(help="KV transport: shm (default), torch or ucx.")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port of the OpenAI API (8000).")] = None,
+    grpc_port: Annotated[
+        int | None, typer.Option(help="gRPC port (50051); 0 turns gRPC off.")
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True, dir_okay=False, help="Cluster config YAML/JSON; flags override it."
+        ),
+    ] = None,
+    address: Annotated[
+        str | None,
+        typer.Option(help="Ray cluster to join (default: one running here, else a new local one)."),
+    ] = None,
+    num_cpus: Annotated[
+        float | None, typer.Option(help="CPUs of a newly started local Ray cluster.")
+    ] = None,
+    dashboard_port: Annotated[int, typer.Option(help="Ray dashboard port (new cluster).")] = 8265,
+) -> None:
+    """Serve a model with disaggregated prefill and decode on Ray (OpenAI API + gRPC).
+
+    Starts a local Ray cluster with the dashboard when none is running, deploys a router, the
+    prefill workers and the decode workers, prints the URLs, and stops cleanly on Ctrl-C.
+    """
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    overrides = {
+        "model": str(model) if model else None,
+        "transport": transport,
+        "host": host,
+        "port": port,
+        "grpc_port": grpc_port,
+        "cache_dir": os.environ.get("TANDEM_CACHE_DIR"),
+    }
+    try:
+        cfg = _config(config, overrides, {"prefill": prefill_replicas, "decode": decode_replicas})
+        from tandem.deploy.app_builder import build_app, registry_name, resolve_model
+
+        typer.echo("[tandem] preparing the model ...")
+        cfg = cfg.model_copy(update={"model": resolve_model(cfg)})
+        app = build_app(cfg)
+    except (ValidationError, ValueError, OSError) as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    if cfg.host in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    started = time.monotonic()
+    from ray import serve as ray_serve
+
+    ctx, own_cluster = _start_ray(address, cfg.host, num_cpus, dashboard_port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        ray_serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        ray_serve.run(app, name=cfg.app_name, route_prefix="/")
+        _print_urls(cfg, ctx, time.monotonic() - started)
+        while not stop.wait(0.5):
+            pass
+        typer.echo("[tandem] stopping ...")
+    finally:
+        _shutdown(cfg.app_name, registry_name(cfg), own_cluster)
+    typer.echo("[tandem] stopped")
+
+
+def _print_urls(cfg: Any, ctx: Any, seconds: float) -> None:
+    host = cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    dashboard = getattr(ctx, "dashboard_url", None)
+    lines = [
+        f"[tandem] serving {Path(cfg.model).name}: {cfg.prefill.replicas} prefill + "
+        f"{cfg.decode.replicas} decode workers, {cfg.transport} KV transport, "
+        f"ready in {seconds:.1f}s",
+        f"[tandem]   OpenAI API:    http://{host}:{cfg.port}/v1",
+    ]
+    if cfg.grpc_port:
+        lines.append(f"[tandem]   gRPC:          {host}:{cfg.grpc_port} (tandem.v1.Generation)")
+    if dashboard:
+        lines.append(f"[tandem]   Ray dashboard: http://{dashboard}")
+    lines.append("[tandem] press Ctrl-C to stop")
+    typer.echo("\n".join(lines))
+
+
+def _shutdown(app_name: str, registry: str, own_cluster: bool) -> None:
+    import ray
+    from ray import serve as ray_serve
+
+    from tandem.engine.worker_registry import kill_registry
+
+    try:
+        if own_cluster:
+            ray_serve.shutdown()
+        else:
+            ray_serve.delete(app_name)
+        kill_registry(registry)
+    except Exception as exc:  # shutting down anyway: say what failed
+        logger.warning("clean shutdown incomplete: %s", exc)
+    finally:
+        ray.shutdown()

@@ -1,0 +1,98 @@
+"""`tandem serve` and `serve run <committed Serve config>` each start the app on a fresh Ray.
+
+Each runs as a subprocess with its own Ray temp dir, so it starts its own cluster instead of
+joining the one the other integration tests share.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from tests.integration.conftest import free_port, wait_ready
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture()
+def isolated_env() -> Iterator[dict[str, str]]:
+    tmp = tempfile.mkdtemp(prefix="tdm", dir="/tmp")  # short: Ray's socket paths must fit
+    env = {
+        **os.environ,
+        "RAY_TMPDIR": tmp,
+        "TANDEM_CACHE_DIR": f"{tmp}/cache",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "disabled",
+    }
+    env.pop("RAY_ADDRESS", None)
+    yield env
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def stop(proc: subprocess.Popen[str], timeout: float = 60) -> str:
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"did not stop on SIGINT within {timeout}s:\n{out[-3000:]}") from None
+    return out
+
+
+def complete(port: int, model: str) -> str:
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    out = c.completions.create(model=model, prompt="hello", max_tokens=5, temperature=0)
+    assert out.usage is not None and out.usage.completion_tokens == 5
+    return out.choices[0].text
+
+
+def test_tandem_serve_answers_and_stops_on_ctrl_c(isolated_env: dict[str, str]) -> None:
+    port, grpc_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [str(BIN / "tandem"), "serve", "--port", str(port), "--grpc-port", str(grpc_port),
+         "--dashboard-port", str(free_port()), "--num-cpus", "2"],
+        env=isolated_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", timeout=180)
+        complete(port, "tiny-llama")
+    finally:
+        out = stop(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert f"OpenAI API:    http://127.0.0.1:{port}/v1" in out
+    assert "Ray dashboard: http://" in out
+    assert "[tandem] stopped" in out
+
+
+def test_serve_run_on_the_committed_config(isolated_env: dict[str, str], tmp_path: Path) -> None:
+    config = yaml.safe_load((REPO / "deploy" / "serve_config.yaml").read_text())
+    port = free_port()
+    config["http_options"]["port"] = port  # only ports and the model cache move
+    args = config["applications"][0]["args"]
+    args["grpc_port"] = free_port()
+    args["cache_dir"] = isolated_env["TANDEM_CACHE_DIR"]
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen(
+        [str(BIN / "serve"), "run", str(path)],
+        env=isolated_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", timeout=180)
+        complete(port, "tiny-llama")
+    finally:
+        stop(proc)
