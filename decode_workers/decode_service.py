@@ -45,6 +45,14 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _merge(item: dict[str, Any], nxt: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **nxt,
+        "token_ids": item["token_ids"] + nxt["token_ids"],
+        "text": item["text"] + nxt["text"],
+    }
+
+
 def _error(code: str, message: str) -> dict[str, Any]:
     return {"type": "error", "code": code, "error": message}
 
@@ -94,8 +102,20 @@ class DecodeService(WorkerLoop):
                 "grant": grant._asdict(),
                 "num_cached_tokens": grant.num_hit_blocks * self.engine.config.block_size,
             }
+            carry: dict[str, Any] | None = None
             while not finished:
-                item = await stream.queue.get()
+                item = carry if carry is not None else await stream.queue.get()
+                carry = None
+                # Token items already queued go out as one: a consumer slower than the engine
+                # (a hop per item) then gets several tokens per hop instead of falling behind.
+                while item["type"] == "tokens" and item.get("finish_reason") is None:
+                    if stream.queue.empty():
+                        break
+                    nxt = stream.queue.get_nowait()
+                    if nxt["type"] != "tokens":
+                        carry = nxt
+                        break
+                    item = _merge(item, nxt)
                 finished = item["type"] == "error" or item.get("finish_reason") is not None
                 yield item
         finally:

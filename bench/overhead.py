@@ -1,0 +1,174 @@
+"""What the cluster adds per request: TTFT and TPOT at concurrency 1, cluster vs in-process `LLM`.
+
+Starts a local Ray cluster, deploys 1 prefill + 1 decode worker on the same checkpoint, and sends
+requests one at a time through gRPC (one message per token, so every token's arrival is seen)
+and through the HTTP API (SSE; TTFT to the first chunk). The baseline runs the same prompts in
+this process with `LLMEngine.step()`. Prints p50/p99 of each and the difference; the JSON summary
+is the last line. Target: <= 2 ms p50 added per request.
+
+    python bench/overhead.py                       # embedded tiny model, 40 requests
+    python bench/overhead.py --model PATH --requests 100 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import torch  # noqa: E402
+
+from tandem import LLM, SamplingParams  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def summary(ttft: list[float], tpot: list[float]) -> dict[str, float]:
+    return {
+        "ttft_p50_ms": round(pct(ttft, 50) * 1e3, 3),
+        "ttft_p99_ms": round(pct(ttft, 99) * 1e3, 3),
+        "tpot_p50_ms": round(pct(tpot, 50) * 1e3, 3),
+        "tpot_p99_ms": round(pct(tpot, 99) * 1e3, 3),
+    }
+
+
+def prompts_for(llm: LLM, n: int, length: int) -> list[list[int]]:
+    base = llm.tokenizer.encode("tandem measures what the cluster adds to every request " * 64)
+    return [[(t + i) % 400 + 10 for t in base[:length]] for i in range(n)]
+
+
+def in_process(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, list]:
+    engine = llm.engine
+    ttft, tpot = [], []
+    for i, prompt in enumerate(prompts):
+        start = time.perf_counter()
+        engine.add_request(prompt, params, request_id=f"base-{i}")
+        stamps = []
+        while engine.has_unfinished_requests():
+            for _ in engine.step():
+                stamps.append(time.perf_counter())
+        ttft.append(stamps[0] - start)
+        tpot.append((stamps[-1] - stamps[0]) / max(1, len(stamps) - 1))
+    return ttft, tpot
+
+
+def through_grpc(port: int, prompts: list[list[int]], max_tokens: int) -> tuple[list, list]:
+    import grpc
+
+    from tandem.router.grpc import generation_pb2, generation_pb2_grpc
+
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    ttft, tpot = [], []
+    for prompt in prompts:
+        request = generation_pb2.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=generation_pb2.SamplingOptions(
+                temperature=0, max_tokens=max_tokens, ignore_eos=True
+            ),
+        )
+        start = time.perf_counter()
+        stamps = [time.perf_counter() for r in stub.Generate(request) for _ in r.token_ids]
+        ttft.append(stamps[0] - start)
+        tpot.append((stamps[-1] - stamps[0]) / max(1, len(stamps) - 1))
+    return ttft, tpot
+
+
+def through_http(port: int, prompts: list[list[int]], max_tokens: int) -> list[float]:
+    import requests
+
+    session = requests.Session()
+    ttft = []
+    for prompt in prompts:
+        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        start = time.perf_counter()
+        first = None
+        with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body, stream=True) as r:
+            for line in r.iter_lines():
+                if first is None and line.startswith(b"data: {"):
+                    first = time.perf_counter()
+        ttft.append((first or time.perf_counter()) - start)
+    return ttft
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="checkpoint (default: the embedded tiny model)")
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--transport", default="shm")
+    args = parser.parse_args()
+
+    import ray
+    from ray import serve
+
+    from tandem.deploy.app_builder import build_app, resolve_model
+    from tandem.deploy.cluster_config import ClusterConfig
+
+    cache = Path(tempfile.gettempdir()) / "tandem-bench"
+    config = ClusterConfig(model=args.model, cache_dir=str(cache), transport=args.transport,
+                           served_model_name="bench", grpc_port=50151,
+                           engine={"num_kv_blocks": 1024})  # fmt: skip
+    torch.set_num_threads(1)  # as each worker runs (RoleConfig.torch_threads)
+    model = resolve_model(config)
+    config = config.model_copy(update={"model": model})
+    llm = LLM(model=model, num_kv_blocks=1024)
+    prompts = prompts_for(llm, args.requests + 3, args.prompt_len)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    in_process(llm, prompts[:3], params)  # warm-up
+    base = summary(*in_process(llm, prompts[3:], params))
+    print(f"in-process LLM: {base}", flush=True)
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": 28999})
+    try:
+        serve.run(build_app(config), name="bench", route_prefix="/")
+        through_grpc(50151, prompts[:3], args.max_tokens)  # warm-up
+        grpc_ttft, grpc_tpot = through_grpc(50151, prompts[3:], args.max_tokens)
+        cluster = summary(grpc_ttft, grpc_tpot)
+        http_ttft = through_http(28999, prompts[3:], args.max_tokens)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    cluster["http_ttft_p50_ms"] = round(pct(http_ttft, 50) * 1e3, 3)
+    cluster["http_ttft_p99_ms"] = round(pct(http_ttft, 99) * 1e3, 3)
+    print(f"cluster (gRPC, 1 prefill + 1 decode, {args.transport}): {cluster}", flush=True)
+    added = {
+        "ttft_p50_ms": round(cluster["ttft_p50_ms"] - base["ttft_p50_ms"], 3),
+        "tpot_p50_ms": round(cluster["tpot_p50_ms"] - base["tpot_p50_ms"], 3),
+        "http_ttft_p50_ms": round(cluster["http_ttft_p50_ms"] - base["ttft_p50_ms"], 3),
+    }
+    print(f"added by the cluster (p50): {added}  (target <= 2 ms)", flush=True)
+    result: dict[str, Any] = {
+        "benchmark": "overhead",
+        "model": Path(model).name,
+        "requests": args.requests,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "transport": args.transport,
+        "in_process": base,
+        "cluster": cluster,
+        "added_p50_ms": added,
+        "target_met": added["ttft_p50_ms"] <= 2.0 and added["tpot_p50_ms"] <= 2.0,
+        "statistics": {"ttft_stdev_ms": round(statistics.pstdev(grpc_ttft) * 1e3, 3)},
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
