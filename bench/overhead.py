@@ -85,7 +85,10 @@ def through_grpc(port: int, prompts: list[list[int]], max_tokens: int) -> tuple[
     return ttft, tpot
 
 
-def through_http(port: int, prompts: list[list[int]], max_tokens: int) -> list[float]:
+def through_http(
+    port: int, prompts: list[list[int]], max_tokens: int, stages: dict[str, list[float]]
+) -> list[float]:
+    """TTFT to the first SSE chunk; collects the router's per-stage timings into `stages`."""
     import requests
 
     session = requests.Session()
@@ -99,6 +102,9 @@ def through_http(port: int, prompts: list[list[int]], max_tokens: int) -> list[f
             for line in r.iter_lines():
                 if first is None and line.startswith(b"data: {"):
                     first = time.perf_counter()
+                if b"tandem_timings" in line:
+                    for k, v in json.loads(line[6:])["tandem_timings"].items():
+                        stages.setdefault(k, []).append(v)
         ttft.append((first or time.perf_counter()) - start)
     return ttft
 
@@ -141,13 +147,16 @@ def main() -> None:
         through_grpc(50151, prompts[:3], args.max_tokens)  # warm-up
         grpc_ttft, grpc_tpot = through_grpc(50151, prompts[3:], args.max_tokens)
         cluster = summary(grpc_ttft, grpc_tpot)
-        http_ttft = through_http(28999, prompts[3:], args.max_tokens)
+        stages: dict[str, list[float]] = {}
+        http_ttft = through_http(28999, prompts[3:], args.max_tokens, stages)
     finally:
         serve.shutdown()
         ray.shutdown()
     cluster["http_ttft_p50_ms"] = round(pct(http_ttft, 50) * 1e3, 3)
     cluster["http_ttft_p99_ms"] = round(pct(http_ttft, 99) * 1e3, 3)
     print(f"cluster (gRPC, 1 prefill + 1 decode, {args.transport}): {cluster}", flush=True)
+    stage_p50 = {k: round(statistics.median(v), 3) for k, v in stages.items()}
+    print(f"router stage timings over HTTP, p50 ms: {stage_p50}", flush=True)
     added = {
         "ttft_p50_ms": round(cluster["ttft_p50_ms"] - base["ttft_p50_ms"], 3),
         "tpot_p50_ms": round(cluster["tpot_p50_ms"] - base["tpot_p50_ms"], 3),
@@ -165,6 +174,7 @@ def main() -> None:
         "cluster": cluster,
         "added_p50_ms": added,
         "target_met": added["ttft_p50_ms"] <= 2.0 and added["tpot_p50_ms"] <= 2.0,
+        "router_stages_p50_ms": stage_p50,
         "statistics": {"ttft_stdev_ms": round(statistics.pstdev(grpc_ttft) * 1e3, 3)},
     }
     print(json.dumps(result))

@@ -67,6 +67,10 @@ class WorkerLoop(ABC):
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
+    def close(self) -> None:
+        """Stops the loop and releases what the service holds (subclasses extend it)."""
+        self.stop()
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None

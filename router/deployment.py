@@ -29,6 +29,7 @@ from tandem.router.openai_api import (
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.router.pd_orchestrator import PDOrchestrator
 from tandem.router.serving import Serving
+from tandem.router.worker_directory import WorkerDirectory
 
 logger = logging.getLogger("tandem.router")
 
@@ -80,15 +81,21 @@ async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
 @serve.ingress(api)
 class Router:
     def __init__(self, settings: dict[str, Any], prefill: Any, decode: Any) -> None:
+        """`prefill` / `decode` are the worker deployments' handles: binding them makes Serve
+        deploy the workers with the router; requests reach workers over their RPC endpoints."""
         self.settings = settings
         tokenizer = Tokenizer.from_pretrained(settings["model"])
+        self.directory = WorkerDirectory(
+            get_registry(settings["registry_name"]), settings["auth_token"]
+        )
+        self.directory.start()
         self.serving = Serving(
-            PDOrchestrator(prefill, decode),
+            PDOrchestrator(self.directory),
             tokenizer,
             settings["served_model_name"],
             settings.get("request_timeout_s", 600.0),
         )
-        self.registry_name = settings.get("registry_name")
+        self.registry_name: str = settings["registry_name"]
         self._grpc_server: Any = None
         port = settings.get("grpc_port")
         if port:
@@ -121,7 +128,5 @@ class Router:
 
     @api.get("/debug/workers")
     async def workers(self) -> JSONResponse:
-        if not self.registry_name:
-            return JSONResponse({"workers": []})
         workers = await get_registry(self.registry_name).list.remote()
         return JSONResponse(json.loads(json.dumps({"workers": workers}, default=str)))

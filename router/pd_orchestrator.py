@@ -6,7 +6,8 @@
 3. Tokens flow from decode to the caller. If prefill fails first, the decode stream is closed.
 Leaving early (client gone, error, timeout) cancels both calls; the workers release their
 blocks and tell each other through the transfer protocol. The router only awaits: it never
-blocks its event loop. Routing is Serve's (least ongoing requests of two random replicas).
+blocks its event loop. Calls go over the workers' RPC endpoints (`tandem.engine.rpc`), not
+through Serve handles, and each role's least-loaded worker is picked (`WorkerDirectory`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.rpc import RPCError
 from tandem.router.errors import APIError, unavailable
+from tandem.router.worker_directory import Worker, WorkerDirectory
 
 logger = logging.getLogger("tandem.router")
 
@@ -55,13 +58,15 @@ class RequestTimings:
 
 
 class PDOrchestrator:
-    def __init__(self, prefill: Any, decode: Any) -> None:
-        self.prefill = prefill
-        self.decode = decode
+    def __init__(self, directory: WorkerDirectory) -> None:
+        self.directory = directory
 
     async def limits(self) -> dict[str, Any]:
-        info: dict[str, Any] = await self.decode.info.remote()
-        return info
+        worker = await self.directory.pick("decode")
+        try:
+            return await worker.client.call("info")
+        except RPCError as exc:
+            raise unavailable(f"decode worker {worker.worker_id}: {exc}", "decode_failed") from None
 
     async def generate(
         self,
@@ -71,23 +76,36 @@ class PDOrchestrator:
         timings: RequestTimings,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yields decode's token items; the last carries `finish_reason`. Raises APIError."""
-        decode_stream = self.decode.options(stream=True).generate.remote(
-            request_id, prompt_token_ids, params
+        decode = await self.directory.pick("decode")
+        prefill = await self.directory.pick("prefill")
+        with self.directory.busy(decode), self.directory.busy(prefill):
+            async for item in self._run(
+                decode, prefill, request_id, prompt_token_ids, params, timings
+            ):
+                yield item
+
+    async def _run(
+        self,
+        decode: Worker,
+        prefill: Worker,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        timings: RequestTimings,
+    ) -> AsyncIterator[dict[str, Any]]:
+        decode_stream = decode.client.stream(
+            "generate", request_id=request_id, prompt_token_ids=prompt_token_ids, params=params
         )
-        prefill_call: Any = None
         pending: set[asyncio.Future[Any]] = set()
-        finished = False
         try:
-            first = await _next(decode_stream)
+            first = await _next(decode_stream, decode)
             if first["type"] == "error":
-                finished = True
                 raise _worker_error(first)
             timings.mark("reserved")
-            prefill_call = self.prefill.prefill.remote(
-                request_id, prompt_token_ids, params, first["grant"]
+            prefill_task = asyncio.ensure_future(
+                _prefill(prefill, request_id, prompt_token_ids, params, first["grant"])
             )
-            prefill_task = asyncio.ensure_future(_await(prefill_call))
-            next_item = asyncio.ensure_future(_next(decode_stream))
+            next_item = asyncio.ensure_future(_next(decode_stream, decode))
             pending = {prefill_task, next_item}
             while True:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -101,13 +119,12 @@ class PDOrchestrator:
                     timings.worker.update(outcome.get("timings", {}))
                 if next_item not in done:
                     continue
+                pending.discard(next_item)
                 item = next_item.result()
                 if item["type"] == "error":
-                    finished = True
                     raise _worker_error(item)
                 timings.mark("first_token")
                 if item.get("finish_reason") is not None:
-                    finished = True
                     timings.mark("finished")
                     timings.worker.update(item.get("timings", {}))
                     if prefill_task in pending:  # its outcome only adds timings now
@@ -117,28 +134,33 @@ class PDOrchestrator:
                     yield item
                     return
                 yield item
-                next_item = asyncio.ensure_future(_next(decode_stream))
+                next_item = asyncio.ensure_future(_next(decode_stream, decode))
                 pending.add(next_item)
         finally:
-            for task in pending:
+            for task in pending:  # cancelling a call's task cancels it on its worker
                 task.cancel()
-            if not finished:
-                decode_stream.cancel()
-                if prefill_call is not None:
-                    prefill_call.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await decode_stream.aclose()
 
 
-async def _next(stream: Any) -> dict[str, Any]:
+async def _next(stream: AsyncGenerator[dict[str, Any], None], worker: Worker) -> dict[str, Any]:
     try:
-        item: dict[str, Any] = await stream.__anext__()
+        return await anext(stream)
     except StopAsyncIteration:
         raise unavailable("the decode worker ended the stream early", "decode_failed") from None
-    return item
+    except RPCError as exc:
+        raise unavailable(f"decode worker {worker.worker_id}: {exc}", "decode_failed") from None
 
 
-async def _await(call: Any) -> dict[str, Any]:
-    result: dict[str, Any] = await call
-    return result
+async def _prefill(
+    worker: Worker, request_id: str, prompt: list[int], params: dict[str, Any], grant: Any
+) -> dict[str, Any]:
+    try:
+        return await worker.client.call(
+            "prefill", request_id=request_id, prompt_token_ids=prompt, params=params, grant=grant
+        )
+    except RPCError as exc:
+        return {"status": "failed", "error": f"prefill worker {worker.worker_id}: {exc}"}
 
 
 def _worker_error(item: dict[str, Any]) -> APIError:

@@ -1,0 +1,221 @@
+"""A small async RPC between the router and the workers: JSON frames over TCP, streamed replies.
+
+Ray Serve handles cost milliseconds per hop; the request path (reserve, prefill, token stream)
+needs far less. Every worker runs an `RPCServer`; the router keeps one `RPCClient` per worker.
+
+Wire format: 4-byte big-endian length + a UTF-8 JSON object (no pickle; nothing received is
+executed). The client opens with {"token": ...}; a server that gets the wrong cluster token
+answers {"error": ...} and closes. Then, multiplexed by call id:
+  client -> {"id": n, "method": name, "args": {...}}  |  {"id": n, "cancel": true}
+  server -> {"id": n, "item": {...}} (0..k times), then {"id": n, "end": true} or
+            {"id": n, "error": text}
+Every method is an async generator; a unary call is a stream of one item. A dropped connection
+cancels the calls it carried (a router that dies releases its requests on the workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import socket
+import struct
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[..., AsyncIterator[dict[str, Any]]]
+_HEADER = struct.Struct(">I")
+MAX_FRAME = 64 << 20
+
+
+class RPCError(RuntimeError):
+    """The remote handler failed, the token was refused, or the connection broke."""
+
+
+async def _read(reader: asyncio.StreamReader) -> dict[str, Any]:
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    if size > MAX_FRAME:
+        raise RPCError(f"frame of {size} bytes exceeds the {MAX_FRAME} byte limit")
+    message = json.loads(await reader.readexactly(size))
+    if not isinstance(message, dict):
+        raise RPCError("a frame must hold a JSON object")
+    return message
+
+
+def _frame(message: dict[str, Any]) -> bytes:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    return _HEADER.pack(len(data)) + data
+
+
+def _no_delay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class RPCServer:
+    def __init__(self, handlers: dict[str, Handler], auth_token: str) -> None:
+        if not auth_token:
+            raise ValueError("an RPC server needs a non-empty cluster token")
+        self.handlers = handlers
+        self.auth_token = auth_token
+        self._server: asyncio.Server | None = None
+        self.address = ""
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._server = await asyncio.start_server(self._serve, host, port)
+        bound = self._server.sockets[0].getsockname()
+        self.address = f"{host}:{bound[1]}"
+        return self.address
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _no_delay(writer)
+        calls: dict[int, asyncio.Task[None]] = {}
+        try:
+            hello = await asyncio.wait_for(_read(reader), 10)
+            if hello.get("token") != self.auth_token:
+                writer.write(_frame({"error": "wrong cluster token"}))
+                await writer.drain()
+                return
+            writer.write(_frame({"ok": True}))
+            while True:
+                message = await _read(reader)
+                call_id = int(message.get("id", -1))
+                if message.get("cancel"):
+                    task = calls.pop(call_id, None)
+                    if task is not None:
+                        task.cancel()
+                    continue
+                calls[call_id] = asyncio.create_task(self._run(call_id, message, writer, calls))
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, RPCError, ValueError):
+            pass  # the peer went away or spoke nonsense: drop the connection
+        finally:
+            for task in calls.values():
+                task.cancel()
+            writer.close()
+
+    async def _run(
+        self,
+        call_id: int,
+        message: dict[str, Any],
+        writer: asyncio.StreamWriter,
+        calls: dict[int, asyncio.Task[None]],
+    ) -> None:
+        handler = self.handlers.get(str(message.get("method")))
+        try:
+            if handler is None:
+                raise RPCError(f"unknown method {message.get('method')!r}")
+            async for item in handler(**message.get("args", {})):
+                writer.write(_frame({"id": call_id, "item": item}))
+            writer.write(_frame({"id": call_id, "end": True}))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning("RPC %s failed: %r", message.get("method"), exc)
+            with contextlib.suppress(ConnectionError):
+                writer.write(_frame({"id": call_id, "error": f"{type(exc).__name__}: {exc}"}))
+        finally:
+            calls.pop(call_id, None)
+
+
+class RPCClient:
+    """One connection to one worker; safe to share between concurrent calls on one loop."""
+
+    def __init__(self, address: str, auth_token: str) -> None:
+        self.address = address
+        self.auth_token = auth_token
+        self._ids = itertools.count()
+        self._queues: dict[int, asyncio.Queue[dict[str, Any]]] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._connecting: asyncio.Lock | None = None
+        self.closed = False
+
+    async def _connect(self) -> asyncio.StreamWriter:
+        if self._writer is not None:
+            return self._writer
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._writer is None:
+                host, _, port = self.address.rpartition(":")
+                reader, writer = await asyncio.open_connection(host, int(port))
+                _no_delay(writer)
+                writer.write(_frame({"token": self.auth_token}))
+                reply = await asyncio.wait_for(_read(reader), 10)
+                if not reply.get("ok"):
+                    writer.close()
+                    raise RPCError(f"{self.address} refused the connection: {reply.get('error')}")
+                self._writer = writer
+                self._reader_task = asyncio.create_task(self._read_loop(reader))
+        assert self._writer is not None
+        return self._writer
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                message = await _read(reader)
+                queue = self._queues.get(int(message.get("id", -1)))
+                if queue is not None:
+                    queue.put_nowait(message)
+        except (asyncio.IncompleteReadError, ConnectionError, RPCError, ValueError):
+            pass
+        finally:
+            self.closed = True
+            self._writer = None
+            for queue in self._queues.values():
+                queue.put_nowait({"error": f"connection to {self.address} lost"})
+
+    async def stream(self, method: str, **args: Any) -> AsyncGenerator[dict[str, Any], None]:
+        """Yields the call's items; leaving early cancels the call on the worker."""
+        if self.closed:
+            raise RPCError(f"connection to {self.address} is closed")
+        writer = await self._connect()
+        call_id = next(self._ids)
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._queues[call_id] = queue
+        done = False
+        try:
+            writer.write(_frame({"id": call_id, "method": method, "args": args}))
+            while True:
+                message = await queue.get()
+                if "item" in message:
+                    yield message["item"]
+                    continue
+                done = True
+                if "error" in message:
+                    raise RPCError(str(message["error"]))
+                return
+        finally:
+            del self._queues[call_id]
+            if not done and self._writer is not None:
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    self._writer.write(_frame({"id": call_id, "cancel": True}))
+
+    async def call(self, method: str, **args: Any) -> dict[str, Any]:
+        """A unary call: the first (only) item."""
+        gen = self.stream(method, **args)
+        try:
+            async for item in gen:
+                return item
+        finally:
+            await gen.aclose()
+        raise RPCError(f"{method} on {self.address} returned nothing")
+
+    async def close(self) -> None:
+        self.closed = True
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
