@@ -1,0 +1,109 @@
+"""The router <-> worker RPC: token handshake, streamed items, errors, cancel on both paths."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from tandem.engine.rpc import RPCClient, RPCError, RPCServer
+
+
+class Handlers:
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+        self.started = asyncio.Event()
+
+    async def count(self, n: int) -> AsyncIterator[dict[str, Any]]:
+        for i in range(n):
+            yield {"i": i}
+
+    async def forever(self, name: str) -> AsyncIterator[dict[str, Any]]:
+        try:
+            self.started.set()
+            yield {"started": name}
+            await asyncio.sleep(3600)
+            yield {"never": True}
+        except asyncio.CancelledError:
+            self.cancelled.append(name)
+            raise
+
+    async def boom(self) -> AsyncIterator[dict[str, Any]]:
+        raise ValueError("bad things")
+        yield {}
+
+    def table(self) -> dict[str, Any]:
+        return {"count": self.count, "forever": self.forever, "boom": self.boom}
+
+
+async def _serve(handlers: Handlers) -> tuple[RPCServer, str]:
+    server = RPCServer(handlers.table(), "secret")
+    return server, await server.start()
+
+
+def test_stream_call_and_errors() -> None:
+    async def main() -> None:
+        handlers = Handlers()
+        server, address = await _serve(handlers)
+        client = RPCClient(address, "secret")
+        assert [x["i"] async for x in client.stream("count", n=5)] == [0, 1, 2, 3, 4]
+        assert await client.call("count", n=3) == {"i": 0}
+        with pytest.raises(RPCError, match="bad things"):
+            await client.call("boom")
+        with pytest.raises(RPCError, match="unknown method"):
+            await client.call("nope")
+        results = await asyncio.gather(*(client.call("count", n=i + 1) for i in range(20)))
+        assert results == [{"i": 0}] * 20
+        await client.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_wrong_token_is_refused() -> None:
+    async def main() -> None:
+        server, address = await _serve(Handlers())
+        with pytest.raises(RPCError, match="wrong cluster token"):
+            await RPCClient(address, "guess").call("count", n=1)
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_leaving_a_stream_early_cancels_it_on_the_server() -> None:
+    async def main() -> None:
+        handlers = Handlers()
+        server, address = await _serve(handlers)
+        client = RPCClient(address, "secret")
+        stream = client.stream("forever", name="a")
+        assert await anext(stream) == {"started": "a"}
+        await stream.aclose()
+        for _ in range(100):
+            if handlers.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert handlers.cancelled == ["a"]
+        await client.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_dropped_connection_cancels_its_calls() -> None:
+    async def main() -> None:
+        handlers = Handlers()
+        server, address = await _serve(handlers)
+        client = RPCClient(address, "secret")
+        task = asyncio.create_task(anext(client.stream("forever", name="b")))
+        assert await task == {"started": "b"}
+        await client.close()  # the router went away
+        for _ in range(100):
+            if handlers.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert handlers.cancelled == ["b"]
+        await server.close()
+
+    asyncio.run(main())
