@@ -76,16 +76,23 @@ def _memcpy(chunk_bytes: int, repeats: int, into_shm: bool = False) -> float:
             region.unlink()
 
 
-def _receiver_main(pipe: Connection, transport_name: str, num_blocks: int) -> None:
+def _pool(transport: Any, num_blocks: int, sending: bool = False) -> Any:
+    """The pool an engine would use with this transport (`allocate_pool` where it has one, as
+    `process_pair` does; the shm sender reads from private memory, where THP applies)."""
     from tandem.kernels.kv_cache import KVCachePool
+
+    allocate = getattr(transport, "allocate_pool", None)
+    if allocate is None or (sending and transport.name == "shm"):
+        return KVCachePool(num_blocks, **BLOCK)
+    return allocate(num_blocks, **BLOCK)
+
+
+def _receiver_main(pipe: Connection, transport_name: str, num_blocks: int) -> None:
     from tandem.kv_transfer.registry import create_transport
 
     torch.set_num_threads(1)
     transport = create_transport(transport_name, TOKEN)
-    if transport_name == "shm":
-        pool = transport.allocate_pool(num_blocks, **BLOCK)  # type: ignore[attr-defined]
-    else:
-        pool = KVCachePool(num_blocks, **BLOCK)
+    pool = _pool(transport, num_blocks)
     transport.register_pool(pool)
     pipe.send(transport.address)
     try:
@@ -111,7 +118,6 @@ def measure_throughput(
         return _memcpy(chunk_bytes, repeats, into_shm=transport_name == "memcpy-shm")
     if transport_name == "shm-staged":
         transport_name, direct = "shm", False
-    from tandem.kernels.kv_cache import KVCachePool
     from tandem.kv_transfer.registry import create_transport
 
     chunk_blocks, num_blocks = _geometry(chunk_bytes)
@@ -125,7 +131,7 @@ def measure_throughput(
     child.close()
     transport = create_transport(transport_name, TOKEN)
     try:
-        pool = KVCachePool(num_blocks, **BLOCK)
+        pool = _pool(transport, num_blocks, sending=True)
         pool.tensor.fill_(1.0)
         transport.register_pool(pool)
         if not pipe.poll(60):

@@ -9,6 +9,13 @@
    decode engine's running batch.
 4. Cancel from either side releases the reservation and is acknowledged; a reservation that sees
    no chunk within its lease, or whose stream stalls, is released by itself.
+
+Transports may write pages straight into the pool before this side reads the manifest (shm, torch
+and ucx do). So blocks given up while the sender may still be streaming (decode-side cancel, a
+refused chunk, lease expiry, a stall) are *held* until the sender confirms it stopped (its
+``cancelled`` reply, which the transport's FIFO order delivers after any pages it sent before)
+or `stall_timeout_s` passes; only then do they return to the engine, so no page is reused while
+in flight. `block_tables()` lists held blocks too.
 """
 
 from __future__ import annotations
@@ -49,6 +56,16 @@ class ReservationGrant(NamedTuple):
 
 
 @dataclass
+class _Held:
+    """Blocks of an ended reservation a sender might still be writing into."""
+
+    request_id: str
+    peer: str | None
+    block_table: list[int]
+    deadline: float
+
+
+@dataclass
 class _Reservation:
     request_id: str
     prompt_token_ids: list[int]
@@ -80,6 +97,8 @@ class KVReceiver:
         self.clock = clock
         self.layout = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
         self.reservations: dict[str, _Reservation] = {}
+        self.held: list[_Held] = []
+        """Blocks of ended reservations waiting for the sender's confirmation (see above)."""
         transport.register_pool(engine.kv_pool)
 
     # ---- reservations ---------------------------------------------------------------------------
@@ -116,7 +135,7 @@ class KVReceiver:
         res = self.reservations.pop(request_id, None)
         if res is None:
             return False
-        self.engine.block_manager.free(res.block_table)
+        self._hold(res)
         if res.peer is not None:
             self.transport.send(
                 res.peer, {"type": "cancel", "request_id": request_id, "reason": reason}
@@ -124,8 +143,11 @@ class KVReceiver:
         return True
 
     def block_tables(self) -> list[list[int]]:
-        """Block tables held by reservations (for integrity checks next to the engine's)."""
-        return [r.block_table for r in self.reservations.values()]
+        """Block tables held by reservations, and by ended ones not yet confirmed by their
+        sender (for integrity checks next to the engine's)."""
+        return [r.block_table for r in self.reservations.values()] + [
+            h.block_table for h in self.held
+        ]
 
     # ---- message loop -------------------------------------------------------------------------
     def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
@@ -135,6 +157,10 @@ class KVReceiver:
             if event is not None:
                 events.append(event)
         events.extend(self._expire())
+        if self.held:
+            now = self.clock()
+            for held in [h for h in self.held if now > h.deadline]:
+                self._unhold(held)
         return events
 
     def _handle(self, message: Message) -> TransferEvent | None:
@@ -142,6 +168,10 @@ class KVReceiver:
         request_id = str(message.header.get("request_id", ""))
         if kind == "pages":
             return self._on_pages(message, request_id)
+        if kind in ("cancel", "cancelled"):  # the sender stopped: nothing more is in flight
+            for held in [h for h in self.held if h.request_id == request_id]:
+                if held.peer in (None, message.peer):
+                    self._unhold(held)
         if kind == "cancel":
             res = self.reservations.pop(request_id, None)
             if res is not None:
@@ -258,10 +288,21 @@ class KVReceiver:
     def _fail(self, res: _Reservation, error: str, *, notify: bool = True) -> TransferEvent:
         logger.warning("KV transfer of %s failed: %s", res.request_id, error)
         self.reservations.pop(res.request_id, None)
-        self.engine.block_manager.free(res.block_table)
+        if notify:
+            self._hold(res)
+        else:  # the link to the sender broke: it can write nothing more
+            self.engine.block_manager.free(res.block_table)
         if notify and res.peer is not None:
             self._reply_error(res.peer, res.request_id, error)
         return TransferEvent("failed", res.request_id, error=error)
+
+    def _hold(self, res: _Reservation) -> None:
+        deadline = self.clock() + self.stall_timeout_s
+        self.held.append(_Held(res.request_id, res.peer, res.block_table, deadline))
+
+    def _unhold(self, held: _Held) -> None:
+        self.held.remove(held)
+        self.engine.block_manager.free(held.block_table)
 
     def _ack(self, res: _Reservation, chunk_index: int) -> None:
         assert res.peer is not None

@@ -120,6 +120,10 @@ class KVSender:
         for out in list(self.outgoing.values()):
             if now > out.deadline:
                 what = "cancel acknowledgement" if out.cancelling else "acknowledgement"
+                if not out.cancelling:  # tell the receiver we stopped (it may hold the blocks)
+                    rid = out.request.request_id
+                    self.transport.cancel(rid)
+                    self.transport.send(out.grant.address, {"type": "cancel", "request_id": rid})
                 events.append(
                     self._close(
                         out, "failed", f"no {what} from the decode side in {self.ack_timeout_s}s"
@@ -172,10 +176,14 @@ class KVSender:
 
     def _handle(self, message: Message) -> TransferEvent | None:
         header = message.header
-        out = self.outgoing.get(str(header.get("request_id", "")))
+        kind = header.get("type")
+        rid = str(header.get("request_id", ""))
+        if kind == "error":  # confirm we stopped, so the receiver may reuse the blocks it held
+            self.transport.cancel(rid)
+            self.transport.send(message.peer, {"type": "cancelled", "request_id": rid})
+        out = self.outgoing.get(rid)
         if out is None:
             return None
-        kind = header.get("type")
         if kind == "ack" and not out.cancelling:
             pinned = out.unacked.pop(int(header.get("chunk_index", -1)), None)
             if pinned is not None:

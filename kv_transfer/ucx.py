@@ -1,4 +1,4 @@
-"""UCX transport (ucxx low-level API): worker-address endpoints, tag messages, own progress thread.
+"""UCX transport (ucxx low-level API): worker-address endpoints, tag messages, own polling thread.
 
 Address `ucx:<hex worker address>`. A link to a peer draws a random 48-bit `conn`; tags are
 `conn << 16 | low`: `low` 0 for JSON header frames, `0x8000 | seq % 32768` for the pages of header
@@ -6,14 +6,21 @@ Address `ucx:<hex worker address>`. A link to a peer draws a random 48-bit `conn
 sends `{"hello": {"token", "address"}}`; once the peer welcomes it (over its own link to us) its
 `{"seq", "header", "pages": null | {"shape", "dtype", "direct", "dst_start"}}` frames follow.
 Without the token no welcome comes, frames are received into 1 byte (UCX truncates them), and
-no pages receive is posted. Pages land in a new tensor, or in the pool (`pages is None`;
-`header["direct"]` is set whenever pages came) when the sender set `header["direct"]`, the dst
-ids are one run and shape and dtype match: before the protocol sees the manifest, so only for
-blocks that stay reserved. One thread makes every UCX call (`send` only queues), sleeping in
-epoll on the worker's fd when idle. Data endpoints skip UCX error handling (it limits UCX to
-TCP); an idle second endpoint with it reports a dead peer at once. Lost links, no welcome in
-`hello_timeout_s`, sends or page receives not done in `send_timeout_s` come back from `poll()`
-as `transport_error`s. At most `max_inflight` messages per peer are handed to UCX at once.
+no pages receive is posted. Pages land in the pool (`pages is None`, `header["direct"]` True)
+when the header's `manifest.dst_block_ids` are one run and shape and dtype match, as with the shm
+and torch transports (a sender opts out with `header["direct"] = False`), else in a new tensor
+(`header["direct"]` False). That happens before the protocol sees the manifest: the receiver
+holds blocks of ended reservations until the sender confirms it stopped (`receiver.py`).
+
+Speed (see docs/benchmarks.md): one thread makes every UCX call (`send` only queues) and *polls*:
+it steps without pausing while there is work and pauses for at most `idle_sleep_s` when idle
+(UCX's WAKEUP feature, needed to sleep on the worker's fd, halves its shared-memory throughput).
+Rendezvous uses `put_zcopy` (the sender's thread copies while the receiver's handles the next
+header), and `allocate_pool` gives pools on transparent huge pages (UCX's CMA copies pin pages
+one at a time). Data endpoints skip UCX error handling (it limits UCX to TCP); an idle second
+endpoint with it reports a dead peer at once. Lost links, no welcome in `hello_timeout_s`, sends
+or page receives not done in `send_timeout_s` come back from `poll()` as `transport_error`s. At
+most `max_inflight` messages per peer are handed to UCX at once. `ucx_config` adds UCX options.
 """
 
 from __future__ import annotations
@@ -25,7 +32,6 @@ import logging
 import os
 import queue
 import secrets
-import select
 import threading
 import time
 from collections import deque
@@ -37,6 +43,7 @@ import numpy as np
 import torch
 
 from tandem.kernels.kv_cache import KVCachePool
+from tandem.kv_transfer._hugepages import allocate_hugepage_pool
 from tandem.kv_transfer.base import KVTransport, Message
 from tandem.kv_transfer.manifest import TransferError
 
@@ -46,6 +53,9 @@ from ucxx._lib.arr import Array  # noqa: E402
 
 logger = logging.getLogger(__name__)
 _PAGES, _WELCOME, _HELLO_MAX, _HEADER_MAX = 0x8000, 0x4000, 4096, 16 << 20
+_UCX_DEFAULTS = {"RNDV_SCHEME": "put_zcopy"}
+"""UCX options unless the environment sets them (``UCX_<name>``): with put the sender's thread
+makes the shared-memory copy, so it overlaps with the receiver's work on the next header."""
 
 
 def _tag(conn: int, low: int) -> Any:
@@ -117,13 +127,19 @@ class UcxTransport(KVTransport):
         send_timeout_s: float = 10.0,
         hello_timeout_s: float = 3.0,
         max_inflight: int = 8,
+        idle_sleep_s: float = 0.001,
+        ucx_config: dict[str, str] | None = None,
     ) -> None:
         super().__init__(auth_token)
         self.send_timeout_s, self.hello_timeout_s = send_timeout_s, hello_timeout_s
         self.max_inflight = max(1, max_inflight)
-        features = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
-        self._worker = ucx_api.UCXWorker(ucx_api.UCXContext(feature_flags=features))
-        self._worker.init_blocking_progress_mode()
+        self.idle_sleep_s = max(0.0, idle_sleep_s)
+        # No WAKEUP feature: it halves UCX's shared-memory throughput here, so the thread polls.
+        features = (ucx_api.Feature.TAG,)
+        config = {k: v for k, v in _UCX_DEFAULTS.items() if f"UCX_{k}" not in os.environ}
+        config.update(ucx_config or {})
+        context = ucx_api.UCXContext(config_dict=config, feature_flags=features)
+        self._worker = ucx_api.UCXWorker(context)
         self._address = "ucx:" + self._worker.address.tobytes().hex()
         self._pool: KVCachePool | None = None
         self._lock = threading.Lock()  # every UCX call; all state but _commands and _inbox
@@ -132,17 +148,29 @@ class UcxTransport(KVTransport):
         self._links: dict[str, _Link] = {}
         self._conns: dict[int, _Conn] = {}
         self._busy: list[tuple[Any, Any]] = []  # (request, what UCX uses until it completes)
-        self._closed = self._sleeping = False
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK)
-        self._epoll = select.epoll()
-        for fd in (self._worker.epoll_file_descriptor, self._wake_r):
-            self._epoll.register(fd, select.EPOLLIN)
+        self._closed = False
+        self._wake = threading.Event()  # set by `send` and `close`: cuts an idle pause short
         self._thread = threading.Thread(target=self._run, name="ucx-transport", daemon=True)
         self._thread.start()
 
     @property
     def address(self) -> str:
         return self._address
+
+    def allocate_pool(
+        self,
+        num_blocks: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> KVCachePool:
+        """A zero-filled CPU pool on transparent huge pages (UCX's shared-memory copies run about
+        twice as fast over them); pass it as the engine's `kv_pool_factory`, then register it."""
+        return allocate_hugepage_pool(
+            num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype
+        )
 
     def register_pool(self, pool: KVCachePool) -> None:
         if pool.device.type != "cpu":
@@ -156,9 +184,7 @@ class UcxTransport(KVTransport):
         if ids and not all(0 <= b < (self._pool.num_blocks if self._pool else 0) for b in ids):
             raise TransferError(f"block ids {ids} are not in the registered pool")
         self._commands.append((peer, _Out(json.loads(json.dumps(header)), ids)))  # JSON copy
-        if self._sleeping:
-            with contextlib.suppress(OSError):
-                os.write(self._wake_w, b"x")
+        self._wake.set()
 
     def poll(self, timeout: float = 0.0) -> list[Message]:
         out: list[Message] = []
@@ -181,19 +207,35 @@ class UcxTransport(KVTransport):
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        self._wake.set()
         self._thread.join(timeout=10.0)
         with self._lock:
             for _ in range(20):
                 self._worker.progress()
+            self._drain_unexpected()
             self._worker.cancel_inflight_requests()
             self._links, self._conns, self._busy = {}, {}, []  # endpoints go before the worker
-        self._epoll.close()
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+
+    def _drain_unexpected(self) -> None:
+        # Rendezvous messages nobody received (e.g. pages of a refused peer) keep a put_zcopy
+        # worker from being destroyed: take them now (up to 64 MiB each; larger ones truncated).
+        deadline = time.monotonic() + 1.0
+        taken: list[tuple[Any, Any]] = []
+        while time.monotonic() < deadline:
+            probe = self._worker.tag_probe(_tag(0, 0), ucx_api.UCXXTagMask(0), True)
+            if not probe.matched:
+                break
+            buffer = np.empty(max(1, min(probe.length, 64 << 20)), dtype=np.uint8)
+            taken.append((self._worker.tag_recv_with_handle(Array(buffer), probe), buffer))
+        while taken and time.monotonic() < deadline:
+            self._worker.progress()
+            taken = [(r, b) for r, b in taken if not r.completed]
 
     def _run(self) -> None:
+        # Polling progress: after any activity the thread keeps stepping with short pauses that
+        # grow with the idle time (a quarter of it, capped by `idle_sleep_s`), so a busy link
+        # is served within tens of microseconds and an idle endpoint wakes about 1000 times/s.
+        idle_since: float | None = None
         while not self._closed:
             try:
                 with self._lock:
@@ -201,14 +243,15 @@ class UcxTransport(KVTransport):
             except Exception:  # keep the thread alive; the failure shows up as timeouts
                 logger.exception("ucx transport: progress step failed")
                 active = False
-            if not active:  # (busy-polling instead starves the peer's thread on small machines)
-                self._sleeping = True  # from here on `send` writes to the wake pipe
-                with self._lock:
-                    armed = not self._commands and not self._closed and self._worker.arm()
-                if armed and self._epoll.poll(0.05):
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 4096)
-                self._sleeping = False
+            if active:  # (UCX calls release the GIL: the owner's threads still get it)
+                idle_since = None
+                continue
+            now = time.monotonic()
+            idle_since = now if idle_since is None else idle_since
+            pause = min(self.idle_sleep_s, (now - idle_since) / 4)
+            if pause > 0 and not self._commands:
+                self._wake.wait(pause)
+                self._wake.clear()
 
     def _step(self) -> bool:  # one round of work; whether anything happened (then go on)
         active = self._take_commands()
@@ -302,7 +345,7 @@ class UcxTransport(KVTransport):
             manifest = msg.header.get("manifest")
             dst = manifest.get("dst_block_ids") if isinstance(manifest, dict) else None
             meta = {"shape": pool.blocks_shape(n), "dtype": str(pool.dtype)[6:]}
-            meta["direct"] = bool(msg.header.get("direct"))
+            meta["direct"] = msg.header.get("direct") is not False
             meta["dst_start"] = _run_start(dst) if isinstance(dst, list) and len(dst) == n else None
         body = {"seq": seq, "header": msg.header, "pages": meta}
         return self._send_frames(link, msg, body, pages)

@@ -53,7 +53,8 @@ class Pair:
             self.events += self.sender.step()
             self.events += self.receiver.poll()
             self.events += self.sender.poll()
-            if not self.sender.outgoing and not self.receiver.reservations:
+            idle = not self.sender.outgoing and not self.receiver.reservations
+            if idle and not self.receiver.held:
                 break
         return self.events
 
@@ -212,6 +213,11 @@ def test_lease_expires_without_pages(model: str) -> None:
     events = pair.receiver.poll()
     assert [(e.kind, e.request_id) for e in events] == [("failed", "l")]
     assert "lease expired" in (events[0].error or "")
+    # A sender may still be writing into them: held until it confirms or the stall timeout.
+    pair.check()
+    assert pair.decode.block_manager.num_free_blocks < 256
+    pair.clock.now += 6
+    assert pair.receiver.poll() == []
     pair.idle()
 
 
@@ -227,6 +233,8 @@ def test_sender_dies_mid_stream_receiver_frees_and_fails(model: str, colocated: 
     events = pair.receiver.poll()
     assert [(e.kind, e.request_id) for e in events] == [("failed", "k")]
     assert "stalled" in (events[0].error or "")
+    pair.clock.now += 6  # nobody confirms: the held blocks come back after the stall timeout
+    assert pair.receiver.poll() == []
     pair.decode.block_manager.check_integrity([])
     assert pair.decode.block_manager.num_free_blocks == 256
 

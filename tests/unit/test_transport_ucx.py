@@ -27,13 +27,14 @@ def peer() -> Iterator[h.PeerProcess]:
     process.stop()
 
 
-def test_pages_land_byte_exact_staged(peer: h.PeerProcess) -> None:
-    got = h.check_pages_land("ucx", peer)
-    assert all(r.header["direct"] is False and r.staged_blocks > 0 for r in got)
+def test_pages_land_byte_exact(peer: h.PeerProcess) -> None:
+    got = h.check_pages_land("ucx", peer)  # dst ids that are one run land in the pool
+    assert [r.header["direct"] for r in got] == [True, False, True, False, False]
+    assert [r.staged_blocks for r in got] == [0, 3, 0, 4, 2]
 
 
-def test_pages_land_in_the_pool_when_asked_and_possible(peer: h.PeerProcess) -> None:
-    """`direct` headers with one run of dst ids are written into the pool; others are staged."""
+def test_pages_land_in_the_pool_unless_opted_out(peer: h.PeerProcess) -> None:
+    """Headers with one run of dst ids are written into the pool unless `direct` is False."""
     address, _ = peer.create("ucx", seed=1)
     before = peer.digests()
     sender, pool = h.make_endpoint("ucx", seed=9)
