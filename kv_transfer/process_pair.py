@@ -34,21 +34,35 @@ def _setup(
 
 
 def decode_main(
-    conn: Connection, model: str, transport_name: str, options: dict[str, Any], threads: int
+    conn: Connection,
+    model: str,
+    transport_name: str,
+    options: dict[str, Any],
+    threads: int,
+    lease_s: float = 10.0,
+    stall_timeout_s: float = 3.0,
 ) -> None:
     from tandem.engine.sampling_params import SamplingParams
     from tandem.kv_transfer.receiver import KVReceiver
 
     engine, transport = _setup(model, transport_name, options, threads)
-    receiver = KVReceiver(engine, transport, lease_s=10, stall_timeout_s=3)
+    receiver = KVReceiver(engine, transport, lease_s=lease_s, stall_timeout_s=stall_timeout_s)
     conn.send(("ready", transport.address))
     tokens: dict[str, list[int]] = {}
+    cancel_once_streaming: set[str] = set()
     try:
         while True:
+            for rid in list(cancel_once_streaming):  # a decode-side cancel mid-stream
+                res = receiver.reservations.get(rid)
+                if res is None or res.peer is not None:
+                    cancel_once_streaming.discard(rid)
+                    receiver.cancel(rid)
             if conn.poll():
                 cmd, *args = conn.recv()
                 if cmd == "stop":
                     break
+                if cmd == "cancel":  # once the first chunk arrived, so the sender is known
+                    cancel_once_streaming.add(args[0])
                 if cmd == "reserve":
                     rid, prompt, params = args
                     conn.send(
@@ -85,6 +99,7 @@ def prefill_main(
     checksums: bool,
 ) -> None:
     from tandem.engine.sampling_params import SamplingParams
+    from tandem.kv_transfer.manifest import KVLayout
     from tandem.kv_transfer.receiver import ReservationGrant
     from tandem.kv_transfer.sender import KVSender
 
@@ -99,6 +114,14 @@ def prefill_main(
                 cmd, *args = conn.recv()
                 if cmd == "stop":
                     break
+                if cmd == "layout":  # tests: pretend to be another model (None: back to own)
+                    own = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
+                    sender.layout = own.model_copy(update={"namespace": args[0] or own.namespace})
+                if cmd == "check":
+                    engine.check_integrity()
+                    bm = engine.block_manager
+                    pinned = sum(bm.pin_count(b) > 0 for b in range(bm.num_blocks))
+                    conn.send(("checked", bm.num_free_blocks, bm.num_blocks, pinned))
                 if cmd == "start":
                     rid, prompt, params, grant = args
                     sender.start(rid, prompt, SamplingParams(**params), ReservationGrant(**grant))
@@ -121,13 +144,17 @@ class PDProcesses:
         chunk_blocks: int = 8,
         threads: int = 1,
         checksums: bool = True,
+        lease_s: float = 10.0,
+        stall_timeout_s: float = 3.0,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.decode_conn, d_child = ctx.Pipe()
         self.prefill_conn, p_child = ctx.Pipe()
         opts = options or {}
         self.decode = ctx.Process(
-            target=decode_main, args=(d_child, model, transport, opts, threads), daemon=True
+            target=decode_main,
+            args=(d_child, model, transport, opts, threads, lease_s, stall_timeout_s),
+            daemon=True,
         )
         self.prefill = ctx.Process(
             target=prefill_main,
@@ -149,9 +176,13 @@ class PDProcesses:
             raise AssertionError(f"expected {kind!r}, got {msg!r}")
         return tuple(msg)
 
-    def start(self, rid: str, prompt: list[int], params: dict[str, Any]) -> None:
+    def reserve(self, rid: str, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        """Reserves on the decode side only; returns the grant as a dict."""
         self.decode_conn.send(("reserve", rid, prompt, params))
-        grant = self._expect(self.decode_conn, "grant")[1]
+        return dict(self._expect(self.decode_conn, "grant")[1])
+
+    def start(self, rid: str, prompt: list[int], params: dict[str, Any]) -> None:
+        grant = self.reserve(rid, prompt, params)
         self.prefill_conn.send(("start", rid, prompt, params, grant))
 
     def run(
@@ -188,12 +219,24 @@ class PDProcesses:
                         return dict(msg[1])
         raise TimeoutError(f"no {kind} event for {rid} in {timeout}s")
 
+    def check_prefill(self) -> tuple[int, int, int]:
+        """Integrity check in the prefill process: (free blocks, blocks, pinned blocks)."""
+        self.prefill_conn.send(("check",))
+        while True:
+            msg = self.prefill_conn.recv()
+            if msg[0] == "checked":
+                return int(msg[1]), int(msg[2]), int(msg[3])
+            if msg[0] == "event":
+                self.events.append(msg[1])
+
     def check_decode(self) -> tuple[int, int]:
         self.decode_conn.send(("check",))
         while True:
             msg = self.decode_conn.recv()
             if msg[0] == "checked":
                 return int(msg[1]), int(msg[2])
+            if msg[0] == "event":
+                self.events.append(msg[1])
 
     def close(self) -> None:
         for conn, proc in ((self.prefill_conn, self.prefill), (self.decode_conn, self.decode)):
