@@ -144,7 +144,7 @@ class DecodeService(WorkerLoop):
 
     def run_once(self) -> None:
         busy = self.engine.has_unfinished_requests()
-        if not busy and not self.receiver.reservations:
+        if not busy and not self.receiver.reservations and not self.receiver.held:
             self.wait_for_command()
             return
         for event in self.receiver.poll(timeout=0.0 if busy else 0.001):
@@ -244,6 +244,7 @@ class DecodeService(WorkerLoop):
             "num_free_blocks": bm.num_free_blocks,
             "num_requests": len(self.engine.requests),
             "num_reservations": len(self.receiver.reservations),
+            "num_held_reservations": len(self.receiver.held),
             "num_streams": len(self._streams),
             "num_cancelled": self.num_cancelled,
             "kv_cache_usage": bm.usage,

@@ -37,15 +37,17 @@ def _config(
 
 
 def _start_ray(address: str | None, host: str, num_cpus: float | None, dashboard_port: int) -> Any:
-    """Joins `address` (or a cluster already running here); otherwise starts a local one."""
+    """Joins `address` (or a cluster already running here); otherwise starts a local one.
+    `address="local"` always starts a new local cluster."""
     import ray
 
-    if address:
+    if address and address != "local":
         return ray.init(address=address), False
-    try:
-        return ray.init(address="auto"), False
-    except ConnectionError:
-        pass
+    if address is None:
+        try:
+            return ray.init(address="auto"), False
+        except ConnectionError:
+            pass
     ctx = ray.init(
         num_cpus=int(num_cpus) if num_cpus else None,
         include_dashboard=True,
@@ -82,7 +84,10 @@ def serve(
     ] = None,
     address: Annotated[
         str | None,
-        typer.Option(help="Ray cluster to join (default: one running here, else a new local one)."),
+        typer.Option(
+            help="Ray cluster to join (HOST:PORT). Default: one running on this machine, else a "
+            "new local one; 'local' always starts a new local cluster."
+        ),
     ] = None,
     num_cpus: Annotated[
         float | None, typer.Option(help="CPUs of a newly started local Ray cluster.")

@@ -64,14 +64,16 @@ def test_tandem_serve_answers_and_stops_on_ctrl_c(isolated_env: dict[str, str]) 
     port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen(
         [str(BIN / "tandem"), "serve", "--port", str(port), "--grpc-port", str(grpc_port),
-         "--dashboard-port", str(free_port()), "--num-cpus", "2"],
+         "--dashboard-port", str(free_port()), "--num-cpus", "2", "--address", "local"],
         env=isolated_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         wait_ready(f"http://127.0.0.1:{port}", timeout=180)
         complete(port, "tiny-llama")
-    finally:
-        out = stop(proc)
+    except BaseException:
+        print(stop(proc)[-5000:])  # what `tandem serve` said, in the test report
+        raise
+    out = stop(proc)
     assert proc.returncode == 0, out[-3000:]
     assert f"OpenAI API:    http://127.0.0.1:{port}/v1" in out
     assert "Ray dashboard: http://" in out
