@@ -85,10 +85,7 @@ class PrefillService(WorkerLoop):
         return await self.submit(lambda: self._cancel(request_id))
 
     def _cancel(self, request_id: str) -> bool:
-        if request_id in self.sender.outgoing and self.sender.cancel(request_id):
-            self.num_cancelled += 1
-            return True
-        return False
+        return request_id in self.sender.outgoing and self.sender.cancel(request_id)
 
     # ---- the loop thread -----------------------------------------------------------------------
     def run_once(self) -> None:
@@ -103,6 +100,8 @@ class PrefillService(WorkerLoop):
             self._on_event(event)
 
     def _on_event(self, event: TransferEvent) -> None:
+        if event.kind == "cancelled":  # by the router (here) or by decode (over the transport)
+            self.num_cancelled += 1
         pending = self._pending.get(event.request_id)
         if pending is None:
             return
