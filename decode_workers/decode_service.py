@@ -78,6 +78,8 @@ class DecodeService(WorkerLoop):
         )
         self._streams: dict[str, _Stream] = {}
         self.num_cancelled = 0
+        if engine.config.enable_kv_events:
+            self.publish_kv_events(engine.block_manager, engine.namespace.digest())
 
     @property
     def address(self) -> str:

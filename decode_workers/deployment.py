@@ -32,7 +32,12 @@ class DecodeWorker(WorkerDeployment):
         )
 
     def rpc_handlers(self) -> dict[str, Handler]:
-        return {"generate": self.generate, "info": self._rpc_info, "stats": self._rpc_stats}
+        return {
+            "generate": self.generate,
+            "info": self._rpc_info,
+            "stats": self._rpc_stats,
+            "kv_events": self._rpc_kv_events,
+        }
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any]

@@ -14,8 +14,11 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
+
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.kv_event_publisher import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +27,7 @@ T = TypeVar("T")
 IDLE_WAIT_S = 0.05  # how long an idle loop sleeps on its command queue
 STATS_INTERVAL_S = 0.1  # at most this often, stats are reported when they changed
 HEARTBEAT_S = 2.0  # unchanged stats are re-reported this often
+KV_EVENTS_INTERVAL_S = 0.01  # prefix-cache events are batched over at most this long
 
 
 class WorkerDeadError(RuntimeError):
@@ -57,6 +61,50 @@ class WorkerLoop(ABC):
         self.error: BaseException | None = None
         self._last_stats: dict[str, Any] | None = None
         self._last_report = 0.0
+        self._kv_source: BlockManager | None = None
+        self.kv_publisher: KVEventPublisher | None = None
+        self._kv_subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = []
+        self._last_kv_batch = 0.0
+
+    def publish_kv_events(self, block_manager: BlockManager, namespace: str) -> None:
+        """Publishes `block_manager`'s prefix-cache events (it must record them) to subscribers."""
+        self._kv_source = block_manager
+        self.kv_publisher = KVEventPublisher(self.name, namespace)
+
+    async def kv_events(self) -> AsyncIterator[dict[str, Any]]:
+        """A snapshot of the cached block hashes, then every batch of changes, in order."""
+        if self.kv_publisher is None:
+            raise RuntimeError(f"{self.name} does not publish KV events")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        entry = (loop, queue)
+
+        def subscribe() -> dict[str, Any]:
+            self._flush_kv_events(force=True)
+            self._kv_subscribers.append(entry)
+            assert self.kv_publisher is not None
+            return self.kv_publisher.snapshot()
+
+        try:
+            yield await self.submit(subscribe)
+            while True:
+                yield await queue.get()
+        finally:
+            self.post(lambda: self._kv_subscribers.remove(entry))
+
+    def _flush_kv_events(self, force: bool = False) -> None:
+        if self.kv_publisher is None or self._kv_source is None:
+            return
+        self.kv_publisher.collect(self._kv_source.drain_events())
+        now = time.monotonic()
+        if not force and now - self._last_kv_batch < KV_EVENTS_INTERVAL_S:
+            return
+        batch = self.kv_publisher.take_batch()
+        if batch is None:
+            return
+        self._last_kv_batch = now
+        for loop, subscriber in self._kv_subscribers:
+            loop.call_soon_threadsafe(subscriber.put_nowait, batch)
 
     def start(self) -> None:
         self._thread.start()
@@ -101,6 +149,7 @@ class WorkerLoop(ABC):
             while not self._stop.is_set():
                 self._run_commands()
                 self.run_once()
+                self._flush_kv_events()
                 self._maybe_report()
         except BaseException as exc:
             self.error = exc

@@ -39,10 +39,9 @@ def create_engine_and_transport(settings: WorkerSettings) -> tuple[Any, Any]:
     transport = create_transport(
         settings.transport, settings.auth_token, **settings.transport_options
     )
+    config = settings.engine.model_copy(update={"enable_kv_events": True})  # for the router
     try:
-        engine = LLMEngine(
-            settings.engine, kv_pool_factory=getattr(transport, "allocate_pool", None)
-        )
+        engine = LLMEngine(config, kv_pool_factory=getattr(transport, "allocate_pool", None))
     except BaseException:
         transport.close()
         raise

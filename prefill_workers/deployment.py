@@ -33,7 +33,11 @@ class PrefillWorker(WorkerDeployment):
         )
 
     def rpc_handlers(self) -> dict[str, Handler]:
-        return {"prefill": self._rpc_prefill, "stats": self._rpc_stats}
+        return {
+            "prefill": self._rpc_prefill,
+            "stats": self._rpc_stats,
+            "kv_events": self._rpc_kv_events,
+        }
 
     async def _rpc_prefill(
         self,

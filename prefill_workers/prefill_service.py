@@ -52,6 +52,8 @@ class PrefillService(WorkerLoop):
         self.sender = KVSender(engine, transport, ack_timeout_s=ack_timeout_s, checksums=checksums)
         self._pending: dict[str, _Pending] = {}
         self.num_cancelled = 0
+        if engine.config.enable_kv_events:
+            self.publish_kv_events(engine.block_manager, engine.namespace.digest())
 
     @property
     def address(self) -> str:
