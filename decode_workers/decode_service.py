@@ -40,6 +40,9 @@ class _Stream:
     reserved_at: float = field(default_factory=time.time)
     committed_at: float | None = None
     num_cached_tokens: int = 0
+    num_transferred_blocks: int = 0
+    local: bool = False
+    request: Request | None = None
 
     def put(self, item: dict[str, Any]) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -86,24 +89,32 @@ class DecodeService(WorkerLoop):
         return self.transport.address
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        local_prefill: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yields {"type": "grant"}, then {"type": "tokens"} events (the last has a
-        `finish_reason`), or a single {"type": "error"}."""
+        `finish_reason`), or a single {"type": "error"}. With `local_prefill` this engine
+        prefills the prompt itself (reusing what it caches) and there is no grant: no transfer."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), prompt_token_ids, params)
         finished = False
         try:
-            try:
-                grant = await self.submit(lambda: self._reserve(request_id, stream))
-            except NoFreeBlocksError as exc:
-                finished = True
-                yield _error("no_capacity", str(exc))
-                return
-            yield {
-                "type": "grant",
-                "grant": grant._asdict(),
-                "num_cached_tokens": grant.num_hit_blocks * self.engine.config.block_size,
-            }
+            if local_prefill:
+                await self.submit(lambda: self._add_local(request_id, stream))
+            else:
+                try:
+                    grant = await self.submit(lambda: self._reserve(request_id, stream))
+                except NoFreeBlocksError as exc:
+                    finished = True
+                    yield _error("no_capacity", str(exc))
+                    return
+                yield {
+                    "type": "grant",
+                    "grant": grant._asdict(),
+                    "num_cached_tokens": grant.num_hit_blocks * self.engine.config.block_size,
+                }
             carry: dict[str, Any] | None = None
             while not finished:
                 item = carry if carry is not None else await stream.queue.get()
@@ -131,8 +142,17 @@ class DecodeService(WorkerLoop):
     def _reserve(self, request_id: str, stream: _Stream) -> Any:
         grant = self.receiver.reserve(request_id, stream.prompt_token_ids, stream.params)
         stream.num_cached_tokens = grant.num_hit_blocks * self.engine.config.block_size
+        stream.num_transferred_blocks = len(grant.dst_block_ids)
         self._streams[request_id] = stream
         return grant
+
+    def _add_local(self, request_id: str, stream: _Stream) -> None:
+        stream.request = self.engine.add_request(
+            stream.prompt_token_ids, stream.params, request_id=request_id, stream_text=True
+        )
+        stream.local = True
+        stream.committed_at = time.time()
+        self._streams[request_id] = stream
 
     def _cancel(self, request_id: str) -> bool:
         stream = self._streams.pop(request_id, None)
@@ -162,6 +182,7 @@ class DecodeService(WorkerLoop):
         if event.kind == "committed":
             stream.committed_at = time.time()
             req = self.engine.requests[event.request_id]
+            stream.request = req
             if req.output_text is None:
                 req.output_text = OutputText(
                     IncrementalDetokenizer(self.engine.tokenizer, req.prompt_token_ids)
@@ -212,8 +233,10 @@ class DecodeService(WorkerLoop):
         stop_reason = None
         if output.finished:
             del self._streams[output.request_id]
-            req = self.engine.requests.get(output.request_id)
+            req = stream.request  # the engine already dropped a finished request
             stop_reason = req.stop_reason if req is not None else None
+            if stream.local and req is not None:
+                stream.num_cached_tokens = req.num_prefix_hit_tokens
         stream.put(self._tokens_item(output, stop_reason, stream))
 
     @staticmethod
@@ -231,6 +254,8 @@ class DecodeService(WorkerLoop):
             item["finish_reason"] = output.finish_reason
             item["stop_reason"] = stop_reason
             item["num_cached_tokens"] = stream.num_cached_tokens
+            item["num_transferred_blocks"] = stream.num_transferred_blocks
+            item["local_prefill"] = stream.local
             item["timings"] = {
                 "transfer_wait_s": committed - stream.reserved_at,
                 "decode_s": now - committed,

@@ -40,10 +40,14 @@ class DecodeWorker(WorkerDeployment):
         }
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any]
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        local_prefill: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
         async for item in self.service.generate(
-            request_id, prompt_token_ids, SamplingParams(**params)
+            request_id, prompt_token_ids, SamplingParams(**params), local_prefill
         ):
             yield item
 

@@ -52,6 +52,7 @@ class PrefillService(WorkerLoop):
         self.sender = KVSender(engine, transport, ack_timeout_s=ack_timeout_s, checksums=checksums)
         self._pending: dict[str, _Pending] = {}
         self.num_cancelled = 0
+        self.prefill_tokens_per_s: float | None = None
         if engine.config.enable_kv_events:
             self.publish_kv_events(engine.block_manager, engine.namespace.digest())
 
@@ -92,7 +93,7 @@ class PrefillService(WorkerLoop):
     # ---- the loop thread -----------------------------------------------------------------------
     def run_once(self) -> None:
         if self.engine.has_unfinished_requests():
-            events = self.sender.step()
+            events = self._timed_step()
         elif self.sender.outgoing:
             events = self.sender.poll(timeout=0.001)
         else:
@@ -100,6 +101,20 @@ class PrefillService(WorkerLoop):
             return
         for event in events:
             self._on_event(event)
+
+    def _timed_step(self) -> list[TransferEvent]:
+        """One step, measuring prompt tokens computed per second (for admission control)."""
+        reqs = list(self.engine.requests.values())
+        before = [r.num_computed_tokens for r in reqs]
+        start = time.perf_counter()
+        events = self.sender.step()
+        elapsed = time.perf_counter() - start
+        done = sum(r.num_computed_tokens - b for r, b in zip(reqs, before, strict=True))
+        if done > 1 and elapsed > 0:  # prefill work, not a lone sampled token
+            rate = done / elapsed
+            old = self.prefill_tokens_per_s
+            self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
+        return events
 
     def _on_event(self, event: TransferEvent) -> None:
         if event.kind == "cancelled":  # by the router (here) or by decode (over the transport)
@@ -139,6 +154,7 @@ class PrefillService(WorkerLoop):
             "num_waiting_tokens": sum(
                 r.num_tokens - r.num_computed_tokens for r in self.engine.requests.values()
             ),
+            "prefill_tokens_per_s": round(self.prefill_tokens_per_s or 0.0, 1),
         }
 
     async def get_stats(self) -> dict[str, Any]:

@@ -182,3 +182,42 @@ def test_cancel_during_prefill_releases_both_sides(services: Any, reference: LLM
         await wait_idle(prefill, decode)
 
     asyncio.run(main())
+
+
+def test_local_prefill_on_decode_reuses_its_cache_without_transfer(
+    services: Any, reference: LLM
+) -> None:
+    _, decode = services
+    prompt = reference.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[])
+
+    async def run(rid: str, ids: list[int]) -> tuple[list[int], dict[str, Any]]:
+        tokens: list[int] = []
+        last: dict[str, Any] = {}
+        async for item in decode.generate(rid, ids, params, local_prefill=True):
+            assert item["type"] == "tokens", item
+            tokens += item["token_ids"]
+            last = item
+        return tokens, last
+
+    first, last = asyncio.run(run("turn1", prompt))
+    assert first == reference.generate([prompt], params)[0].token_ids
+    assert last["local_prefill"] and last["num_transferred_blocks"] == 0
+    follow_up = prompt + first + reference.tokenizer.encode(" and then")
+    second, last = asyncio.run(run("turn2", follow_up))
+    assert second == reference.generate([follow_up], params)[0].token_ids
+    assert last["num_cached_tokens"] == (len(prompt) + len(first) - 1) // 16 * 16
+
+
+def test_stop_reason_of_a_stop_token_reaches_the_stream(services: Any, reference: LLM) -> None:
+    prefill, decode = services
+    prompt = reference.tokenizer.encode(PROMPTS[0])
+    free = reference.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )
+    stop_id = free[0].token_ids[3]
+    params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_id])
+    tokens, _, last, _ = asyncio.run(run_pd(prefill, decode, "stopper", prompt, params))
+    expected = reference.generate([prompt], params)[0]
+    assert tokens == expected.token_ids
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", expected.stop_reason)
