@@ -94,6 +94,7 @@ class DecodeService(WorkerLoop):
         prompt_token_ids: list[int],
         params: SamplingParams,
         local_prefill: bool = False,
+        priority: int = 0,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yields {"type": "grant"}, then {"type": "tokens"} events (the last has a
         `finish_reason`), or a single {"type": "error"}. With `local_prefill` this engine
@@ -102,7 +103,7 @@ class DecodeService(WorkerLoop):
         finished = False
         try:
             if local_prefill:
-                await self.submit(lambda: self._add_local(request_id, stream))
+                await self.submit(lambda: self._add_local(request_id, stream, priority))
             else:
                 try:
                     grant = await self.submit(lambda: self._reserve(request_id, stream))
@@ -146,9 +147,13 @@ class DecodeService(WorkerLoop):
         self._streams[request_id] = stream
         return grant
 
-    def _add_local(self, request_id: str, stream: _Stream) -> None:
+    def _add_local(self, request_id: str, stream: _Stream, priority: int) -> None:
         stream.request = self.engine.add_request(
-            stream.prompt_token_ids, stream.params, request_id=request_id, stream_text=True
+            stream.prompt_token_ids,
+            stream.params,
+            request_id=request_id,
+            stream_text=True,
+            priority=priority,
         )
         stream.local = True
         stream.committed_at = time.time()

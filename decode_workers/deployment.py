@@ -45,9 +45,10 @@ class DecodeWorker(WorkerDeployment):
         prompt_token_ids: list[int],
         params: dict[str, Any],
         local_prefill: bool = False,
+        priority: int = 0,
     ) -> AsyncIterator[dict[str, Any]]:
         async for item in self.service.generate(
-            request_id, prompt_token_ids, SamplingParams(**params), local_prefill
+            request_id, prompt_token_ids, SamplingParams(**params), local_prefill, priority
         ):
             yield item
 

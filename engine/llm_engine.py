@@ -133,6 +133,7 @@ class LLMEngine:
         stream_text: bool = False,
         keep_kv: bool = False,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validates and queues a request. `stream_text` fills `StepOutput.text_delta`;
         `keep_kv` holds the request's blocks after it finishes until `release_kv`."""
@@ -152,6 +153,7 @@ class LLMEngine:
             arrival_time=arrival_time,
             output_text=output_text,
             keep_kv=keep_kv,
+            priority=priority,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)

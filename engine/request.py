@@ -64,6 +64,7 @@ class Request:
         "output_text",
         "keep_kv",
         "error",
+        "priority",
     )
 
     def __init__(
@@ -76,6 +77,7 @@ class Request:
         arrival_time: float | None = None,
         output_text: OutputText | None = None,
         keep_kv: bool = False,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -103,6 +105,8 @@ class Request:
         self.output_text = output_text
         self.keep_kv = keep_kv
         self.error: str | None = None
+        self.priority = priority
+        """Lower runs earlier among waiting requests (vLLM's convention); ties keep arrival order."""
 
     def set_status(self, status: RequestStatus, now: float | None = None) -> None:
         self.status = status

@@ -4,7 +4,7 @@ Every request has `num_computed_tokens` that catches up with `num_tokens`. Each 
 1. running requests that decode (one token behind) are scheduled first, for steady ITL; when the
    pool has no block for one of them, the newest running request is preempted (recompute);
 2. running requests still in prefill get a chunk of what budget is left;
-3. waiting requests are admitted in arrival order: prefix-cache hits advance them for free, the
+3. waiting requests are admitted by priority (lower first), then in arrival order: prefix-cache hits advance them for free, the
    rest of their prompt is prefilled in chunks that fit the budget, up to `max_num_seqs`.
 """
 
@@ -54,7 +54,10 @@ class Scheduler:
     # ---- queue management -------------------------------------------------------------------
     def add(self, request: Request) -> None:
         request.set_status(RequestStatus.QUEUED)
-        self.waiting.append(request)
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].priority > request.priority:
+            i -= 1
+        self.waiting.insert(i, request)
 
     def add_running(self, request: Request) -> None:
         """Adds a request whose KV is already in the pool (imported from a prefill engine)."""

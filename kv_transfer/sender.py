@@ -68,11 +68,13 @@ class KVSender:
         prompt_token_ids: list[int],
         params: SamplingParams,
         grant: ReservationGrant,
+        priority: int = 0,
     ) -> None:
-        """Queues the prompt for prefill; its pages go to the reservation `grant` describes."""
+        """Queues the prompt for prefill; its pages go to the reservation `grant` describes.
+        `priority` orders the engine's waiting queue (lower first)."""
         prefill_params = params.model_copy(update={"max_tokens": 1, "stop": None})
         req = self.engine.add_request(
-            prompt_token_ids, prefill_params, request_id=request_id, keep_kv=True
+            prompt_token_ids, prefill_params, request_id=request_id, keep_kv=True, priority=priority
         )
         expected = (
             math.ceil(len(prompt_token_ids) / self.engine.config.block_size) - grant.num_hit_blocks

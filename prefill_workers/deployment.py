@@ -45,8 +45,9 @@ class PrefillWorker(WorkerDeployment):
         prompt_token_ids: list[int],
         params: dict[str, Any],
         grant: dict[str, Any],
+        priority: int = 0,
     ) -> AsyncIterator[dict[str, Any]]:
-        yield await self.prefill(request_id, prompt_token_ids, params, grant)
+        yield await self.prefill(request_id, prompt_token_ids, params, grant, priority)
 
     async def prefill(
         self,
@@ -54,7 +55,12 @@ class PrefillWorker(WorkerDeployment):
         prompt_token_ids: list[int],
         params: dict[str, Any],
         grant: dict[str, Any],
+        priority: int = 0,
     ) -> dict[str, Any]:
         return await self.service.prefill(
-            request_id, prompt_token_ids, SamplingParams(**params), ReservationGrant(**grant)
+            request_id,
+            prompt_token_ids,
+            SamplingParams(**params),
+            ReservationGrant(**grant),
+            priority,
         )

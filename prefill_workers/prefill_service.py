@@ -66,6 +66,7 @@ class PrefillService(WorkerLoop):
         prompt_token_ids: list[int],
         params: SamplingParams,
         grant: ReservationGrant,
+        priority: int = 0,
     ) -> dict[str, Any]:
         """Prefills and streams; returns {status: sent|failed|cancelled, first_token_ids, error,
         timings}. Cancelling the awaiting task cancels the request (and tells decode)."""
@@ -73,7 +74,7 @@ class PrefillService(WorkerLoop):
         future: asyncio.Future[dict[str, Any]] = loop.create_future()
 
         def start() -> None:
-            self.sender.start(request_id, prompt_token_ids, params, grant)
+            self.sender.start(request_id, prompt_token_ids, params, grant, priority)
             self._pending[request_id] = _Pending(loop, future)
 
         try:

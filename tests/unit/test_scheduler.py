@@ -131,3 +131,21 @@ def test_lifecycle_timestamps_in_order() -> None:
     assert values == sorted(values)
     s.remove(a)
     assert s.block_manager.num_free_blocks == 8
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
+    from tandem.engine.block_manager import BlockManager
+    from tandem.engine.request import Request
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.engine.scheduler import Scheduler
+
+    sched = Scheduler(BlockManager(64, 4), 0, max_num_batched_tokens=8, max_num_seqs=8)
+    reqs = [
+        Request(name, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(), frozenset(), priority=prio)
+        for name, prio in (("a", 0), ("b", 5), ("c", -1), ("d", 5), ("e", 0))
+    ]
+    for r in reqs:
+        sched.add(r)
+    assert [r.request_id for r in sched.waiting] == ["c", "a", "e", "b", "d"]
+    out = sched.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["c"]
