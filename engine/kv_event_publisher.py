@@ -3,8 +3,8 @@
 The engine's block manager records "stored" / "removed" block hashes; the worker loop hands them
 to `collect` after every step. `take_batch` turns what accumulated into one numbered batch; a
 subscriber that sees a gap in the numbers asks again and first gets a `snapshot` (the full set of
-hashes this worker caches, numbered with the last batch's sequence number), so a lost or
-reordered batch is detected and repaired. Batches are plain dicts (JSON over the RPC channel),
+hashes this worker caches, numbered like any batch and sent to every subscriber), so a lost or
+reordered batch is detected and repaired. Snapshots also go out periodically. Batches are plain dicts (JSON over the RPC channel),
 with the fields of `tandem.router.prefix_index.KVEventBatch`.
 """
 
@@ -48,7 +48,8 @@ class KVEventPublisher:
         return batch
 
     def snapshot(self) -> dict[str, Any]:
-        """Everything cached now, as of batch `seq` (pending events must be taken first)."""
+        """Everything cached now, as batch `seq + 1` (take pending events first)."""
+        self.seq += 1
         return self._batch(stored=sorted(self.cached), removed=[], snapshot=True)
 
     def _batch(self, *, stored: list[int], removed: list[int], snapshot: bool) -> dict[str, Any]:

@@ -28,6 +28,7 @@ IDLE_WAIT_S = 0.05  # how long an idle loop sleeps on its command queue
 STATS_INTERVAL_S = 0.1  # at most this often, stats are reported when they changed
 HEARTBEAT_S = 2.0  # unchanged stats are re-reported this often
 KV_EVENTS_INTERVAL_S = 0.01  # prefix-cache events are batched over at most this long
+KV_SNAPSHOT_S = 5.0  # subscribers get a full snapshot this often
 
 
 class WorkerDeadError(RuntimeError):
@@ -65,6 +66,7 @@ class WorkerLoop(ABC):
         self.kv_publisher: KVEventPublisher | None = None
         self._kv_subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = []
         self._last_kv_batch = 0.0
+        self._last_snapshot = 0.0
 
     def publish_kv_events(self, block_manager: BlockManager, namespace: str) -> None:
         """Publishes `block_manager`'s prefix-cache events (it must record them) to subscribers."""
@@ -79,14 +81,13 @@ class WorkerLoop(ABC):
         queue: asyncio.Queue[Any] = asyncio.Queue()
         entry = (loop, queue)
 
-        def subscribe() -> dict[str, Any]:
+        def subscribe() -> None:
             self._flush_kv_events(force=True)
             self._kv_subscribers.append(entry)
-            assert self.kv_publisher is not None
-            return self.kv_publisher.snapshot()
+            self._broadcast_snapshot()
 
         try:
-            yield await self.submit(subscribe)
+            await self.submit(subscribe)
             while True:
                 yield await queue.get()
         finally:
@@ -99,10 +100,19 @@ class WorkerLoop(ABC):
         now = time.monotonic()
         if not force and now - self._last_kv_batch < KV_EVENTS_INTERVAL_S:
             return
-        batch = self.kv_publisher.take_batch()
-        if batch is None:
-            return
         self._last_kv_batch = now
+        batch = self.kv_publisher.take_batch()
+        if batch is not None:
+            self._send_kv_batch(batch)
+        if self._kv_subscribers and now - self._last_snapshot > KV_SNAPSHOT_S:
+            self._broadcast_snapshot()
+
+    def _broadcast_snapshot(self) -> None:
+        assert self.kv_publisher is not None
+        self._last_snapshot = time.monotonic()
+        self._send_kv_batch(self.kv_publisher.snapshot())
+
+    def _send_kv_batch(self, batch: dict[str, Any]) -> None:
         for loop, subscriber in self._kv_subscribers:
             loop.call_soon_threadsafe(subscriber.put_nowait, batch)
 

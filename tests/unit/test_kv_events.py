@@ -39,7 +39,7 @@ def test_batches_are_numbered_and_snapshots_carry_the_last_number() -> None:
     )
     snap = pub.snapshot()
     assert (snap["seq"], snap["stored"], snap["snapshot"], snap["namespace"]) == (
-        2,
+        3,
         [12, 13],
         True,
         "ns",
@@ -55,7 +55,7 @@ def test_prefill_worker_publishes_the_prompt_block_hashes(tiny_checkpoint: Any) 
     async def main() -> list[dict[str, Any]]:
         events = service.kv_events()
         snapshot = await anext(events)
-        assert snapshot["snapshot"] and snapshot["stored"] == [] and snapshot["seq"] == 0
+        assert snapshot["snapshot"] and snapshot["stored"] == [] and snapshot["seq"] == 1
         service.post(
             lambda: engine.add_request(prompt, SamplingParams(max_tokens=1), request_id="a")
         )
@@ -69,7 +69,7 @@ def test_prefill_worker_publishes_the_prompt_block_hashes(tiny_checkpoint: Any) 
         batches = asyncio.run(main())
     finally:
         service.close()
-    assert [b["seq"] for b in batches] == list(range(1, len(batches) + 1))
+    assert [b["seq"] for b in batches] == list(range(2, len(batches) + 2))
     expected = hash_full_blocks(engine.namespace.root_hash(), prompt, 16)
     assert [h for b in batches for h in b["stored"]] == expected
     assert all(b["namespace"] == engine.namespace.digest() for b in batches)
