@@ -63,4 +63,6 @@ class DecodeWorker(WorkerDeployment):
             "vocab_size": engine.spec.vocab_size,
             "block_size": engine.config.block_size,
             "num_blocks": engine.block_manager.num_blocks,
+            "namespace": engine.namespace.digest(),
+            "root_hash": engine.namespace.root_hash(),
         }

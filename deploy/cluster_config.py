@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tandem.engine.config import EngineConfig
 from tandem.engine.worker_settings import WorkerSettings
 from tandem.kv_transfer.registry import TRANSPORTS
+from tandem.router.admission import AdmissionConfig
+from tandem.router.route_planner import DecodeRoutingConfig
+from tandem.router.routing_policy import RoutingConfig
 
 
 class RoleConfig(BaseModel):
@@ -76,6 +79,16 @@ class ClusterConfig(BaseModel):
     prefill: RoleConfig = Field(default_factory=RoleConfig)
     decode: RoleConfig = Field(default_factory=RoleConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    routing: RoutingConfig = Field(
+        default_factory=RoutingConfig,
+        description="Prefill choice: policy (cache_affinity, least_loaded, power_of_two, "
+        "round_robin) and its weights.",
+    )
+    decode_routing: DecodeRoutingConfig = Field(default_factory=DecodeRoutingConfig)
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig,
+        description="Deadlines (default, per tenant), prefill queue caps, TTFT prediction.",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     grpc_port: int | None = Field(50051, ge=0, le=65535, description="0 or null: no gRPC.")

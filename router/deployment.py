@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.worker_registry import get_registry
+from tandem.router.admission import AdmissionConfig
 from tandem.router.errors import APIError
 from tandem.router.openai_api import (
     create_chat_completion,
@@ -28,6 +29,8 @@ from tandem.router.openai_api import (
 )
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.router.pd_orchestrator import PDOrchestrator
+from tandem.router.route_planner import DecodeRoutingConfig, RoutePlanner
+from tandem.router.routing_policy import RoutingConfig
 from tandem.router.serving import Serving
 from tandem.router.worker_directory import WorkerDirectory
 
@@ -89,8 +92,15 @@ class Router:
             get_registry(settings["registry_name"]), settings["auth_token"]
         )
         self.directory.start()
+        planner = RoutePlanner(
+            self.directory,
+            RoutingConfig.model_validate(settings.get("routing", {})),
+            DecodeRoutingConfig.model_validate(settings.get("decode_routing", {})),
+            AdmissionConfig.model_validate(settings.get("admission", {})),
+        )
         self.serving = Serving(
             PDOrchestrator(self.directory),
+            planner,
             tokenizer,
             settings["served_model_name"],
             settings.get("request_timeout_s", 600.0),

@@ -16,8 +16,10 @@ class APIError(Exception):
         type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.type = type

@@ -25,7 +25,7 @@ Kind = Literal["completion", "chat"]
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
@@ -38,6 +38,9 @@ async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
         body.max_tokens,
         body.sampling_dict(),
         timings,
+        deadline_ms=body.deadline_ms,
+        priority=body.priority,
+        user=body.user,
     )
     return await _respond(serving, req, "completion", body.stream, body.stream_options)
 
@@ -53,6 +56,9 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest) 
         max_tokens,
         body.sampling_dict(),
         timings,
+        deadline_ms=body.deadline_ms,
+        priority=body.priority,
+        user=body.user,
     )
     return await _respond(serving, req, "chat", body.stream, body.stream_options)
 

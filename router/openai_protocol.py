@@ -35,6 +35,10 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    deadline_ms: float | None = Field(
+        None, gt=0, description="time-to-first-token deadline; refused with 429 if unmeetable"
+    )
+    priority: int | None = Field(None, description="lower runs earlier (default: the tenant's)")
     logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

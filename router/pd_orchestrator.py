@@ -22,6 +22,7 @@ from typing import Any
 
 from tandem.engine.rpc import RPCError
 from tandem.router.errors import APIError, unavailable
+from tandem.router.route_planner import RoutePlan
 from tandem.router.worker_directory import Worker, WorkerDirectory
 
 logger = logging.getLogger("tandem.router")
@@ -74,25 +75,52 @@ class PDOrchestrator:
         prompt_token_ids: list[int],
         params: dict[str, Any],
         timings: RequestTimings,
+        plan: RoutePlan,
+        priority: int = 0,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yields decode's token items; the last carries `finish_reason`. Raises APIError."""
-        decode = await self.directory.pick("decode")
-        prefill = await self.directory.pick("prefill")
-        with self.directory.busy(decode), self.directory.busy(prefill):
+        try:
+            if plan.prefill is None:
+                stream = plan.decode.client.stream(
+                    "generate",
+                    request_id=request_id,
+                    prompt_token_ids=prompt_token_ids,
+                    params=params,
+                    local_prefill=True,
+                    priority=priority,
+                )
+                try:
+                    while True:
+                        item = await _next(stream, plan.decode)
+                        if item["type"] == "error":
+                            raise _worker_error(item)
+                        timings.mark("first_token")
+                        if item.get("finish_reason") is not None:
+                            timings.mark("finished")
+                            timings.worker.update(item.get("timings", {}))
+                            yield item
+                            return
+                        yield item
+                finally:
+                    await stream.aclose()
             async for item in self._run(
-                decode, prefill, request_id, prompt_token_ids, params, timings
+                plan, request_id, prompt_token_ids, params, timings, priority
             ):
                 yield item
+        finally:
+            plan.release()
 
     async def _run(
         self,
-        decode: Worker,
-        prefill: Worker,
+        plan: RoutePlan,
         request_id: str,
         prompt_token_ids: list[int],
         params: dict[str, Any],
         timings: RequestTimings,
+        priority: int,
     ) -> AsyncIterator[dict[str, Any]]:
+        decode, prefill = plan.decode, plan.prefill
+        assert prefill is not None
         decode_stream = decode.client.stream(
             "generate", request_id=request_id, prompt_token_ids=prompt_token_ids, params=params
         )
@@ -103,7 +131,7 @@ class PDOrchestrator:
                 raise _worker_error(first)
             timings.mark("reserved")
             prefill_task = asyncio.ensure_future(
-                _prefill(prefill, request_id, prompt_token_ids, params, first["grant"])
+                _prefill(prefill, request_id, prompt_token_ids, params, first["grant"], priority)
             )
             next_item = asyncio.ensure_future(_next(decode_stream, decode))
             pending = {prefill_task, next_item}
@@ -111,6 +139,7 @@ class PDOrchestrator:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if prefill_task in done:
                     pending.discard(prefill_task)
+                    plan.release_prefill()
                     outcome = prefill_task.result()
                     if outcome["status"] != "sent":
                         raise unavailable(
@@ -153,11 +182,21 @@ async def _next(stream: AsyncGenerator[dict[str, Any], None], worker: Worker) ->
 
 
 async def _prefill(
-    worker: Worker, request_id: str, prompt: list[int], params: dict[str, Any], grant: Any
+    worker: Worker,
+    request_id: str,
+    prompt: list[int],
+    params: dict[str, Any],
+    grant: Any,
+    priority: int,
 ) -> dict[str, Any]:
     try:
         return await worker.client.call(
-            "prefill", request_id=request_id, prompt_token_ids=prompt, params=params, grant=grant
+            "prefill",
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params,
+            grant=grant,
+            priority=priority,
         )
     except RPCError as exc:
         return {"status": "failed", "error": f"prefill worker {worker.worker_id}: {exc}"}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +13,7 @@ from tandem.engine.tokenizer import Tokenizer
 from tandem.router.errors import APIError, bad_request
 from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
 from tandem.router.request_prep import ModelLimits, sampling_params, tokenize_prompt
+from tandem.router.route_planner import RoutePlan, RoutePlanner
 
 logger = logging.getLogger("tandem.router")
 
@@ -32,6 +32,9 @@ class Prepared:
     stop_reason: int | str | None = None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    plan: RoutePlan | None = None
+    priority: int = 0
+    num_transferred_blocks: int = 0
 
     def usage(self) -> dict[str, Any]:
         prompt = len(self.prompt_token_ids)
@@ -40,6 +43,7 @@ class Prepared:
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+            "kv_transferred_blocks": self.num_transferred_blocks,
         }
 
 
@@ -47,20 +51,25 @@ class Serving:
     def __init__(
         self,
         orchestrator: PDOrchestrator,
+        planner: RoutePlanner,
         tokenizer: Tokenizer,
         model_name: str,
         request_timeout_s: float = 600.0,
     ) -> None:
         self.orchestrator = orchestrator
+        self.planner = planner
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s
         self._limits: ModelLimits | None = None
+        self.info: dict[str, Any] = {}
 
     async def limits(self) -> ModelLimits:
         if self._limits is None:
-            info = await self.orchestrator.limits()
-            self._limits = ModelLimits(int(info["max_model_len"]), int(info["vocab_size"]))
+            self.info = await self.orchestrator.limits()
+            self._limits = ModelLimits(
+                int(self.info["max_model_len"]), int(self.info["vocab_size"])
+            )
         return self._limits
 
     def check_model(self, model: str | None) -> None:
@@ -80,8 +89,13 @@ class Serving:
         max_tokens: int | None,
         fields: dict[str, Any],
         timings: RequestTimings,
+        *,
+        deadline_ms: float | None = None,
+        priority: int | None = None,
+        user: str | None = None,
     ) -> Prepared:
-        """`prompt` is text, token ids, or chat messages (rendered with the chat template)."""
+        """`prompt` is text, token ids, or chat messages (rendered with the chat template).
+        Also routes and admits the request: a 429 here means nothing was started."""
         self.check_model(model)
         limits = await self.limits()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
@@ -93,18 +107,35 @@ class Serving:
             token_ids = tokenize_prompt(self.tokenizer, prompt, limits.vocab_size)  # type: ignore[arg-type]
         timings.mark("tokenized")
         params = sampling_params(len(token_ids), max_tokens, fields, limits)
-        return Prepared(request_id, token_ids, params, timings)
+        admission = self.planner.admission
+        plan = await self.planner.plan(
+            token_ids,
+            self.info,
+            admission.deadline_ms(deadline_ms, user),
+            hold_s=self.request_timeout_s,
+        )
+        return Prepared(
+            request_id,
+            token_ids,
+            params,
+            timings,
+            plan=plan,
+            priority=admission.priority(priority, user),
+        )
 
     async def run(self, req: Prepared) -> AsyncIterator[dict[str, Any]]:
         """Token items from the cluster; updates `req` (usage, finish) and logs one line at the end."""
         outcome = "cancelled"
         try:
             async with asyncio.timeout(self.request_timeout_s):
+                assert req.plan is not None
                 async for item in self.orchestrator.generate(
                     req.request_id,
                     req.prompt_token_ids,
                     req.params.model_dump(exclude_defaults=True),
                     req.timings,
+                    req.plan,
+                    req.priority,
                 ):
                     req.completion_tokens += len(item["token_ids"])
                     req.token_ids.extend(item["token_ids"])
@@ -113,6 +144,7 @@ class Serving:
                         req.finish_reason = item["finish_reason"]
                         req.stop_reason = item.get("stop_reason")
                         req.num_cached_tokens = int(item.get("num_cached_tokens", 0))
+                        req.num_transferred_blocks = int(item.get("num_transferred_blocks", 0))
                         outcome = f"finished({req.finish_reason})"
                     yield item
         except TimeoutError:
@@ -130,15 +162,24 @@ class Serving:
     def _log(req: Prepared, outcome: str) -> None:
         stages = " ".join(f"{k}={v:.1f}ms" for k, v in req.timings.stages_ms().items())
         logger.info(
-            "request %s %s prompt=%d completion=%d cached=%d %s",
+            "request %s %s prompt=%d completion=%d cached=%d transferred_blocks=%d route=%s %s",
             req.request_id,
             outcome,
             len(req.prompt_token_ids),
             req.completion_tokens,
             req.num_cached_tokens,
+            req.num_transferred_blocks,
+            _route(req.plan),
             stages,
         )
 
 
-def now_s() -> int:
-    return int(time.time())
+def _route(plan: RoutePlan | None) -> str:
+    if plan is None:
+        return "-"
+    if plan.prefill is None:
+        return f"local@{plan.decode.worker_id}(hit={plan.decode_hit_blocks})"
+    return (
+        f"{plan.prefill.worker_id}(hit={plan.prefill_hit_blocks})"
+        f"->{plan.decode.worker_id}(hit={plan.decode_hit_blocks})"
+    )

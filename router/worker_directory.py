@@ -1,8 +1,9 @@
-"""The router's view of the workers: who is up (from the registry), an RPC client to each, and
-the least-loaded pick per role.
+"""The router's view of the workers: who is up (from the registry), an RPC client to each, what
+each caches (a `PrefixIndex` fed by their KV-event streams) and how loaded each is.
 
-Load is what this router has in flight on a worker, then what the worker last reported (queued
-prefill tokens for prefill, KV usage for decode). A later issue adds cache affinity on top.
+Load that matters for routing is what this router has routed and not seen finish: in-flight
+requests, and queued prefill tokens (uncached prompt tokens sent to a prefill worker and not yet
+prefilled). Workers' own reports (KV usage, measured prefill throughput) come with the registry.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.engine.rpc import RPCClient
+from tandem.engine.rpc import RPCClient, RPCError
 from tandem.router.errors import unavailable
+from tandem.router.prefix_index import KVEventBatch, PrefixIndex
 
 logger = logging.getLogger("tandem.router")
 
@@ -30,12 +31,14 @@ class Worker:
     client: RPCClient
     stats: dict[str, Any] = field(default_factory=dict)
     in_flight: int = 0
+    queued_tokens: int = 0
+    events_task: asyncio.Task[None] | None = None
 
     def load(self) -> tuple[float, ...]:
         reported = self.stats.get(
             "num_waiting_tokens" if self.role == "prefill" else "kv_cache_usage", 0
         )
-        return (self.in_flight, float(reported or 0))
+        return (self.in_flight, self.queued_tokens, float(reported or 0))
 
 
 class WorkerDirectory:
@@ -43,6 +46,8 @@ class WorkerDirectory:
         self.registry = registry
         self.auth_token = auth_token
         self.workers: dict[str, Worker] = {}
+        self.index = PrefixIndex()
+        self.on_worker_removed: list[Any] = []
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
 
@@ -68,29 +73,60 @@ class WorkerDirectory:
             seen.add(wid)
             worker = self.workers.get(wid)
             if worker is None or worker.client.address != address or worker.client.closed:
-                if worker is not None:
-                    await worker.client.close()
+                old = worker
                 worker = Worker(wid, str(entry["role"]), RPCClient(address, self.auth_token))
-                worker.in_flight = self.workers[wid].in_flight if wid in self.workers else 0
+                if old is not None:
+                    worker.in_flight, worker.queued_tokens = old.in_flight, old.queued_tokens
+                    await self._stop(old)
                 self.workers[wid] = worker
+                worker.events_task = asyncio.get_running_loop().create_task(
+                    self._follow_kv_events(worker)
+                )
                 logger.info("router: %s worker %s at %s", worker.role, wid, address)
             worker.stats = entry
         for wid in set(self.workers) - seen:
             logger.info("router: worker %s left", wid)
-            await self.workers.pop(wid).client.close()
+            await self._stop(self.workers.pop(wid))
+            self.index.remove_worker(wid)
+            for callback in self.on_worker_removed:
+                callback(wid)
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def pick(self, role: str, timeout: float = 30.0) -> Worker:
-        """The least-loaded live worker of `role`, waiting up to `timeout` for one to appear."""
+    async def _follow_kv_events(self, worker: Worker) -> None:
+        """Feeds the index; a gap in the sequence re-subscribes (which starts with a snapshot)."""
+        while not worker.client.closed:
+            try:
+                async for batch in worker.client.stream("kv_events"):
+                    applied = self.index.apply(KVEventBatch.model_validate(batch))
+                    if not applied and self.index.needs_snapshot(worker.worker_id):
+                        logger.info(
+                            "router: KV events of %s have a gap; resyncing", worker.worker_id
+                        )
+                        break
+            except RPCError as exc:
+                logger.info("router: KV events of %s stopped: %s", worker.worker_id, exc)
+                self.index.mark_stale(worker.worker_id)
+                await asyncio.sleep(REFRESH_S)
+
+    async def _stop(self, worker: Worker) -> None:
+        if worker.events_task is not None:
+            worker.events_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await worker.events_task
+        await worker.client.close()
+
+    def live(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role and not w.client.closed]
+
+    async def wait_for(self, role: str, timeout: float = 30.0) -> list[Worker]:
+        """The live workers of `role`, waiting up to `timeout` for a first one to appear."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            candidates = [
-                w for w in self.workers.values() if w.role == role and not w.client.closed
-            ]
+            candidates = self.live(role)
             if candidates:
-                return min(candidates, key=Worker.load)
+                return candidates
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise unavailable(f"no {role} worker is available", f"no_{role}_worker")
@@ -100,16 +136,12 @@ class WorkerDirectory:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), remaining)
 
-    @contextlib.contextmanager
-    def busy(self, worker: Worker) -> Iterator[None]:
-        worker.in_flight += 1
-        try:
-            yield
-        finally:
-            worker.in_flight -= 1
+    async def pick(self, role: str, timeout: float = 30.0) -> Worker:
+        """The least-loaded live worker of `role`."""
+        return min(await self.wait_for(role, timeout), key=Worker.load)
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
         for worker in self.workers.values():
-            await worker.client.close()
+            await self._stop(worker)

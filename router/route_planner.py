@@ -1,0 +1,143 @@
+"""Where one request goes: the decode worker, the prefill worker (or none), admission (DESIGN §6).
+
+- Decode: the worker that already holds the longest prefix of the request (a conversation's
+  earlier turns) when it has room, else the least loaded. Only the blocks it lacks are
+  transferred (its reservation skips what it caches).
+- Conditional prefill: when that worker holds a prefix and the uncached tail is at most
+  `conditional_prefill_max_tokens`, it prefills the tail itself; no prefill worker, no transfer.
+- Prefill: the routing policy (cache affinity on the KV-event index by default).
+- Admission: the plan's predicted TTFT against the request's deadline, and the queue cap.
+A plan holds its load on the chosen workers (so concurrent arrivals see each other) until
+`release()`; routing is synchronous and short, it never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.engine.hashing import hash_full_blocks
+from tandem.router.admission import Admission, AdmissionConfig
+from tandem.router.routing_policy import RoutingConfig, WorkerLoad, make_policy
+from tandem.router.worker_directory import Worker, WorkerDirectory
+
+
+class DecodeRoutingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_kv_usage: float = Field(
+        0.9, gt=0, le=1, description="a decode worker above this KV usage gets no new request"
+    )
+    conditional_prefill_max_tokens: int = Field(
+        128, ge=0, description="uncached tail the holding decode worker prefills itself"
+    )
+
+
+@dataclass
+class RoutePlan:
+    decode: Worker
+    prefill: Worker | None  # None: the decode worker prefills locally
+    prompt_blocks: int
+    decode_hit_blocks: int
+    prefill_hit_blocks: int
+    prefill_tokens: int
+    predicted_ttft_ms: float | None
+    _released_prefill: bool = False
+    _released: bool = False
+
+    @property
+    def local_prefill(self) -> bool:
+        return self.prefill is None
+
+    def release_prefill(self) -> None:
+        """Prefill is done: its tokens no longer queue on the prefill worker."""
+        if self.prefill is not None and not self._released_prefill:
+            self._released_prefill = True
+            self.prefill.queued_tokens -= self.prefill_tokens
+            self.prefill.in_flight -= 1
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.release_prefill()
+            self.decode.in_flight -= 1
+
+
+class RoutePlanner:
+    def __init__(
+        self,
+        directory: WorkerDirectory,
+        routing: RoutingConfig,
+        decode_routing: DecodeRoutingConfig,
+        admission: AdmissionConfig,
+    ) -> None:
+        self.directory = directory
+        self.policy = make_policy(routing)
+        self.decode_routing = decode_routing
+        self.admission = Admission(admission)
+        directory.on_worker_removed.append(self.policy.remove_worker)
+
+    async def plan(
+        self,
+        prompt_token_ids: list[int],
+        info: dict[str, Any],
+        deadline_ms: float | None,
+        hold_s: float,
+    ) -> RoutePlan:
+        """Chooses workers and admits (or raises 429/503). The plan's load is held until
+        `release()`, or `hold_s` at most (a request that never runs gives it back)."""
+        decode_workers = await self.directory.wait_for("decode")
+        prefill_workers = await self.directory.wait_for("prefill")
+        bs = int(info["block_size"])
+        namespace = str(info["namespace"])
+        hashes = hash_full_blocks(int(info["root_hash"]), prompt_token_ids, bs)
+        index = self.directory.index
+        decode, decode_hits = self._choose_decode(
+            decode_workers, index.match(namespace, hashes, [w.worker_id for w in decode_workers])
+        )
+        tail = len(prompt_token_ids) - decode_hits * bs
+        num_blocks = -(-len(prompt_token_ids) // bs)
+        cfg = self.decode_routing
+        if decode_hits > 0 and tail <= cfg.conditional_prefill_max_tokens:
+            plan = RoutePlan(decode, None, num_blocks, decode_hits, 0, tail, None)
+        else:
+            matched = (
+                index.match(namespace, hashes, [w.worker_id for w in prefill_workers])
+                if self.policy.uses_prefix_match
+                else None
+            )
+            loads = {
+                w.worker_id: WorkerLoad(w.worker_id, w.queued_tokens, w.in_flight)
+                for w in prefill_workers
+            }
+            prefill = self.directory.workers[self.policy.choose(loads, matched)]
+            prefill_hits = (matched or {}).get(prefill.worker_id, 0)
+            new_tokens = len(prompt_token_ids) - prefill_hits * bs
+            predicted = self.admission.check(
+                queued_tokens=prefill.queued_tokens,
+                new_tokens=new_tokens,
+                tokens_per_s=float(prefill.stats.get("prefill_tokens_per_s") or 0) or None,
+                blocks=num_blocks - decode_hits,
+                deadline_ms=deadline_ms,
+            )
+            plan = RoutePlan(
+                decode, prefill, num_blocks, decode_hits, prefill_hits, new_tokens, predicted
+            )
+            prefill.queued_tokens += new_tokens
+            prefill.in_flight += 1
+        decode.in_flight += 1
+        asyncio.get_running_loop().call_later(hold_s, plan.release)
+        return plan
+
+    def _choose_decode(self, workers: list[Worker], matched: dict[str, int]) -> tuple[Worker, int]:
+        max_usage = self.decode_routing.max_kv_usage
+        roomy = [w for w in workers if float(w.stats.get("kv_cache_usage", 0)) < max_usage]
+        candidates = roomy or workers
+        holders = [w for w in candidates if matched.get(w.worker_id, 0) > 0]
+        if holders:
+            best = max(holders, key=lambda w: (matched[w.worker_id], -w.in_flight))
+            return best, matched[best.worker_id]
+        return min(candidates, key=Worker.load), 0
