@@ -11,20 +11,22 @@ O(matched workers) in Python plus O(workers) in C per decision.
         - in_flight_weight * in_flight
 
 i.e. with weights 1 the prefill work saved minus the prefill work queued ahead (a TTFT proxy), and
-picks the best of the matched workers and the least-loaded worker. The imbalance guard keeps an
-exponentially decayed count of the requests it sent to each worker (half-life `guard_half_life`
-decisions); a worker whose count exceeds `guard_max_share` times the fair share plus `guard_slack`
-requests is *hot* and gets no affinity requests until its share decays, so a popular prefix
-spreads (and is replicated) over several workers instead of piling onto one.
+picks the best of the matched workers, the least-loaded worker and the least recently chosen
+worker (which wins ties, so new prefixes spread evenly over idle workers). The imbalance guard
+keeps an exponentially decayed count of the requests it sent to each worker (half-life
+`guard_half_life` decisions); a worker whose count exceeds `guard_max_share` times the fair share plus `guard_slack`
+requests is *hot*: its matched blocks count for nothing until its share decays, so a popular
+prefix spreads (and is replicated) over several workers instead of piling onto one. The router
+calls `remove_worker` for workers that leave.
 """
 
 from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -56,6 +58,7 @@ class WorkerLoad(NamedTuple):
 
 
 _LOAD_KEY = attrgetter("queued_prefill_tokens", "in_flight")
+_QUEUED = itemgetter(1)  # WorkerLoad.queued_prefill_tokens
 
 
 class RoutingConfig(BaseModel):
@@ -151,6 +154,10 @@ class CacheAffinity(RoutingPolicy):
         self._hit = config.hit_weight * config.block_size
         self._load = config.load_weight
         self._flight = config.in_flight_weight
+        self._cost: Callable[[WorkerLoad], float] = _QUEUED  # in C when in_flight_weight is 0
+        if self._flight:
+            load_w, flight = self._load, self._flight
+            self._cost = lambda w: load_w * w.queued_prefill_tokens + flight * w.in_flight
         self._max_share = config.guard_max_share
         self._slack = config.guard_slack
         self._growth = 2.0 ** (1.0 / config.guard_half_life)
@@ -159,53 +166,45 @@ class CacheAffinity(RoutingPolicy):
         self._unit = 1.0
         self._recent: dict[str, float] = {}
         self._total = 0.0
-        self._tick = 0
         self._cold: str | None = None
 
     def recent_share(self, worker_id: str) -> float:
         """The worker's fraction of the recent (decayed) decisions."""
         return self._recent.get(worker_id, 0.0) / self._total if self._total else 0.0
 
-    def is_hot(self, worker_id: str, num_workers: int) -> bool:
+    def is_hot(self, worker_id: str, loads: Mapping[str, WorkerLoad]) -> bool:
         """Whether the guard keeps affinity requests away from the worker right now."""
-        limit = self._max_share * self._total / num_workers + self._slack * self._unit
-        return self._recent.get(worker_id, 0.0) > limit
+        return self._recent.get(worker_id, 0.0) > self._hot_limit(loads)
+
+    def _hot_limit(self, loads: Mapping[str, WorkerLoad]) -> float:
+        return self._max_share * self._total / len(loads) + self._slack * self._unit
 
     def choose(
         self, loads: Mapping[str, WorkerLoad], matched: Mapping[str, int] | None = None
     ) -> str:
+        # Candidates: the least-loaded worker, the least recently chosen one (it wins ties, so
+        # new prefixes spread evenly), and every matched worker that is not hot. A hot worker's
+        # matched blocks count for nothing.
         hit, load_w, flight = self._hit, self._load, self._flight
+        recent = self._recent
+        limit = self._hot_limit(loads) if matched else 0.0
         matched = matched or {}
-        best = _least_loaded(loads, self._tick)
-        best_id = best.worker_id
-        best_score = (
-            hit * matched.get(best_id, 0)
-            - load_w * best.queued_prefill_tokens
-            - flight * best.in_flight
-        )
+        best = min(loads.values(), key=self._cost)
         cold = loads.get(self._coldest(loads))
-        if cold is not None and cold is not best:  # ties go to the least recently chosen
-            score = (
-                hit * matched.get(cold.worker_id, 0)
-                - load_w * cold.queued_prefill_tokens
-                - flight * cold.in_flight
-            )
+        best_id, best_score = "", float("-inf")
+        for load in (best, cold) if cold is not None and cold is not best else (best,):
+            worker_id = load.worker_id
+            blocks = matched.get(worker_id, 0) if recent.get(worker_id, 0.0) <= limit else 0
+            score = hit * blocks - load_w * load.queued_prefill_tokens - flight * load.in_flight
             if score >= best_score:
-                best_id, best_score = cold.worker_id, score
-        fallback_id = best_id
-        if matched:
-            n = len(loads)
-            limit = self._max_share * self._total / n + self._slack * self._unit
-            recent = self._recent
-            for worker_id, blocks in matched.items():
-                load = loads.get(worker_id)
-                if load is None or worker_id == best_id or recent.get(worker_id, 0.0) > limit:
-                    continue
-                score = hit * blocks - load_w * load.queued_prefill_tokens - flight * load.in_flight
-                if score > best_score:
-                    best_id, best_score = worker_id, score
-        if best_id == fallback_id:
-            self._tick += 1  # ties among the least loaded rotate, so new prefixes spread evenly
+                best_id, best_score = worker_id, score
+        for worker_id, blocks in matched.items():
+            other = loads.get(worker_id)
+            if other is None or recent.get(worker_id, 0.0) > limit:
+                continue
+            score = hit * blocks - load_w * other.queued_prefill_tokens - flight * other.in_flight
+            if score > best_score:
+                best_id, best_score = worker_id, score
         self._record(best_id)
         return best_id
 
