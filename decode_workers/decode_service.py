@@ -278,6 +278,8 @@ class DecodeService(WorkerLoop):
             "num_reservations": len(self.receiver.reservations),
             "num_held_reservations": len(self.receiver.held),
             "num_streams": len(self._streams),
+            "prefix_cache_queried_blocks": bm.prefix_cache_stats.queried_blocks,
+            "prefix_cache_hit_blocks": bm.prefix_cache_stats.hit_blocks,
             "num_cancelled": self.num_cancelled,
             "kv_cache_usage": bm.usage,
         }

@@ -57,6 +57,7 @@ def build_app(config: ClusterConfig) -> Application:
         "host": config.host,
         "grpc_port": config.grpc_port,
         "request_timeout_s": config.router.request_timeout_s,
+        "log_level": config.log_level,
         "routing": config.routing.model_dump(mode="json"),
         "decode_routing": config.decode_routing.model_dump(mode="json"),
         "admission": config.admission.model_dump(mode="json"),

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tandem.engine.rpc import Handler, RPCServer
+from tandem.engine.serve_logging import use_serve_log_handlers
 from tandem.engine.worker_loop import WorkerLoop
 from tandem.engine.worker_registry import get_registry
 from tandem.engine.worker_settings import WorkerSettings, create_engine_and_transport
@@ -27,6 +28,7 @@ class WorkerDeployment(ABC):
     def __init__(self, settings: dict[str, Any]) -> None:
         from ray import serve
 
+        use_serve_log_handlers()
         cfg = WorkerSettings.model_validate(settings)
         self.settings = cfg
         engine, transport = create_engine_and_transport(cfg)

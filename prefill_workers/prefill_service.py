@@ -151,6 +151,8 @@ class PrefillService(WorkerLoop):
             "num_free_blocks": bm.num_free_blocks,
             "num_requests": len(self.engine.requests),
             "num_transfers": len(self.sender.outgoing),
+            "prefix_cache_queried_blocks": bm.prefix_cache_stats.queried_blocks,
+            "prefix_cache_hit_blocks": bm.prefix_cache_stats.hit_blocks,
             "num_cancelled": self.num_cancelled,
             "num_waiting_tokens": sum(
                 r.num_tokens - r.num_computed_tokens for r in self.engine.requests.values()

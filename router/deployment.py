@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.engine.serve_logging import use_serve_log_handlers
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.worker_registry import get_registry
 from tandem.router.admission import AdmissionConfig
@@ -86,6 +87,7 @@ class Router:
     def __init__(self, settings: dict[str, Any], prefill: Any, decode: Any) -> None:
         """`prefill` / `decode` are the worker deployments' handles: binding them makes Serve
         deploy the workers with the router; requests reach workers over their RPC endpoints."""
+        use_serve_log_handlers(str(settings.get("log_level", "info")).upper())
         self.settings = settings
         tokenizer = Tokenizer.from_pretrained(settings["model"])
         self.directory = WorkerDirectory(
