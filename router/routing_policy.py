@@ -14,8 +14,8 @@ i.e. with weights 1 the prefill work saved minus the prefill work queued ahead (
 picks the best of the matched workers, the least-loaded worker and the least recently chosen
 worker (which wins ties, so new prefixes spread evenly over idle workers). The imbalance guard
 keeps an exponentially decayed count of the requests it sent to each worker (half-life
-`guard_half_life` decisions); a worker whose count exceeds `guard_max_share` times the fair share plus `guard_slack`
-requests is *hot*: its matched blocks count for nothing until its share decays, so a popular
+`guard_half_life` decisions); a worker whose count exceeds `guard_max_share` times the fair share
+plus `guard_slack` requests is *hot*: its matched blocks count for nothing until its share decays, so a popular
 prefix spreads (and is replicated) over several workers instead of piling onto one. The router
 calls `remove_worker` for workers that leave.
 """
