@@ -69,6 +69,37 @@ class PDOrchestrator:
         except RPCError as exc:
             raise unavailable(f"decode worker {worker.worker_id}: {exc}", "decode_failed") from None
 
+    async def reserve(
+        self,
+        plan: RoutePlan,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        priority: int,
+        timings: RequestTimings,
+    ) -> None:
+        """Opens the request's decode stream; with a prefill worker, waits for the decode
+        worker's reservation (so "no room" is refused at arrival, 429). Kept on the plan."""
+        plan.decode_stream = plan.decode.client.stream(
+            "generate",
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            local_prefill=plan.prefill is None,
+            priority=priority,
+        )
+        if plan.prefill is None:
+            return
+        try:
+            first = await _next(plan.decode_stream, plan.decode)
+            if first["type"] == "error":
+                raise _worker_error(first)
+        except BaseException:
+            await plan.decode_stream.aclose()
+            raise
+        plan.grant = first["grant"]
+        timings.mark("reserved")
+
     async def generate(
         self,
         request_id: str,
@@ -78,66 +109,30 @@ class PDOrchestrator:
         plan: RoutePlan,
         priority: int = 0,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Yields decode's token items; the last carries `finish_reason`. Raises APIError."""
-        try:
-            if plan.prefill is None:
-                stream = plan.decode.client.stream(
-                    "generate",
-                    request_id=request_id,
-                    prompt_token_ids=prompt_token_ids,
-                    params=params,
-                    local_prefill=True,
-                    priority=priority,
-                )
-                try:
-                    while True:
-                        item = await _next(stream, plan.decode)
-                        if item["type"] == "error":
-                            raise _worker_error(item)
-                        timings.mark("first_token")
-                        if item.get("finish_reason") is not None:
-                            timings.mark("finished")
-                            timings.worker.update(item.get("timings", {}))
-                            yield item
-                            return
-                        yield item
-                finally:
-                    await stream.aclose()
-            async for item in self._run(
-                plan, request_id, prompt_token_ids, params, timings, priority
-            ):
-                yield item
-        finally:
-            plan.release()
-
-    async def _run(
-        self,
-        plan: RoutePlan,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: dict[str, Any],
-        timings: RequestTimings,
-        priority: int,
-    ) -> AsyncIterator[dict[str, Any]]:
-        decode, prefill = plan.decode, plan.prefill
-        assert prefill is not None
-        decode_stream = decode.client.stream(
-            "generate", request_id=request_id, prompt_token_ids=prompt_token_ids, params=params
-        )
+        """After `reserve`: yields decode's token items; the last carries `finish_reason`.
+        Raises APIError. Leaving early cancels the request on its workers."""
+        stream = plan.decode_stream
+        assert stream is not None
         pending: set[asyncio.Future[Any]] = set()
         try:
-            first = await _next(decode_stream, decode)
-            if first["type"] == "error":
-                raise _worker_error(first)
-            timings.mark("reserved")
-            prefill_task = asyncio.ensure_future(
-                _prefill(prefill, request_id, prompt_token_ids, params, first["grant"], priority)
-            )
-            next_item = asyncio.ensure_future(_next(decode_stream, decode))
-            pending = {prefill_task, next_item}
+            prefill_task: asyncio.Future[Any] | None = None
+            if plan.prefill is not None:
+                prefill_task = asyncio.ensure_future(
+                    _prefill(
+                        plan.prefill,
+                        request_id,
+                        prompt_token_ids,
+                        params,
+                        plan.grant,
+                        priority,
+                    )
+                )
+                pending.add(prefill_task)
+            next_item = asyncio.ensure_future(_next(stream, plan.decode))
+            pending.add(next_item)
             while True:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if prefill_task in done:
+                if prefill_task is not None and prefill_task in done:
                     pending.discard(prefill_task)
                     plan.release_prefill()
                     outcome = prefill_task.result()
@@ -156,20 +151,21 @@ class PDOrchestrator:
                 if item.get("finish_reason") is not None:
                     timings.mark("finished")
                     timings.worker.update(item.get("timings", {}))
-                    if prefill_task in pending:  # its outcome only adds timings now
+                    if prefill_task is not None and prefill_task in pending:  # timings only
                         with contextlib.suppress(Exception, asyncio.TimeoutError):
                             outcome = await asyncio.wait_for(asyncio.shield(prefill_task), 1.0)
                             timings.worker.update(outcome.get("timings", {}))
                     yield item
                     return
                 yield item
-                next_item = asyncio.ensure_future(_next(decode_stream, decode))
+                next_item = asyncio.ensure_future(_next(stream, plan.decode))
                 pending.add(next_item)
         finally:
             for task in pending:  # cancelling a call's task cancels it on its worker
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-            await decode_stream.aclose()
+            await stream.aclose()
+            plan.release()
 
 
 async def _next(stream: AsyncGenerator[dict[str, Any], None], worker: Worker) -> dict[str, Any]:
@@ -205,5 +201,11 @@ async def _prefill(
 def _worker_error(item: dict[str, Any]) -> APIError:
     code = str(item.get("code", "worker_error"))
     if code == "no_capacity":
-        return unavailable(f"no KV cache room on the decode worker: {item['error']}", code)
+        return APIError(
+            429,
+            f"no KV cache room on the decode worker now: {item['error']}",
+            type="rate_limit_error",
+            code="decode_full",
+            headers={"Retry-After": "1"},
+        )
     return unavailable(str(item.get("error", "worker error")), code)

@@ -45,6 +45,8 @@ class RoutePlan:
     prefill_hit_blocks: int
     prefill_tokens: int
     predicted_ttft_ms: float | None
+    decode_stream: Any = None  # the request's open decode call (`PDOrchestrator.reserve`)
+    grant: dict[str, Any] | None = None  # the decode worker's reservation
     _released_prefill: bool = False
     _released: bool = False
 

@@ -114,7 +114,7 @@ class Serving:
             admission.deadline_ms(deadline_ms, user),
             hold_s=self.request_timeout_s,
         )
-        return Prepared(
+        req = Prepared(
             request_id,
             token_ids,
             params,
@@ -122,6 +122,19 @@ class Serving:
             plan=plan,
             priority=admission.priority(priority, user),
         )
+        try:
+            await self.orchestrator.reserve(
+                plan,
+                request_id,
+                token_ids,
+                params.model_dump(exclude_defaults=True),
+                req.priority,
+                timings,
+            )
+        except BaseException:
+            plan.release()
+            raise
+        return req
 
     async def run(self, req: Prepared) -> AsyncIterator[dict[str, Any]]:
         """Token items from the cluster; updates `req` (usage, finish) and logs one line at the end."""

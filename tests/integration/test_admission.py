@@ -1,0 +1,56 @@
+"""Overload with deadlines: each request is served within its deadline or refused at arrival."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Any
+
+import pytest
+import requests
+
+from tests.integration.conftest import Cluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+DEADLINE_MS = 400.0
+
+
+def prompt(seed: int, n: int = 1800) -> list[int]:
+    return [10 + (seed * 104729 + i * 7) % 480 for i in range(n)]
+
+
+def post(base_url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str], float]:
+    start = time.monotonic()
+    resp = requests.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    return resp.status_code, resp.json(), dict(resp.headers), time.monotonic() - start
+
+
+def test_overload_is_refused_at_arrival_and_the_rest_meets_its_deadline(cluster: Cluster) -> None:
+    base_url = cluster.deploy_pd(1)
+    for seed in range(3):  # the prefill worker measures its throughput
+        status, body, _, _ = post(
+            base_url, {"model": "tiny", "prompt": prompt(1000 + seed), "max_tokens": 1}
+        )
+        assert status == 200, body
+    time.sleep(1.0)  # its report reaches the router
+
+    def one(seed: int) -> tuple[int, dict[str, Any], dict[str, str], float]:
+        body = {"model": "tiny", "prompt": prompt(seed), "max_tokens": 4, "ignore_eos": True,
+                "deadline_ms": DEADLINE_MS}  # fmt: skip
+        return post(base_url, body)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=24) as pool:
+        results = list(pool.map(one, range(48)))
+    served = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] == 429]
+    assert len(served) + len(refused) == len(results), [
+        r[:2] for r in results if r[0] not in (200, 429)
+    ]
+    assert served and refused
+    for _, body, headers, elapsed in refused:
+        assert body["error"]["code"] in ("deadline_unmeetable", "queue_full")
+        assert int(headers["retry-after"]) >= 1
+        assert elapsed < 1.0  # refused at arrival, not after waiting
+    ttfts = sorted(body["tandem_timings"]["ttft"] for _, body, _, _ in served)
+    assert ttfts[-1] <= DEADLINE_MS, ttfts
