@@ -44,9 +44,9 @@ def summary(ttft: list[float], tpot: list[float]) -> dict[str, float]:
     }
 
 
-def prompts_for(llm: LLM, n: int, length: int) -> list[list[int]]:
+def prompts_for(llm: LLM, n: int, length: int, offset: int = 0) -> list[list[int]]:
     base = llm.tokenizer.encode("tandem measures what the cluster adds to every request " * 64)
-    return [[(t + i) % 400 + 10 for t in base[:length]] for i in range(n)]
+    return [[(t * (offset + 1) + i) % 400 + 10 for t in base[:length]] for i in range(n)]
 
 
 def in_process(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, list]:
@@ -129,7 +129,9 @@ def main() -> None:
     cache = Path(tempfile.gettempdir()) / "tandem-bench"
     config = ClusterConfig(model=args.model, cache_dir=str(cache), transport=args.transport,
                            served_model_name="bench", grpc_port=50151,
-                           engine={"num_kv_blocks": 1024})  # fmt: skip
+                           engine={"num_kv_blocks": 1024},
+                           # every request takes the PD path (no local prefill on decode)
+                           decode_routing={"conditional_prefill_max_tokens": 0})  # fmt: skip
     torch.set_num_threads(1)  # as each worker runs (RoleConfig.torch_threads)
     model = resolve_model(config)
     config = config.model_copy(update={"model": model})
@@ -148,7 +150,8 @@ def main() -> None:
         grpc_ttft, grpc_tpot = through_grpc(50151, prompts[3:], args.max_tokens)
         cluster = summary(grpc_ttft, grpc_tpot)
         stages: dict[str, list[float]] = {}
-        http_ttft = through_http(28999, prompts[3:], args.max_tokens, stages)
+        fresh = prompts_for(llm, args.requests, args.prompt_len, offset=7)  # no prefix hits
+        http_ttft = through_http(28999, fresh, args.max_tokens, stages)
     finally:
         serve.shutdown()
         ray.shutdown()
