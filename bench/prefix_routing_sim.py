@@ -26,6 +26,7 @@ from tandem.engine.hashing import hash_full_blocks
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
+from tandem.router.pending_prefixes import PendingPrefixes, merge_matches
 from tandem.router.prefix_index import KVEventBatch, PrefixIndex
 from tandem.router.routing_policy import RoutingConfig, WorkerLoad, make_policy
 
@@ -120,19 +121,33 @@ class SimWorker:
         return WorkerLoad(self.worker_id, queued, len(sched.running) + len(sched.waiting))
 
 
-def simulate(policy: str, w: Workload, config: RoutingConfig | None = None) -> dict[str, Any]:
-    """Route and prefill the whole workload under one policy; hit rate and balance."""
+def simulate(
+    policy: str,
+    w: Workload,
+    config: RoutingConfig | None = None,
+    pending_ttl_steps: float | None = None,
+) -> dict[str, Any]:
+    """Route and prefill the whole workload under one policy; hit rate and balance.
+
+    `pending_ttl_steps`: if set (and the policy reads prefix matches), the router also records
+    each routed chain in a `PendingPrefixes` overlay whose clock counts steps, and routes on the
+    per-worker max of the index's and the overlay's matches.
+    """
     namespace = NAMESPACE.digest()
     root = NAMESPACE.root_hash()
     workers = {f"prefill-{i}": SimWorker(f"prefill-{i}", w, root) for i in range(w.workers)}
     index = PrefixIndex()
+    steps = 0
+    pending = None
+    if pending_ttl_steps is not None and policy == "cache_affinity":
+        pending = PendingPrefixes(pending_ttl_steps, clock=lambda: float(steps))
     base = config or RoutingConfig(block_size=w.block_size, seed=w.seed)
     router = make_policy(base.model_copy(update={"policy": policy}))
     params = SamplingParams(max_tokens=w.output_tokens, ignore_eos=True)
     prompts = make_prompts(w)
     routed = dict.fromkeys(workers, 0)
     expected_hits = 0
-    next_arrival, steps, credit = 0, 0, 0.0
+    next_arrival, credit = 0, 0.0
     while next_arrival < len(prompts) or any(
         x.scheduler.has_unfinished() for x in workers.values()
     ):
@@ -145,7 +160,11 @@ def simulate(policy: str, w: Workload, config: RoutingConfig | None = None) -> d
             next_arrival += 1
             hashes = hash_full_blocks(root, tokens, w.block_size)
             matched = index.match(namespace, hashes) if router.uses_prefix_match else {}
+            if pending is not None:
+                matched = merge_matches(matched, pending.match(namespace, hashes))
             wid = router.choose(loads, matched)
+            if pending is not None:
+                pending.record(wid, namespace, hashes)
             hit = min(matched.get(wid, 0), (len(tokens) - 1) // w.block_size) * w.block_size
             expected_hits += hit
             load = loads[wid]
@@ -175,6 +194,7 @@ def simulate(policy: str, w: Workload, config: RoutingConfig | None = None) -> d
     hit_rate = hit_tokens / prompt_tokens
     return {
         "policy": policy,
+        "pending_ttl_steps": pending_ttl_steps if pending is not None else None,
         "hit_rate": round(hit_rate, 4),
         "of_ideal": round(hit_rate / w.ideal_hit_rate, 4),
         "expected_hit_rate": round(expected_hits / prompt_tokens, 4),

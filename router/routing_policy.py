@@ -10,7 +10,10 @@ O(matched workers) in Python plus O(workers) in C per decision.
     hit_weight * matched_blocks * block_size - load_weight * queued_prefill_tokens
         - in_flight_weight * in_flight
 
-i.e. with weights 1 the prefill work saved minus the prefill work queued ahead (a TTFT proxy), and
+i.e. the prefill work saved minus the prefill work queued ahead (a TTFT proxy). The default
+`load_weight` is 0.5: a worker prefills a whole batch of queued chunks per step, so a queued token
+delays a new request by less than a recomputed one costs (in the `bench/prefix_routing.py`
+simulation, 1.0 sent a group's request away from its prefix behind a single queued prompt). It
 picks the best of the matched workers, the least-loaded worker and the least recently chosen
 worker (which wins ties, so new prefixes spread evenly over idle workers). The imbalance guard
 keeps an exponentially decayed count of the requests it sent to each worker (half-life
@@ -69,7 +72,7 @@ class RoutingConfig(BaseModel):
     policy: PolicyName = "cache_affinity"
     block_size: int = Field(16, gt=0, description="tokens per KV block")
     hit_weight: float = Field(1.0, ge=0, description="score per matched prefix token")
-    load_weight: float = Field(1.0, ge=0, description="penalty per queued prefill token")
+    load_weight: float = Field(0.5, ge=0, description="penalty per queued prefill token")
     in_flight_weight: float = Field(0.0, ge=0, description="penalty (tokens) per in-flight request")
     guard_max_share: float = Field(
         1.1, gt=1.0, description="a worker above this multiple of its fair share is hot"

@@ -53,11 +53,14 @@ def test_power_of_two_is_reproducible() -> None:
 
 
 def test_affinity_trades_matched_prefix_against_queued_tokens() -> None:
-    cfg = RoutingConfig(block_size=16)  # weights 1: 64 matched blocks are worth 1,024 tokens
-    loads = loads_of(("a", 900, 0), ("b", 0, 0), ("c", 1500, 0))
+    # Default weights: 64 matched blocks are worth 1,024 tokens, a queued token 0.5.
+    cfg = RoutingConfig(block_size=16)
+    loads = loads_of(("a", 1800, 0), ("b", 0, 0), ("c", 3000, 0))
     assert CacheAffinity(cfg).choose(loads, {"a": 64}) == "a"  # 1024 - 900 > 0
     assert CacheAffinity(cfg).choose(loads, {"a": 50}) == "b"  # 800 - 900 < 0
     assert CacheAffinity(cfg).choose(loads, {"a": 64, "c": 100}) == "a"  # 124 > 1600 - 1500
+    one = RoutingConfig(block_size=16, load_weight=1.0)
+    assert CacheAffinity(one).choose(loads_of(("a", 900, 0), ("b", 0, 0)), {"a": 50}) == "b"
     assert CacheAffinity(cfg).choose(loads, {"a": 64, "c": 120}) == "c"  # 1920 - 1500 > 124
     assert CacheAffinity(cfg).choose(loads, {}) == "b"
     assert CacheAffinity(cfg).choose(loads, {"gone": 64}) == "b"  # not a candidate
