@@ -36,6 +36,11 @@ class AdmissionConfig(BaseModel):
     max_queued_prefill_tokens: int | None = Field(
         None, gt=0, description="cap of each prefill worker's queue, in prompt tokens"
     )
+    max_decode_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="cap of each decode worker's load: prompt + max_tokens of its requests",
+    )
     default_prefill_tokens_per_s: float = Field(
         20000.0, gt=0, description="assumed until a worker has measured its own"
     )
@@ -69,6 +74,17 @@ class Admission:
         cfg = self.config
         raw = (queued_tokens + new_tokens) / rate * 1000 + blocks * cfg.transfer_ms_per_block
         return (raw + cfg.overhead_ms) * cfg.safety_factor
+
+    def check_decode(self, queued_tokens: int, new_tokens: int) -> None:
+        """429 when the decode worker's token load would pass `max_decode_tokens`."""
+        cap = self.config.max_decode_tokens
+        if cap is not None and queued_tokens > 0 and queued_tokens + new_tokens > cap:
+            raise _too_many(
+                f"the decode worker holds {queued_tokens} tokens of requests; this request's "
+                f"{new_tokens} would exceed the cap of {cap}",
+                "decode_queue_full",
+                1.0,
+            )
 
     def check(
         self,

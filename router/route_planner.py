@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.engine.hashing import hash_full_blocks
 from tandem.router.admission import Admission, AdmissionConfig
+from tandem.router.pending_prefixes import PendingPrefixes, merge_matches
 from tandem.router.routing_policy import RoutingConfig, WorkerLoad, make_policy
 from tandem.router.worker_directory import Worker, WorkerDirectory
 
@@ -45,6 +46,7 @@ class RoutePlan:
     prefill_hit_blocks: int
     prefill_tokens: int
     predicted_ttft_ms: float | None
+    decode_tokens: int = 0  # prompt + max_tokens, held on the decode worker's queue
     decode_stream: Any = None  # the request's open decode call (`PDOrchestrator.reserve`)
     grant: dict[str, Any] | None = None  # the decode worker's reservation
     _released_prefill: bool = False
@@ -66,6 +68,7 @@ class RoutePlan:
             self._released = True
             self.release_prefill()
             self.decode.in_flight -= 1
+            self.decode.queued_tokens -= self.decode_tokens
 
 
 class RoutePlanner:
@@ -78,9 +81,12 @@ class RoutePlanner:
     ) -> None:
         self.directory = directory
         self.policy = make_policy(routing)
+        self.pending = PendingPrefixes(routing.pending_ttl_s) if routing.pending_ttl_s else None
         self.decode_routing = decode_routing
         self.admission = Admission(admission)
         directory.on_worker_removed.append(self.policy.remove_worker)
+        if self.pending is not None:
+            directory.on_worker_removed.append(self.pending.remove_worker)
 
     async def plan(
         self,
@@ -88,6 +94,7 @@ class RoutePlanner:
         info: dict[str, Any],
         deadline_ms: float | None,
         hold_s: float,
+        max_tokens: int = 0,
     ) -> RoutePlan:
         """Chooses workers and admits (or raises 429/503). The plan's load is held until
         `release()`, or `hold_s` at most (a request that never runs gives it back)."""
@@ -100,22 +107,27 @@ class RoutePlanner:
         decode, decode_hits = self._choose_decode(
             decode_workers, index.match(namespace, hashes, [w.worker_id for w in decode_workers])
         )
+        decode_tokens = len(prompt_token_ids) + max_tokens
+        self.admission.check_decode(decode.queued_tokens, decode_tokens)
         tail = len(prompt_token_ids) - decode_hits * bs
         num_blocks = -(-len(prompt_token_ids) // bs)
         cfg = self.decode_routing
         if decode_hits > 0 and tail <= cfg.conditional_prefill_max_tokens:
             plan = RoutePlan(decode, None, num_blocks, decode_hits, 0, tail, None)
         else:
-            matched = (
-                index.match(namespace, hashes, [w.worker_id for w in prefill_workers])
-                if self.policy.uses_prefix_match
-                else None
-            )
+            matched = None
+            if self.policy.uses_prefix_match:
+                ids = [w.worker_id for w in prefill_workers]
+                matched = index.match(namespace, hashes, ids)
+                if self.pending is not None:
+                    matched = merge_matches(matched, self.pending.match(namespace, hashes, ids))
             loads = {
                 w.worker_id: WorkerLoad(w.worker_id, w.queued_tokens, w.in_flight)
                 for w in prefill_workers
             }
             prefill = self.directory.workers[self.policy.choose(loads, matched)]
+            if self.pending is not None:
+                self.pending.record(prefill.worker_id, namespace, hashes)
             prefill_hits = (matched or {}).get(prefill.worker_id, 0)
             new_tokens = len(prompt_token_ids) - prefill_hits * bs
             predicted = self.admission.check(
@@ -131,6 +143,8 @@ class RoutePlanner:
             prefill.queued_tokens += new_tokens
             prefill.in_flight += 1
         decode.in_flight += 1
+        decode.queued_tokens += decode_tokens
+        plan.decode_tokens = decode_tokens
         asyncio.get_running_loop().call_later(hold_s, plan.release)
         return plan
 

@@ -79,6 +79,13 @@ class RoutingConfig(BaseModel):
     )
     guard_slack: float = Field(1.0, ge=0, description="requests allowed above the share limit")
     guard_half_life: float = Field(256.0, gt=0, description="decisions; decay of recent counts")
+    pending_ttl_s: float = Field(
+        0.0,
+        ge=0,
+        description="also match prefixes routed in the last this-many seconds and not yet "
+        "published by the worker (raises hit rates at high arrival rates, costs decision "
+        "time); 0 turns it off",
+    )
     seed: int = 0
 
 

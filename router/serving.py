@@ -113,6 +113,7 @@ class Serving:
             self.info,
             admission.deadline_ms(deadline_ms, user),
             hold_s=self.request_timeout_s,
+            max_tokens=params.max_tokens,
         )
         req = Prepared(
             request_id,

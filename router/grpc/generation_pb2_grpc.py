@@ -47,7 +47,8 @@ class GenerationServicer:
     def Generate(self, request, context):
         """Streams the request's tokens as they are generated; the last message has finish_reason
         and usage. Errors: INVALID_ARGUMENT (bad input), NOT_FOUND (unknown model),
-        OUT_OF_RANGE (prompt too long), UNAVAILABLE (no capacity / worker failure).
+        OUT_OF_RANGE (prompt too long), RESOURCE_EXHAUSTED (deadline unmeetable, queue full, no KV
+        room: retry later), UNAVAILABLE (worker failure).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -27,6 +27,7 @@ _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.OUT_OF_RANGE,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
@@ -64,6 +65,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 max_tokens,
                 _sampling_fields(options),
                 timings,
+                deadline_ms=request.deadline_ms if request.HasField("deadline_ms") else None,
+                priority=request.priority if request.HasField("priority") else None,
+                user=request.user or None,
             )
             async for item in self.serving.run(req):
                 finish = item.get("finish_reason") or ""

@@ -65,6 +65,15 @@ CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
     ),
     ("chat max_tokens 0", "/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens"),
     ("body is a list", "/v1/completions", [1, 2, 3], 400, None),
+    ("deadline wrong type", "/v1/completions", {**OK, "deadline_ms": "soon"}, 400, "deadline_ms"),
+    ("deadline not positive", "/v1/completions", {**OK, "deadline_ms": 0}, 400, "deadline_ms"),
+    (
+        "deadline unmeetable",
+        "/v1/completions",
+        {**OK, "prompt": "nobody meets this deadline", "deadline_ms": 0.001},
+        429,
+        None,
+    ),
 ]
 
 

@@ -73,6 +73,10 @@ def test_generate_refuses_bad_input(channel: grpc.Channel) -> None:
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         (generation_pb2.GenerateRequest(prompt="word " * 3000), grpc.StatusCode.OUT_OF_RANGE),
+        (
+            generation_pb2.GenerateRequest(prompt="a deadline nobody can meet", deadline_ms=0.001),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
     ]
     for request, code in cases:
         with pytest.raises(grpc.RpcError) as info:
