@@ -1,0 +1,97 @@
+"""Route planning without Ray: decode by held prefix, conditional local prefill, admission."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from tandem.engine.hashing import hash_full_blocks, root_hash
+from tandem.engine.rpc import RPCClient
+from tandem.router.admission import AdmissionConfig
+from tandem.router.errors import APIError
+from tandem.router.prefix_index import KVEventBatch
+from tandem.router.route_planner import DecodeRoutingConfig, RoutePlanner
+from tandem.router.routing_policy import RoutingConfig
+from tandem.router.worker_directory import Worker, WorkerDirectory
+
+NS = "namespace-digest"
+ROOT = root_hash(NS)
+INFO = {"block_size": 16, "namespace": NS, "root_hash": ROOT}
+
+
+def directory(*workers: tuple[str, str, dict[str, Any]]) -> WorkerDirectory:
+    d = WorkerDirectory(registry=None, auth_token="t")
+    for wid, role, stats in workers:
+        d.workers[wid] = Worker(wid, role, RPCClient("127.0.0.1:1", "t"), stats=stats)
+    return d
+
+
+def publish(d: WorkerDirectory, wid: str, tokens: list[int], seq: int = 0) -> None:
+    hashes = hash_full_blocks(ROOT, tokens, 16)
+    assert d.index.apply(KVEventBatch(worker_id=wid, seq=seq, namespace=NS, stored=hashes))
+
+
+def planner(d: WorkerDirectory, **admission: Any) -> RoutePlanner:
+    return RoutePlanner(
+        d, RoutingConfig(), DecodeRoutingConfig(), AdmissionConfig.model_validate(admission)
+    )
+
+
+def plan(p: RoutePlanner, prompt: list[int], deadline_ms: float | None = None) -> Any:
+    async def main() -> Any:
+        return await p.plan(prompt, INFO, deadline_ms, hold_s=60, max_tokens=8)
+
+    return asyncio.run(main())
+
+
+WORKERS = (
+    ("p0", "prefill", {}),
+    ("p1", "prefill", {}),
+    ("d0", "decode", {"kv_cache_usage": 0.1}),
+    ("d1", "decode", {"kv_cache_usage": 0.0}),
+)
+
+
+def test_a_new_prompt_goes_to_the_least_loaded_decode_and_a_prefill_worker() -> None:
+    d = directory(*WORKERS)
+    route = plan(planner(d), list(range(100)))
+    assert route.decode.worker_id == "d1" and route.decode_hit_blocks == 0
+    assert route.prefill is not None and route.prefill_tokens == 100
+    assert (route.prefill.queued_tokens, route.decode.queued_tokens) == (100, 108)
+    route.release()
+    route.release()  # idempotent
+    assert (route.prefill.queued_tokens, route.prefill.in_flight) == (0, 0)
+    assert (route.decode.queued_tokens, route.decode.in_flight) == (0, 0)
+
+
+def test_a_conversation_returns_to_its_decode_worker_and_a_short_tail_stays_there() -> None:
+    d = directory(*WORKERS)
+    history = list(range(10, 210))  # 12 full blocks held by d0
+    publish(d, "d0", history)
+    long_turn = plan(planner(d), history + list(range(300, 460)))  # 160-token tail: PD
+    assert long_turn.decode.worker_id == "d0" and long_turn.decode_hit_blocks == 12
+    assert long_turn.prefill is not None
+    short_turn = plan(planner(d), history + list(range(300, 320)))  # 20+8-token tail: local
+    assert short_turn.decode.worker_id == "d0" and short_turn.local_prefill
+
+
+def test_prefill_affinity_follows_the_index() -> None:
+    d = directory(*WORKERS)
+    prefix = list(range(20, 340))  # 20 blocks on p1
+    publish(d, "p1", prefix)
+    route = plan(planner(d), prefix + list(range(400, 560)))
+    assert route.prefill is not None and route.prefill.worker_id == "p1"
+    assert route.prefill_hit_blocks == 20 and route.prefill_tokens == 160
+
+
+def test_admission_refuses_an_unmeetable_deadline_before_holding_anything() -> None:
+    d = directory(*WORKERS)
+    d.workers["p0"].queued_tokens = d.workers["p1"].queued_tokens = 100_000
+    d.workers["p0"].stats = d.workers["p1"].stats = {"prefill_tokens_per_s": 10_000.0}
+    with pytest.raises(APIError) as info:
+        plan(planner(d), list(range(100)), deadline_ms=500)
+    assert info.value.status == 429 and info.value.headers
+    assert all(w.in_flight == 0 for w in d.workers.values())
+    assert d.workers["d1"].queued_tokens == 0
