@@ -106,7 +106,12 @@ def main() -> None:
     repeats = 1 if args.quick else args.repeats
     decisions = [measure_decisions(workers, n, repeats, log) for workers in (4, 64)]
     without = [measure_decisions(workers, n, repeats, log, overlay=False) for workers in (4, 64)]
-    affinity = policies[-1]  # with the overlay
+    # targets on the router's default configuration (no overlay: `routing.pending_ttl_s = 0`);
+    # the overlay's figures are reported next to them
+    default = next(
+        p for p in policies if p["policy"] == "cache_affinity" and not p["pending_ttl_steps"]
+    )
+    overlay = policies[-1]
     summary = {
         "bench": "prefix_routing",
         "workload": asdict(w),
@@ -118,12 +123,20 @@ def main() -> None:
         "decisions": decisions,
         "decisions_without_overlay": without,
         "targets_met": {
-            "affinity_of_ideal_ge_0.95": affinity["of_ideal"] >= 0.95,
+            "affinity_of_ideal_ge_0.95": default["of_ideal"] >= 0.95,
+            "affinity_max_min_le_1.2": default["max_min"] <= 1.2,
+            "decisions_per_s_ge_100k": all(d["decisions_per_s"] >= 100_000 for d in without),
+            "p99_le_100us": all(d["p99_us"] <= 100 for d in without),
+        },
+        "with_overlay": {
+            "of_ideal": overlay["of_ideal"],
+            "max_min": overlay["max_min"],
             "sweep_cells_of_ideal_ge_0.95": sum(r["of_ideal"] >= 0.95 for r in sweep),
-            "sweep_cells_max_min_le_1.2": sum(r["max_min"] <= 1.2 for r in sweep),
-            "affinity_max_min_le_1.2": affinity["max_min"] <= 1.2,
-            "decisions_per_s_ge_100k": all(d["decisions_per_s"] >= 100_000 for d in decisions),
-            "p99_le_100us": all(d["p99_us"] <= 100 for d in decisions),
+            "sweep_cells_without_overlay_of_ideal_ge_0.95": sum(
+                r["of_ideal"] >= 0.95 for r in sweep_without
+            ),
+            "decisions_per_s": [d["decisions_per_s"] for d in decisions],
+            "p99_us": [d["p99_us"] for d in decisions],
         },
         "load_average": [round(x, 2) for x in load],
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
