@@ -135,8 +135,12 @@ class Router:
         return models_body(self.serving.model_name, limits.max_model_len)
 
     @api.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> JSONResponse:
+        """200 when at least one prefill and one decode worker are reachable, else 503."""
+        live = {role: len(self.directory.live(role)) for role in ("prefill", "decode")}
+        if all(live.values()):
+            return JSONResponse({"status": "ok", "workers": live})
+        return JSONResponse({"status": "unavailable", "workers": live}, status_code=503)
 
     @api.get("/debug/workers")
     async def workers(self) -> JSONResponse:
