@@ -52,6 +52,7 @@ class PrefillService(WorkerLoop):
         self.sender = KVSender(engine, transport, ack_timeout_s=ack_timeout_s, checksums=checksums)
         self._pending: dict[str, _Pending] = {}
         self.num_cancelled = 0
+        self.num_failed = 0
         self.prefill_tokens_per_s: float | None = None
         if engine.config.enable_kv_events:
             self.publish_kv_events(engine.block_manager, engine.namespace.digest())
@@ -120,6 +121,8 @@ class PrefillService(WorkerLoop):
     def _on_event(self, event: TransferEvent) -> None:
         if event.kind == "cancelled":  # by the router (here) or by decode (over the transport)
             self.num_cancelled += 1
+        elif event.kind == "failed":  # e.g. decode dropped the reservation first
+            self.num_failed += 1
         pending = self._pending.get(event.request_id)
         if pending is None:
             return
@@ -154,6 +157,7 @@ class PrefillService(WorkerLoop):
             "prefix_cache_queried_blocks": bm.prefix_cache_stats.queried_blocks,
             "prefix_cache_hit_blocks": bm.prefix_cache_stats.hit_blocks,
             "num_cancelled": self.num_cancelled,
+            "num_failed": self.num_failed,
             "num_waiting_tokens": sum(
                 r.num_tokens - r.num_computed_tokens for r in self.engine.requests.values()
             ),

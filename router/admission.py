@@ -46,7 +46,7 @@ class AdmissionConfig(BaseModel):
     )
     transfer_ms_per_block: float = Field(0.05, ge=0)
     overhead_ms: float = Field(10.0, ge=0, description="router + RPC hops + first decode step")
-    safety_factor: float = Field(1.5, ge=1.0)
+    safety_factor: float = Field(2.0, ge=1.0, description="headroom for noisy throughput")
 
 
 class Admission:

@@ -13,7 +13,7 @@ from tests.integration.conftest import Cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-DEADLINE_MS = 400.0
+DEADLINE_MS = 600.0
 
 
 def prompt(seed: int, n: int = 1800) -> list[int]:
