@@ -40,7 +40,7 @@ from tandem.kv_transfer._socket_channel import (
     shutdown_and_close,
     valid_block_ids,
 )
-from tandem.kv_transfer.base import KVTransport, Message
+from tandem.kv_transfer.base import KVTransport, Message, drain_inbox
 from tandem.kv_transfer.manifest import TransferError
 
 log = logging.getLogger(__name__)
@@ -160,18 +160,7 @@ class ChannelTransport(KVTransport):
             time.sleep(0)
 
     def poll(self, timeout: float = 0.0) -> list[Message]:
-        out: list[Message] = []
-        try:
-            out.append(
-                self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
-            )
-        except queue.Empty:
-            return out
-        while True:
-            try:
-                out.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return out
+        return drain_inbox(self._inbox, timeout)
 
     def cancel(self, request_id: str) -> int:
         dropped = 0

@@ -23,6 +23,8 @@ Semantics every implementation keeps:
 
 from __future__ import annotations
 
+import contextlib
+import queue
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
@@ -38,6 +40,17 @@ class Message(NamedTuple):
     peer: str
     header: dict[str, Any]
     pages: torch.Tensor | None = None
+
+
+def drain_inbox(inbox: queue.Queue[Message], timeout: float = 0.0) -> list[Message]:
+    """Every message waiting in `inbox`, waiting up to `timeout` seconds for the first one
+    (the `poll` of transports that fill an inbox from another thread)."""
+    out: list[Message] = []
+    with contextlib.suppress(queue.Empty):
+        out.append(inbox.get(timeout=timeout) if timeout > 0 else inbox.get_nowait())
+        while True:
+            out.append(inbox.get_nowait())
+    return out
 
 
 class KVTransport(ABC):

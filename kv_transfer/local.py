@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem.kernels.kv_cache import KVCachePool
-from tandem.kv_transfer.base import KVTransport, Message
+from tandem.kv_transfer.base import KVTransport, Message, drain_inbox
 from tandem.kv_transfer.manifest import TransferError
 
 
@@ -72,18 +72,7 @@ class LocalTransport(KVTransport):
         self.hub.lookup(peer)._inbox.put(message)
 
     def poll(self, timeout: float = 0.0) -> list[Message]:
-        out: list[Message] = []
-        try:
-            out.append(
-                self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
-            )
-        except queue.Empty:
-            return out
-        while True:
-            try:
-                out.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return out
+        return drain_inbox(self._inbox, timeout)
 
     def cancel(self, request_id: str) -> int:
         return 0  # sends are synchronous: nothing is ever queued on this side

@@ -35,7 +35,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,7 +42,9 @@ import torch
 
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer._hugepages import allocate_hugepage_pool
-from tandem.kv_transfer.base import KVTransport, Message
+from tandem.kv_transfer._socket_channel import request_id_of
+from tandem.kv_transfer._ucx_records import _Conn, _Link, _Out, _run_start, _Rx
+from tandem.kv_transfer.base import KVTransport, Message, drain_inbox
 from tandem.kv_transfer.manifest import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets variables UCX 1.21 lacks
@@ -60,59 +61,6 @@ the next header) but once hung `close()` after a send had timed out, so it is no
 
 def _tag(conn: int, low: int) -> Any:
     return ucx_api.UCXXTag((conn << 16) | low)
-
-
-def _request_id(header: dict[str, Any]) -> str | None:
-    manifest = header.get("manifest")
-    rid = manifest.get("request_id") if isinstance(manifest, dict) else None
-    rid = header.get("request_id", rid)
-    return None if rid is None else str(rid)
-
-
-def _run_start(ids: Any) -> int | None:  # the first id of a list that is one run of ints
-    if isinstance(ids, list) and ids and all(isinstance(b, int) for b in ids):
-        return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
-    return None
-
-
-@dataclass
-class _Out:
-    header: dict[str, Any]
-    block_ids: list[int]
-    requests: list[Any] = field(default_factory=list)
-    keep: list[Any] = field(default_factory=list)  # buffers UCX reads until completion
-    staging: torch.Tensor | None = None
-    deadline: float = 0.0
-
-
-@dataclass
-class _Link:
-    ep: Any
-    watch: Any  # idle endpoint with UCX error handling: `alive` turns False when the peer dies
-    conn: int
-    deadline: float  # for the welcome
-    welcomed: bool = False
-    queue: deque[_Out] = field(default_factory=deque)
-    inflight: deque[_Out] = field(default_factory=deque)
-    seq: int = 0
-    spare: torch.Tensor | None = None  # a staging buffer to reuse
-
-
-@dataclass
-class _Rx:
-    header: dict[str, Any]
-    deadline: float = 0.0
-    pages: torch.Tensor | None = None
-    request: Any = None
-    direct: bool = False
-    failed: str | None = None
-
-
-@dataclass
-class _Conn:
-    state: str = "hello"  # -> "ok" | "refused"
-    peer: str = ""
-    rx: deque[_Rx] = field(default_factory=deque)
 
 
 class UcxTransport(KVTransport):
@@ -187,19 +135,14 @@ class UcxTransport(KVTransport):
         self._wake.set()
 
     def poll(self, timeout: float = 0.0) -> list[Message]:
-        out: list[Message] = []
-        with contextlib.suppress(queue.Empty):
-            out.append(self._inbox.get(timeout=timeout if timeout > 0 else None, block=timeout > 0))
-            while True:
-                out.append(self._inbox.get_nowait())
-        return out
+        return drain_inbox(self._inbox, timeout)
 
     def cancel(self, request_id: str) -> int:
         dropped = 0
         with self._lock:
             self._take_commands()
             for link in self._links.values():
-                kept = deque(m for m in link.queue if _request_id(m.header) != request_id)
+                kept = deque(m for m in link.queue if request_id_of(m.header) != request_id)
                 dropped, link.queue = dropped + len(link.queue) - len(kept), kept
         return dropped
 
@@ -284,7 +227,7 @@ class UcxTransport(KVTransport):
             try:
                 (self._links.get(peer) or self._connect(peer)).queue.append(msg)
             except Exception as exc:  # UCX could not even create the endpoints
-                self._report(peer, [_request_id(msg.header)], f"cannot reach {peer[:40]}: {exc}")
+                self._report(peer, [request_id_of(msg.header)], f"cannot reach {peer[:40]}: {exc}")
         return taken
 
     def _connect(self, peer: str) -> _Link:
@@ -351,7 +294,7 @@ class UcxTransport(KVTransport):
         return self._send_frames(link, msg, body, pages)
 
     def _fail_link(self, peer: str, link: _Link, error: str) -> bool:
-        rids = [_request_id(m.header) for m in [*link.inflight, *link.queue]]
+        rids = [request_id_of(m.header) for m in [*link.inflight, *link.queue]]
         self._report(peer, list(dict.fromkeys(r for r in rids if r is not None)) or [None], error)
         del self._links[peer]  # endpoints close when dropped (ep.close() after a failure crashes)
         return True
@@ -438,5 +381,5 @@ class UcxTransport(KVTransport):
             if rx.failed is None:
                 self._inbox.put(Message(conn.peer, rx.header, rx.pages))
             else:
-                self._report(conn.peer, [_request_id(rx.header)], rx.failed)
+                self._report(conn.peer, [request_id_of(rx.header)], rx.failed)
         return len(conn.rx) < count
