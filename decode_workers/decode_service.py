@@ -136,9 +136,6 @@ class DecodeService(WorkerLoop):
             if not finished:
                 self.post(lambda: self._cancel(request_id))
 
-    async def cancel(self, request_id: str) -> bool:
-        return await self.submit(lambda: self._cancel(request_id))
-
     # ---- the loop thread -----------------------------------------------------------------------
     def _reserve(self, request_id: str, stream: _Stream) -> Any:
         grant = self.receiver.reserve(request_id, stream.prompt_token_ids, stream.params)
@@ -171,7 +168,7 @@ class DecodeService(WorkerLoop):
 
     def run_once(self) -> None:
         busy = self.engine.has_unfinished_requests()
-        if not busy and not self.receiver.reservations and not self.receiver.held:
+        if not busy and not self.receiver.busy:
             self.wait_for_command()
             return
         for event in self.receiver.poll(timeout=0.0 if busy else 0.001):
@@ -283,9 +280,6 @@ class DecodeService(WorkerLoop):
             "num_cancelled": self.num_cancelled,
             "kv_cache_usage": bm.usage,
         }
-
-    async def get_stats(self) -> dict[str, Any]:
-        return await self.submit(self.stats)
 
     def check_integrity(self) -> None:
         tables = [r.block_table for r in self.engine.requests.values() if r.block_table]

@@ -35,7 +35,6 @@ class DecodeWorker(WorkerDeployment):
         return {
             "generate": self.generate,
             "info": self._rpc_info,
-            "stats": self._rpc_stats,
             "kv_events": self._rpc_kv_events,
         }
 
@@ -53,12 +52,9 @@ class DecodeWorker(WorkerDeployment):
             yield item
 
     async def _rpc_info(self) -> AsyncIterator[dict[str, Any]]:
-        yield await self.info()
-
-    async def info(self) -> dict[str, Any]:
-        """What the router validates requests against."""
+        """What the router validates and routes requests with (one item)."""
         engine = self.service.engine
-        return {
+        yield {
             "max_model_len": engine.max_model_len,
             "vocab_size": engine.spec.vocab_size,
             "block_size": engine.config.block_size,

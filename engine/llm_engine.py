@@ -84,6 +84,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_pool)
         self.output_processor = OutputProcessor(self.max_model_len)
         self.requests: dict[str, Request] = {}
+        self.last_step_tokens = 0  # tokens the last `step()` ran through the model
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
         logger.info(
@@ -208,6 +209,7 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Schedules and runs one batch; returns the new token of every request that got one."""
         out = self.scheduler.schedule()
+        self.last_step_tokens = out.num_batched_tokens
         if out.is_empty:
             return []
         logits, to_sample = self.runner.execute(out)

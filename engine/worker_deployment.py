@@ -53,7 +53,7 @@ class WorkerDeployment(ABC):
 
         address = await self.rpc.start(ray.util.get_node_ip_address())
         logger.info("%s: RPC endpoint at %s", self.worker_id, address)
-        self._report(await self.service.submit(self.service.stats))
+        self._report(await self.service.get_stats())
 
     def _report(self, stats: dict[str, Any]) -> None:
         if self._registry is not None and self.rpc.address:
@@ -62,13 +62,6 @@ class WorkerDeployment(ABC):
     async def _rpc_kv_events(self) -> AsyncIterator[dict[str, Any]]:
         async for batch in self.service.kv_events():
             yield batch
-
-    async def _rpc_stats(self) -> AsyncIterator[dict[str, Any]]:
-        yield await self.stats()
-
-    async def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = await self.service.submit(self.service.stats)
-        return {**stats, "worker_id": self.worker_id, "rpc_address": self.rpc.address}
 
     def check_health(self) -> None:
         if not self.service.alive:

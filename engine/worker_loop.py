@@ -205,6 +205,10 @@ class WorkerLoop(ABC):
     def stats(self) -> dict[str, Any]:
         """A JSON-able snapshot (called on the loop thread)."""
 
+    async def get_stats(self) -> dict[str, Any]:
+        """`stats()`, taken on the loop thread, for asyncio callers."""
+        return await self.submit(self.stats)
+
     @abstractmethod
     def on_death(self, exc: BaseException) -> None:
         """Fails whatever callers still wait on (called on the loop thread after an error)."""

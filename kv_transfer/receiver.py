@@ -142,6 +142,12 @@ class KVReceiver:
             )
         return True
 
+    @property
+    def busy(self) -> bool:
+        """Whether messages are expected: live reservations, or held blocks awaiting the
+        sender's confirmation (the owner must keep calling `poll` while this is True)."""
+        return bool(self.reservations or self.held)
+
     def block_tables(self) -> list[list[int]]:
         """Block tables held by reservations, and by ended ones not yet confirmed by their
         sender (for integrity checks next to the engine's)."""

@@ -35,7 +35,6 @@ class PrefillWorker(WorkerDeployment):
     def rpc_handlers(self) -> dict[str, Handler]:
         return {
             "prefill": self._rpc_prefill,
-            "stats": self._rpc_stats,
             "kv_events": self._rpc_kv_events,
         }
 
@@ -47,17 +46,8 @@ class PrefillWorker(WorkerDeployment):
         grant: dict[str, Any],
         priority: int = 0,
     ) -> AsyncIterator[dict[str, Any]]:
-        yield await self.prefill(request_id, prompt_token_ids, params, grant, priority)
-
-    async def prefill(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: dict[str, Any],
-        grant: dict[str, Any],
-        priority: int = 0,
-    ) -> dict[str, Any]:
-        return await self.service.prefill(
+        """One item: the outcome (sent | failed | cancelled, first token ids, timings)."""
+        yield await self.service.prefill(
             request_id,
             prompt_token_ids,
             SamplingParams(**params),

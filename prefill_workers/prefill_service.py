@@ -86,9 +86,6 @@ class PrefillService(WorkerLoop):
             self.post(lambda: self._cancel(request_id))
             raise
 
-    async def cancel(self, request_id: str) -> bool:
-        return await self.submit(lambda: self._cancel(request_id))
-
     def _cancel(self, request_id: str) -> bool:
         return request_id in self.sender.outgoing and self.sender.cancel(request_id)
 
@@ -106,12 +103,10 @@ class PrefillService(WorkerLoop):
 
     def _timed_step(self) -> list[TransferEvent]:
         """One step, measuring prompt tokens computed per second (for admission control)."""
-        reqs = list(self.engine.requests.values())
-        before = [r.num_computed_tokens for r in reqs]
         start = time.perf_counter()
         events = self.sender.step()
         elapsed = time.perf_counter() - start
-        done = sum(r.num_computed_tokens - b for r, b in zip(reqs, before, strict=True))
+        done = self.engine.last_step_tokens
         if done > 1 and elapsed > 0:  # prefill work, not a lone sampled token
             rate = done / elapsed
             old = self.prefill_tokens_per_s
@@ -163,9 +158,6 @@ class PrefillService(WorkerLoop):
             ),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s or 0.0, 1),
         }
-
-    async def get_stats(self) -> dict[str, Any]:
-        return await self.submit(self.stats)
 
     def on_death(self, exc: BaseException) -> None:
         for rid, pending in list(self._pending.items()):

@@ -45,10 +45,10 @@ class RoutePlan:
     decode_hit_blocks: int
     prefill_hit_blocks: int
     prefill_tokens: int
-    predicted_ttft_ms: float | None
     decode_tokens: int = 0  # prompt + max_tokens, held on the decode worker's queue
     decode_stream: Any = None  # the request's open decode call (`PDOrchestrator.reserve`)
     grant: dict[str, Any] | None = None  # the decode worker's reservation
+    hold_timer: asyncio.TimerHandle | None = None  # releases a plan whose request never ran
     _released_prefill: bool = False
     _released: bool = False
 
@@ -66,6 +66,8 @@ class RoutePlan:
     def release(self) -> None:
         if not self._released:
             self._released = True
+            if self.hold_timer is not None:
+                self.hold_timer.cancel()
             self.release_prefill()
             self.decode.in_flight -= 1
             self.decode.queued_tokens -= self.decode_tokens
@@ -113,7 +115,7 @@ class RoutePlanner:
         num_blocks = -(-len(prompt_token_ids) // bs)
         cfg = self.decode_routing
         if decode_hits > 0 and tail <= cfg.conditional_prefill_max_tokens:
-            plan = RoutePlan(decode, None, num_blocks, decode_hits, 0, tail, None)
+            plan = RoutePlan(decode, None, num_blocks, decode_hits, 0, tail)
         else:
             matched = None
             if self.policy.uses_prefix_match:
@@ -130,22 +132,20 @@ class RoutePlanner:
                 self.pending.record(prefill.worker_id, namespace, hashes)
             prefill_hits = (matched or {}).get(prefill.worker_id, 0)
             new_tokens = len(prompt_token_ids) - prefill_hits * bs
-            predicted = self.admission.check(
+            self.admission.check(
                 queued_tokens=prefill.queued_tokens,
                 new_tokens=new_tokens,
                 tokens_per_s=float(prefill.stats.get("prefill_tokens_per_s") or 0) or None,
                 blocks=num_blocks - decode_hits,
                 deadline_ms=deadline_ms,
             )
-            plan = RoutePlan(
-                decode, prefill, num_blocks, decode_hits, prefill_hits, new_tokens, predicted
-            )
+            plan = RoutePlan(decode, prefill, num_blocks, decode_hits, prefill_hits, new_tokens)
             prefill.queued_tokens += new_tokens
             prefill.in_flight += 1
         decode.in_flight += 1
         decode.queued_tokens += decode_tokens
         plan.decode_tokens = decode_tokens
-        asyncio.get_running_loop().call_later(hold_s, plan.release)
+        plan.hold_timer = asyncio.get_running_loop().call_later(hold_s, plan.release)
         return plan
 
     def _choose_decode(self, workers: list[Worker], matched: dict[str, int]) -> tuple[Worker, int]:
