@@ -36,6 +36,7 @@ class DecodeWorker(WorkerDeployment):
             "generate": self.generate,
             "info": self._rpc_info,
             "kv_events": self._rpc_kv_events,
+            "stats": self._rpc_stats,
         }
 
     async def generate(

@@ -59,6 +59,10 @@ class WorkerDeployment(ABC):
         if self._registry is not None and self.rpc.address:
             self._registry.report.remote(self.worker_id, {**stats, "rpc_address": self.rpc.address})
 
+    async def _rpc_stats(self) -> AsyncIterator[dict[str, Any]]:
+        """One item: the worker's stats now (the registry's copy may lag by ~0.1 s)."""
+        yield {**await self.service.get_stats(), "worker_id": self.worker_id}
+
     async def _rpc_kv_events(self) -> AsyncIterator[dict[str, Any]]:
         async for batch in self.service.kv_events():
             yield batch

@@ -36,6 +36,7 @@ class PrefillWorker(WorkerDeployment):
         return {
             "prefill": self._rpc_prefill,
             "kv_events": self._rpc_kv_events,
+            "stats": self._rpc_stats,
         }
 
     async def _rpc_prefill(

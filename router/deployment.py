@@ -7,7 +7,6 @@ GET /debug/workers (every worker's KV block accounting, from the worker registry
 """
 
 import asyncio
-import json
 import logging
 from typing import Any
 
@@ -144,5 +143,5 @@ class Router:
 
     @api.get("/debug/workers")
     async def workers(self) -> JSONResponse:
-        workers = await get_registry(self.registry_name).list.remote()
-        return JSONResponse(json.loads(json.dumps({"workers": workers}, default=str)))
+        """The workers this router routes to, each with its stats read from it now."""
+        return JSONResponse({"workers": await self.directory.live_stats()})

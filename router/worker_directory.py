@@ -119,6 +119,19 @@ class WorkerDirectory:
     def live(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role and not w.client.closed]
 
+    async def live_stats(self, timeout: float = 2.0) -> list[dict[str, Any]]:
+        """Every live worker's stats, asked of the worker itself (not the registry's copy)."""
+
+        async def one(worker: Worker) -> dict[str, Any]:
+            try:
+                stats = await asyncio.wait_for(worker.client.call("stats"), timeout)
+            except (RPCError, OSError, TimeoutError) as exc:
+                return {"worker_id": worker.worker_id, "role": worker.role, "error": str(exc)}
+            return {**stats, "rpc_address": worker.client.address}
+
+        workers = [w for w in self.workers.values() if not w.client.closed]
+        return list(await asyncio.gather(*(one(w) for w in workers)))
+
     async def wait_for(self, role: str, timeout: float = 30.0) -> list[Worker]:
         """The live workers of `role`, waiting up to `timeout` for a first one to appear."""
         loop = asyncio.get_running_loop()

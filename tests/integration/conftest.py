@@ -65,10 +65,15 @@ class Cluster:
         return self.deploy(prefill=role, decode=dict(role))
 
     def workers(self) -> list[dict[str, Any]]:
-        workers: list[dict[str, Any]] = requests.get(
-            f"{self.base_url}/debug/workers", timeout=10
-        ).json()["workers"]
-        return workers
+        """`/debug/workers`: each worker's stats, read from it now (retried while one of the
+        router's workers is not answering, e.g. a replica that is shutting down)."""
+        deadline = time.monotonic() + 10
+        while True:
+            resp = requests.get(f"{self.base_url}/debug/workers", timeout=10)
+            workers: list[dict[str, Any]] = resp.json()["workers"]
+            if not any("error" in w for w in workers) or time.monotonic() > deadline:
+                return workers
+            time.sleep(0.1)
 
 
 def wait_ready(base_url: str, timeout: float = 120.0) -> None:
