@@ -34,6 +34,7 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
     enable_kv_events: bool = False
     model_revision: str | None = None
     attention_backend: Literal["cpu", "reference"] = "cpu"

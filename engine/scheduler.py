@@ -6,6 +6,11 @@ Every request has `num_computed_tokens` that catches up with `num_tokens`. Each 
 2. running requests still in prefill get a chunk of what budget is left;
 3. waiting requests are admitted by priority (lower first), then in arrival order: prefix-cache hits advance them for free, the
    rest of their prompt is prefilled in chunks that fit the budget, up to `max_num_seqs`.
+
+With `enable_chunked_prefill=False` (vLLM's switch) a prompt is prefilled whole or not at all:
+it is admitted only when its uncached tokens fit the budget left, and the queue waits behind it
+otherwise. A prompt longer than the whole budget is admitted whole when it is the only prompt
+of its step (with that step's decodes), so it never starves.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
     ) -> None:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
@@ -47,6 +53,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_prefix_caching = enable_prefix_caching
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -87,8 +94,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget, decode=True)
         budget = self._schedule_running(out, budget, decode=False)
-        budget = self._admit_waiting(out, budget)
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        self._admit_waiting(out, budget)
+        out.num_batched_tokens = sum(n for _, n in out.scheduled)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, *, decode: bool) -> int:
@@ -102,6 +109,8 @@ class Scheduler:
                 continue
             n = min(remaining, budget)
             if not decode:
+                if n < remaining and not self.enable_chunked_prefill:
+                    continue
                 if bm.allocate(req.block_table, req.num_computed_tokens + n):
                     out.scheduled.append((req, n))
                     budget -= n
@@ -119,11 +128,19 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
+        admitted = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit_blocks = self._lookup_prefix(req)
             num_hit = len(hit_blocks) * self.block_size
             n = min(req.num_tokens - num_hit, budget)
+            if not self.enable_chunked_prefill and n < req.num_tokens - num_hit:
+                oversized = req.num_tokens - num_hit > self.max_num_batched_tokens
+                prompt_in_step = any(k > 1 for _, k in out.scheduled)
+                if not oversized or admitted or prompt_in_step:
+                    req.status = RequestStatus.QUEUED
+                    break
+                n = req.num_tokens - num_hit  # whole, the only prompt of this step
             if not bm.allocate(req.block_table, num_hit + n, hit_blocks):
                 req.status = RequestStatus.QUEUED  # still waiting; the lookup is redone next step
                 break
@@ -136,7 +153,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
-        return budget
+            admitted += 1
+        return max(budget, 0)
 
     def _lookup_prefix(self, req: Request) -> list[int]:
         """Cached full blocks of the request's tokens, leaving at least one token to compute."""
