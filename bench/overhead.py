@@ -94,7 +94,7 @@ def through_http(
     session = requests.Session()
     ttft = []
     for prompt in prompts:
-        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        body: dict[str, Any] = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}  # fmt: skip
         start = time.perf_counter()
         first = None

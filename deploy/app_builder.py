@@ -33,7 +33,8 @@ def registry_name(config: ClusterConfig) -> str:
 
 
 def build_app(config: ClusterConfig) -> Application:
-    """Validates `config` (engine settings included) and binds the three deployments."""
+    """Validates `config` (engine settings included) and binds the deployments: router, decode
+    workers and, unless `config.mode` is "colocated", prefill workers."""
     from tandem.decode_workers.deployment import DecodeWorker
     from tandem.prefill_workers.deployment import PrefillWorker
     from tandem.router.deployment import Router
@@ -41,16 +42,19 @@ def build_app(config: ClusterConfig) -> Application:
     config = config.with_auth_token()
     model = resolve_model(config)
     registry = registry_name(config)
-    prefill = PrefillWorker.options(  # type: ignore[attr-defined]
-        num_replicas=config.prefill.replicas,
-        ray_actor_options=config.prefill.ray_actor_options(),
-    ).bind(config.worker_settings("prefill", model, registry).model_dump(mode="json"))
+    prefill = None
+    if config.mode == "pd":
+        prefill = PrefillWorker.options(  # type: ignore[attr-defined]
+            num_replicas=config.prefill.replicas,
+            ray_actor_options=config.prefill.ray_actor_options(),
+        ).bind(config.worker_settings("prefill", model, registry).model_dump(mode="json"))
     decode = DecodeWorker.options(  # type: ignore[attr-defined]
         num_replicas=config.decode.replicas,
         ray_actor_options=config.decode.ray_actor_options(),
     ).bind(config.worker_settings("decode", model, registry).model_dump(mode="json"))
     router_settings = {
         "model": model,
+        "mode": config.mode,
         "served_model_name": config.served_model_name or Path(model).name,
         "registry_name": registry,
         "auth_token": config.auth_token,

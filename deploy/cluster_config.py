@@ -66,6 +66,11 @@ class ClusterConfig(BaseModel):
         None, description="Model name clients send (default: the checkpoint folder's name)."
     )
     app_name: str = "tandem"
+    mode: Literal["pd", "colocated"] = Field(
+        "pd",
+        description="pd: prefill and decode workers (disaggregated). colocated: no prefill "
+        "workers; every request is prefilled and decoded by one decode-role worker.",
+    )
     transport: str = Field("shm", description="KV transport between prefill and decode.")
     transport_options: dict[str, Any] = Field(default_factory=dict)
     auth_token: str | None = Field(

@@ -71,6 +71,13 @@ def serve(
     transport: Annotated[
         str | None, typer.Option(help="KV transport: shm (default), torch or ucx.")
     ] = None,
+    mode: Annotated[
+        str | None,
+        typer.Option(
+            help="pd (default): prefill and decode workers. colocated: no prefill workers, "
+            "each decode worker prefills its own requests (a baseline to compare PD with)."
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port of the OpenAI API (8000).")] = None,
     grpc_port: Annotated[
@@ -107,6 +114,7 @@ def serve(
     overrides = {
         "model": str(model) if model else None,
         "transport": transport,
+        "mode": mode,
         "host": host,
         "port": port,
         "grpc_port": grpc_port,
@@ -146,10 +154,14 @@ def serve(
 def _print_urls(cfg: Any, ctx: Any, seconds: float) -> None:
     host = cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
     dashboard = getattr(ctx, "dashboard_url", None)
+    workers = (
+        f"{cfg.decode.replicas} colocated workers (prefill + decode)"
+        if cfg.mode == "colocated"
+        else f"{cfg.prefill.replicas} prefill + {cfg.decode.replicas} decode workers, "
+        f"{cfg.transport} KV transport"
+    )
     lines = [
-        f"[tandem] serving {Path(cfg.model).name}: {cfg.prefill.replicas} prefill + "
-        f"{cfg.decode.replicas} decode workers, {cfg.transport} KV transport, "
-        f"ready in {seconds:.1f}s",
+        f"[tandem] serving {Path(cfg.model).name}: {workers}, ready in {seconds:.1f}s",
         f"[tandem]   OpenAI API:    http://{host}:{cfg.port}/v1",
     ]
     if cfg.grpc_port:

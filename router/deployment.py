@@ -85,7 +85,8 @@ async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
 class Router:
     def __init__(self, settings: dict[str, Any], prefill: Any, decode: Any) -> None:
         """`prefill` / `decode` are the worker deployments' handles: binding them makes Serve
-        deploy the workers with the router; requests reach workers over their RPC endpoints."""
+        deploy the workers with the router; requests reach workers over their RPC endpoints.
+        `prefill` is None in colocated mode (`settings["mode"]`)."""
         use_serve_log_handlers(str(settings.get("log_level", "info")).upper())
         self.settings = settings
         tokenizer = Tokenizer.from_pretrained(settings["model"])
@@ -93,11 +94,13 @@ class Router:
             get_registry(settings["registry_name"]), settings["auth_token"]
         )
         self.directory.start()
+        self.roles = ("decode",) if settings.get("mode") == "colocated" else ("prefill", "decode")
         planner = RoutePlanner(
             self.directory,
             RoutingConfig.model_validate(settings.get("routing", {})),
             DecodeRoutingConfig.model_validate(settings.get("decode_routing", {})),
             AdmissionConfig.model_validate(settings.get("admission", {})),
+            colocated=self.roles == ("decode",),
         )
         self.serving = Serving(
             PDOrchestrator(self.directory),
@@ -135,8 +138,8 @@ class Router:
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        """200 when at least one prefill and one decode worker are reachable, else 503."""
-        live = {role: len(self.directory.live(role)) for role in ("prefill", "decode")}
+        """200 when at least one worker of each role in use is reachable, else 503."""
+        live = {role: len(self.directory.live(role)) for role in self.roles}
         if all(live.values()):
             return JSONResponse({"status": "ok", "workers": live})
         return JSONResponse({"status": "unavailable", "workers": live}, status_code=503)

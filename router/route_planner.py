@@ -7,6 +7,8 @@
   `conditional_prefill_max_tokens`, it prefills the tail itself; no prefill worker, no transfer.
 - Prefill: the routing policy (cache affinity on the KV-event index by default).
 - Admission: the plan's predicted TTFT against the request's deadline, and the queue cap.
+- Colocated mode: there are no prefill workers; every request is prefilled locally by the
+  decode worker chosen as above (only the decode-side admission applies).
 A plan holds its load on the chosen workers (so concurrent arrivals see each other) until
 `release()`; routing is synchronous and short, it never blocks the event loop.
 """
@@ -80,8 +82,11 @@ class RoutePlanner:
         routing: RoutingConfig,
         decode_routing: DecodeRoutingConfig,
         admission: AdmissionConfig,
+        *,
+        colocated: bool = False,
     ) -> None:
         self.directory = directory
+        self.colocated = colocated
         self.policy = make_policy(routing)
         self.pending = PendingPrefixes(routing.pending_ttl_s) if routing.pending_ttl_s else None
         self.decode_routing = decode_routing
@@ -101,7 +106,6 @@ class RoutePlanner:
         """Chooses workers and admits (or raises 429/503). The plan's load is held until
         `release()`, or `hold_s` at most (a request that never runs gives it back)."""
         decode_workers = await self.directory.wait_for("decode")
-        prefill_workers = await self.directory.wait_for("prefill")
         bs = int(info["block_size"])
         namespace = str(info["namespace"])
         hashes = hash_full_blocks(int(info["root_hash"]), prompt_token_ids, bs)
@@ -114,9 +118,10 @@ class RoutePlanner:
         tail = len(prompt_token_ids) - decode_hits * bs
         num_blocks = -(-len(prompt_token_ids) // bs)
         cfg = self.decode_routing
-        if decode_hits > 0 and tail <= cfg.conditional_prefill_max_tokens:
+        if self.colocated or (decode_hits > 0 and tail <= cfg.conditional_prefill_max_tokens):
             plan = RoutePlan(decode, None, num_blocks, decode_hits, 0, tail)
         else:
+            prefill_workers = await self.directory.wait_for("prefill")
             matched = None
             if self.policy.uses_prefix_match:
                 ids = [w.worker_id for w in prefill_workers]

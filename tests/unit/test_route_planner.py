@@ -95,3 +95,15 @@ def test_admission_refuses_an_unmeetable_deadline_before_holding_anything() -> N
     assert info.value.status == 429 and info.value.headers
     assert all(w.in_flight == 0 for w in d.workers.values())
     assert d.workers["d1"].queued_tokens == 0
+
+
+def test_colocated_mode_prefills_every_request_on_its_decode_worker() -> None:
+    d = directory(("d0", "decode", {"kv_cache_usage": 0.2}), ("d1", "decode", {}))
+    p = RoutePlanner(d, RoutingConfig(), DecodeRoutingConfig(), AdmissionConfig(), colocated=True)
+    history = list(range(10, 210))
+    publish(d, "d0", history)
+    first = plan(p, list(range(1000, 1600)))  # long and new: still no prefill worker
+    assert first.decode.worker_id == "d1" and first.local_prefill
+    assert (first.prefill_tokens, first.decode.queued_tokens) == (600, 608)
+    turn = plan(p, history + list(range(300, 700)))  # a long tail stays with the holder too
+    assert turn.decode.worker_id == "d0" and turn.local_prefill and turn.decode_hit_blocks == 12
