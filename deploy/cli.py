@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from tandem.bench.serving.cli import bench_app
 from tandem.deploy.generate_cmd import generate
 from tandem.deploy.serve_cmd import serve
 
@@ -140,6 +141,7 @@ def tiny_model(
 
 app.command("generate")(generate)
 app.command("serve")(serve)
+app.add_typer(bench_app, name="bench")
 
 
 if __name__ == "__main__":  # pragma: no cover

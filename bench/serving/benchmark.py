@@ -1,0 +1,121 @@
+"""One benchmark run from settings to result: the dataset, the load, the metrics, the JSON.
+
+The CLI (`tandem bench serve`) and the scenarios (`bench/scenarios/`) both call `run_benchmark`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.bench.serving.datasets import (
+    Conversation,
+    MixedSpec,
+    mixed_dataset,
+    multi_turn_dataset,
+    random_dataset,
+    shared_prefix_dataset,
+)
+from tandem.bench.serving.metrics import BenchmarkMetrics, calculate_metrics
+from tandem.bench.serving.prompts import PromptMaker, TokenPrompts, WordPrompts
+from tandem.bench.serving.records import RequestRecord
+from tandem.bench.serving.result import result_json
+from tandem.bench.serving.runner import LoadConfig, run_load
+
+
+@dataclass(frozen=True)
+class DatasetOptions:
+    name: str = "random"
+    num_prompts: int = 100
+    random_input_len: int = 128
+    random_output_len: int = 64
+    random_range_ratio: float = 0.0
+    sp_num_groups: int = 4
+    sp_prompts_per_group: int = 8
+    sp_system_prompt_len: int = 256
+    sp_question_len: int = 32
+    sp_output_len: int = 32
+    mt_num_turns: int = 4
+    mt_first_len: int = 128
+    mt_turn_len: int = 32
+    mt_output_len: int = 32
+    mixed: MixedSpec = field(default_factory=MixedSpec)
+
+
+def prompt_maker(tokenizer: str | Path | None) -> PromptMaker:
+    """Exact token-id prompts with the model's tokenizer (a local checkpoint or tokenizer
+    directory), else approximate word prompts."""
+    if tokenizer is None:
+        return WordPrompts()
+    return TokenPrompts.from_pretrained(tokenizer)
+
+
+def make_conversations(
+    options: DatasetOptions, maker: PromptMaker, seed: int
+) -> list[Conversation]:
+    rng = random.Random(seed)
+    o = options
+    if o.name == "random":
+        return random_dataset(
+            maker, rng, o.num_prompts, o.random_input_len, o.random_output_len, o.random_range_ratio
+        )
+    if o.name == "shared-prefix":
+        return shared_prefix_dataset(
+            maker,
+            rng,
+            o.sp_num_groups,
+            o.sp_prompts_per_group,
+            o.sp_system_prompt_len,
+            o.sp_question_len,
+            o.sp_output_len,
+        )
+    if o.name == "multi-turn":
+        return multi_turn_dataset(
+            maker,
+            rng,
+            o.num_prompts,
+            o.mt_num_turns,
+            o.mt_first_len,
+            o.mt_turn_len,
+            o.mt_output_len,
+        )
+    if o.name == "mixed":
+        return mixed_dataset(maker, rng, o.num_prompts, o.mixed)
+    raise ValueError(f"unknown dataset {o.name!r}")
+
+
+@dataclass
+class BenchmarkRun:
+    metrics: BenchmarkMetrics
+    records: list[RequestRecord]
+    result: dict[str, Any]
+
+
+def run_benchmark(
+    load: LoadConfig,
+    conversations: list[Conversation],
+    maker: PromptMaker,
+    *,
+    slos: dict[str, float] | None = None,
+    percentiles: tuple[float, ...] = (90, 99),
+    info: dict[str, Any] | None = None,
+    detailed: bool = False,
+) -> BenchmarkRun:
+    """Runs the load (its own event loop) and computes the metrics and the result JSON."""
+    outcome = asyncio.run(run_load(load, conversations, maker))
+    metrics = calculate_metrics(outcome.records, outcome.duration, slos, percentiles)
+    info = {
+        "model_id": load.model,
+        "num_prompts": len(outcome.records),
+        "request_rate": load.request_rate,
+        "burstiness": load.burstiness,
+        "max_concurrency": load.max_concurrency,
+        **(info or {}),
+    }
+    result = result_json(
+        metrics, outcome.records, info, slos=slos, percentiles=percentiles, detailed=detailed
+    )
+    return BenchmarkRun(metrics, outcome.records, result)

@@ -1,0 +1,215 @@
+"""`tandem bench serve`: the typer command (registered on the `tandem` app as `bench`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+bench_app = typer.Typer(
+    name="bench",
+    help="Benchmarks against a running server.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+@bench_app.callback()
+def bench() -> None:
+    """Benchmarks against a running server."""
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+@bench_app.command("serve")
+def serve(
+    model: Annotated[str, typer.Option(help="Model name the server serves (the request's model).")],
+    base_url: Annotated[
+        str, typer.Option(help="Server root, e.g. http://127.0.0.1:8000 (no /v1).")
+    ] = "http://127.0.0.1:8000",
+    endpoint: Annotated[str, typer.Option(help="Completions endpoint path.")] = "/v1/completions",
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(
+            help="Local tokenizer/checkpoint directory: prompts become token ids of exact "
+            "lengths. Default: --model when it is a local directory, else word prompts of "
+            "about one token per word."
+        ),
+    ] = None,
+    dataset_name: Annotated[
+        str, typer.Option(help="random | shared-prefix | multi-turn | mixed.")
+    ] = "random",
+    num_prompts: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Requests to send (shared-prefix sends groups x prompts per group)."
+        ),
+    ] = 100,
+    request_rate: Annotated[
+        float,
+        typer.Option(
+            help="Mean arrivals per second (of conversations for multi-turn traffic); inf sends "
+            "everything at once."
+        ),
+    ] = math.inf,
+    burstiness: Annotated[
+        float,
+        typer.Option(
+            help="Shape of the gamma inter-arrival times: 1 is Poisson, < 1 burstier, > 1 "
+            "more regular."
+        ),
+    ] = 1.0,
+    max_concurrency: Annotated[
+        int | None, typer.Option(min=1, help="Most requests in flight at once (default: no cap).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of prompts and arrival times.")] = 0,
+    random_input_len: Annotated[int, typer.Option(min=1, help="random: prompt tokens.")] = 128,
+    random_output_len: Annotated[int, typer.Option(min=1, help="random: output tokens.")] = 64,
+    random_range_ratio: Annotated[
+        float,
+        typer.Option(
+            min=0, max=1, help="random: lengths uniform in [len * (1 - r), len * (1 + r)]."
+        ),
+    ] = 0.0,
+    sp_num_groups: Annotated[int, typer.Option(min=1, help="shared-prefix: groups.")] = 4,
+    sp_prompts_per_group: Annotated[
+        int, typer.Option(min=1, help="shared-prefix: prompts per group.")
+    ] = 8,
+    sp_system_prompt_len: Annotated[
+        int, typer.Option(min=1, help="shared-prefix: tokens of each group's system prompt.")
+    ] = 256,
+    sp_question_len: Annotated[
+        int, typer.Option(min=1, help="shared-prefix: tokens of each question.")
+    ] = 32,
+    sp_output_len: Annotated[int, typer.Option(min=1, help="shared-prefix: output tokens.")] = 32,
+    mt_num_turns: Annotated[
+        int, typer.Option(min=1, help="multi-turn: turns per conversation.")
+    ] = 4,
+    mt_first_len: Annotated[
+        int, typer.Option(min=1, help="multi-turn: tokens of the first user message.")
+    ] = 128,
+    mt_turn_len: Annotated[
+        int, typer.Option(min=1, help="multi-turn: tokens of each later user message.")
+    ] = 32,
+    mt_output_len: Annotated[
+        int, typer.Option(min=1, help="multi-turn: output tokens per turn.")
+    ] = 32,
+    mixed_scale: Annotated[
+        float,
+        typer.Option(
+            min=0.01,
+            help="mixed: multiplies every length of the mix (70% short chats 32-96 -> 16-32 "
+            "tokens, 10% RAG 768 -> 16, 10% agent 128 -> 128, 10% 3-turn chats on a shared "
+            "512-token prefix).",
+        ),
+    ] = 1.0,
+    goodput: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="SLOs as NAME:MS with NAME ttft, tpot or e2el (repeat or space-separate); "
+            "request_goodput counts requests that meet all of them."
+        ),
+    ] = None,
+    percentiles: Annotated[
+        str, typer.Option(help="Comma-separated percentiles to report, e.g. 50,90,99.")
+    ] = "90,99",
+    ignore_eos: Annotated[
+        bool, typer.Option(help="Ask for exactly the output lengths (ignore_eos).")
+    ] = True,
+    temperature: Annotated[float, typer.Option(min=0, help="Sampling temperature.")] = 0.0,
+    save_result: Annotated[
+        Path | None, typer.Option(help="Write the result JSON (vLLM's keys) to this file.")
+    ] = None,
+    save_detailed: Annotated[
+        bool,
+        typer.Option(
+            help="Add the per-request arrays (ttfts, itls, latencies, input_lens, output_lens, "
+            "errors, ...) to the saved result."
+        ),
+    ] = False,
+    disable_tqdm: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Open-loop serving benchmark with `vllm bench serve`'s metrics and result keys.
+
+    Streams /v1/completions requests (with usage) at gamma-distributed arrival times and prints
+    TTFT, TPOT, ITL and E2EL (mean, median, std, percentiles), throughputs and goodput.
+    """
+    from tandem.bench.serving.benchmark import (
+        DatasetOptions,
+        make_conversations,
+        prompt_maker,
+        run_benchmark,
+    )
+    from tandem.bench.serving.datasets import DATASETS, MixedSpec
+    from tandem.bench.serving.metrics import parse_goodput
+    from tandem.bench.serving.result import summary_text
+    from tandem.bench.serving.runner import LoadConfig
+
+    if dataset_name not in DATASETS:
+        raise typer.BadParameter(f"one of {', '.join(DATASETS)}", param_hint="--dataset-name")
+    try:
+        slos = parse_goodput(goodput or [])
+        pcts = _float_list(percentiles)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if tokenizer is None and Path(model).is_dir():
+        tokenizer = Path(model)
+    maker = prompt_maker(tokenizer)
+    options = DatasetOptions(
+        dataset_name,
+        num_prompts,
+        random_input_len,
+        random_output_len,
+        random_range_ratio,
+        sp_num_groups,
+        sp_prompts_per_group,
+        sp_system_prompt_len,
+        sp_question_len,
+        sp_output_len,
+        mt_num_turns,
+        mt_first_len,
+        mt_turn_len,
+        mt_output_len,
+        MixedSpec(scale=mixed_scale),
+    )
+    conversations = make_conversations(options, maker, seed)
+    load = LoadConfig(
+        base_url=base_url,
+        model=model,
+        endpoint=endpoint,
+        request_rate=request_rate,
+        burstiness=burstiness,
+        max_concurrency=max_concurrency,
+        seed=seed,
+        extra_body={"temperature": temperature, "ignore_eos": ignore_eos},
+        progress=not disable_tqdm,
+    )
+    typer.echo(
+        f"[bench] {dataset_name}: {sum(len(c.turns) for c in conversations)} requests, "
+        f"rate {request_rate}/s, burstiness {burstiness}, max concurrency {max_concurrency}",
+        err=True,
+    )
+    run = run_benchmark(
+        load,
+        conversations,
+        maker,
+        slos=slos or None,
+        percentiles=pcts,
+        info={
+            "tokenizer_id": str(tokenizer) if tokenizer else None,
+            "dataset_name": dataset_name,
+        },
+        detailed=save_detailed,
+    )
+    typer.echo(summary_text(run.metrics, [r.error for r in run.records]))
+    if save_result is not None:
+        save_result.parent.mkdir(parents=True, exist_ok=True)
+        save_result.write_text(json.dumps(run.result, indent=2) + "\n")
+        typer.echo(f"[bench] result written to {save_result}", err=True)
+    if run.metrics.completed == 0:
+        raise typer.Exit(code=1)
