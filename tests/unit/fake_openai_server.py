@@ -1,0 +1,84 @@
+"""A small fake OpenAI-compatible completions server (aiohttp, in a thread) for client tests.
+
+It streams `max_tokens` tokens as "w0 w1 ..." two tokens per chunk, `delay_s` apart, then a
+usage chunk (prompt tokens: the prompt's words, or its ids). `max_tokens` 13 is refused with a
+429; 14 fails with an error event after the first chunk. It records every prompt it received and
+the most requests it had in flight at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+from aiohttp import web
+
+
+class FakeServer:
+    def __init__(self, delay_s: float = 0.01) -> None:
+        self.delay_s = delay_s
+        self.prompts: list[Any] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> FakeServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        prompt, n = body["prompt"], int(body["max_tokens"])
+        self.prompts.append(prompt)
+        if n == 13:
+            return web.json_response({"error": {"message": "queue full"}}, status=429)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            words = [f"w{i}" for i in range(n)]
+            for i in range(0, n, 2):
+                await asyncio.sleep(self.delay_s)
+                text = "".join(f" {w}" for w in words[i : i + 2])
+                await resp.write(_event({"choices": [{"index": 0, "text": text}]}))
+                if n == 14:
+                    await resp.write(_event({"error": {"message": "decode worker died"}}))
+                    break
+            if body.get("stream_options", {}).get("include_usage"):
+                prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n}
+                await resp.write(_event({"choices": [], "usage": usage}))
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            self.in_flight -= 1
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()

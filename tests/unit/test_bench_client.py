@@ -1,0 +1,87 @@
+"""`tandem bench serve` against a fake streaming server: records, arrivals, concurrency, CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tandem.bench.serving.datasets import Conversation, Turn, multi_turn_dataset
+from tandem.bench.serving.prompts import WordPrompts
+from tandem.bench.serving.runner import LoadConfig, arrival_times, run_load
+from tandem.deploy.cli import app
+from tests.unit.fake_openai_server import FakeServer
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[FakeServer]:
+    srv = FakeServer().start()
+    yield srv
+    srv.stop()
+
+
+def load(server: FakeServer, **kw: object) -> LoadConfig:
+    return LoadConfig(server.base_url, "fake", progress=False, **kw)  # type: ignore[arg-type]
+
+
+def test_streamed_requests_are_recorded_and_failures_counted(server: FakeServer) -> None:
+    convs = [
+        Conversation("ok", [Turn("one two three", 5)]),  # chunks of 2 + 2 + 1 tokens
+        Conversation("refused", [Turn("a b", 13)]),
+        Conversation("broken", [Turn("a b", 14)]),
+    ]
+    out = asyncio.run(run_load(load(server), convs, WordPrompts()))
+    ok, refused, broken = sorted(out.records, key=lambda r: r.max_tokens)
+    assert ok.success and (ok.prompt_len, ok.output_tokens) == (3, 5)
+    assert ok.generated_text == " w0 w1 w2 w3 w4" and len(ok.itl) == 2
+    assert ok.ttft > 0 and ok.latency >= ok.ttft + sum(ok.itl) - 1e-9
+    assert not refused.success and refused.error.startswith("HTTP 429")
+    assert not broken.success and broken.error == "decode worker died"
+    assert out.duration >= ok.latency
+
+
+def test_max_concurrency_caps_requests_in_flight(server: FakeServer) -> None:
+    server.max_in_flight = 0
+    convs = [Conversation("c", [Turn(f"p {i}", 6)]) for i in range(6)]
+    out = asyncio.run(run_load(load(server, max_concurrency=2), convs, WordPrompts()))
+    assert all(r.success for r in out.records) and server.max_in_flight == 2
+
+
+def test_a_conversation_sends_its_history_with_each_turn(server: FakeServer) -> None:
+    server.prompts.clear()
+    maker = WordPrompts()
+    convs = multi_turn_dataset(maker, random.Random(0), 3, 3, 4, 2, 2, prefix="sys")
+    out = asyncio.run(run_load(load(server), convs, maker))
+    first, second, third = server.prompts
+    assert second.startswith(f"{first} w0 w1 ") and third.startswith(f"{second} w0 w1 ")
+    assert first.startswith("sys ") and [r.prompt_len for r in out.records] == [5, 9, 13]
+
+
+def test_arrivals_are_gamma_with_the_requested_rate_and_burstiness() -> None:
+    assert arrival_times(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
+    for burstiness, cv in ((1.0, 1.0), (4.0, 0.5)):
+        times = arrival_times(4001, 4.0, burstiness, seed=1)
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        assert times[0] == 0.0 and statistics.mean(gaps) == pytest.approx(0.25, rel=0.05)
+        assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(cv, rel=0.08)
+
+
+def test_the_cli_saves_vllm_keys(server: FakeServer, tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    args = ["bench", "serve", "--base-url", server.base_url, "--model", "fake", "--num-prompts",
+            "4", "--random-input-len", "8", "--random-output-len", "4", "--goodput", "ttft:5000",
+            "--save-result", str(out), "--save-detailed", "--disable-tqdm"]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "Serving Benchmark Result" in res.output and "P99 ITL (ms):" in res.output
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"], result["total_output_tokens"]) == (4, 0, 16)
+    assert result["total_input_tokens"] == 32 and result["request_goodput"] > 0
+    assert len(result["ttfts"]) == len(result["itls"]) == len(result["latencies"]) == 4
+    assert result["request_rate"] == "inf" and result["dataset_name"] == "random"
