@@ -6,6 +6,7 @@ joining the one the other integration tests share.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -60,7 +62,23 @@ def complete(port: int, model: str) -> str:
     return out.choices[0].text
 
 
-def test_tandem_serve_answers_and_stops_on_ctrl_c(isolated_env: dict[str, str]) -> None:
+def bench(port: int, env: dict[str, str], result: Path) -> dict[str, Any]:
+    """`tandem bench serve` against the server: a handful of streamed multi-turn requests."""
+    args = [str(BIN / "tandem"), "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+            "--model", "tiny-llama", "--dataset-name", "multi-turn", "--num-prompts", "6",
+            "--mt-num-turns", "3", "--mt-first-len", "20", "--mt-turn-len", "5",
+            "--mt-output-len", "6", "--request-rate", "20", "--goodput", "ttft:60000",
+            "--save-result", str(result), "--save-detailed", "--disable-tqdm"]  # fmt: skip
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Serving Benchmark Result" in done.stdout
+    data: dict[str, Any] = json.loads(result.read_text())
+    return data
+
+
+def test_tandem_serve_answers_and_stops_on_ctrl_c(
+    isolated_env: dict[str, str], tmp_path: Path
+) -> None:
     port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen(
         [str(BIN / "tandem"), "serve", "--port", str(port), "--grpc-port", str(grpc_port),
@@ -70,6 +88,7 @@ def test_tandem_serve_answers_and_stops_on_ctrl_c(isolated_env: dict[str, str]) 
     try:
         wait_ready(f"http://127.0.0.1:{port}", timeout=180)
         complete(port, "tiny-llama")
+        result = bench(port, isolated_env, tmp_path / "bench.json")
     except BaseException:
         print(stop(proc)[-5000:])  # what `tandem serve` said, in the test report
         raise
@@ -78,6 +97,12 @@ def test_tandem_serve_answers_and_stops_on_ctrl_c(isolated_env: dict[str, str]) 
     assert f"OpenAI API:    http://127.0.0.1:{port}/v1" in out
     assert "Ray dashboard: http://" in out
     assert "[tandem] stopped" in out
+    assert (result["completed"], result["failed"], result["total_output_tokens"]) == (6, 0, 36)
+    assert result["request_goodput"] == result["request_throughput"] > 0
+    assert all(ttft > 0 for ttft in result["ttfts"])
+    assert any(result["itls"])  # (a fast tiny model may stream a request's tokens in one chunk)
+    lens = result["input_lens"]  # the server's prompt_tokens; later turns carry the history
+    assert lens[0] < lens[1] < lens[2]
 
 
 def test_serve_run_on_the_committed_config(isolated_env: dict[str, str], tmp_path: Path) -> None:
