@@ -21,6 +21,8 @@ class EngineConfig(BaseModel):
     `max_num_seqs` requests of `max_model_len` tokens could ever use.
     `max_model_len=None` takes the model's `max_position_embeddings`, reduced to what the pool
     holds when the pool is smaller.
+    `device` places weights and the KV pool ("auto": CUDA when available); `attention_backend`
+    "auto" runs the Triton kernels on CUDA and the torch ones on the CPU (`tandem.kernels`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -37,8 +39,19 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = True
     enable_kv_events: bool = False
     model_revision: str | None = None
-    attention_backend: Literal["cpu", "reference"] = "cpu"
+    attention_backend: Literal["auto", "cpu", "triton", "reference"] = "auto"
+    device: str = Field("cpu", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     seed: int = 0
+
+    def resolved_device(self) -> torch.device:
+        """`device` with "auto" resolved (CUDA when available); ValueError when CUDA is asked for
+        and absent."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but CUDA is not available on this machine")
+        return device
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -50,18 +50,12 @@ class LLMEngine:
         self.spec: ModelSpec = load_model_spec(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | self.tokenizer.eos_token_ids
+        self.device = config.resolved_device()
         self.model = CausalLM(self.spec, attention_backend=config.attention_backend)
         load_weights(self.model, model_dir, config.torch_dtype)
-        self.model.eval()
+        self.model.to(self.device).eval()
         num_blocks, self.max_model_len = self._size_kv_pool()
-        self.kv_pool = (kv_pool_factory or KVCachePool)(
-            num_blocks,
-            self.spec.num_layers,
-            config.block_size,
-            self.spec.num_kv_heads,
-            self.spec.head_dim,
-            config.torch_dtype,
-        )
+        self.kv_pool = self._allocate_kv_pool(num_blocks, kv_pool_factory)
         self.namespace = build_namespace(
             self.spec,
             revision=config.model_revision or model_revision(model_dir),
@@ -88,15 +82,34 @@ class LLMEngine:
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
         logger.info(
-            "engine ready: %s (%s, %d layers) dtype=%s kv_blocks=%d x %d tokens max_model_len=%d",
+            "engine ready: %s (%s, %d layers) on %s dtype=%s kv_blocks=%d x %d tokens "
+            "max_model_len=%d",
             model_dir.name,
             self.spec.architecture,
             self.spec.num_layers,
+            self.device,
             config.dtype,
             num_blocks,
             config.block_size,
             self.max_model_len,
         )
+
+    def _allocate_kv_pool(self, num_blocks: int, factory: KVPoolFactory | None) -> KVCachePool:
+        """On the CPU a transport's factory may place the pool (e.g. in shared memory); on a GPU
+        the pool is plain device memory, which the torch transport sends over NCCL."""
+        shape = (
+            num_blocks,
+            self.spec.num_layers,
+            self.config.block_size,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+            self.config.torch_dtype,
+        )
+        if self.device.type == "cpu":
+            return (factory or KVCachePool)(*shape)
+        if factory is not None:
+            logger.info("KV pool on %s: the transport's host-memory pool is not used", self.device)
+        return KVCachePool(*shape, device=self.device)
 
     def _size_kv_pool(self) -> tuple[int, int]:
         cfg = self.config

@@ -16,9 +16,8 @@ from torch import nn
 
 from tandem.engine.model_config import ModelSpec
 from tandem.engine.rotary import RotaryEmbedding, apply_rotary
-from tandem.kernels.backends import PagedAttentionFn, get_attention_backend
+from tandem.kernels.backends import KernelBackend, get_kernel_backend
 from tandem.kernels.kv_cache import KVCachePool
-from tandem.kernels.kv_write import write_kv
 
 
 @dataclass
@@ -29,6 +28,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int64, padded
     context_lens: torch.Tensor  # (B,) tokens in cache per request, new ones included
     query_start_loc: torch.Tensor  # (B + 1,) cumulative row offsets of each request in T
+    max_query_len: int | None = None  # host-side hints: spare GPU kernels a device sync
+    max_context_len: int | None = None
 
 
 class RMSNorm(nn.Module):
@@ -45,10 +46,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, attention_fn: PagedAttentionFn) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, kernels: KernelBackend) -> None:
         super().__init__()
         self.layer = layer
-        self.attention_fn = attention_fn
+        self.kernels = kernels
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -79,8 +80,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_pool.layer_cache(self.layer)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = self.attention_fn(
+        self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = self.kernels.attention(
             q,
             k_cache,
             v_cache,
@@ -89,6 +90,8 @@ class Attention(nn.Module):
             meta.query_start_loc,
             self.scale,
             sliding_window=self.sliding_window,
+            max_query_len=meta.max_query_len,
+            max_context_len=meta.max_context_len,
         )
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -116,10 +119,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, attention_fn: PagedAttentionFn) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, kernels: KernelBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, layer, attention_fn)
+        self.self_attn = Attention(spec, layer, kernels)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
@@ -138,14 +141,12 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head; logits only for the rows asked for."""
 
-    def __init__(self, spec: ModelSpec, attention_backend: str = "cpu") -> None:
+    def __init__(self, spec: ModelSpec, attention_backend: str = "auto") -> None:
         super().__init__()
         self.spec = spec
-        attention_fn = get_attention_backend(attention_backend)
+        kernels = get_kernel_backend(attention_backend)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, attention_fn) for i in range(spec.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, kernels) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         # With tied embeddings the loader copies embed_tokens into lm_head.
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)

@@ -40,6 +40,7 @@ class ModelRunner:
         self.model = model
         self.kv_pool = kv_pool
         self.block_size = kv_pool.block_size
+        self.device = kv_pool.device
 
     def prepare(self, out: SchedulerOutput) -> ModelInputs:
         bs = self.block_size
@@ -74,18 +75,25 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor(padded, dtype=torch.int64),
-            context_lens=torch.tensor(context_lens, dtype=torch.int64),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int64),
+            slot_mapping=self._tensor(slots),
+            block_tables=self._tensor(padded),
+            context_lens=self._tensor(context_lens),
+            query_start_loc=self._tensor(query_start),
+            max_query_len=max(n for _, n in out.scheduled),
+            max_context_len=max(context_lens),
         )
         return ModelInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
             meta=meta,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+            logits_indices=self._tensor(logits_rows),
             sample_requests=sample_requests,
         )
+
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        """An int64 tensor on the pool's device (built on the host, copied once)."""
+        host = torch.tensor(values, dtype=torch.int64)
+        return host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """Runs one step; returns fp32 logits (one row per request to sample) and those requests."""
@@ -93,4 +101,5 @@ class ModelRunner:
         logits = self.model(
             inputs.input_ids, inputs.positions, inputs.meta, self.kv_pool, inputs.logits_indices
         )
-        return logits, inputs.sample_requests
+        # The sampler (per-request generators, stop checks) works on host tensors.
+        return logits.cpu(), inputs.sample_requests

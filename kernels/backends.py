@@ -1,30 +1,42 @@
-"""Choosing a paged-attention implementation by name.
+"""Kernel backends by name: a paged-attention function and a KV-write function.
 
-Every backend has the ``PagedAttentionFn`` signature and the contract documented in
-``tandem.kernels.paged_attention``. Built in: ``"reference"`` (slow, float32, validating)
-and ``"cpu"`` (batched decode + per-chunk prefill on SDPA). A GPU backend (e.g. a Triton
-kernel) registers itself with ``register_attention_backend("triton", fn)`` from its own
-module, so importing this package never needs Triton or CUDA.
+Every attention function has the ``PagedAttentionFn`` signature and the contract documented in
+``tandem.kernels.paged_attention``; every KV write the ``WriteKVFn`` one (``write_kv``).
+
+Built in:
+* ``"auto"`` (the default): per call, Triton for CUDA tensors, torch for CPU ones
+  (``tandem.kernels.dispatch`` is the one place that decides);
+* ``"cpu"``: the torch path (batched decode + per-chunk prefill on SDPA), on any device;
+* ``"reference"``: slow, float32, validating attention; torch KV write;
+* ``"triton"``: always the Triton kernels, loaded on first use (needs ``triton``; on CPU
+  tensors only under the Triton interpreter, ``TRITON_INTERPRET=1``, for tests).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from tandem.kernels.dispatch import paged_attention_auto, triton_kernels, write_kv_auto
+from tandem.kernels.kv_write import write_kv
 from tandem.kernels.paged_attention import paged_attention_cpu, paged_attention_reference
 
 __all__ = [
-    "ATTENTION_BACKENDS",
+    "KERNEL_BACKENDS",
+    "KernelBackend",
     "PagedAttentionFn",
+    "WriteKVFn",
     "get_attention_backend",
-    "register_attention_backend",
+    "get_kernel_backend",
+    "register_kernel_backend",
 ]
 
 
 class PagedAttentionFn(Protocol):
-    """Signature shared by all paged-attention backends."""
+    """Signature shared by all paged-attention functions. ``max_query_len`` and
+    ``max_context_len`` are optional host-side hints; a backend may ignore them."""
 
     def __call__(
         self,
@@ -37,26 +49,59 @@ class PagedAttentionFn(Protocol):
         scale: float,
         *,
         sliding_window: int | None = None,
+        max_query_len: int | None = None,
+        max_context_len: int | None = None,
     ) -> torch.Tensor: ...
 
 
-ATTENTION_BACKENDS: dict[str, PagedAttentionFn] = {
-    "reference": paged_attention_reference,
-    "cpu": paged_attention_cpu,
+class WriteKVFn(Protocol):
+    """Signature shared by all KV-cache writes (contract: ``tandem.kernels.write_kv``)."""
+
+    def __call__(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """The two kernels the model's attention layers call."""
+
+    attention: PagedAttentionFn
+    write_kv: WriteKVFn
+
+
+KERNEL_BACKENDS: dict[str, KernelBackend] = {
+    "auto": KernelBackend(paged_attention_auto, write_kv_auto),
+    "cpu": KernelBackend(paged_attention_cpu, write_kv),
+    "reference": KernelBackend(paged_attention_reference, write_kv),
 }
+_LAZY = ("triton",)
 
 
-def register_attention_backend(name: str, fn: PagedAttentionFn, *, overwrite: bool = False) -> None:
+def register_kernel_backend(name: str, backend: KernelBackend, *, overwrite: bool = False) -> None:
     """Add a backend under ``name``; ValueError if taken unless ``overwrite``."""
-    if name in ATTENTION_BACKENDS and not overwrite:
-        raise ValueError(f"attention backend {name!r} is already registered")
-    ATTENTION_BACKENDS[name] = fn
+    if (name in KERNEL_BACKENDS or name in _LAZY) and not overwrite:
+        raise ValueError(f"kernel backend {name!r} is already registered")
+    KERNEL_BACKENDS[name] = backend
 
 
-def get_attention_backend(name: str = "cpu") -> PagedAttentionFn:
-    """The backend called ``name``; ValueError listing the known names otherwise."""
-    try:
-        return ATTENTION_BACKENDS[name]
-    except KeyError:
-        known = ", ".join(sorted(ATTENTION_BACKENDS))
-        raise ValueError(f"unknown attention backend {name!r} (known: {known})") from None
+def get_kernel_backend(name: str = "auto") -> KernelBackend:
+    """The backend called ``name``; ValueError listing the known names otherwise,
+    ImportError naming the extra to install for ``"triton"`` without the package."""
+    if name in KERNEL_BACKENDS:
+        return KERNEL_BACKENDS[name]
+    if name == "triton":
+        attention, write = triton_kernels()
+        return KERNEL_BACKENDS.setdefault(name, KernelBackend(attention, write))
+    known = ", ".join(sorted({*KERNEL_BACKENDS, *_LAZY}))
+    raise ValueError(f"unknown kernel backend {name!r} (known: {known})")
+
+
+def get_attention_backend(name: str = "auto") -> PagedAttentionFn:
+    """Shortcut: the attention function of ``get_kernel_backend(name)``."""
+    return get_kernel_backend(name).attention

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["write_kv"]
+__all__ = ["check_write_shapes", "write_kv"]
 
 
 def write_kv(
@@ -28,16 +28,7 @@ def write_kv(
     Only the ``T`` addressed ``(block, offset)`` rows of each cache are written; no other
     byte of the pool changes.
     """
-    if key.shape != value.shape or key.dim() != 3:
-        raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} must match, 3-D")
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache must match, 4-D")
-    if key.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(
-            f"key heads/dim {tuple(key.shape[1:])} != cache {tuple(k_cache.shape[2:])}"
-        )
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
-        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be ({key.shape[0]},)")
+    check_write_shapes(k_cache, v_cache, key, value, slot_mapping)
     if key.shape[0] == 0:
         return
     block_size = k_cache.shape[1]
@@ -49,3 +40,23 @@ def write_kv(
     index = (blocks, offsets)
     k_cache.index_put_(index, key.to(k_cache.dtype))
     v_cache.index_put_(index, value.to(v_cache.dtype))
+
+
+def check_write_shapes(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Metadata-only checks shared by every KV-write implementation (no tensor reads)."""
+    if key.shape != value.shape or key.dim() != 3:
+        raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} must match, 3-D")
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache must match, 4-D")
+    if key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"key heads/dim {tuple(key.shape[1:])} != cache {tuple(k_cache.shape[2:])}"
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be ({key.shape[0]},)")

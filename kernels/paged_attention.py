@@ -40,10 +40,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["paged_attention", "paged_attention_cpu", "paged_attention_reference"]
+__all__ = ["check_shapes", "paged_attention", "paged_attention_cpu", "paged_attention_reference"]
 
 
-def _check_shapes(
+def check_shapes(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -95,10 +95,12 @@ def paged_attention_reference(
     scale: float,
     *,
     sliding_window: int | None = None,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """The obvious correct version: per sequence, gather its blocks, expand GQA heads,
-    build the explicit mask, softmax in float32. Validates values too. Slow."""
-    _check_shapes(
+    build the explicit mask, softmax in float32. Validates values too. Slow. Hints unused."""
+    check_shapes(
         query, k_cache, v_cache, block_tables, context_lens, query_start_loc, sliding_window
     )
     num_heads = query.shape[1]
@@ -268,6 +270,8 @@ def paged_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """Fast CPU paged attention (see the module docstring for the contract).
 
@@ -277,9 +281,9 @@ def paged_attention(
     that share a KV head are packed as rows of that head (no K/V head repeat). Other sequences (prefill chunks) go one by one through SDPA with an
     offset causal mask, or ``is_causal`` when there is no cached prefix and no active
     window. Python work is per prefill sequence only; values are not validated (use
-    ``paged_attention_reference`` to debug bad metadata).
+    ``paged_attention_reference`` to debug bad metadata). The ``max_*`` hints are not needed.
     """
-    _check_shapes(
+    check_shapes(
         query, k_cache, v_cache, block_tables, context_lens, query_start_loc, sliding_window
     )
     batch = block_tables.shape[0]

@@ -10,13 +10,17 @@ import pytest
 import torch
 
 from tandem.kernels import (
-    ATTENTION_BACKENDS,
+    KERNEL_BACKENDS,
+    KernelBackend,
     KVCachePool,
     get_attention_backend,
+    get_kernel_backend,
     paged_attention,
     paged_attention_reference,
-    register_attention_backend,
+    register_kernel_backend,
+    write_kv,
 )
+from tandem.kernels.dispatch import paged_attention_auto, write_kv_auto
 from tandem.kernels.testing import PagedBatch, dense_attention, make_paged_batch
 
 FP32_TOL = 1e-5
@@ -191,14 +195,19 @@ def test_shape_errors() -> None:
 
 
 def test_backend_registry() -> None:
-    assert get_attention_backend() is paged_attention
+    assert get_attention_backend() is paged_attention_auto
+    assert get_kernel_backend().write_kv is write_kv_auto
+    assert get_attention_backend("cpu") is paged_attention
+    assert get_kernel_backend("cpu").write_kv is write_kv
     assert get_attention_backend("reference") is paged_attention_reference
-    with pytest.raises(ValueError, match="known: cpu, reference"):
-        get_attention_backend("triton")
+    with pytest.raises(ValueError, match="known: auto, cpu, reference, triton"):
+        get_kernel_backend("flash")
     with pytest.raises(ValueError, match="already"):
-        register_attention_backend("cpu", paged_attention_reference)
-    register_attention_backend("test-only", paged_attention_reference)
+        register_kernel_backend("cpu", KernelBackend(paged_attention_reference, write_kv))
+    with pytest.raises(ValueError, match="already"):
+        register_kernel_backend("triton", KernelBackend(paged_attention_reference, write_kv))
+    register_kernel_backend("test-only", KernelBackend(paged_attention_reference, write_kv))
     try:
         assert get_attention_backend("test-only") is paged_attention_reference
     finally:
-        del ATTENTION_BACKENDS["test-only"]
+        del KERNEL_BACKENDS["test-only"]

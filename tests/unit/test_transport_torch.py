@@ -43,3 +43,30 @@ def test_sender_sees_peer_death() -> None:
 
 def test_close_is_idempotent(peer: h.PeerProcess) -> None:
     h.check_close("torch", peer)
+
+
+def test_backend_is_nccl_only_with_a_cuda_pool_and_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handshake offers NCCL (`hello["cuda"]`) only when this side's pool is on CUDA and
+    torch has NCCL; pages are then received on the pool's device, else through host memory."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tandem.kernels.kv_cache import KVCachePool
+    from tandem.kv_transfer.torch_dist import TorchDistTransport
+
+    transport = TorchDistTransport("token")
+    try:
+        assert transport._hello_extra() == {"cuda": False}  # no pool yet
+        transport.register_pool(KVCachePool(4, 1, 4, 1, 8))
+        assert transport._hello_extra() == {"cuda": False}  # a CPU pool: gloo
+        transport._pool = SimpleNamespace(device=torch.device("cuda", 0))  # type: ignore[assignment]
+        monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+        assert transport._hello_extra() == {"cuda": True}
+        assert transport._recv_device("nccl") == torch.device("cuda", 0)
+        assert transport._recv_device("gloo") == torch.device("cpu")
+        monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+        assert transport._hello_extra() == {"cuda": False}
+    finally:
+        transport._pool = None
+        transport.close()
