@@ -27,6 +27,8 @@ rounding to nearest, so interpreted bf16 results differ from the GPU's by an ulp
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -331,18 +333,27 @@ def _pow2(n: int, minimum: int = 1) -> int:
 
 
 def _tile_size(block_size: int) -> int:
-    """Key tile: the block itself when it is a power of two in [16, 64], else 32 positions."""
+    """Key tile of the varlen kernel: the block itself when it is a power of two in [16, 64],
+    else 32 positions (a tile then spans blocks; positions look their block up one by one)."""
     if block_size & (block_size - 1) == 0 and 16 <= block_size <= 64:
         return block_size
     return 32
+
+
+DECODE_TILE = 64
+"""Key positions per decode-loop iteration: bigger loads in flight than one 16-token block."""
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return int(torch.cuda.get_device_properties(index or 0).multi_processor_count)
 
 
 def _num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
     """Enough programs to fill the GPU about twice, but no split under 256 positions."""
     if device.type != "cuda":
         return 1 if max_context <= 256 else 2  # the interpreter: exercise both paths
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-2 * sms // max(1, batch * kv_heads))
+    want = -(-2 * _sm_count(device.index) // max(1, batch * kv_heads))
     return max(1, min(want, -(-max_context // 256), 64))
 
 
@@ -378,11 +389,7 @@ def paged_attention_triton(
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     upcast = query.device.type == "cpu"
-    common = {
-        "qk_scale": scale * LOG2E,
-        "window": sliding_window or 0,
-        "block_size": block_size,
-    }
+    scalars = (scale * LOG2E, sliding_window or 0, block_size)
     strides = (
         *query.stride(),
         *k_cache.stride(),
@@ -390,11 +397,11 @@ def paged_attention_triton(
         *out.stride(),
         *block_tables.stride(),
     )
+    head_pad = _pow2(head_dim, 16)
     consts = {
         "GROUP": group,
-        "BLOCK_N": _tile_size(block_size),
         "HEAD_DIM": head_dim,
-        "HEAD_PAD": _pow2(head_dim, 16),
+        "HEAD_PAD": head_pad,
         "HAS_WINDOW": sliding_window is not None,
         "UPCAST": upcast,
         "IEEE": query.dtype == torch.float32,
@@ -405,15 +412,13 @@ def paged_attention_triton(
         grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
         _varlen_kernel[grid](
             query, k_cache, v_cache, out, block_tables, context_lens, query_start_loc,
-            common["qk_scale"], common["window"], block_size, *strides,
-            GROUP_PAD=group_pad, BLOCK_Q=block_q, **consts,
+            *scalars, *strides,
+            GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=_tile_size(block_size), **consts,
         )  # fmt: skip
         return out
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     splits = num_splits or _num_splits(batch, num_kv_heads, max_context_len, query.device)
-    head_pad = consts["HEAD_PAD"]
-    assert isinstance(head_pad, int)
     if splits > 1:
         part_o = torch.empty(
             (batch, num_heads, splits, head_pad), dtype=torch.float32, device=query.device
@@ -425,8 +430,8 @@ def paged_attention_triton(
         part_o = part_ml = out  # unused
     _decode_kernel[(batch, num_kv_heads, splits)](
         query, k_cache, v_cache, out, part_o, part_ml, block_tables, context_lens,
-        query_start_loc, common["qk_scale"], common["window"], block_size, num_heads, *strides,
-        ROWS=_pow2(group, 16), SPLITS=splits, **consts,
+        query_start_loc, *scalars, num_heads, *strides,
+        ROWS=_pow2(group, 16), SPLITS=splits, BLOCK_N=DECODE_TILE, **consts,
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(batch, num_heads)](
