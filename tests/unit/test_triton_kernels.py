@@ -12,23 +12,53 @@ import importlib
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit decorates the kernels
-
+_SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # while triton.jit decorates the kernels
 for _name in ("tandem.kernels.triton_attention", "tandem.kernels.triton_kv_write"):
     if _name in sys.modules:  # imported earlier without the interpreter: decorate again
         importlib.reload(sys.modules[_name])
 
-from tandem.kernels import paged_attention, paged_attention_reference, write_kv  # noqa: E402
+from tandem.kernels import (  # noqa: E402
+    KERNEL_BACKENDS,
+    paged_attention,
+    paged_attention_reference,
+    write_kv,  # noqa: E402
+)
+from tandem.kernels.dispatch import triton_kernels  # noqa: E402
 from tandem.kernels.kv_cache import KVCachePool  # noqa: E402
 from tandem.kernels.testing import PagedBatch, dense_attention, make_paged_batch  # noqa: E402
 from tandem.kernels.triton_attention import paged_attention_triton  # noqa: E402
 from tandem.kernels.triton_kv_write import write_kv_triton  # noqa: E402
+
+
+def _restore_interpret_env() -> None:
+    if _SAVED_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
+
+
+_restore_interpret_env()  # the rest of the test run (and its subprocesses) is unaffected
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _triton_interpreter() -> Iterator[None]:
+    """The interpreter must also be on while the kernels run; the engine's "triton" backend
+    must resolve to these interpreted kernels, not to compiled ones cached earlier."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    triton_kernels.cache_clear()
+    KERNEL_BACKENDS.pop("triton", None)
+    yield
+    triton_kernels.cache_clear()
+    KERNEL_BACKENDS.pop("triton", None)
+    _restore_interpret_env()
+
 
 # Max abs error vs the float32 reference, per input dtype.
 TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
