@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.engine_stats import engine_queue_stats, scheduling_stages
 from tandem.engine.kv_io import NoFreeBlocksError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
@@ -262,6 +263,8 @@ class DecodeService(WorkerLoop):
                 "transfer_wait_s": committed - stream.reserved_at,
                 "decode_s": now - committed,
             }
+            if stream.local and stream.request is not None:
+                item["timings"].update(scheduling_stages(stream.request))
         return item
 
     def stats(self) -> dict[str, Any]:
@@ -278,7 +281,7 @@ class DecodeService(WorkerLoop):
             "prefix_cache_queried_blocks": bm.prefix_cache_stats.queried_blocks,
             "prefix_cache_hit_blocks": bm.prefix_cache_stats.hit_blocks,
             "num_cancelled": self.num_cancelled,
-            "kv_cache_usage": bm.usage,
+            **engine_queue_stats(self.engine),
         }
 
     def check_integrity(self) -> None:

@@ -65,6 +65,11 @@ def build_app(config: ClusterConfig) -> Application:
         "routing": config.routing.model_dump(mode="json"),
         "decode_routing": config.decode_routing.model_dump(mode="json"),
         "admission": config.admission.model_dump(mode="json"),
+        "slo": config.slo.model_dump(mode="json"),
+        "replica_targets": {
+            role: getattr(config, role).replicas
+            for role in (("decode",) if config.mode == "colocated" else ("prefill", "decode"))
+        },
     }
     return Router.options(  # type: ignore[attr-defined]
         num_replicas=config.router.replicas,

@@ -60,6 +60,9 @@ class KVSender:
         self.layout = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
         self.outgoing: dict[str, _Outgoing] = {}
         self.num_chunks_sent = 0
+        self.num_bytes_sent = 0  # page bytes handed to the transport
+        self.num_transfers_done = 0  # requests whose pages all arrived ("sent")
+        self.num_transfers_failed = 0  # ended by an error or a timeout (not a cancel)
         transport.register_pool(engine.kv_pool)
 
     def start(
@@ -175,6 +178,7 @@ class KVSender:
         out.last_sent = last
         out.deadline = self.clock() + self.ack_timeout_s
         self.num_chunks_sent += 1
+        self.num_bytes_sent += len(blocks) * self.engine.kv_pool.bytes_per_block
 
     def _handle(self, message: Message) -> TransferEvent | None:
         header = message.header
@@ -216,4 +220,8 @@ class KVSender:
             self.engine.abort(rid)
         if error:
             logger.info("KV transfer of %s ended (%s): %s", rid, kind, error)
+        if kind == "sent":
+            self.num_transfers_done += 1
+        elif kind == "failed":
+            self.num_transfers_failed += 1
         return TransferEvent(kind, rid, error=error)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.engine_stats import engine_queue_stats, scheduling_stages
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.worker_loop import WorkerLoop, resolve
@@ -31,6 +32,7 @@ class _Pending:
     started: float = field(default_factory=time.time)
     first_token_at: float | None = None
     first_token_ids: list[int] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)  # queue_s, prefix_lookup_s
 
 
 class PrefillService(WorkerLoop):
@@ -125,6 +127,8 @@ class PrefillService(WorkerLoop):
         if event.kind == "first_token":
             pending.first_token_at = now
             pending.first_token_ids = list(event.token_ids)
+            req = self.engine.requests.get(event.request_id)
+            pending.stages = scheduling_stages(req) if req is not None else {}
             return
         del self._pending[event.request_id]
         first = pending.first_token_at or now
@@ -136,7 +140,11 @@ class PrefillService(WorkerLoop):
                 "status": status,
                 "first_token_ids": pending.first_token_ids,
                 "error": event.error,
-                "timings": {"prefill_s": first - pending.started, "transfer_tail_s": now - first},
+                "timings": {
+                    **pending.stages,
+                    "prefill_s": first - pending.started - sum(pending.stages.values()),
+                    "transfer_tail_s": now - first,
+                },
             },
         )
 
@@ -149,6 +157,10 @@ class PrefillService(WorkerLoop):
             "num_free_blocks": bm.num_free_blocks,
             "num_requests": len(self.engine.requests),
             "num_transfers": len(self.sender.outgoing),
+            "kv_transfer_bytes": self.sender.num_bytes_sent,
+            "kv_transfers_done": self.sender.num_transfers_done,
+            "kv_transfers_failed": self.sender.num_transfers_failed,
+            **engine_queue_stats(self.engine),
             "prefix_cache_queried_blocks": bm.prefix_cache_stats.queried_blocks,
             "prefix_cache_hit_blocks": bm.prefix_cache_stats.hit_blocks,
             "num_cancelled": self.num_cancelled,

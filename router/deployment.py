@@ -3,7 +3,8 @@
 (No `from __future__ import annotations` here: FastAPI must see real types on the methods.)
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /debug/workers (every worker's KV block accounting, from the worker registry).
+GET /debug/workers (every worker's KV block accounting, from the worker registry),
+GET /metrics (Prometheus).
 """
 
 import asyncio
@@ -12,10 +13,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.engine.metrics import RouterMetrics, WorkerMetricsCollector
 from tandem.engine.serve_logging import use_serve_log_handlers
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.worker_registry import get_registry
@@ -95,6 +98,15 @@ class Router:
         )
         self.directory.start()
         self.roles = ("decode",) if settings.get("mode") == "colocated" else ("prefill", "decode")
+        model_name = settings["served_model_name"]
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.metrics = RouterMetrics(model_name, replica)
+        targets = dict(settings.get("replica_targets") or {})
+        self.metrics.registry.register(
+            WorkerMetricsCollector(
+                model_name, self._worker_series, lambda: {"router": 1, **targets}
+            )
+        )
         planner = RoutePlanner(
             self.directory,
             RoutingConfig.model_validate(settings.get("routing", {})),
@@ -106,8 +118,10 @@ class Router:
             PDOrchestrator(self.directory),
             planner,
             tokenizer,
-            settings["served_model_name"],
+            model_name,
             settings.get("request_timeout_s", 600.0),
+            self.metrics,
+            settings.get("slo"),
         )
         self.registry_name: str = settings["registry_name"]
         self._grpc_server: Any = None
@@ -143,6 +157,19 @@ class Router:
         if all(live.values()):
             return JSONResponse({"status": "ok", "workers": live})
         return JSONResponse({"status": "unavailable", "workers": live}, status_code=503)
+
+    def _worker_series(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """(role, replica, latest reported stats) of every worker this router routes to."""
+        return [
+            (w.role, w.worker_id.split("/", 1)[-1], w.stats)
+            for w in self.directory.workers.values()
+            if not w.client.closed
+        ]
+
+    @api.get("/metrics")
+    async def prometheus_metrics(self) -> Response:
+        """Prometheus text format: every `tandem:*` metric (see `tandem.engine.metrics`)."""
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/debug/workers")
     async def workers(self) -> JSONResponse:

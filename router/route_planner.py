@@ -88,6 +88,7 @@ class RoutePlanner:
         self.directory = directory
         self.colocated = colocated
         self.policy = make_policy(routing)
+        self.policy_name = "colocated" if colocated else routing.policy
         self.pending = PendingPrefixes(routing.pending_ttl_s) if routing.pending_ttl_s else None
         self.decode_routing = decode_routing
         self.admission = Admission(admission)

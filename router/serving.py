@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.metrics import RouterMetrics
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.router.errors import APIError, bad_request
@@ -35,6 +37,7 @@ class Prepared:
     plan: RoutePlan | None = None
     priority: int = 0
     num_transferred_blocks: int = 0
+    user: str | None = None
 
     def usage(self) -> dict[str, Any]:
         prompt = len(self.prompt_token_ids)
@@ -55,7 +58,13 @@ class Serving:
         tokenizer: Tokenizer,
         model_name: str,
         request_timeout_s: float = 600.0,
+        metrics: RouterMetrics | None = None,
+        slo: dict[str, float | None] | None = None,
     ) -> None:
+        self.metrics = metrics or RouterMetrics(model_name, "router")
+        slo = slo or {}
+        self.slo_ttft_s = _seconds(slo.get("ttft_ms"))
+        self.slo_tpot_s = _seconds(slo.get("tpot_ms"))
         self.orchestrator = orchestrator
         self.planner = planner
         self.tokenizer = tokenizer
@@ -96,6 +105,30 @@ class Serving:
     ) -> Prepared:
         """`prompt` is text, token ids, or chat messages (rendered with the chat template).
         Also routes and admits the request: a 429 here means nothing was started."""
+        self.metrics.arrived(user, timings.arrival)
+        try:
+            return await self._prepare(
+                request_id, model, prompt, max_tokens, fields, timings, deadline_ms, priority, user
+            )
+        except APIError as exc:
+            if exc.status == 429:
+                self.metrics.rejected(exc.code or "rate_limited")
+            else:
+                self.metrics.failed(exc.code or exc.type)
+            raise
+
+    async def _prepare(
+        self,
+        request_id: str,
+        model: str | None,
+        prompt: str | list[int] | list[dict[str, str]],
+        max_tokens: int | None,
+        fields: dict[str, Any],
+        timings: RequestTimings,
+        deadline_ms: float | None,
+        priority: int | None,
+        user: str | None,
+    ) -> Prepared:
         self.check_model(model)
         limits = await self.limits()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
@@ -115,6 +148,7 @@ class Serving:
             hold_s=self.request_timeout_s,
             max_tokens=params.max_tokens,
         )
+        self.metrics.decision(self.planner.policy_name, _decision(plan))
         req = Prepared(
             request_id,
             token_ids,
@@ -122,6 +156,7 @@ class Serving:
             timings,
             plan=plan,
             priority=admission.priority(priority, user),
+            user=user,
         )
         try:
             await self.orchestrator.reserve(
@@ -140,6 +175,7 @@ class Serving:
     async def run(self, req: Prepared) -> AsyncIterator[dict[str, Any]]:
         """Token items from the cluster; updates `req` (usage, finish) and logs one line at the end."""
         outcome = "cancelled"
+        last_item: float | None = None
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 assert req.plan is not None
@@ -151,6 +187,10 @@ class Serving:
                     req.plan,
                     req.priority,
                 ):
+                    now = time.time()
+                    if last_item is not None:
+                        self.metrics.token_gap(now - last_item)
+                    last_item = now
                     req.completion_tokens += len(item["token_ids"])
                     req.token_ids.extend(item["token_ids"])
                     req.text += item["text"]
@@ -163,14 +203,53 @@ class Serving:
                     yield item
         except TimeoutError:
             outcome = "failed(timeout)"
+            self.metrics.failed("timeout")
             raise APIError(
                 504, f"request timed out after {self.request_timeout_s}s", type="timeout"
             ) from None
         except APIError as exc:
             outcome = f"failed({exc.code})"
+            self.metrics.failed(exc.code or exc.type)
             raise
         finally:
             self._log(req, outcome)
+            if not outcome.startswith("failed"):
+                self._record(req)
+
+    def _record(self, req: Prepared) -> None:
+        """Metrics of a request that finished, or that the client abandoned ("abort")."""
+        t = req.timings
+        worker = t.worker
+        stages = {
+            stage: seconds
+            for stage, seconds in (
+                ("tokenize", _span(t.arrival, t.marks.get("tokenized"))),
+                ("reserve", _span(t.marks.get("tokenized"), t.marks.get("reserved"))),
+                ("queue", worker.get("queue_s")),
+                ("prefix_lookup", worker.get("prefix_lookup_s")),
+                ("prefill", worker.get("prefill_s")),
+                ("transfer", worker.get("transfer_tail_s")),
+                ("decode", worker.get("decode_s")),
+            )
+            if seconds is not None
+        }
+        self.metrics.finished(
+            user=req.user,
+            arrival=t.arrival,
+            first_token=t.marks.get("first_token"),
+            end=t.marks.get("finished", time.time()),
+            prompt_tokens=len(req.prompt_token_ids),
+            output_tokens=req.completion_tokens,
+            finish_reason=req.finish_reason or "abort",
+            stages_s=stages,
+            transferred_blocks=(
+                req.num_transferred_blocks
+                if req.plan is not None and req.plan.prefill is not None
+                else None
+            ),
+            slo_ttft_s=self.slo_ttft_s,
+            slo_tpot_s=self.slo_tpot_s,
+        )
 
     @staticmethod
     def _log(req: Prepared, outcome: str) -> None:
@@ -186,6 +265,22 @@ class Serving:
             _route(req.plan),
             stages,
         )
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else float(ms) / 1000
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
+
+
+def _decision(plan: RoutePlan) -> str:
+    """How the request was routed: prefilled on its decode worker, or on a prefill worker
+    with or without a prefix-cache hit."""
+    if plan.prefill is None:
+        return "local_prefill"
+    return "prefill_prefix_hit" if plan.prefill_hit_blocks > 0 else "prefill_miss"
 
 
 def _route(plan: RoutePlan | None) -> str:
