@@ -166,8 +166,12 @@ def _print_urls(cfg: Any, ctx: Any, seconds: float) -> None:
     ]
     if cfg.grpc_port:
         lines.append(f"[tandem]   gRPC:          {host}:{cfg.grpc_port} (tandem.v1.Generation)")
+    lines.append(f"[tandem]   Metrics:       http://{host}:{cfg.port}/metrics (Prometheus)")
     if dashboard:
         lines.append(f"[tandem]   Ray dashboard: http://{dashboard}")
+    lines.append(
+        "[tandem]   Grafana:       deploy/dashboards/*.json (import; see docs/observability.md)"
+    )
     lines.append("[tandem] press Ctrl-C to stop")
     typer.echo("\n".join(lines))
 

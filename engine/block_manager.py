@@ -39,11 +39,13 @@ class KVEvent(NamedTuple):
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Counters of `match_prefix`: calls, full blocks asked for, blocks found."""
+    """Counters of `match_prefix` (calls, full blocks asked for, blocks found) and of cached
+    blocks evicted to make room."""
 
     queries: int = 0
     queried_blocks: int = 0
     hit_blocks: int = 0
+    evicted_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -310,6 +312,7 @@ class BlockManager:
     def _evict(self, block: _Block) -> None:
         assert block.block_hash is not None
         del self._hash_to_block[block.block_hash]
+        self.prefix_cache_stats.evicted_blocks += 1
         if self._enable_kv_events:
             self._events.append(KVEvent("removed", block.block_hash, None, block.block_id))
         block.block_hash = None

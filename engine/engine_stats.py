@@ -11,13 +11,15 @@ __all__ = ["engine_queue_stats", "scheduling_stages"]
 
 
 def engine_queue_stats(engine: LLMEngine) -> dict[str, Any]:
-    """Running and waiting requests (vLLM's gauges), preemptions so far, KV usage (0..1)."""
+    """Running and waiting requests (vLLM's gauges), preemptions and prefix-cache evictions so
+    far, KV usage (0..1)."""
     scheduler = engine.scheduler
     return {
         "num_requests_running": len(scheduler.running),
         "num_requests_waiting": len(scheduler.waiting),
         "num_preemptions": engine.num_preemptions,
         "kv_cache_usage": engine.block_manager.usage,
+        "prefix_cache_evicted_blocks": engine.block_manager.prefix_cache_stats.evicted_blocks,
     }
 
 

@@ -11,7 +11,8 @@ counters gain ``_total`` on the wire as in vLLM), with the labels ``model_name``
   (requests meeting / missing the TTFT and TPOT SLOs), KV blocks moved per request;
 * **worker metrics** (``role="prefill"`` / ``"decode"``, ``replica`` = the Serve replica) are read,
   at scrape time, from the stats each worker reports to the worker registry (at most 0.1 s old):
-  running / waiting requests, KV usage, prefix-cache queries and hits (in blocks), preemptions,
+  running / waiting requests, KV usage, prefix-cache queries, hits and evictions (in blocks),
+  preemptions,
   KV transfer bytes, completed / failed / in-flight transfers, queued prefill tokens, replicas.
 """
 
@@ -187,6 +188,7 @@ _WORKER_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("prefix_cache_queried_blocks", "prefix_cache_queries", "Blocks looked up in the prefix cache.", "counter"),
     ("prefix_cache_hit_blocks", "prefix_cache_hits", "Blocks found in the prefix cache.", "counter"),
     ("num_preemptions", "num_preemptions", "Preempted requests.", "counter"),
+    ("prefix_cache_evicted_blocks", "prefix_cache_evictions", "Cached blocks evicted.", "counter"),
     ("kv_transfer_bytes", "kv_transfer_bytes", "KV page bytes sent to decode.", "counter"),
     ("kv_transfers_done", "kv_transfers", "KV transfers completed.", "counter"),
     ("kv_transfers_failed", "kv_transfer_failures", "KV transfers failed.", "counter"),

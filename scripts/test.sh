@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Sets up the environment, then runs ruff, mypy and the whole pytest suite.
+# Sets up the environment (venv, and Prometheus for the metrics tests), then runs ruff, mypy
+# and the whole pytest suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+bash scripts/install_prometheus.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 echo "[test] ruff"
 .venv/bin/ruff check .

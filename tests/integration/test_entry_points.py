@@ -96,6 +96,7 @@ def test_tandem_serve_answers_and_stops_on_ctrl_c(
     assert proc.returncode == 0, out[-3000:]
     assert f"OpenAI API:    http://127.0.0.1:{port}/v1" in out
     assert "Ray dashboard: http://" in out
+    assert "/metrics (Prometheus)" in out
     assert "[tandem] stopped" in out
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (6, 0, 36)
     assert result["request_goodput"] == result["request_throughput"] > 0

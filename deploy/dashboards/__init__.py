@@ -1,0 +1,1 @@
+"""Grafana dashboards for tandem, built as code (`build.py`) and exported to JSON here."""
