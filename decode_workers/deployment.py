@@ -2,23 +2,37 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 
 from tandem.decode_workers.decode_service import DecodeService
+from tandem.engine.recent_mean import RecentMean
 from tandem.engine.rpc import Handler
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.worker_deployment import WorkerDeployment
+from tandem.engine.worker_drain import DRAINING
 from tandem.engine.worker_loop import WorkerLoop
 
+SIGNAL_WINDOW_S = 5.0  # observed ITL is the mean over tokens streamed this recently
 
-@serve.deployment(name="decode", max_ongoing_requests=512, health_check_period_s=5)
+
+@serve.deployment(
+    name="decode",
+    max_ongoing_requests=512,
+    health_check_period_s=5,
+    graceful_shutdown_wait_loop_s=0.5,  # work comes over RPC, not Serve: `__del__` drains it
+)
 class DecodeWorker(WorkerDeployment):
     """RPC `generate`: one stream per request, the reservation grant, then the tokens."""
 
     service: DecodeService
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.itl_ms = RecentMean(SIGNAL_WINDOW_S)
+        super().__init__(settings)
 
     def make_service(self, engine: Any, transport: Any, on_stats: Any) -> WorkerLoop:
         cfg = self.settings
@@ -33,10 +47,32 @@ class DecodeWorker(WorkerDeployment):
 
     def rpc_handlers(self) -> dict[str, Handler]:
         return {
-            "generate": self.generate,
+            "generate": self.tracked(self.generate),
             "info": self._rpc_info,
             "kv_events": self._rpc_kv_events,
             "stats": self._rpc_stats,
+        }
+
+    def refusal(self) -> dict[str, Any]:
+        return {
+            "type": "error",
+            "code": DRAINING,
+            "error": f"{self.worker_id} is draining (shutting down): retry on another worker",
+        }
+
+    def autoscaling_signals(self, stats: dict[str, Any]) -> dict[str, float]:
+        return {
+            "kv_usage": float(stats.get("kv_cache_usage") or 0),
+            "running_seqs": float(self.work.in_flight),
+            "itl_ms": self.itl_ms.mean(),
+        }
+
+    def in_flight(self, stats: dict[str, Any]) -> dict[str, int]:
+        return {
+            "requests": int(stats.get("num_requests", 0)),
+            "streams": int(stats.get("num_streams", 0)),
+            "transfers": int(stats.get("num_reservations", 0))
+            + int(stats.get("num_held_reservations", 0)),
         }
 
     async def generate(
@@ -47,9 +83,16 @@ class DecodeWorker(WorkerDeployment):
         local_prefill: bool = False,
         priority: int = 0,
     ) -> AsyncIterator[dict[str, Any]]:
+        last: float | None = None  # when the previous token item went out
         async for item in self.service.generate(
             request_id, prompt_token_ids, SamplingParams(**params), local_prefill, priority
         ):
+            if item["type"] == "tokens":
+                now = time.monotonic()
+                tokens = len(item["token_ids"])
+                if last is not None and tokens:
+                    self.itl_ms.add((now - last) * 1000 / tokens, weight=tokens)
+                last = now
             yield item
 
     async def _rpc_info(self) -> AsyncIterator[dict[str, Any]]:

@@ -12,10 +12,12 @@ from typing import Any
 
 from ray.serve import Application
 
-from tandem.deploy.cluster_config import ClusterConfig
+from tandem.deploy.cluster_config import ClusterConfig, RoleConfig
 from tandem.deploy.embedded_model import ensure_embedded_model
 
 logger = logging.getLogger("tandem.deploy")
+
+SHUTDOWN_MARGIN_S = 10.0  # Serve's wait loop and the replica's own close, after the drain
 
 
 def resolve_model(config: ClusterConfig) -> str:
@@ -32,6 +34,21 @@ def registry_name(config: ClusterConfig) -> str:
     return f"tandem-registry-{config.app_name}"
 
 
+def worker_options(role_cfg: RoleConfig, role: str) -> dict[str, Any]:
+    """Serve options of a worker deployment: fixed `replicas`, or autoscaling by role; Serve
+    waits for the drain (`drain_timeout_s`) before it kills a stopping replica."""
+    options: dict[str, Any] = {
+        "ray_actor_options": role_cfg.ray_actor_options(),
+        "graceful_shutdown_timeout_s": role_cfg.drain_timeout_s + SHUTDOWN_MARGIN_S,
+    }
+    scaling = getattr(role_cfg, "autoscaling", None)
+    if scaling is None:
+        options["num_replicas"] = role_cfg.replicas
+    else:
+        options["autoscaling_config"] = scaling.serve_autoscaling_config(role, role_cfg.replicas)
+    return options
+
+
 def build_app(config: ClusterConfig) -> Application:
     """Validates `config` (engine settings included) and binds the deployments: router, decode
     workers and, unless `config.mode` is "colocated", prefill workers."""
@@ -45,12 +62,10 @@ def build_app(config: ClusterConfig) -> Application:
     prefill = None
     if config.mode == "pd":
         prefill = PrefillWorker.options(  # type: ignore[attr-defined]
-            num_replicas=config.prefill.replicas,
-            ray_actor_options=config.prefill.ray_actor_options(),
+            **worker_options(config.prefill, "prefill")
         ).bind(config.worker_settings("prefill", model, registry).model_dump(mode="json"))
     decode = DecodeWorker.options(  # type: ignore[attr-defined]
-        num_replicas=config.decode.replicas,
-        ray_actor_options=config.decode.ray_actor_options(),
+        **worker_options(config.decode, "decode")
     ).bind(config.worker_settings("decode", model, registry).model_dump(mode="json"))
     router_settings = {
         "model": model,

@@ -1,0 +1,208 @@
+"""The cluster config: one pydantic tree for the whole application (roles, engine, transport).
+
+`tandem serve` builds it from flags and an optional YAML/JSON file; the Serve config YAML passes
+it as application args. Validation happens here, before anything starts.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tandem.deploy.autoscaling_config import DecodeAutoscaling, PrefillAutoscaling
+from tandem.engine.config import EngineConfig
+from tandem.engine.worker_settings import WorkerSettings
+from tandem.kv_transfer.registry import TRANSPORTS
+from tandem.router.admission import AdmissionConfig
+from tandem.router.route_planner import DecodeRoutingConfig
+from tandem.router.routing_policy import RoutingConfig
+
+
+class RoleConfig(BaseModel):
+    """One actor group: how many replicas and what each needs from Ray."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(1, ge=1, description="Replicas (actors) of this role.")
+    num_cpus: float = Field(0.5, ge=0, description="Ray CPUs per replica.")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description='Custom Ray resources per replica, e.g. {"prefill": 1} to pin a role to '
+        "the Kubernetes worker group that advertises it.",
+    )
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica.")
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="Engine settings for this role only (override `engine`)."
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A replica Serve stops (scale-down, redeploy) first finishes its requests, "
+        "KV transfers and token streams, for at most this long.",
+    )
+
+    @model_validator(mode="after")
+    def _replicas_within_bounds(self) -> RoleConfig:
+        scaling = getattr(self, "autoscaling", None)
+        if scaling is not None and not (
+            scaling.min_replicas <= self.replicas <= scaling.max_replicas
+        ):
+            raise ValueError(
+                f"replicas ({self.replicas}) is the initial count when autoscaling: it must lie "
+                f"within min_replicas..max_replicas ({scaling.min_replicas}..{scaling.max_replicas})"
+            )
+        return self
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            options["num_gpus"] = self.num_gpus
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
+
+
+class PrefillRoleConfig(RoleConfig):
+    autoscaling: PrefillAutoscaling | None = Field(
+        None, description="Scale between min and max replicas (absent: fixed `replicas`)."
+    )
+
+
+class DecodeRoleConfig(RoleConfig):
+    autoscaling: DecodeAutoscaling | None = Field(
+        None, description="Scale between min and max replicas (absent: fixed `replicas`)."
+    )
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.1, ge=0)
+    request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may take.")
+
+
+class SLOConfig(BaseModel):
+    """Service-level objectives the router counts requests against (goodput metrics)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_ms: float | None = Field(2000.0, gt=0, description="Time-to-first-token target.")
+    tpot_ms: float | None = Field(200.0, gt=0, description="Time-per-output-token target.")
+
+
+class ClusterConfig(BaseModel):
+    """Everything `build_app` needs. `model=None` serves the embedded tiny model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="Local Hugging Face checkpoint directory.")
+    served_model_name: str | None = Field(
+        None, description="Model name clients send (default: the checkpoint folder's name)."
+    )
+    app_name: str = "tandem"
+    mode: Literal["pd", "colocated"] = Field(
+        "pd",
+        description="pd: prefill and decode workers (disaggregated). colocated: no prefill "
+        "workers; every request is prefilled and decoded by one decode-role worker.",
+    )
+    transport: str = Field("shm", description="KV transport between prefill and decode.")
+    transport_options: dict[str, Any] = Field(default_factory=dict)
+    auth_token: str | None = Field(
+        None, description="Cluster token for KV transfer handshakes (generated when unset)."
+    )
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="EngineConfig fields shared by both roles (dtype, block_size, num_kv_blocks, "
+        "max_model_len, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, ...).",
+    )
+    prefill: PrefillRoleConfig = Field(default_factory=PrefillRoleConfig)
+    decode: DecodeRoleConfig = Field(default_factory=DecodeRoleConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    routing: RoutingConfig = Field(
+        default_factory=RoutingConfig,
+        description="Prefill choice: policy (cache_affinity, least_loaded, power_of_two, "
+        "round_robin) and its weights.",
+    )
+    decode_routing: DecodeRoutingConfig = Field(default_factory=DecodeRoutingConfig)
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig,
+        description="Deadlines (default, per tenant), prefill queue caps, TTFT prediction.",
+    )
+    slo: SLOConfig = Field(
+        default_factory=SLOConfig,
+        description="TTFT/TPOT targets: tandem:slo_met_requests / slo_missed_requests count "
+        "finished requests against them (null: no target).",
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int | None = Field(50051, ge=0, le=65535, description="0 or null: no gRPC.")
+    lease_s: float = Field(30.0, gt=0)
+    stall_timeout_s: float = Field(10.0, gt=0)
+    ack_timeout_s: float = Field(10.0, gt=0)
+    cache_dir: str = Field("~/.cache/tandem", description="Where the embedded tiny model lives.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("transport")
+    @classmethod
+    def _known_transport(cls, value: str) -> str:
+        if value not in TRANSPORTS or value in ("local", "fake"):
+            usable = ", ".join(sorted(set(TRANSPORTS) - {"local", "fake"}))
+            raise ValueError(f"transport {value!r} cannot join processes (use one of: {usable})")
+        return value
+
+    @field_validator("engine", "prefill", "decode", mode="after")
+    @classmethod
+    def _engine_fields_exist(cls, value: Any) -> Any:
+        fields = value if isinstance(value, dict) else value.engine
+        unknown = set(fields) - set(EngineConfig.model_fields) | ({"model"} & set(fields))
+        if unknown:
+            raise ValueError(f"unknown or misplaced engine settings: {sorted(unknown)}")
+        return value
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> ClusterConfig:
+        """Reads YAML or JSON; `overrides` (non-None values) win over the file."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(data)
+
+    def with_auth_token(self) -> ClusterConfig:
+        """This config with a cluster token (a fresh random one when none was given)."""
+        return (
+            self
+            if self.auth_token
+            else self.model_copy(update={"auth_token": secrets.token_hex(16)})
+        )
+
+    def engine_config(self, role: Literal["prefill", "decode"], model: str) -> EngineConfig:
+        role_cfg = self.prefill if role == "prefill" else self.decode
+        try:
+            return EngineConfig(model=model, **{**self.engine, **role_cfg.engine})
+        except ValidationError as exc:
+            raise ValueError(f"engine settings for {role}: {exc}") from None
+
+    def worker_settings(
+        self, role: Literal["prefill", "decode"], model: str, registry_name: str
+    ) -> WorkerSettings:
+        role_cfg = self.prefill if role == "prefill" else self.decode
+        return WorkerSettings(
+            role=role,
+            engine=self.engine_config(role, model),
+            transport=self.transport,
+            transport_options=self.transport_options,
+            auth_token=self.auth_token or "",
+            registry_name=registry_name,
+            torch_threads=role_cfg.torch_threads,
+            lease_s=self.lease_s,
+            stall_timeout_s=self.stall_timeout_s,
+            ack_timeout_s=self.ack_timeout_s,
+            drain_timeout_s=role_cfg.drain_timeout_s,
+        )

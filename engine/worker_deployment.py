@@ -1,8 +1,18 @@
-"""What the prefill and decode Serve deployments share: start-up, RPC endpoint, stats, health.
+"""What the prefill and decode Serve deployments share: start-up, RPC endpoint, stats, health,
+autoscaling signals and the drain.
 
 A replica builds its engine and KV transport from `WorkerSettings`, runs its role's service on
 a loop thread, serves the router over `tandem.engine.rpc` on the replica's event loop, and
 reports its stats (with the RPC address) to the worker registry.
+
+Autoscaling: Serve calls `record_autoscaling_stats` periodically; the role's signals (names of
+`tandem.deploy.autoscaling.ReplicaSignals` fields) go to the controller's policy.
+
+Drain: when Serve stops the replica it awaits `__del__` (Serve accepts an async one), which
+reports the worker as draining (the router stops choosing it), refuses new work with a
+retryable "draining" answer, waits for its work calls, engine requests and KV transfers to end
+(at most `drain_timeout_s`; Serve's `graceful_shutdown_timeout_s` is set above it), leaves the
+registry, then closes the RPC endpoint and the engine.
 """
 
 from __future__ import annotations
@@ -15,7 +25,8 @@ from typing import Any
 
 from tandem.engine.rpc import Handler, RPCServer
 from tandem.engine.serve_logging import use_serve_log_handlers
-from tandem.engine.worker_loop import WorkerLoop
+from tandem.engine.worker_drain import WorkTracker, drain
+from tandem.engine.worker_loop import WorkerDeadError, WorkerLoop
 from tandem.engine.worker_registry import get_registry
 from tandem.engine.worker_settings import WorkerSettings, create_engine_and_transport
 
@@ -34,6 +45,8 @@ class WorkerDeployment(ABC):
         engine, transport = create_engine_and_transport(cfg)
         self.worker_id = f"{cfg.role}/{serve.get_replica_context().replica_id.unique_id}"
         self._registry = get_registry(cfg.registry_name) if cfg.registry_name else None
+        self.work = WorkTracker()
+        self._left = False  # no more registry reports once the worker departed
         self.rpc = RPCServer(self.rpc_handlers(), cfg.auth_token)
         self.service = self.make_service(engine, transport, self._report)
         self.service.start()
@@ -46,7 +59,23 @@ class WorkerDeployment(ABC):
 
     @abstractmethod
     def rpc_handlers(self) -> dict[str, Handler]:
-        """Methods the router calls over RPC (async generators)."""
+        """Methods the router calls over RPC (async generators); work methods go through
+        `tracked` so that the drain waits for them and a draining worker refuses them."""
+
+    @abstractmethod
+    def refusal(self) -> dict[str, Any]:
+        """The one item a draining worker answers a new work call with (code "draining")."""
+
+    @abstractmethod
+    def autoscaling_signals(self, stats: dict[str, Any]) -> dict[str, float]:
+        """This replica's autoscaling signals, from its stats now."""
+
+    @abstractmethod
+    def in_flight(self, stats: dict[str, Any]) -> dict[str, int]:
+        """What the drain waits for, besides work calls (engine requests, KV transfers)."""
+
+    def tracked(self, handler: Handler) -> Handler:
+        return self.work.wrap(handler, self.refusal)
 
     async def _start_rpc(self) -> None:
         import ray
@@ -55,9 +84,13 @@ class WorkerDeployment(ABC):
         logger.info("%s: RPC endpoint at %s", self.worker_id, address)
         self._report(await self.service.get_stats())
 
-    def _report(self, stats: dict[str, Any]) -> None:
-        if self._registry is not None and self.rpc.address:
-            self._registry.report.remote(self.worker_id, {**stats, "rpc_address": self.rpc.address})
+    def _report(self, stats: dict[str, Any]) -> Any:
+        if self._registry is not None and self.rpc.address and not self._left:
+            extra: dict[str, Any] = {"rpc_address": self.rpc.address}
+            if self.work.draining:
+                extra["draining"] = True
+            return self._registry.report.remote(self.worker_id, {**stats, **extra})
+        return None
 
     async def _rpc_stats(self) -> AsyncIterator[dict[str, Any]]:
         """One item: the worker's stats now (the registry's copy may lag by ~0.1 s)."""
@@ -71,10 +104,41 @@ class WorkerDeployment(ABC):
         if not self.service.alive:
             raise RuntimeError(f"{self.worker_id}: engine loop stopped: {self.service.error!r}")
 
-    def __del__(self) -> None:
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Called by Serve (autoscaling deployments only); averaged over its look-back window."""
+        return self.autoscaling_signals(await self.service.get_stats())
+
+    async def _in_flight_counts(self) -> dict[str, int]:
+        try:
+            stats = await self.service.get_stats()
+        except WorkerDeadError:  # nothing left to wait for
+            return {}
+        return {"work calls": self.work.in_flight, **self.in_flight(stats)}
+
+    async def __del__(self) -> None:
+        """Serve awaits this when it stops the replica: drain, leave, close."""
         service = getattr(self, "service", None)
-        if service is not None:
-            service.close()
-        registry = getattr(self, "_registry", None)
-        if registry is not None:
-            registry.remove.remote(self.worker_id)
+        if service is None:  # the constructor failed: nothing started
+            return
+        self.work.draining = True
+        try:
+            announced = self._report(await self.service.get_stats())
+            if announced is not None:
+                await announced  # the router drops draining workers on its next refresh
+        except Exception as exc:  # a dead engine loop or registry: drain what is left anyway
+            logger.warning("%s could not announce its drain: %r", self.worker_id, exc)
+        report = await drain(self.worker_id, self._in_flight_counts, self.settings.drain_timeout_s)
+        self._left = True
+        if self._registry is not None:
+            summary = {
+                "role": self.settings.role,
+                "waited_for": report.waited_for,
+                "left": report.left,
+                "seconds": report.seconds,
+            }
+            try:
+                await self._registry.depart.remote(self.worker_id, summary)
+            except Exception as exc:
+                logger.warning("%s could not leave the registry: %r", self.worker_id, exc)
+        await self.rpc.close()
+        service.close()

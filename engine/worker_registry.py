@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 NAMESPACE = "tandem"
+MAX_DEPARTURES = 100
 
 
 class WorkerRegistry:
@@ -19,12 +20,23 @@ class WorkerRegistry:
 
     def __init__(self) -> None:
         self._workers: dict[str, dict[str, Any]] = {}
+        self._departures: list[dict[str, Any]] = []
 
     def report(self, worker_id: str, stats: dict[str, Any]) -> None:
         self._workers[worker_id] = {**stats, "worker_id": worker_id, "reported_at": time.time()}
 
     def remove(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+
+    def depart(self, worker_id: str, summary: dict[str, Any]) -> None:
+        """A drained worker leaves; its drain `summary` is kept (the last MAX_DEPARTURES)."""
+        self.remove(worker_id)
+        self._departures.append({**summary, "worker_id": worker_id, "departed_at": time.time()})
+        del self._departures[:-MAX_DEPARTURES]
+
+    def departures(self) -> list[dict[str, Any]]:
+        """The drains of the workers that left, oldest first."""
+        return list(self._departures)
 
     def list(self, max_age_s: float = 10.0) -> list[dict[str, Any]]:
         now = time.time()

@@ -25,6 +25,7 @@ class WorkerSettings(BaseModel):
     lease_s: float = Field(30.0, gt=0)
     stall_timeout_s: float = Field(10.0, gt=0)
     ack_timeout_s: float = Field(10.0, gt=0)
+    drain_timeout_s: float = Field(30.0, gt=0)
     checksums: bool = False
 
 

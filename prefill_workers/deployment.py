@@ -2,24 +2,38 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 
+from tandem.engine.recent_mean import RecentMean
 from tandem.engine.rpc import Handler
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.worker_deployment import WorkerDeployment
+from tandem.engine.worker_drain import DRAINING
 from tandem.engine.worker_loop import WorkerLoop
 from tandem.kv_transfer.receiver import ReservationGrant
 from tandem.prefill_workers.prefill_service import PrefillService
 
+SIGNAL_WINDOW_S = 5.0  # observed TTFT is the mean over prefills that ended this recently
 
-@serve.deployment(name="prefill", max_ongoing_requests=512, health_check_period_s=5)
+
+@serve.deployment(
+    name="prefill",
+    max_ongoing_requests=512,
+    health_check_period_s=5,
+    graceful_shutdown_wait_loop_s=0.5,  # work comes over RPC, not Serve: `__del__` drains it
+)
 class PrefillWorker(WorkerDeployment):
     """RPC `prefill`: chunked prefill, pages streamed to the reserving decode worker."""
 
     service: PrefillService
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.ttft_ms = RecentMean(SIGNAL_WINDOW_S)
+        super().__init__(settings)
 
     def make_service(self, engine: Any, transport: Any, on_stats: Any) -> WorkerLoop:
         cfg = self.settings
@@ -34,9 +48,32 @@ class PrefillWorker(WorkerDeployment):
 
     def rpc_handlers(self) -> dict[str, Handler]:
         return {
-            "prefill": self._rpc_prefill,
+            "prefill": self.tracked(self._rpc_prefill),
             "kv_events": self._rpc_kv_events,
             "stats": self._rpc_stats,
+        }
+
+    def refusal(self) -> dict[str, Any]:
+        return {
+            "status": "failed",
+            "code": DRAINING,
+            "first_token_ids": [],
+            "error": f"{self.worker_id} is draining (shutting down): retry on another worker",
+        }
+
+    def autoscaling_signals(self, stats: dict[str, Any]) -> dict[str, float]:
+        queued = float(stats.get("num_waiting_tokens") or 0)
+        rate = float(stats.get("prefill_tokens_per_s") or 0)
+        return {
+            "queued_prefill_tokens": queued,
+            "ttft_ms": self.ttft_ms.mean(),
+            "predicted_ttft_ms": queued / rate * 1000 if rate > 0 else 0.0,
+        }
+
+    def in_flight(self, stats: dict[str, Any]) -> dict[str, int]:
+        return {
+            "requests": int(stats.get("num_requests", 0)),
+            "transfers": int(stats.get("num_transfers", 0)),
         }
 
     async def _rpc_prefill(
@@ -48,10 +85,15 @@ class PrefillWorker(WorkerDeployment):
         priority: int = 0,
     ) -> AsyncIterator[dict[str, Any]]:
         """One item: the outcome (sent | failed | cancelled, first token ids, timings)."""
-        yield await self.service.prefill(
+        start = time.monotonic()
+        outcome = await self.service.prefill(
             request_id,
             prompt_token_ids,
             SamplingParams(**params),
             ReservationGrant(**grant),
             priority,
         )
+        if outcome["status"] == "sent":  # arrival to first token: the prefill share of TTFT
+            tail = float(outcome.get("timings", {}).get("transfer_tail_s", 0.0))
+            self.ttft_ms.add((time.monotonic() - start - tail) * 1000)
+        yield outcome

@@ -8,6 +8,10 @@ Leaving early (client gone, error, timeout) cancels both calls; the workers rele
 blocks and tell each other through the transfer protocol. The router only awaits: it never
 blocks its event loop. Calls go over the workers' RPC endpoints (`tandem.engine.rpc`), not
 through Serve handles, and each role's least-loaded worker is picked (`WorkerDirectory`).
+
+A worker that Serve is stopping refuses new work with code "draining" before it started any:
+the request moves to another worker of the role (the plan's held load moves with it), at most
+`MAX_DRAIN_RETRIES` times.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from tandem.router.route_planner import RoutePlan
 from tandem.router.worker_directory import Worker, WorkerDirectory
 
 logger = logging.getLogger("tandem.router")
+
+DRAINING = "draining"  # what a worker that is shutting down answers new work with
+MAX_DRAIN_RETRIES = 3
 
 
 @dataclass
@@ -80,25 +87,41 @@ class PDOrchestrator:
     ) -> None:
         """Opens the request's decode stream; with a prefill worker, waits for the decode
         worker's reservation (so "no room" is refused at arrival, 429). Kept on the plan."""
-        plan.decode_stream = plan.decode.client.stream(
-            "generate",
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            params=params,
-            local_prefill=plan.prefill is None,
-            priority=priority,
-        )
+        _open_decode(plan, request_id, prompt_token_ids, params, priority)
         if plan.prefill is None:
             return
-        try:
-            first = await _next(plan.decode_stream, plan.decode)
-            if first["type"] == "error":
-                raise _worker_error(first)
-        except BaseException:
-            await plan.decode_stream.aclose()
-            raise
+        for attempt in range(MAX_DRAIN_RETRIES + 1):
+            stream = plan.decode_stream
+            try:
+                first = await _next(stream, plan.decode)
+                if first["type"] == "error" and not (
+                    first.get("code") == DRAINING and attempt < MAX_DRAIN_RETRIES
+                ):
+                    raise _worker_error(first)
+            except BaseException:
+                await stream.aclose()
+                raise
+            if first["type"] != "error":
+                break
+            await stream.aclose()
+            await self._move(plan, "decode")
+            _open_decode(plan, request_id, prompt_token_ids, params, priority)
         plan.grant = first["grant"]
         timings.mark("reserved")
+
+    async def _move(self, plan: RoutePlan, role: str) -> None:
+        """The plan's `role` worker is draining: another one takes the request (and its load)."""
+        old = plan.decode if role == "decode" else plan.prefill
+        assert old is not None
+        self.directory.mark_draining(old.worker_id)
+        new = await self.directory.pick(role)
+        logger.info("request moved from draining %s to %s", old.worker_id, new.worker_id)
+        if role == "decode":
+            _move_load(old, new, 1, plan.decode_tokens)
+            plan.decode = new
+        else:
+            _move_load(old, new, 1, plan.prefill_tokens)
+            plan.prefill = new
 
     async def generate(
         self,
@@ -114,28 +137,35 @@ class PDOrchestrator:
         stream = plan.decode_stream
         assert stream is not None
         pending: set[asyncio.Future[Any]] = set()
+        retries = 0
         try:
             prefill_task: asyncio.Future[Any] | None = None
-            if plan.prefill is not None:
-                prefill_task = asyncio.ensure_future(
+
+            def start_prefill() -> asyncio.Future[Any]:
+                assert plan.prefill is not None
+                task = asyncio.ensure_future(
                     _prefill(
-                        plan.prefill,
-                        request_id,
-                        prompt_token_ids,
-                        params,
-                        plan.grant,
-                        priority,
+                        plan.prefill, request_id, prompt_token_ids, params, plan.grant, priority
                     )
                 )
-                pending.add(prefill_task)
+                pending.add(task)
+                return task
+
+            if plan.prefill is not None:
+                prefill_task = start_prefill()
             next_item = asyncio.ensure_future(_next(stream, plan.decode))
             pending.add(next_item)
             while True:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if prefill_task is not None and prefill_task in done:
                     pending.discard(prefill_task)
-                    plan.release_prefill()
                     outcome = prefill_task.result()
+                    if outcome.get("code") == DRAINING and retries < MAX_DRAIN_RETRIES:
+                        retries += 1  # nothing started there: the grant goes to another worker
+                        await self._move(plan, "prefill")
+                        prefill_task = start_prefill()
+                        continue
+                    plan.release_prefill()
                     if outcome["status"] != "sent":
                         raise unavailable(
                             f"prefill failed: {outcome.get('error')}", "prefill_failed"
@@ -145,6 +175,19 @@ class PDOrchestrator:
                     continue
                 pending.discard(next_item)
                 item = next_item.result()
+                if (
+                    item["type"] == "error"
+                    and item.get("code") == DRAINING
+                    and plan.prefill is None  # a local prefill starts with the stream
+                    and retries < MAX_DRAIN_RETRIES
+                ):
+                    retries += 1
+                    await stream.aclose()
+                    await self._move(plan, "decode")
+                    stream = _open_decode(plan, request_id, prompt_token_ids, params, priority)
+                    next_item = asyncio.ensure_future(_next(stream, plan.decode))
+                    pending.add(next_item)
+                    continue
                 if item["type"] == "error":
                     raise _worker_error(item)
                 timings.mark("first_token")
@@ -166,6 +209,32 @@ class PDOrchestrator:
             await asyncio.gather(*pending, return_exceptions=True)
             await stream.aclose()
             plan.release()
+
+
+def _open_decode(
+    plan: RoutePlan,
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: dict[str, Any],
+    priority: int,
+) -> AsyncGenerator[dict[str, Any], None]:
+    """The request's `generate` call on the plan's decode worker (kept on the plan)."""
+    plan.decode_stream = plan.decode.client.stream(
+        "generate",
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        params=params,
+        local_prefill=plan.prefill is None,
+        priority=priority,
+    )
+    return plan.decode_stream
+
+
+def _move_load(old: Worker, new: Worker, requests: int, tokens: int) -> None:
+    old.in_flight -= requests
+    old.queued_tokens -= tokens
+    new.in_flight += requests
+    new.queued_tokens += tokens
 
 
 async def _next(stream: AsyncGenerator[dict[str, Any], None], worker: Worker) -> dict[str, Any]:

@@ -4,6 +4,10 @@ each caches (a `PrefixIndex` fed by their KV-event streams) and how loaded each 
 Load that matters for routing is what this router has routed and not seen finish: in-flight
 requests, and queued prefill tokens (uncached prompt tokens sent to a prefill worker and not yet
 prefilled). Workers' own reports (KV usage, measured prefill throughput) come with the registry.
+
+A worker that reports itself draining (Serve is stopping it), or that refused work as draining,
+is no longer chosen; its connection stays open for the requests it still serves, and is closed
+once it left the registry and none of this router's requests use it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Worker:
     in_flight: int = 0
     queued_tokens: int = 0
     events_task: asyncio.Task[None] | None = None
+    draining: bool = False
 
     def load(self) -> tuple[float, ...]:
         reported = self.stats.get(
@@ -50,6 +55,7 @@ class WorkerDirectory:
         self.on_worker_removed: list[Any] = []
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
+        self._retiring: list[Worker] = []  # left the registry, still serving our requests
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
@@ -70,8 +76,14 @@ class WorkerDirectory:
             if not address:
                 continue
             wid = str(entry["worker_id"])
-            seen.add(wid)
             worker = self.workers.get(wid)
+            if entry.get("draining"):
+                if worker is not None:  # keep serving its requests; choose it no more
+                    seen.add(wid)
+                    worker.stats = entry
+                    self.mark_draining(wid)
+                continue
+            seen.add(wid)
             if worker is None or worker.client.address != address or worker.client.closed:
                 old = worker
                 worker = Worker(wid, str(entry["role"]), RPCClient(address, self.auth_token))
@@ -86,10 +98,13 @@ class WorkerDirectory:
             worker.stats = entry
         for wid in set(self.workers) - seen:
             logger.info("router: worker %s left", wid)
-            await self._stop(self.workers.pop(wid))
+            self._retiring.append(self.workers.pop(wid))
             self.index.remove_worker(wid)
             for callback in self.on_worker_removed:
                 callback(wid)
+        for worker in [w for w in self._retiring if w.in_flight <= 0 or w.client.closed]:
+            self._retiring.remove(worker)
+            await self._stop(worker)
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -117,7 +132,19 @@ class WorkerDirectory:
         await worker.client.close()
 
     def live(self, role: str) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role == role and not w.client.closed]
+        """The workers of `role` that can take new requests."""
+        return [
+            w
+            for w in self.workers.values()
+            if w.role == role and not w.client.closed and not w.draining
+        ]
+
+    def mark_draining(self, worker_id: str) -> None:
+        """`worker_id` takes no new requests (it said so, or the registry did)."""
+        worker = self.workers.get(worker_id)
+        if worker is not None and not worker.draining:
+            worker.draining = True
+            logger.info("router: worker %s is draining", worker_id)
 
     async def live_stats(self, timeout: float = 2.0) -> list[dict[str, Any]]:
         """Every live worker's stats, asked of the worker itself (not the registry's copy)."""
@@ -127,7 +154,7 @@ class WorkerDirectory:
                 stats = await asyncio.wait_for(worker.client.call("stats"), timeout)
             except (RPCError, OSError, TimeoutError) as exc:
                 return {"worker_id": worker.worker_id, "role": worker.role, "error": str(exc)}
-            return {**stats, "rpc_address": worker.client.address}
+            return {**stats, "rpc_address": worker.client.address, "draining": worker.draining}
 
         workers = [w for w in self.workers.values() if not w.client.closed]
         return list(await asyncio.gather(*(one(w) for w in workers)))
@@ -156,5 +183,5 @@ class WorkerDirectory:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        for worker in self.workers.values():
+        for worker in [*self.workers.values(), *self._retiring]:
             await self._stop(worker)
