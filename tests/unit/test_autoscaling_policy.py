@@ -212,6 +212,22 @@ def test_bad_autoscaling_blocks_are_refused_by_name(bad: dict[str, Any], message
         ClusterConfig.model_validate(bad)
 
 
+def test_the_example_config_shows_every_autoscaling_field() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from tandem.deploy.autoscaling_config import DecodeAutoscaling, PrefillAutoscaling
+
+    example = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.yaml"
+    data = yaml.safe_load(example.read_text())
+    for role, model in (("prefill", PrefillAutoscaling), ("decode", DecodeAutoscaling)):
+        assert set(data[role]["autoscaling"]) == set(model.model_fields), role
+        assert "drain_timeout_s" in data[role]
+    cfg = ClusterConfig.model_validate(data)
+    assert cfg.prefill.autoscaling is not None and cfg.decode.autoscaling is not None
+
+
 def test_worker_options_hand_the_policy_to_serve_which_calls_it() -> None:
     pytest.importorskip("ray.serve")
     from ray.serve.autoscaling_policy import _apply_autoscaling_config
