@@ -69,8 +69,8 @@ class GoodputScenario:
     input_len: int = 384
     output_len: int = 48
     range_ratio: float = 0.25
-    rates: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 6.0)
-    seconds_per_rate: float = 15.0  # requests per rate = rate x this (at least 12)
+    rates: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+    seconds_per_rate: float = 12.0  # requests per rate = rate x this (at least 12)
     slos_ms: dict[str, float] = field(default_factory=lambda: {"ttft": 1500.0, "tpot": 30.0})
     attainment_target: float = 0.9
     seed: int = 0
