@@ -8,6 +8,7 @@ value with chunked prefill or with PD.
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any
 
 from tandem.bench.scenarios.cluster import ScenarioCluster
@@ -40,8 +41,6 @@ def _tokens_per_chunk(records: list[RequestRecord]) -> float:
 
 
 def run(cluster: ScenarioCluster, maker: PromptMaker, s: MixedScenario) -> dict[str, Any]:
-    import random
-
     conversations = mixed_dataset(maker, random.Random(s.seed), s.num_prompts, s.spec)
     shorts = [c for c in conversations if c.category == "short"][: s.no_load_prompts]
     out: dict[str, Any] = {"settings": dataclasses.asdict(s), "configs": {}}
