@@ -83,9 +83,6 @@ class PromptMaker(ABC):
     @abstractmethod
     def length(self, prompt: Prompt) -> int: ...
 
-    def empty(self) -> Prompt:
-        return self.join()
-
 
 class TokenPrompts(PromptMaker):
     """Token ids from a tokenizer's vocabulary, special tokens excluded."""
