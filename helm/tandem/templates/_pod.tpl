@@ -1,0 +1,144 @@
+{{/*
+The pod template of a Ray node (head or worker group). Called with a dict:
+  root: $, group: "head" | "router" | "prefill" | "decode", v: the group's values,
+  gpus: GPUs per pod (int), ports: list of container ports, env: extra env entries.
+Every pod mounts the model read-only (the Serve app is built on the head, replicas load it on
+the workers) and, on workers, a memory-backed /dev/shm.
+*/}}
+{{- define "tandem.podTemplate" -}}
+{{- $root := .root -}}
+{{- $v := .v -}}
+{{- $m := $root.Values.model -}}
+metadata:
+  labels:
+    {{- include "tandem.selectorLabels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .group }}
+spec:
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if not (include "tandem.autoscalerVersionField" $root) }}
+  restartPolicy: Never  # autoscaler v2 before KubeRay 1.4: a restarted pod would be a new Ray node
+  {{- end }}
+  {{- with $v.drainTimeoutS }}
+  terminationGracePeriodSeconds: {{ add (int .) 30 }}  # the replicas' drain, then Ray's own stop
+  {{- end }}
+  securityContext:
+    {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
+  containers:
+    - name: {{ ternary "ray-head" "ray-worker" (eq .group "head") }}
+      image: {{ include "tandem.image" $root }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      securityContext:
+        allowPrivilegeEscalation: false
+      env:
+        - {name: HF_HUB_OFFLINE, value: "1"}
+        - {name: TRANSFORMERS_OFFLINE, value: "1"}
+        - {name: TOKENIZERS_PARALLELISM, value: "false"}
+        {{- with .env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+        {{- with $v.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      ports:
+        {{- toYaml .ports | nindent 8 }}
+      resources:
+        requests:
+          cpu: {{ $v.cpu | quote }}
+          memory: {{ $v.memory | quote }}
+          {{- if .gpus }}
+          {{ $v.gpuResourceName }}: {{ .gpus | quote }}
+          {{- end }}
+        limits:
+          cpu: {{ $v.cpu | quote }}
+          memory: {{ $v.memory | quote }}
+          {{- if .gpus }}
+          {{ $v.gpuResourceName }}: {{ .gpus | quote }}
+          {{- end }}
+      volumeMounts:
+        - name: model
+          mountPath: {{ $m.mountPath }}
+          readOnly: true
+        {{- if $v.shmSize }}
+        - name: dshm
+          mountPath: /dev/shm
+        {{- end }}
+  volumes:
+    - name: model
+      {{- if $m.persistentVolumeClaim.claimName }}
+      persistentVolumeClaim:
+        claimName: {{ $m.persistentVolumeClaim.claimName }}
+        readOnly: true
+      {{- else }}
+      hostPath:
+        path: {{ $m.hostPath }}
+        type: Directory
+      {{- end }}
+    {{- if $v.shmSize }}
+    - name: dshm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $v.shmSize }}
+    {{- end }}
+  {{- with $v.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end -}}
+
+{{/*
+A worker group: called with (list $ "prefill"|"decode"|"router"). Pods = ceil(Serve replicas /
+replicasPerPod); with Serve autoscaling the group's bounds follow the role's min / max replicas.
+*/}}
+{{- define "tandem.workerGroup" -}}
+{{- $root := index . 0 -}}
+{{- $group := index . 1 -}}
+{{- $v := index $root.Values $group -}}
+{{- $per := int $v.replicasPerPod -}}
+{{- $replicas := include "tandem.ceilDiv" (list $v.replicas $per) | int -}}
+{{- $min := $replicas -}}
+{{- $max := $replicas -}}
+{{- if and $v.autoscaling $v.autoscaling.enabled -}}
+{{- $min = include "tandem.ceilDiv" (list $v.autoscaling.min_replicas $per) | int -}}
+{{- $max = include "tandem.ceilDiv" (list $v.autoscaling.max_replicas $per) | int -}}
+{{- end -}}
+{{- $gpus := int (mulf (default 0 $v.numGpus) $per) -}}
+{{- $params := dict
+  "num-cpus" (toString (int $v.cpu))
+  "resources" (toJson (dict $v.rayResource $per) | squote)
+  "metrics-export-port" (toString (int $root.Values.ports.metrics))
+-}}
+{{- if $gpus -}}
+{{- $_ := set $params "num-gpus" (toString $gpus) -}}
+{{- end -}}
+{{- $ports := list (dict "name" "metrics" "containerPort" (int $root.Values.ports.metrics)) -}}
+{{- $env := list -}}
+{{- if eq $group "router" -}}
+{{- $ports = append $ports (dict "name" "serve" "containerPort" (int $root.Values.ports.http)) -}}
+{{- if $root.Values.ports.grpc -}}
+{{- $ports = append $ports (dict "name" "grpc" "containerPort" (int $root.Values.ports.grpc)) -}}
+{{- end -}}
+{{- $secret := include "tandem.apiKeySecret" $root -}}
+{{- if $secret -}}
+{{- $env = append $env (dict "name" "TANDEM_API_KEY" "valueFrom" (dict "secretKeyRef" (dict "name" $secret "key" $root.Values.apiKey.secretKey))) -}}
+{{- end -}}
+{{- end -}}
+- groupName: {{ $group }}
+  replicas: {{ $replicas }}
+  minReplicas: {{ $min }}
+  maxReplicas: {{ $max }}
+  rayStartParams:
+    {{- toYaml (merge (deepCopy $v.rayStartParams) $params) | nindent 4 }}
+  template:
+    {{- include "tandem.podTemplate" (dict "root" $root "group" $group "v" $v "gpus" $gpus "ports" $ports "env" $env) | nindent 4 }}
+{{- end -}}

@@ -1,0 +1,77 @@
+{{/*
+serveConfigV2: tandem's Serve config. `args` are cluster-config fields
+(tandem.deploy.cluster_config.ClusterConfig); tests/helm validates every render with it and with
+Ray's ServeDeploySchema. The router's replicas are pinned to the router worker group through a
+deployment override (its `ray_actor_options` replace the code's).
+*/}}
+
+{{- define "tandem.roleArgs" -}}
+{{- $v := . -}}
+{{- $args := dict
+  "replicas" (int $v.replicas)
+  "num_cpus" $v.numCpus
+  "num_gpus" $v.numGpus
+  "resources" (dict $v.rayResource 1)
+  "torch_threads" (int $v.torchThreads)
+  "drain_timeout_s" $v.drainTimeoutS
+  "engine" $v.engine
+-}}
+{{- if $v.autoscaling.enabled -}}
+{{- $_ := set $args "autoscaling" (omit $v.autoscaling "enabled") -}}
+{{- end -}}
+{{- toJson $args -}}
+{{- end -}}
+
+{{- define "tandem.servedModelName" -}}
+{{- .Values.model.servedName | default (base (trimSuffix "/" .Values.model.path)) -}}
+{{- end -}}
+
+{{- define "tandem.serveArgs" -}}
+{{- $s := .Values.serve -}}
+{{- $args := dict
+  "model" .Values.model.path
+  "served_model_name" (include "tandem.servedModelName" .)
+  "app_name" "tandem"
+  "mode" $s.mode
+  "transport" $s.transport
+  "transport_options" $s.transportOptions
+  "engine" $s.engine
+  "decode" (include "tandem.roleArgs" .Values.decode | fromJson)
+  "router" (dict "replicas" (int .Values.router.replicas) "num_cpus" .Values.router.numCpus "request_timeout_s" $s.requestTimeoutS)
+  "routing" $s.routing
+  "decode_routing" $s.decodeRouting
+  "admission" $s.admission
+  "slo" $s.slo
+  "host" "0.0.0.0"
+  "port" (int .Values.ports.http)
+  "grpc_port" (int .Values.ports.grpc)
+  "lease_s" $s.leaseS
+  "stall_timeout_s" $s.stallTimeoutS
+  "ack_timeout_s" $s.ackTimeoutS
+  "cache_dir" "/tmp/tandem-cache"
+  "log_level" $s.logLevel
+-}}
+{{- if ne $s.mode "colocated" -}}
+{{- $_ := set $args "prefill" (include "tandem.roleArgs" .Values.prefill | fromJson) -}}
+{{- end -}}
+{{- toJson $args -}}
+{{- end -}}
+
+{{- define "tandem.serveConfig" -}}
+{{- $router := .Values.router -}}
+{{- $app := dict
+  "name" "tandem"
+  "route_prefix" "/"
+  "import_path" "tandem.deploy.app_builder:app_builder"
+  "args" (include "tandem.serveArgs" . | fromJson)
+  "deployments" (list (dict
+    "name" "router"
+    "ray_actor_options" (dict "num_cpus" $router.numCpus "resources" (dict $router.rayResource 1))))
+-}}
+{{- $config := dict
+  "proxy_location" "EveryNode"
+  "http_options" (dict "host" "0.0.0.0" "port" (int .Values.ports.http))
+  "applications" (list $app)
+-}}
+{{- toYaml $config -}}
+{{- end -}}
