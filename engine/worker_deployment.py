@@ -138,7 +138,8 @@ class WorkerDeployment(ABC):
             }
             try:
                 await self._registry.depart.remote(self.worker_id, summary)
-            except Exception as exc:
-                logger.warning("%s could not leave the registry: %r", self.worker_id, exc)
+            except Exception as exc:  # e.g. a registry actor from an older tandem: no `depart`
+                logger.warning("%s could not record its departure: %r", self.worker_id, exc)
+                self._registry.remove.remote(self.worker_id)
         await self.rpc.close()
         service.close()

@@ -29,7 +29,7 @@ SCALING = {
     "itl_target_ms": None,
 }
 BURST = 12  # concurrent streams: ~3 replicas' worth, capped at max_replicas=2
-KEEPERS = 3  # concurrent streams after the burst: under one replica's worth
+KEEPERS = 4  # concurrent streams after the burst: one replica's worth (2 per replica at first)
 BURST_TOKENS, KEEPER_TOKENS = 48, 256
 PHASE_TIMEOUT_S = 90.0
 
