@@ -5,11 +5,14 @@ Ray Serve's schema and tandem's cluster config."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from tandem.deploy.cluster_config import ClusterConfig
@@ -44,6 +47,21 @@ def test_core_kinds_validate_strictly(renders: dict[str, list[Manifest]], name: 
             kubernetes_validate.validate(manifest, KUBERNETES, strict=True)
             checked += 1
     assert checked >= 2
+
+
+def test_the_kubernetes_validate_command_accepts_the_core_kinds(
+    renders: dict[str, list[Manifest]], tmp_path: Path
+) -> None:
+    """The CLI too (as CI scripts call it), on every render's core kinds in one file."""
+    core = [m for ms in renders.values() for m in ms if m["kind"] in CORE_KINDS]
+    path = tmp_path / "core.yaml"
+    path.write_text(yaml.safe_dump_all(core))
+    cli = Path(sys.executable).parent / "kubernetes-validate"
+    done = subprocess.run(
+        [str(cli), "-k", KUBERNETES, "--strict", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("INFO") == len(core)
 
 
 @pytest.mark.parametrize("name", RENDERS)
