@@ -101,12 +101,15 @@ class Router:
         model_name = settings["served_model_name"]
         replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = RouterMetrics(model_name, replica)
-        targets = dict(settings.get("replica_targets") or {})
+        # Replicas each role should have: configured, then what Serve is bringing up (autoscaling).
+        self.replica_targets: dict[str, int] = {
+            "router": 1,
+            **dict(settings.get("replica_targets") or {}),
+        }
         self.metrics.registry.register(
-            WorkerMetricsCollector(
-                model_name, self._worker_series, lambda: {"router": 1, **targets}
-            )
+            WorkerMetricsCollector(model_name, self._worker_series, lambda: self.replica_targets)
         )
+        asyncio.get_running_loop().create_task(self._follow_replica_targets())
         planner = RoutePlanner(
             self.directory,
             RoutingConfig.model_validate(settings.get("routing", {})),
@@ -157,6 +160,24 @@ class Router:
         if all(live.values()):
             return JSONResponse({"status": "ok", "workers": live})
         return JSONResponse({"status": "unavailable", "workers": live}, status_code=503)
+
+    async def _follow_replica_targets(self, every_s: float = 2.0) -> None:
+        """Per role, the replicas Serve is running or starting (not stopping): the autoscaler's
+        current target, for `tandem:role_target_replicas`."""
+        wanted = {"STARTING", "UPDATING", "RECOVERING", "RUNNING"}
+        app_name = serve.get_replica_context().app_name
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                status = await asyncio.to_thread(serve.status)
+                app = status.applications.get(app_name)
+                for role in (*self.roles, "router"):
+                    deployment = app.deployments.get(role) if app else None
+                    if deployment is not None:
+                        states = deployment.replica_states.items()
+                        self.replica_targets[role] = sum(n for st, n in states if st in wanted)
+            except Exception as exc:  # the controller may be restarting; keep the last figures
+                logger.debug("serve.status() failed: %r", exc)
 
     def _worker_series(self) -> list[tuple[str, str, dict[str, Any]]]:
         """(role, replica, latest reported stats) of every worker this router routes to."""

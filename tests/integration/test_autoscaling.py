@@ -102,6 +102,23 @@ async def watch_until(
     raise AssertionError(f"decode never settled at {want} replicas: {timeline}")
 
 
+def wait_for_target_metric(cluster: Cluster, want: int, timeout: float = 15.0) -> None:
+    """`tandem:role_target_replicas{role="decode"}` on /metrics follows Serve's replicas."""
+    deadline = time.monotonic() + timeout
+    line = ""
+    while time.monotonic() < deadline:
+        text = requests.get(f"{cluster.base_url}/metrics", timeout=10).text
+        line = next(
+            (x for x in text.splitlines()
+             if x.startswith("tandem:role_target_replicas{") and 'role="decode"' in x),
+            "",
+        )  # fmt: skip
+        if line and float(line.rsplit(" ", 1)[1]) == want:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"decode target replicas never {want}: {line!r}")
+
+
 def registry_departures() -> list[dict[str, Any]]:
     import ray
 
@@ -124,6 +141,7 @@ def test_a_burst_scales_decode_up_and_the_scale_down_drains_its_streams(cluster:
         burst_tasks = [asyncio.create_task(burst.loop(i, BURST_TOKENS)) for i in range(BURST)]
         try:
             await watch_until(cluster, 2, timeline, start)
+            await asyncio.to_thread(wait_for_target_metric, cluster, 2)
         finally:
             burst.stop.set()
             await asyncio.gather(*burst_tasks)
