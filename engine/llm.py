@@ -50,8 +50,6 @@ class LLM:
             **kwargs,
         )
         self.engine = LLMEngine(config, kv_pool_factory=kv_pool_factory)
-        # LLMEngine builds its scheduler with chunked prefill on; the switch is applied here.
-        self.engine.scheduler.enable_chunked_prefill = config.enable_chunked_prefill
 
     @property
     def tokenizer(self) -> Any:

@@ -74,6 +74,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(self.model, self.kv_pool)
         self.output_processor = OutputProcessor(self.max_model_len)

@@ -46,6 +46,4 @@ def create_engine_and_transport(settings: WorkerSettings) -> tuple[Any, Any]:
     except BaseException:
         transport.close()
         raise
-    # LLMEngine builds its scheduler with chunked prefill on; the switch is applied here.
-    engine.scheduler.enable_chunked_prefill = config.enable_chunked_prefill
     return engine, transport
