@@ -141,7 +141,9 @@ class BlockManager:
 
     # ---- prefix cache ------------------------------------------------------------------------
 
-    def match_prefix(self, block_hashes: Sequence[int], token_ids: Sequence[int]) -> list[int]:
+    def match_prefix(
+        self, block_hashes: Sequence[int], token_ids: Sequence[int], *, record: bool = True
+    ) -> list[int]:
         """Block ids of the longest cached prefix of full blocks; takes no references.
 
         `block_hashes` is the request's chain of full-block hashes and `token_ids` its tokens. A
@@ -149,6 +151,8 @@ class BlockManager:
         for that block (a guard against hash collisions). The ids stay valid only until the next
         `allocate` for another request; the caller passes (a prefix of) them to `allocate` as
         `computed_blocks`, and may drop the last one to leave a token to compute.
+        `record=False` leaves the hit counters alone (a caller that may look the same request
+        up again, like the scheduler, records once with `record_lookup`).
         """
         if not self._enable_prefix_caching:
             return []
@@ -162,10 +166,15 @@ class BlockManager:
             if self._blocks[block_id].token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
                 break
             hits.append(block_id)
-        self._stats.queries += 1
-        self._stats.queried_blocks += num_full
-        self._stats.hit_blocks += len(hits)
+        if record:
+            self.record_lookup(num_full, len(hits))
         return hits
+
+    def record_lookup(self, queried_blocks: int, hit_blocks: int) -> None:
+        """Counts one prefix-cache lookup of `queried_blocks` full blocks, `hit_blocks` found."""
+        self._stats.queries += 1
+        self._stats.queried_blocks += queried_blocks
+        self._stats.hit_blocks += hit_blocks
 
     def cache_blocks(
         self,

@@ -10,7 +10,7 @@ counters gain ``_total`` on the wire as in vLLM), with the labels ``model_name``
   tokens, finished requests by reason, failures, router decisions, admission rejections, goodput
   (requests meeting / missing the TTFT and TPOT SLOs), KV blocks moved per request;
 * **worker metrics** (``role="prefill"`` / ``"decode"``, ``replica`` = the Serve replica) are read,
-  at scrape time, from the stats each worker reports to the worker registry (at most 0.1 s old):
+  at scrape time, from each worker's stats (asked of the worker by the router):
   running / waiting requests, KV usage, prefix-cache queries, hits and evictions (in blocks),
   preemptions,
   KV transfer bytes, completed / failed / in-flight transfers, queued prefill tokens, replicas.

@@ -147,8 +147,10 @@ class Scheduler:
             self.waiting.popleft()
             req.num_computed_tokens = num_hit
             req.num_cached_blocks = len(hit_blocks)
-            if req.num_preemptions == 0:
+            if req.num_preemptions == 0:  # counted once per request, when it is admitted
                 req.num_prefix_hit_tokens = num_hit
+                if self.enable_prefix_caching:
+                    bm.record_lookup(req.num_tokens // self.block_size, len(hit_blocks))
             req.set_status(RequestStatus.PREFILLING)
             self.running.append(req)
             out.scheduled.append((req, n))
@@ -162,7 +164,7 @@ class Scheduler:
             return []
         req.set_status(RequestStatus.PREFIX_LOOKUP)
         self._extend_hashes(req, req.num_tokens)
-        hits = self.block_manager.match_prefix(req.block_hashes, req.token_ids)
+        hits = self.block_manager.match_prefix(req.block_hashes, req.token_ids, record=False)
         return hits[: (req.num_tokens - 1) // self.block_size]
 
     def _preempt(self, req: Request) -> None:

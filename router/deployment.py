@@ -102,6 +102,7 @@ class Router:
         replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = RouterMetrics(model_name, replica)
         # Replicas each role should have: configured, then what Serve is bringing up (autoscaling).
+        self._scrape_stats: list[tuple[str, str, dict[str, Any]]] = []
         self.replica_targets: dict[str, int] = {
             "router": 1,
             **dict(settings.get("replica_targets") or {}),
@@ -180,16 +181,24 @@ class Router:
                 logger.debug("serve.status() failed: %r", exc)
 
     def _worker_series(self) -> list[tuple[str, str, dict[str, Any]]]:
-        """(role, replica, latest reported stats) of every worker this router routes to."""
-        return [
-            (w.role, w.worker_id.split("/", 1)[-1], w.stats)
-            for w in self.directory.workers.values()
-            if not w.client.closed
-        ]
+        """(role, replica, stats) of every worker this router routes to, as read for the
+        current scrape (`prometheus_metrics`)."""
+        return self._scrape_stats
 
     @api.get("/metrics")
     async def prometheus_metrics(self) -> Response:
-        """Prometheus text format: every `tandem:*` metric (see `tandem.engine.metrics`)."""
+        """Prometheus text format: every `tandem:*` metric (see `tandem.engine.metrics`).
+        Worker series are read from each worker now (its registry report, up to 2 s old when
+        it went idle, if it does not answer within 1 s)."""
+        live = {s.get("worker_id"): s for s in await self.directory.live_stats(timeout=1.0)}
+        series = []
+        for w in list(self.directory.workers.values()):
+            if w.client.closed:
+                continue
+            fresh = live.get(w.worker_id)
+            stats = fresh if fresh is not None and "error" not in fresh else w.stats
+            series.append((w.role, w.worker_id.split("/", 1)[-1], stats))
+        self._scrape_stats = series
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/debug/workers")

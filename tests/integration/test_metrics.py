@@ -25,6 +25,8 @@ def scrape(base_url: str) -> Samples:
             labels = {k: v for k, v in s.labels.items() if k not in ("model_name", "replica")}
             key = s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
             out[key] = out.get(key, 0.0) + s.value  # summed over replicas of a role
+            if s.labels.get("role") in ("prefill", "decode"):  # and per worker replica
+                out[key[:-1] + f",replica={s.labels.get('replica')}}}"] = s.value
     return out
 
 
@@ -32,10 +34,10 @@ def delta(before: Samples, after: Samples, key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def wait_until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+def wait_until(check: Callable[[], bool], timeout: float = 10.0, what: Any = None) -> None:
     deadline = time.monotonic() + timeout
     while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
+        assert time.monotonic() < deadline, f"condition not met in time: {what}"
         time.sleep(0.2)
 
 
@@ -60,12 +62,17 @@ def test_scraped_counters_equal_the_traffic(cluster: Any) -> None:
     assert usages[2]["prompt_tokens_details"]["cached_tokens"] == 32
 
     def worker_hits(after: Samples) -> float:
+        """Prefix hits since `before`, per worker replica: replicas of an earlier deployment
+        that leave the registry meanwhile take their counters with them."""
         return sum(
-            delta(before, after, f"tandem:prefix_cache_hits_total{{role={role}}}")
-            for role in ("prefill", "decode")
+            v - before.get(k, 0.0)
+            for k, v in after.items()
+            if k.startswith("tandem:prefix_cache_hits_total{") and "replica=" in k
         )
 
-    wait_until(lambda: worker_hits(scrape(base)) == 2)  # workers report within ~0.1 s
+    seen: list[float] = []
+    seen: list[float] = []
+    wait_until(lambda: seen.append(worker_hits(scrape(base))) or seen[-1] == 2, what=seen)
     after = scrape(base)
     assert worker_hits(after) == 2
     assert (
