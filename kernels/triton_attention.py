@@ -51,8 +51,9 @@ def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _load_kv_tile(
-    cache_ptr,
+def _load_kv_tiles(
+    k_ptr,
+    v_ptr,
     table_row_ptr,
     stride_tn,
     kpos,
@@ -61,23 +62,51 @@ def _load_kv_tile(
     dims,
     dim_ok,
     block_size,
-    stride_b,
-    stride_s,
-    stride_h,
-    stride_d,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
 ):
-    """(BLOCK_N, HEAD_PAD) rows of one KV head at token positions ``kpos`` (0 where invalid)."""
+    """K and V rows (BLOCK_N, HEAD_PAD) of one KV head at token positions ``kpos`` (0 where
+    invalid): each position's block is looked up in the table once for both."""
     block = tl.load(table_row_ptr + (kpos // block_size) * stride_tn, mask=valid, other=0)
     block = tl.maximum(block, 0).to(tl.int64)
     offset = kpos % block_size
-    ptrs = (
-        cache_ptr
-        + block[:, None] * stride_b
-        + offset[:, None] * stride_s
-        + kv_head * stride_h
-        + dims[None, :] * stride_d
-    )
-    return tl.load(ptrs, mask=valid[:, None] & dim_ok[None, :], other=0.0)
+    mask = valid[:, None] & dim_ok[None, :]
+    k = tl.load(
+        k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
+        + dims[None, :] * stride_kd,
+        mask=mask,
+        other=0.0,
+    )  # fmt: skip
+    v = tl.load(
+        v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
+        + dims[None, :] * stride_vd,
+        mask=mask,
+        other=0.0,
+    )  # fmt: skip
+    return k, v
+
+
+@triton.jit
+def _softmax_step(
+    q, k, v, allowed, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr
+):
+    """One key tile of online softmax (base 2): returns the updated running max, sum and
+    unnormalised output. Rows with no allowed key yet keep max -inf and contribute nothing."""
+    s = _dot(q, tl.trans(k), UPCAST, IEEE) * qk_scale
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, IEEE)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -153,26 +182,14 @@ def _varlen_kernel(
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         valid = kpos < hi
-        k = _load_kv_tile(
-            k_ptr, table_row, stride_tn, kpos, valid, kv_head, dims, dim_ok,
-            block_size, stride_kb, stride_ks, stride_kh, stride_kd,
+        k, v = _load_kv_tiles(
+            k_ptr, v_ptr, table_row, stride_tn, kpos, valid, kv_head, dims, dim_ok, block_size,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
         )  # fmt: skip
-        v = _load_kv_tile(
-            v_ptr, table_row, stride_tn, kpos, valid, kv_head, dims, dim_ok,
-            block_size, stride_vb, stride_vs, stride_vh, stride_vd,
-        )  # fmt: skip
-        s = _dot(q, tl.trans(k), UPCAST, IEEE) * qk_scale
         allowed = (kpos[None, :] <= pos[:, None]) & valid[None, :]
         if HAS_WINDOW:
             allowed = allowed & (kpos[None, :] > pos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, UPCAST, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
@@ -254,23 +271,12 @@ def _decode_kernel(
     for start in range(begin, end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         valid = kpos < end
-        k = _load_kv_tile(
-            k_ptr, table_row, stride_tn, kpos, valid, kv_head, dims, dim_ok,
-            block_size, stride_kb, stride_ks, stride_kh, stride_kd,
+        k, v = _load_kv_tiles(
+            k_ptr, v_ptr, table_row, stride_tn, kpos, valid, kv_head, dims, dim_ok, block_size,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
         )  # fmt: skip
-        v = _load_kv_tile(
-            v_ptr, table_row, stride_tn, kpos, valid, kv_head, dims, dim_ok,
-            block_size, stride_vb, stride_vs, stride_vh, stride_vd,
-        )  # fmt: skip
-        s = _dot(q, tl.trans(k), UPCAST, IEEE) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, IEEE)
-        m_i = m_new
+        allowed = valid[None, :]
+        m_i, l_i, acc = _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, UPCAST, IEEE)
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,71 +107,63 @@ class Serving:
         """`prompt` is text, token ids, or chat messages (rendered with the chat template).
         Also routes and admits the request: a 429 here means nothing was started."""
         self.metrics.arrived(user, timings.arrival)
-        try:
-            return await self._prepare(
-                request_id, model, prompt, max_tokens, fields, timings, deadline_ms, priority, user
+        with self._counting_refusals():
+            self.check_model(model)
+            limits = await self.limits()
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                try:
+                    token_ids = self.tokenizer.apply_chat_template(prompt)
+                except (ValueError, TypeError) as exc:
+                    raise bad_request(
+                        f"cannot apply the chat template: {exc}", "messages"
+                    ) from None
+            else:
+                token_ids = tokenize_prompt(self.tokenizer, prompt, limits.vocab_size)  # type: ignore[arg-type]
+            timings.mark("tokenized")
+            params = sampling_params(len(token_ids), max_tokens, fields, limits)
+            admission = self.planner.admission
+            plan = await self.planner.plan(
+                token_ids,
+                self.info,
+                admission.deadline_ms(deadline_ms, user),
+                hold_s=self.request_timeout_s,
+                max_tokens=params.max_tokens,
             )
+            self.metrics.decision(self.planner.policy_name, _decision(plan))
+            req = Prepared(
+                request_id,
+                token_ids,
+                params,
+                timings,
+                plan=plan,
+                priority=admission.priority(priority, user),
+                user=user,
+            )
+            try:
+                await self.orchestrator.reserve(
+                    plan,
+                    request_id,
+                    token_ids,
+                    params.model_dump(exclude_defaults=True),
+                    req.priority,
+                    timings,
+                )
+            except BaseException:
+                plan.release()
+                raise
+            return req
+
+    @contextlib.contextmanager
+    def _counting_refusals(self) -> Iterator[None]:
+        """A 429 counts as an admission rejection, any other API error as a failure."""
+        try:
+            yield
         except APIError as exc:
             if exc.status == 429:
                 self.metrics.rejected(exc.code or "rate_limited")
             else:
                 self.metrics.failed(exc.code or exc.type)
             raise
-
-    async def _prepare(
-        self,
-        request_id: str,
-        model: str | None,
-        prompt: str | list[int] | list[dict[str, str]],
-        max_tokens: int | None,
-        fields: dict[str, Any],
-        timings: RequestTimings,
-        deadline_ms: float | None,
-        priority: int | None,
-        user: str | None,
-    ) -> Prepared:
-        self.check_model(model)
-        limits = await self.limits()
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            try:
-                token_ids = self.tokenizer.apply_chat_template(prompt)
-            except (ValueError, TypeError) as exc:
-                raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
-        else:
-            token_ids = tokenize_prompt(self.tokenizer, prompt, limits.vocab_size)  # type: ignore[arg-type]
-        timings.mark("tokenized")
-        params = sampling_params(len(token_ids), max_tokens, fields, limits)
-        admission = self.planner.admission
-        plan = await self.planner.plan(
-            token_ids,
-            self.info,
-            admission.deadline_ms(deadline_ms, user),
-            hold_s=self.request_timeout_s,
-            max_tokens=params.max_tokens,
-        )
-        self.metrics.decision(self.planner.policy_name, _decision(plan))
-        req = Prepared(
-            request_id,
-            token_ids,
-            params,
-            timings,
-            plan=plan,
-            priority=admission.priority(priority, user),
-            user=user,
-        )
-        try:
-            await self.orchestrator.reserve(
-                plan,
-                request_id,
-                token_ids,
-                params.model_dump(exclude_defaults=True),
-                req.priority,
-                timings,
-            )
-        except BaseException:
-            plan.release()
-            raise
-        return req
 
     async def run(self, req: Prepared) -> AsyncIterator[dict[str, Any]]:
         """Token items from the cluster; updates `req` (usage, finish) and logs one line at the end."""
