@@ -98,7 +98,7 @@ class LLMEngine:
     def _allocate_kv_pool(self, num_blocks: int, factory: KVPoolFactory | None) -> KVCachePool:
         """On the CPU a transport's factory may place the pool (e.g. in shared memory); on a GPU
         the pool is plain device memory, which the torch transport sends over NCCL."""
-        shape = (
+        dims = (
             num_blocks,
             self.spec.num_layers,
             self.config.block_size,
@@ -107,10 +107,10 @@ class LLMEngine:
             self.config.torch_dtype,
         )
         if self.device.type == "cpu":
-            return (factory or KVCachePool)(*shape)
+            return (factory or KVCachePool)(*dims)
         if factory is not None:
             logger.info("KV pool on %s: the transport's host-memory pool is not used", self.device)
-        return KVCachePool(*shape, device=self.device)
+        return KVCachePool(*dims, device=self.device)
 
     def _size_kv_pool(self) -> tuple[int, int]:
         cfg = self.config

@@ -20,6 +20,7 @@ A *slot* is ``block_id * block_size + offset``; ``num_blocks * block_size`` slot
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -97,6 +98,13 @@ class KVCachePool:
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
+    def shape_for(
+        num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, int, int, int, int, int]:
+        """Shape of the pool tensor of these dimensions (see the module docstring's layout)."""
+        return (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+
+    @staticmethod
     def bytes_for(
         num_blocks: int,
         num_layers: int,
@@ -106,8 +114,8 @@ class KVCachePool:
         dtype: torch.dtype = torch.float32,
     ) -> int:
         """Bytes taken by a pool of these dimensions (``tensor.nbytes`` once allocated)."""
-        elems = num_blocks * num_layers * 2 * block_size * num_kv_heads * head_dim
-        return elems * _element_size(dtype)
+        shape = KVCachePool.shape_for(num_blocks, num_layers, block_size, num_kv_heads, head_dim)
+        return math.prod(shape) * _element_size(dtype)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -116,7 +124,7 @@ class KVCachePool:
 
     def blocks_shape(self, n: int) -> tuple[int, int, int, int, int, int]:
         """Shape of ``n`` stacked blocks, as returned by ``export_blocks``."""
-        return (n, *self.block_shape)
+        return self.shape_for(n, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def num_slots(self) -> int:

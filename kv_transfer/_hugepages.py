@@ -48,7 +48,7 @@ def allocate_hugepage_pool(
     nbytes = KVCachePool.bytes_for(
         num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype
     )
-    shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+    shape = KVCachePool.shape_for(num_blocks, num_layers, block_size, num_kv_heads, head_dim)
     tensor = hugepage_buffer(nbytes).view(dtype).view(shape)
     return KVCachePool(
         num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype, tensor=tensor

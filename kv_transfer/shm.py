@@ -191,7 +191,7 @@ class ShmTransport(ChannelTransport):
         )
         region = ShmRegion.create(self._region_name("p"), nbytes)
         self._owned.regions[region.name] = region
-        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        shape = KVCachePool.shape_for(num_blocks, num_layers, block_size, num_kv_heads, head_dim)
         tensor = region.tensor(dtype, shape)
         tensor.view(torch.uint8).reshape(-1).numpy().fill(0)  # touch every page once, now
         pool = KVCachePool(
