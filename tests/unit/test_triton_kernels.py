@@ -20,7 +20,11 @@ import torch
 
 _SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"  # while triton.jit decorates the kernels
-for _name in ("tandem.kernels.triton_attention", "tandem.kernels.triton_kv_write"):
+for _name in (  # the jit kernels first: the launcher imports them by name
+    "tandem.kernels.triton_attention_kernels",
+    "tandem.kernels.triton_attention",
+    "tandem.kernels.triton_kv_write",
+):
     if _name in sys.modules:  # imported earlier without the interpreter: decorate again
         importlib.reload(sys.modules[_name])
 
