@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +96,7 @@ class DecodeService(WorkerLoop):
         params: SamplingParams,
         local_prefill: bool = False,
         priority: int = 0,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Yields {"type": "grant"}, then {"type": "tokens"} events (the last has a
         `finish_reason`), or a single {"type": "error"}. With `local_prefill` this engine
         prefills the prompt itself (reusing what it caches) and there is no grant: no transfer."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -84,16 +85,19 @@ class DecodeWorker(WorkerDeployment):
         priority: int = 0,
     ) -> AsyncIterator[dict[str, Any]]:
         last: float | None = None  # when the previous token item went out
-        async for item in self.service.generate(
-            request_id, prompt_token_ids, SamplingParams(**params), local_prefill, priority
-        ):
-            if item["type"] == "tokens":
-                now = time.monotonic()
-                tokens = len(item["token_ids"])
-                if last is not None and tokens:
-                    self.itl_ms.add((now - last) * 1000 / tokens, weight=tokens)
-                last = now
-            yield item
+        async with contextlib.aclosing(
+            self.service.generate(
+                request_id, prompt_token_ids, SamplingParams(**params), local_prefill, priority
+            )
+        ) as items:
+            async for item in items:
+                if item["type"] == "tokens":
+                    now = time.monotonic()
+                    tokens = len(item["token_ids"])
+                    if last is not None and tokens:
+                        self.itl_ms.add((now - last) * 1000 / tokens, weight=tokens)
+                    last = now
+                yield item
 
     async def _rpc_info(self) -> AsyncIterator[dict[str, Any]]:
         """What the router validates and routes requests with (one item)."""

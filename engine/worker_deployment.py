@@ -18,6 +18,7 @@ registry, then closes the RPC endpoint and the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
@@ -97,8 +98,9 @@ class WorkerDeployment(ABC):
         yield {**await self.service.get_stats(), "worker_id": self.worker_id}
 
     async def _rpc_kv_events(self) -> AsyncIterator[dict[str, Any]]:
-        async for batch in self.service.kv_events():
-            yield batch
+        async with contextlib.aclosing(self.service.kv_events()) as items:
+            async for batch in items:
+                yield batch
 
     def check_health(self) -> None:
         if not self.service.alive:

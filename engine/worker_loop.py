@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 from tandem.engine.block_manager import BlockManager
@@ -73,7 +73,7 @@ class WorkerLoop(ABC):
         self._kv_source = block_manager
         self.kv_publisher = KVEventPublisher(self.name, namespace)
 
-    async def kv_events(self) -> AsyncIterator[dict[str, Any]]:
+    async def kv_events(self) -> AsyncGenerator[dict[str, Any], None]:
         """A snapshot of the cached block hashes, then every batch of changes, in order."""
         if self.kv_publisher is None:
             raise RuntimeError(f"{self.name} does not publish KV events")

@@ -8,6 +8,7 @@ stage timings: the `x-tandem-timings` header (non-streaming) and a `tandem_timin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from tandem.router.errors import APIError
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -22,6 +24,20 @@ from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.serving import Prepared, Serving
 
 Kind = Literal["completion", "chat"]
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A stream whose body generator is closed as soon as the response ends, also when the
+    client left mid-stream (Starlette leaves it to the garbage collector, which may take
+    seconds when a traceback cycle holds it): closing it cancels the request on its workers."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -68,11 +84,12 @@ async def _respond(
 ) -> JSONResponse | StreamingResponse:
     if stream:
         include_usage = bool(options and options.include_usage)
-        return StreamingResponse(
+        return ClosingStreamingResponse(
             _sse(serving, req, kind, include_usage), media_type="text/event-stream"
         )
-    async for _ in serving.run(req):
-        pass
+    async with contextlib.aclosing(serving.run(req)) as items:
+        async for _ in items:
+            pass
     body = _full_body(serving.model_name, req, kind)
     timings = req.timings.stages_ms()
     return JSONResponse(
@@ -134,10 +151,11 @@ async def _sse(
     try:
         if kind == "chat":
             yield _chunk(model, req, kind, "", None, role=True)
-        async for item in serving.run(req):
-            finish = item.get("finish_reason")
-            if item["text"] or finish is not None:
-                yield _chunk(model, req, kind, item["text"] or None, finish)
+        async with contextlib.aclosing(serving.run(req)) as items:
+            async for item in items:
+                finish = item.get("finish_reason")
+                if item["text"] or finish is not None:
+                    yield _chunk(model, req, kind, item["text"] or None, finish)
         if include_usage:
             yield _event(
                 {

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +99,7 @@ class PDOrchestrator:
                 ):
                     raise _worker_error(first)
             except BaseException:
-                await stream.aclose()
+                await _to_completion(stream.aclose())
                 raise
             if first["type"] != "error":
                 break
@@ -131,7 +131,7 @@ class PDOrchestrator:
         timings: RequestTimings,
         plan: RoutePlan,
         priority: int = 0,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """After `reserve`: yields decode's token items; the last carries `finish_reason`.
         Raises APIError. Leaving early cancels the request on its workers."""
         stream = plan.decode_stream
@@ -204,11 +204,34 @@ class PDOrchestrator:
                 next_item = asyncio.ensure_future(_next(stream, plan.decode))
                 pending.add(next_item)
         finally:
-            for task in pending:  # cancelling a call's task cancels it on its worker
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            await stream.aclose()
-            plan.release()
+            try:
+                await _to_completion(_close_calls(pending, stream))
+            finally:
+                plan.release()
+
+
+_cleanups: set[asyncio.Future[None]] = set()  # strong references while they run
+
+
+async def _to_completion(cleanup: Awaitable[None]) -> None:
+    """Runs `cleanup` to its end in its own task. When the HTTP server cancels a request
+    (anyio cancel scopes), every later await of that request is cancelled too, so a clean-up
+    awaited inline could stop half-way and leave the call running on its worker."""
+    task = asyncio.ensure_future(cleanup)
+    _cleanups.add(task)
+    task.add_done_callback(_cleanups.discard)
+    await asyncio.shield(task)
+
+
+async def _close_calls(
+    pending: set[asyncio.Future[Any]], stream: AsyncGenerator[dict[str, Any], None]
+) -> None:
+    """Cancels the request's calls in flight and closes its decode stream; closing a call
+    cancels it on its worker."""
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    await stream.aclose()
 
 
 def _open_decode(

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,35 +165,38 @@ class Serving:
                 self.metrics.failed(exc.code or exc.type)
             raise
 
-    async def run(self, req: Prepared) -> AsyncIterator[dict[str, Any]]:
+    async def run(self, req: Prepared) -> AsyncGenerator[dict[str, Any], None]:
         """Token items from the cluster; updates `req` (usage, finish) and logs one line at the end."""
         outcome = "cancelled"
         last_item: float | None = None
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 assert req.plan is not None
-                async for item in self.orchestrator.generate(
-                    req.request_id,
-                    req.prompt_token_ids,
-                    req.params.model_dump(exclude_defaults=True),
-                    req.timings,
-                    req.plan,
-                    req.priority,
-                ):
-                    now = time.time()
-                    if last_item is not None:
-                        self.metrics.token_gap(now - last_item)
-                    last_item = now
-                    req.completion_tokens += len(item["token_ids"])
-                    req.token_ids.extend(item["token_ids"])
-                    req.text += item["text"]
-                    if item.get("finish_reason") is not None:
-                        req.finish_reason = item["finish_reason"]
-                        req.stop_reason = item.get("stop_reason")
-                        req.num_cached_tokens = int(item.get("num_cached_tokens", 0))
-                        req.num_transferred_blocks = int(item.get("num_transferred_blocks", 0))
-                        outcome = f"finished({req.finish_reason})"
-                    yield item
+                async with contextlib.aclosing(
+                    self.orchestrator.generate(
+                        req.request_id,
+                        req.prompt_token_ids,
+                        req.params.model_dump(exclude_defaults=True),
+                        req.timings,
+                        req.plan,
+                        req.priority,
+                    )
+                ) as items:
+                    async for item in items:
+                        now = time.time()
+                        if last_item is not None:
+                            self.metrics.token_gap(now - last_item)
+                        last_item = now
+                        req.completion_tokens += len(item["token_ids"])
+                        req.token_ids.extend(item["token_ids"])
+                        req.text += item["text"]
+                        if item.get("finish_reason") is not None:
+                            req.finish_reason = item["finish_reason"]
+                            req.stop_reason = item.get("stop_reason")
+                            req.num_cached_tokens = int(item.get("num_cached_tokens", 0))
+                            req.num_transferred_blocks = int(item.get("num_transferred_blocks", 0))
+                            outcome = f"finished({req.finish_reason})"
+                        yield item
         except TimeoutError:
             outcome = "failed(timeout)"
             self.metrics.failed("timeout")

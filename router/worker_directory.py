@@ -112,13 +112,14 @@ class WorkerDirectory:
         """Feeds the index; a gap in the sequence re-subscribes (which starts with a snapshot)."""
         while not worker.client.closed:
             try:
-                async for batch in worker.client.stream("kv_events"):
-                    applied = self.index.apply(KVEventBatch.model_validate(batch))
-                    if not applied and self.index.needs_snapshot(worker.worker_id):
-                        logger.info(
-                            "router: KV events of %s have a gap; resyncing", worker.worker_id
-                        )
-                        break
+                async with contextlib.aclosing(worker.client.stream("kv_events")) as items:
+                    async for batch in items:
+                        applied = self.index.apply(KVEventBatch.model_validate(batch))
+                        if not applied and self.index.needs_snapshot(worker.worker_id):
+                            logger.info(
+                                "router: KV events of %s have a gap; resyncing", worker.worker_id
+                            )
+                            break
             except RPCError as exc:
                 logger.info("router: KV events of %s stopped: %s", worker.worker_id, exc)
                 self.index.mark_stale(worker.worker_id)

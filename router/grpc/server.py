@@ -6,6 +6,7 @@ It runs inside the router replica, on the replica's event loop, and goes through
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -69,22 +70,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 priority=request.priority if request.HasField("priority") else None,
                 user=request.user or None,
             )
-            async for item in self.serving.run(req):
-                finish = item.get("finish_reason") or ""
-                usage = None
-                if finish:
-                    usage = generation_pb2.Usage(
-                        prompt_tokens=len(req.prompt_token_ids),
-                        completion_tokens=req.completion_tokens,
-                        cached_tokens=req.num_cached_tokens,
+            async with contextlib.aclosing(self.serving.run(req)) as items:
+                async for item in items:
+                    finish = item.get("finish_reason") or ""
+                    usage = None
+                    if finish:
+                        usage = generation_pb2.Usage(
+                            prompt_tokens=len(req.prompt_token_ids),
+                            completion_tokens=req.completion_tokens,
+                            cached_tokens=req.num_cached_tokens,
+                        )
+                    yield generation_pb2.GenerateResponse(
+                        request_id=req.request_id,
+                        token_ids=item["token_ids"],
+                        text=item["text"],
+                        finish_reason=finish,
+                        usage=usage,
                     )
-                yield generation_pb2.GenerateResponse(
-                    request_id=req.request_id,
-                    token_ids=item["token_ids"],
-                    text=item["text"],
-                    finish_reason=finish,
-                    usage=usage,
-                )
         except APIError as exc:
             code = _STATUS_CODES.get(exc.status, grpc.StatusCode.UNAVAILABLE)
             await context.abort(code, exc.message)
