@@ -102,6 +102,12 @@ class KVSender:
             self.engine.abort(request_id)
         return True
 
+    @staticmethod
+    def first_token_ends(out: _Outgoing) -> bool:
+        """The sampled first token already finishes the request (end of sequence, or one
+        token asked for); stop strings are decode's to check."""
+        return out.request.finish_reason == "stop" or out.params.max_tokens <= 1
+
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[TransferEvent]:
         """One engine step, then streams what it completed and handles replies."""
@@ -170,7 +176,7 @@ class KVSender:
             "manifest": manifest.model_dump(mode="json"),
         }
         if last:
-            header["finished"] = req.finish_reason == "stop" or out.params.max_tokens <= 1
+            header["finished"] = self.first_token_ends(out)
         self.transport.send(out.grant.address, header, blocks)
         out.unacked[out.next_chunk] = blocks
         out.next_chunk += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -83,16 +84,37 @@ class PrefillWorker(WorkerDeployment):
         params: dict[str, Any],
         grant: dict[str, Any],
         priority: int = 0,
+        stream_first_token: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
-        """One item: the outcome (sent | failed | cancelled, first token ids, timings)."""
+        """The outcome (sent | failed | cancelled, first token ids, timings) as the last item;
+        with `stream_first_token`, first {"type": "first_token", "token_ids", "text"} as soon
+        as it is sampled (when it can be streamed from here)."""
         start = time.monotonic()
-        outcome = await self.service.prefill(
-            request_id,
-            prompt_token_ids,
-            SamplingParams(**params),
-            ReservationGrant(**grant),
-            priority,
+        loop = asyncio.get_running_loop()
+        first: asyncio.Future[dict[str, Any] | None] | None = (
+            loop.create_future() if stream_first_token else None
         )
+        task = asyncio.ensure_future(
+            self.service.prefill(
+                request_id,
+                prompt_token_ids,
+                SamplingParams(**params),
+                ReservationGrant(**grant),
+                priority,
+                first_token=first,
+            )
+        )
+        try:
+            if first is not None:
+                waiting: set[asyncio.Future[Any]] = {task, first}
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if first.done() and (item := first.result()) is not None:
+                    yield {"type": "first_token", **item}
+            outcome = await task
+        finally:
+            if not task.done():  # cancelled by the router: cancel the prefill too
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if outcome["status"] == "sent":  # arrival to first token: the prefill share of TTFT
             tail = float(outcome.get("timings", {}).get("transfer_tail_s", 0.0))
             self.ttft_ms.add((time.monotonic() - start - tail) * 1000)

@@ -2,7 +2,9 @@
 
 `prefill()` queues a prompt for chunked prefill (continuous batching with everything else the
 engine holds), streams its pages to the decode worker named in the reservation grant, and
-resolves once every chunk is acknowledged (or the transfer failed or was cancelled).
+resolves once every chunk is acknowledged (or the transfer failed or was cancelled). When the
+caller asks for it, the first token (ids and text) goes out as soon as it is sampled, before the
+last pages are acknowledged: the router streams it while decode takes the request over.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.engine_stats import engine_queue_stats, scheduling_stages
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.output_text import OutputText
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.worker_loop import WorkerLoop, resolve
 from tandem.kv_transfer.base import KVTransport
@@ -33,6 +37,7 @@ class _Pending:
     first_token_at: float | None = None
     first_token_ids: list[int] = field(default_factory=list)
     stages: dict[str, float] = field(default_factory=dict)  # queue_s, prefix_lookup_s
+    first_token: asyncio.Future[dict[str, Any] | None] | None = None
 
 
 class PrefillService(WorkerLoop):
@@ -70,15 +75,20 @@ class PrefillService(WorkerLoop):
         params: SamplingParams,
         grant: ReservationGrant,
         priority: int = 0,
+        first_token: asyncio.Future[dict[str, Any] | None] | None = None,
     ) -> dict[str, Any]:
         """Prefills and streams; returns {status: sent|failed|cancelled, first_token_ids, error,
-        timings}. Cancelling the awaiting task cancels the request (and tells decode)."""
+        timings}. Cancelling the awaiting task cancels the request (and tells decode).
+
+        `first_token`, if given, gets {"token_ids", "text"} as soon as the first token is
+        sampled, or None when it cannot be streamed from here: the request has stop strings
+        (decode may hold text back) or the first token already ends it."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[dict[str, Any]] = loop.create_future()
 
         def start() -> None:
             self.sender.start(request_id, prompt_token_ids, params, grant, priority)
-            self._pending[request_id] = _Pending(loop, future)
+            self._pending[request_id] = _Pending(loop, future, first_token=first_token)
 
         try:
             await self.submit(start)
@@ -129,8 +139,12 @@ class PrefillService(WorkerLoop):
             pending.first_token_ids = list(event.token_ids)
             req = self.engine.requests.get(event.request_id)
             pending.stages = scheduling_stages(req) if req is not None else {}
+            if pending.first_token is not None:
+                resolve(pending.loop, pending.first_token, self._first_token_item(event))
             return
         del self._pending[event.request_id]
+        if pending.first_token is not None:
+            resolve(pending.loop, pending.first_token, None)
         first = pending.first_token_at or now
         status = event.kind if event.kind in ("sent", "cancelled") else "failed"
         resolve(
@@ -147,6 +161,18 @@ class PrefillService(WorkerLoop):
                 },
             },
         )
+
+    def _first_token_item(self, event: TransferEvent) -> dict[str, Any] | None:
+        """The first token as decode will stream it, if it does not end the request."""
+        out = self.sender.outgoing.get(event.request_id)
+        if out is None or out.params.stop or self.sender.first_token_ends(out):
+            return None
+        text = OutputText(
+            IncrementalDetokenizer(self.engine.tokenizer, out.request.prompt_token_ids)
+        )
+        for token in event.token_ids:
+            text.add(token)
+        return {"token_ids": list(event.token_ids), "text": text.text}
 
     def stats(self) -> dict[str, Any]:
         bm = self.engine.block_manager

@@ -3,7 +3,8 @@
 1. A streaming call to a decode replica reserves blocks and yields the reservation grant; the
    same call then yields the request's tokens, so reservation and decode share one replica.
 2. The grant goes to a prefill replica, which prefills and streams pages straight to decode.
-3. Tokens flow from decode to the caller. If prefill fails first, the decode stream is closed.
+   It sends the first token back as soon as it is sampled: that is the caller's first token.
+3. Further tokens flow from decode to the caller. If prefill fails first, the decode stream is closed.
 Leaving early (client gone, error, timeout) cancels both calls; the workers release their
 blocks and tell each other through the transfer protocol. The router only awaits: it never
 blocks its event loop. Calls go over the workers' RPC endpoints (`tandem.engine.rpc`), not
@@ -138,14 +139,31 @@ class PDOrchestrator:
         assert stream is not None
         pending: set[asyncio.Future[Any]] = set()
         retries = 0
+        # The prefill worker streams the first token as soon as it samples it; decode's first
+        # item repeats it (`early` until then), so it is cut from that item.
+        early: asyncio.Future[dict[str, Any]] | None = None
+        streamed: dict[str, Any] | None = None
+        first_out = False
         try:
             prefill_task: asyncio.Future[Any] | None = None
 
             def start_prefill() -> asyncio.Future[Any]:
+                nonlocal early
                 assert plan.prefill is not None
+                if early is not None:
+                    pending.discard(early)
+                    early.cancel()
+                early = asyncio.get_running_loop().create_future()
+                pending.add(early)
                 task = asyncio.ensure_future(
                     _prefill(
-                        plan.prefill, request_id, prompt_token_ids, params, plan.grant, priority
+                        plan.prefill,
+                        request_id,
+                        prompt_token_ids,
+                        params,
+                        plan.grant,
+                        priority,
+                        early,
                     )
                 )
                 pending.add(task)
@@ -157,6 +175,17 @@ class PDOrchestrator:
             pending.add(next_item)
             while True:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if early is not None and early in done:
+                    pending.discard(early)
+                    if not first_out:
+                        first_out = True
+                        streamed = early.result()
+                        timings.mark("first_token")
+                        yield {
+                            "type": "tokens",
+                            "token_ids": streamed["token_ids"],
+                            "text": streamed["text"],
+                        }
                 if prefill_task is not None and prefill_task in done:
                     pending.discard(prefill_task)
                     outcome = prefill_task.result()
@@ -190,7 +219,13 @@ class PDOrchestrator:
                     continue
                 if item["type"] == "error":
                     raise _worker_error(item)
+                if not first_out and early is not None:
+                    pending.discard(early)  # decode was first: the prefill's copy is not needed
+                    early.cancel()
+                first_out = True
                 timings.mark("first_token")
+                if streamed is not None:
+                    item, streamed = _without_streamed(item, streamed), None
                 if item.get("finish_reason") is not None:
                     timings.mark("finished")
                     timings.worker.update(item.get("timings", {}))
@@ -200,7 +235,8 @@ class PDOrchestrator:
                             timings.worker.update(outcome.get("timings", {}))
                     yield item
                     return
-                yield item
+                if item["token_ids"] or item["text"]:
+                    yield item
                 next_item = asyncio.ensure_future(_next(stream, plan.decode))
                 pending.add(next_item)
         finally:
@@ -276,18 +312,42 @@ async def _prefill(
     params: dict[str, Any],
     grant: Any,
     priority: int,
+    first_token: asyncio.Future[dict[str, Any]],
 ) -> dict[str, Any]:
+    """The prefill call's outcome; its early first token (if any) resolves `first_token`."""
+    call = worker.client.stream(
+        "prefill",
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        params=params,
+        grant=grant,
+        priority=priority,
+        stream_first_token=True,
+    )
     try:
-        return await worker.client.call(
-            "prefill",
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            params=params,
-            grant=grant,
-            priority=priority,
-        )
+        async with contextlib.aclosing(call):
+            async for item in call:
+                if item.get("type") != "first_token":
+                    return item
+                if not first_token.done():
+                    first_token.set_result(item)
     except RPCError as exc:
         return {"status": "failed", "error": f"prefill worker {worker.worker_id}: {exc}"}
+    return {"status": "failed", "error": f"prefill worker {worker.worker_id} sent no outcome"}
+
+
+def _without_streamed(item: dict[str, Any], streamed: dict[str, Any]) -> dict[str, Any]:
+    """Decode's first item without the first token the prefill worker already streamed."""
+    ids, text = streamed["token_ids"], streamed["text"]
+    if item["token_ids"][: len(ids)] != ids or not item["text"].startswith(text):
+        raise APIError(
+            500,
+            f"prefill streamed first token {ids} ({text!r}) but decode continued from "
+            f"{item['token_ids'][: len(ids)]} ({item['text'][: len(text)]!r})",
+            type="internal_error",
+            code="first_token_mismatch",
+        )
+    return {**item, "token_ids": item["token_ids"][len(ids) :], "text": item["text"][len(text) :]}
 
 
 def _worker_error(item: dict[str, Any]) -> APIError:

@@ -118,6 +118,44 @@ def test_first_token_can_end_the_request(services: Any, reference: LLM) -> None:
     assert outcome["status"] == "sent"
 
 
+@pytest.mark.parametrize(
+    ("prompt", "params", "streamed"),
+    [
+        (PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), True),
+        (PROMPTS[3], SamplingParams(temperature=0.8, seed=3, max_tokens=6), True),
+        (PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, stop=["zz"]), False),
+        (PROMPTS[1], SamplingParams(temperature=0, max_tokens=1), False),
+    ],
+)
+def test_prefill_streams_the_first_token_as_decode_will(
+    services: Any, reference: LLM, prompt: str, params: SamplingParams, streamed: bool
+) -> None:
+    """The early first token (for the router) is decode's first token and its text; not sent
+    when decode may hold text back for a stop string, or when that token ends the request."""
+    prefill, decode = services
+    ids = reference.tokenizer.encode(prompt)
+    expected = reference.generate([ids], params)[0]
+
+    async def main() -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
+        stream = decode.generate("first", ids, params)
+        grant = ReservationGrant(**(await anext(stream))["grant"])
+        early: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(prefill.prefill("first", ids, params, grant, first_token=early))
+        items = [item async for item in stream]
+        return await early, items, await task
+
+    early, items, outcome = asyncio.run(main())
+    assert [t for item in items for t in item["token_ids"]] == expected.token_ids
+    assert outcome["status"] == "sent"
+    if not streamed:
+        assert early is None
+        return
+    assert early["token_ids"] == outcome["first_token_ids"] == expected.token_ids[:1]
+    assert items[0]["token_ids"][:1] == early["token_ids"]
+    assert items[0]["text"].startswith(early["text"])
+    assert expected.text.startswith(early["text"])
+
+
 def test_stop_string_and_seeded_sampling_match(services: Any, reference: LLM) -> None:
     prefill, decode = services
     prompt = reference.tokenizer.encode(PROMPTS[1])
