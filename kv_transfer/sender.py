@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class _Outgoing:
     request: Request
     params: SamplingParams  # the request's own; the prefill engine runs it with max_tokens=1
-    grant: ReservationGrant
+    grant: ReservationGrant | None  # None until `attach_grant`
     next_block: int
     next_chunk: int = 0
     unacked: dict[int, list[int]] = field(default_factory=dict)  # chunk index -> pinned blocks
@@ -59,6 +59,7 @@ class KVSender:
         self.clock = clock
         self.layout = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
         self.outgoing: dict[str, _Outgoing] = {}
+        self._events: list[TransferEvent] = []  # ended outside a poll, reported by the next
         self.num_chunks_sent = 0
         self.num_bytes_sent = 0  # page bytes handed to the transport
         self.num_transfers_done = 0  # requests whose pages all arrived ("sent")
@@ -70,24 +71,51 @@ class KVSender:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        grant: ReservationGrant,
+        grant: ReservationGrant | None,
         priority: int = 0,
     ) -> None:
         """Queues the prompt for prefill; its pages go to the reservation `grant` describes.
+        With no grant yet, prefill runs and its blocks wait (kept) until `attach_grant`.
         `priority` orders the engine's waiting queue (lower first)."""
+        if grant is not None:
+            self._check_grant(len(prompt_token_ids), grant)
         prefill_params = params.model_copy(update={"max_tokens": 1, "stop": None})
         req = self.engine.add_request(
             prompt_token_ids, prefill_params, request_id=request_id, keep_kv=True, priority=priority
         )
-        expected = (
-            math.ceil(len(prompt_token_ids) / self.engine.config.block_size) - grant.num_hit_blocks
+        self.outgoing[request_id] = _Outgoing(
+            req, params, grant, next_block=grant.num_hit_blocks if grant else 0
         )
+
+    def attach_grant(self, request_id: str, grant: ReservationGrant) -> None:
+        """The reservation of a request started without one: what prefill completed so far
+        streams now. A reservation that does not fit the prompt fails the request."""
+        out = self.outgoing.get(request_id)
+        if out is None or out.cancelling:
+            raise KeyError(f"no prefill of {request_id!r} waits for a reservation")
+        if out.grant is not None:
+            raise ValueError(f"{request_id!r} already has a reservation")
+        try:
+            self._check_grant(out.request.num_prompt_tokens, grant)
+        except ValueError as exc:
+            self._events.append(self._close(out, "failed", str(exc)))
+            raise
+        out.grant = grant
+        out.next_block = grant.num_hit_blocks
+        self._stream(out)
+
+    @property
+    def awaiting_replies(self) -> bool:
+        """Some transfer is under way with a decode worker (acknowledgements will come)."""
+        return any(out.grant is not None for out in self.outgoing.values())
+
+    def _check_grant(self, num_prompt_tokens: int, grant: ReservationGrant) -> None:
+        expected = math.ceil(num_prompt_tokens / self.engine.config.block_size)
+        expected -= grant.num_hit_blocks
         if len(grant.dst_block_ids) != expected:
-            self.engine.abort(request_id)
             raise ValueError(
                 f"reservation has {len(grant.dst_block_ids)} blocks, prompt needs {expected}"
             )
-        self.outgoing[request_id] = _Outgoing(req, params, grant, next_block=grant.num_hit_blocks)
 
     def cancel(self, request_id: str) -> bool:
         """Prefill-side cancel: stops prefill, tells the receiver, unpins once it acknowledges."""
@@ -95,6 +123,9 @@ class KVSender:
         if out is None or out.cancelling:
             return False
         out.cancelling = True
+        if out.grant is None:  # no receiver knows of it yet: nothing to acknowledge
+            self._events.append(self._close(out, "cancelled", "cancelled before reservation"))
+            return True
         self.transport.cancel(request_id)
         self.transport.send(out.grant.address, {"type": "cancel", "request_id": request_id})
         out.deadline = self.clock() + self.ack_timeout_s
@@ -120,18 +151,21 @@ class KVSender:
                     TransferEvent("first_token", result.request_id, tuple(result.new_token_ids))
                 )
         for out in list(self.outgoing.values()):
-            if not out.cancelling and not out.last_sent:
+            if not out.cancelling and not out.last_sent and out.grant is not None:
                 self._stream(out)
         events.extend(self.poll())
         return events
 
     def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
-        events = [e for m in self.transport.poll(timeout) if (e := self._handle(m)) is not None]
+        events, self._events = self._events, []
+        if events:
+            timeout = 0.0
+        events += [e for m in self.transport.poll(timeout) if (e := self._handle(m)) is not None]
         now = self.clock()
         for out in list(self.outgoing.values()):
             if now > out.deadline:
                 what = "cancel acknowledgement" if out.cancelling else "acknowledgement"
-                if not out.cancelling:  # tell the receiver we stopped (it may hold the blocks)
+                if not out.cancelling and out.grant is not None:  # tell the receiver we stopped
                     rid = out.request.request_id
                     self.transport.cancel(rid)
                     self.transport.send(out.grant.address, {"type": "cancel", "request_id": rid})
@@ -143,7 +177,8 @@ class KVSender:
         return events
 
     def _stream(self, out: _Outgoing) -> None:
-        req, bs = out.request, self.engine.config.block_size
+        req, bs, grant = out.request, self.engine.config.block_size, out.grant
+        assert grant is not None, "streams only once the reservation is known"
         if out.finished:
             end, last = math.ceil(req.num_prompt_tokens / bs), True
         else:
@@ -151,8 +186,8 @@ class KVSender:
         if end <= out.next_block and not last:
             return
         blocks = req.block_table[out.next_block : end]
-        offset = out.next_block - out.grant.num_hit_blocks
-        dst = out.grant.dst_block_ids[offset : offset + len(blocks)]
+        offset = out.next_block - grant.num_hit_blocks
+        dst = grant.dst_block_ids[offset : offset + len(blocks)]
         self.engine.block_manager.pin(blocks)
         manifest = ChunkManifest(
             request_id=req.request_id,
@@ -177,7 +212,7 @@ class KVSender:
         }
         if last:
             header["finished"] = self.first_token_ends(out)
-        self.transport.send(out.grant.address, header, blocks)
+        self.transport.send(grant.address, header, blocks)
         out.unacked[out.next_chunk] = blocks
         out.next_chunk += 1
         out.next_block = end

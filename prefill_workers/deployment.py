@@ -50,6 +50,7 @@ class PrefillWorker(WorkerDeployment):
     def rpc_handlers(self) -> dict[str, Handler]:
         return {
             "prefill": self.tracked(self._rpc_prefill),
+            "grant": self._rpc_grant,
             "kv_events": self._rpc_kv_events,
             "stats": self._rpc_stats,
         }
@@ -82,28 +83,28 @@ class PrefillWorker(WorkerDeployment):
         request_id: str,
         prompt_token_ids: list[int],
         params: dict[str, Any],
-        grant: dict[str, Any],
+        grant: dict[str, Any] | None = None,
         priority: int = 0,
         stream_first_token: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
         """The outcome (sent | failed | cancelled, first token ids, timings) as the last item;
         with `stream_first_token`, first {"type": "first_token", "token_ids", "text"} as soon
-        as it is sampled (when it can be streamed from here)."""
+        as it is sampled (when it can be streamed from here). Without `grant`, prefill starts
+        at once and the pages wait for a `grant` call with decode's reservation."""
         start = time.monotonic()
         loop = asyncio.get_running_loop()
         first: asyncio.Future[dict[str, Any] | None] | None = (
             loop.create_future() if stream_first_token else None
         )
-        task = asyncio.ensure_future(
-            self.service.prefill(
-                request_id,
-                prompt_token_ids,
-                SamplingParams(**params),
-                ReservationGrant(**grant),
-                priority,
-                first_token=first,
-            )
+        future = self.service.begin(  # queued now, before a `grant` call can arrive
+            request_id,
+            prompt_token_ids,
+            SamplingParams(**params),
+            ReservationGrant(**grant) if grant is not None else None,
+            priority,
+            first_token=first,
         )
+        task = asyncio.ensure_future(self.service.outcome(request_id, future))
         try:
             if first is not None:
                 waiting: set[asyncio.Future[Any]] = {task, first}
@@ -119,3 +120,14 @@ class PrefillWorker(WorkerDeployment):
             tail = float(outcome.get("timings", {}).get("transfer_tail_s", 0.0))
             self.ttft_ms.add((time.monotonic() - start - tail) * 1000)
         yield outcome
+
+    async def _rpc_grant(
+        self, request_id: str, grant: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Decode's reservation for a prefill started without one: {"ok"} or {"error"}."""
+        try:
+            await self.service.attach_grant(request_id, ReservationGrant(**grant))
+        except (KeyError, ValueError) as exc:
+            yield {"ok": False, "error": str(exc)}
+            return
+        yield {"ok": True}

@@ -73,12 +73,28 @@ class PrefillService(WorkerLoop):
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        grant: ReservationGrant,
+        grant: ReservationGrant | None,
         priority: int = 0,
         first_token: asyncio.Future[dict[str, Any] | None] | None = None,
     ) -> dict[str, Any]:
         """Prefills and streams; returns {status: sent|failed|cancelled, first_token_ids, error,
         timings}. Cancelling the awaiting task cancels the request (and tells decode).
+        See `begin` for the arguments."""
+        future = self.begin(request_id, prompt_token_ids, params, grant, priority, first_token)
+        return await self.outcome(request_id, future)
+
+    def begin(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        grant: ReservationGrant | None,
+        priority: int = 0,
+        first_token: asyncio.Future[dict[str, Any] | None] | None = None,
+    ) -> asyncio.Future[dict[str, Any]]:
+        """Queues the request now (an `attach_grant` queued after this finds it); await its
+        outcome with `outcome`. With `grant=None`, prefill runs while decode reserves and the
+        pages go out once `attach_grant` brings the reservation.
 
         `first_token`, if given, gets {"token_ids", "text"} as soon as the first token is
         sampled, or None when it cannot be streamed from here: the request has stop strings
@@ -87,16 +103,30 @@ class PrefillService(WorkerLoop):
         future: asyncio.Future[dict[str, Any]] = loop.create_future()
 
         def start() -> None:
-            self.sender.start(request_id, prompt_token_ids, params, grant, priority)
+            try:
+                self.sender.start(request_id, prompt_token_ids, params, grant, priority)
+            except Exception as exc:
+                resolve(loop, future, exc)
+                return
             self._pending[request_id] = _Pending(loop, future, first_token=first_token)
 
+        self.post(start)
+        return future
+
+    async def outcome(
+        self, request_id: str, future: asyncio.Future[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Awaits what `begin` returned; cancelling this cancels the request."""
         try:
-            await self.submit(start)
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             # commands run in order: this cancel runs after `start`, whenever it was cancelled
             self.post(lambda: self._cancel(request_id))
             raise
+
+    async def attach_grant(self, request_id: str, grant: ReservationGrant) -> None:
+        """The decode worker's reservation for a prefill started without one."""
+        await self.submit(lambda: self.sender.attach_grant(request_id, grant))
 
     def _cancel(self, request_id: str) -> bool:
         return request_id in self.sender.outgoing and self.sender.cancel(request_id)
@@ -105,11 +135,11 @@ class PrefillService(WorkerLoop):
     def run_once(self) -> None:
         if self.engine.has_unfinished_requests():
             events = self._timed_step()
-        elif self.sender.outgoing:
+        elif self.sender.awaiting_replies:
             events = self.sender.poll(timeout=0.001)
-        else:
+        else:  # idle, or prefilled and waiting for reservations: commands wake it at once
             self.wait_for_command()
-            return
+            events = self.sender.poll()  # e.g. a cancel before the reservation ended one
         for event in events:
             self._on_event(event)
 

@@ -2,7 +2,8 @@
 
 1. A streaming call to a decode replica reserves blocks and yields the reservation grant; the
    same call then yields the request's tokens, so reservation and decode share one replica.
-2. The grant goes to a prefill replica, which prefills and streams pages straight to decode.
+   The prefill call starts at the same time: prefill computes while decode reserves.
+2. The grant goes to the prefill replica, which streams pages straight to decode.
    It sends the first token back as soon as it is sampled: that is the caller's first token.
 3. Further tokens flow from decode to the caller. If prefill fails first, the decode stream is closed.
 Leaving early (client gone, error, timeout) cancels both calls; the workers release their
@@ -91,23 +92,26 @@ class PDOrchestrator:
         _open_decode(plan, request_id, prompt_token_ids, params, priority)
         if plan.prefill is None:
             return
-        for attempt in range(MAX_DRAIN_RETRIES + 1):
-            stream = plan.decode_stream
-            try:
-                first = await _next(stream, plan.decode)
-                if first["type"] == "error" and not (
-                    first.get("code") == DRAINING and attempt < MAX_DRAIN_RETRIES
-                ):
+        # Prefill computes while decode reserves; its pages wait for the grant.
+        call = _start_prefill(plan.prefill, request_id, prompt_token_ids, params, None, priority)
+        plan.prefill_call = call
+        try:
+            for attempt in range(MAX_DRAIN_RETRIES + 1):
+                first = await _next(plan.decode_stream, plan.decode)
+                if first["type"] != "error":
+                    break
+                if first.get("code") != DRAINING or attempt == MAX_DRAIN_RETRIES:
                     raise _worker_error(first)
-            except BaseException:
-                await _to_completion(stream.aclose())
-                raise
-            if first["type"] != "error":
-                break
-            await stream.aclose()
-            await self._move(plan, "decode")
-            _open_decode(plan, request_id, prompt_token_ids, params, priority)
+                await plan.decode_stream.aclose()
+                await self._move(plan, "decode")
+                _open_decode(plan, request_id, prompt_token_ids, params, priority)
+        except BaseException:
+            await _to_completion(_close_calls({call.task, call.early}, plan.decode_stream))
+            raise
         plan.grant = first["grant"]
+        call.grant_task = asyncio.ensure_future(
+            _send_grant(plan.prefill, request_id, first["grant"])
+        )
         timings.mark("reserved")
 
     async def _move(self, plan: RoutePlan, role: str) -> None:
@@ -147,30 +151,22 @@ class PDOrchestrator:
         try:
             prefill_task: asyncio.Future[Any] | None = None
 
-            def start_prefill() -> asyncio.Future[Any]:
+            def start_prefill(call: _PrefillCall | None = None) -> asyncio.Future[Any]:
                 nonlocal early
                 assert plan.prefill is not None
                 if early is not None:
                     pending.discard(early)
                     early.cancel()
-                early = asyncio.get_running_loop().create_future()
-                pending.add(early)
-                task = asyncio.ensure_future(
-                    _prefill(
-                        plan.prefill,
-                        request_id,
-                        prompt_token_ids,
-                        params,
-                        plan.grant,
-                        priority,
-                        early,
+                if call is None:  # with the grant: nothing started on this worker yet
+                    call = _start_prefill(
+                        plan.prefill, request_id, prompt_token_ids, params, plan.grant, priority
                     )
-                )
-                pending.add(task)
-                return task
+                early = call.early
+                pending.update((early, call.task))
+                return call.task
 
             if plan.prefill is not None:
-                prefill_task = start_prefill()
+                prefill_task = start_prefill(plan.prefill_call)
             next_item = asyncio.ensure_future(_next(stream, plan.decode))
             pending.add(next_item)
             while True:
@@ -240,6 +236,9 @@ class PDOrchestrator:
                 next_item = asyncio.ensure_future(_next(stream, plan.decode))
                 pending.add(next_item)
         finally:
+            call = plan.prefill_call
+            if call is not None and call.grant_task is not None:
+                pending.add(call.grant_task)
             try:
                 await _to_completion(_close_calls(pending, stream))
             finally:
@@ -305,12 +304,44 @@ async def _next(stream: AsyncGenerator[dict[str, Any], None], worker: Worker) ->
         raise unavailable(f"decode worker {worker.worker_id}: {exc}", "decode_failed") from None
 
 
+@dataclass
+class _PrefillCall:
+    task: asyncio.Future[dict[str, Any]]  # the outcome
+    early: asyncio.Future[dict[str, Any]]  # the first token, streamed as soon as sampled
+    grant_task: asyncio.Future[None] | None = None  # hands decode's reservation over
+
+
+def _start_prefill(
+    worker: Worker,
+    request_id: str,
+    prompt: list[int],
+    params: dict[str, Any],
+    grant: dict[str, Any] | None,
+    priority: int,
+) -> _PrefillCall:
+    early: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(
+        _prefill(worker, request_id, prompt, params, grant, priority, early)
+    )
+    return _PrefillCall(task, early)
+
+
+async def _send_grant(worker: Worker, request_id: str, grant: dict[str, Any]) -> None:
+    """A refusal is the prefill call's to report (its outcome), so it is only logged here."""
+    try:
+        reply = await worker.client.call("grant", request_id=request_id, grant=grant)
+    except RPCError as exc:
+        reply = {"ok": False, "error": str(exc)}
+    if not reply.get("ok"):
+        logger.info("grant for %s not taken by %s: %s", request_id, worker.worker_id, reply)
+
+
 async def _prefill(
     worker: Worker,
     request_id: str,
     prompt: list[int],
     params: dict[str, Any],
-    grant: Any,
+    grant: dict[str, Any] | None,
     priority: int,
     first_token: asyncio.Future[dict[str, Any]],
 ) -> dict[str, Any]:

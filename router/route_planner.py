@@ -50,6 +50,7 @@ class RoutePlan:
     decode_tokens: int = 0  # prompt + max_tokens, held on the decode worker's queue
     decode_stream: Any = None  # the request's open decode call (`PDOrchestrator.reserve`)
     grant: dict[str, Any] | None = None  # the decode worker's reservation
+    prefill_call: Any = None  # the prefill call started with the reservation (PDOrchestrator)
     hold_timer: asyncio.TimerHandle | None = None  # releases a plan whose request never ran
     _released_prefill: bool = False
     _released: bool = False

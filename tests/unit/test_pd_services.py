@@ -259,3 +259,57 @@ def test_stop_reason_of_a_stop_token_reaches_the_stream(services: Any, reference
     expected = reference.generate([prompt], params)[0]
     assert tokens == expected.token_ids
     assert (last["finish_reason"], last["stop_reason"]) == ("stop", expected.stop_reason)
+
+
+def test_prefill_runs_before_the_reservation_arrives(services: Any, reference: LLM) -> None:
+    """Prefill computes while decode reserves: the pages wait (kept) for `attach_grant`."""
+    prefill, decode = services
+    ids = reference.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = reference.generate([ids], params)[0]
+
+    async def main() -> tuple[list[int], dict[str, Any], dict[str, Any]]:
+        early: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(prefill.prefill("later", ids, params, None, first_token=early))
+        first = await asyncio.wait_for(early, 10)  # prefill done, nothing reserved yet
+        assert (await prefill.get_stats())["num_transfers"] == 1
+        stream = decode.generate("later", ids, params)
+        grant = ReservationGrant(**(await anext(stream))["grant"])
+        await prefill.attach_grant("later", grant)
+        tokens = [t async for item in stream for t in item["token_ids"]]
+        return tokens, first, await task
+
+    tokens, first, outcome = asyncio.run(main())
+    assert tokens == expected.token_ids
+    assert first["token_ids"] == expected.token_ids[:1]
+    assert outcome["status"] == "sent"
+    asyncio.run(wait_idle(prefill, decode))
+
+
+def test_cancel_or_bad_grant_before_the_reservation_releases_prefill(
+    services: Any, reference: LLM
+) -> None:
+    prefill, decode = services
+    ids = reference.tokenizer.encode(PROMPTS[3])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def main() -> dict[str, Any]:
+        task = asyncio.create_task(prefill.prefill("c", ids, params, None))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_idle(prefill, decode)
+        task = asyncio.create_task(prefill.prefill("g", ids, params, None))
+        await asyncio.sleep(0.05)
+        bad = ReservationGrant("g", decode.address, [1], 0, 30.0)
+        with pytest.raises(ValueError, match="reservation has 1 blocks"):
+            await prefill.attach_grant("g", bad)
+        with pytest.raises(KeyError):
+            await prefill.attach_grant("unknown", bad)
+        return await asyncio.wait_for(task, 10)
+
+    outcome = asyncio.run(main())
+    assert outcome["status"] == "failed" and "reservation has 1 blocks" in outcome["error"]
+    p, _ = asyncio.run(wait_idle(prefill, decode))
+    assert p["num_transfers"] == 0
