@@ -70,22 +70,8 @@ def paged_attention_auto(
     max_context_len: int | None = None,
 ) -> torch.Tensor:
     """Paged attention on the tensors' device (contract: ``tandem.kernels.paged_attention``)."""
-    if query.is_cuda and _use_triton_on_cuda():
-        attention, _ = triton_kernels()
-        out: torch.Tensor = attention(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            context_lens,
-            query_start_loc,
-            scale,
-            sliding_window=sliding_window,
-            max_query_len=max_query_len,
-            max_context_len=max_context_len,
-        )
-        return out
-    return paged_attention_cpu(
+    attention = triton_kernels()[0] if query.is_cuda and _use_triton_on_cuda() else None
+    out: torch.Tensor = (attention or paged_attention_cpu)(
         query,
         k_cache,
         v_cache,
@@ -94,7 +80,10 @@ def paged_attention_auto(
         query_start_loc,
         scale,
         sliding_window=sliding_window,
+        max_query_len=max_query_len,
+        max_context_len=max_context_len,
     )
+    return out
 
 
 def write_kv_auto(
@@ -105,8 +94,5 @@ def write_kv_auto(
     slot_mapping: torch.Tensor,
 ) -> None:
     """The KV-cache write on the tensors' device (contract: ``tandem.kernels.write_kv``)."""
-    if key.is_cuda and _use_triton_on_cuda():
-        _, write = triton_kernels()
-        write(k_cache, v_cache, key, value, slot_mapping)
-        return
-    write_kv(k_cache, v_cache, key, value, slot_mapping)
+    write = triton_kernels()[1] if key.is_cuda and _use_triton_on_cuda() else write_kv
+    write(k_cache, v_cache, key, value, slot_mapping)
