@@ -187,11 +187,9 @@ class DecodeService(WorkerLoop):
             req = self.engine.requests[event.request_id]
             stream.request = req
             if req.output_text is None:
-                req.output_text = OutputText(
-                    IncrementalDetokenizer(self.engine.tokenizer, req.prompt_token_ids)
+                req.output_text = OutputText.after(
+                    self.engine.tokenizer, req.prompt_token_ids, req.output_token_ids
                 )
-                for token in req.output_token_ids:
-                    req.output_text.add(token)
             text = self.engine.output_processor.text_delta(req, finished=False)
             stream.put({"type": "tokens", "token_ids": list(event.token_ids), "text": text})
         elif event.kind == "finished_early":

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.errors import InvalidRequestError, TandemError
 from tandem.engine.hashing import hash_full_blocks
 from tandem.engine.kv_blocks import KVBlocks
@@ -102,14 +101,11 @@ def commit_request(
     bs = engine.config.block_size
     output_text = None
     if stream_text or params.stop:
-        output_text = OutputText(IncrementalDetokenizer(engine.tokenizer, prompt_token_ids))
+        output_text = OutputText.after(engine.tokenizer, prompt_token_ids, output_token_ids)
     req = Request(
         request_id, prompt_token_ids, params, engine.eos_token_ids, output_text=output_text
     )
     req.token_ids.extend(output_token_ids)
-    if output_text is not None:
-        for token in output_token_ids:
-            output_text.add(token)
     if req.generator is not None and sampler_state is not None:
         req.generator.set_state(sampler_state)
     req.block_table = block_table

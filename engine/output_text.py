@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.tokenizer import Tokenizer
 
 
 class OutputText:
@@ -15,6 +18,16 @@ class OutputText:
         self.text = ""
         self.checked_len = 0
         self.emitted_len = 0
+
+    @classmethod
+    def after(
+        cls, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], token_ids: Sequence[int] = ()
+    ) -> OutputText:
+        """The text of `token_ids` generated after the prompt (nothing streamed yet)."""
+        text = cls(IncrementalDetokenizer(tokenizer, prompt_token_ids))
+        for token in token_ids:
+            text.add(token)
+        return text
 
     def add(self, token_id: int) -> None:
         self.text += self.detokenizer.step([token_id])

@@ -105,6 +105,12 @@ class KVSender:
         self._stream(out)
 
     @property
+    def has_events(self) -> bool:
+        """Something ended outside a poll (a cancel before the reservation) and waits to be
+        reported by the next `poll`."""
+        return bool(self._events)
+
+    @property
     def awaiting_replies(self) -> bool:
         """Some transfer is under way with a decode worker (acknowledgements will come)."""
         return any(out.grant is not None for out in self.outgoing.values())

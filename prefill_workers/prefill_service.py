@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.engine_stats import engine_queue_stats, scheduling_stages
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
@@ -137,9 +136,11 @@ class PrefillService(WorkerLoop):
             events = self._timed_step()
         elif self.sender.awaiting_replies:
             events = self.sender.poll(timeout=0.001)
+        elif self.sender.has_events:
+            events = self.sender.poll()
         else:  # idle, or prefilled and waiting for reservations: commands wake it at once
             self.wait_for_command()
-            events = self.sender.poll()  # e.g. a cancel before the reservation ended one
+            return
         for event in events:
             self._on_event(event)
 
@@ -197,11 +198,9 @@ class PrefillService(WorkerLoop):
         out = self.sender.outgoing.get(event.request_id)
         if out is None or out.params.stop or self.sender.first_token_ends(out):
             return None
-        text = OutputText(
-            IncrementalDetokenizer(self.engine.tokenizer, out.request.prompt_token_ids)
+        text = OutputText.after(
+            self.engine.tokenizer, out.request.prompt_token_ids, event.token_ids
         )
-        for token in event.token_ids:
-            text.add(token)
         return {"token_ids": list(event.token_ids), "text": text.text}
 
     def stats(self) -> dict[str, Any]:
