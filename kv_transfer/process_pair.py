@@ -17,6 +17,12 @@ from typing import Any
 TOKEN = "two-process-token"
 
 
+def _stamped(event: Any, **extra: Any) -> dict[str, Any]:
+    """The event as a dict with `at`: when this process saw it (`time.perf_counter()`, one
+    clock for every process of the machine, so owners can time hops between processes)."""
+    return {**event._asdict(), "at": time.perf_counter(), **extra}
+
+
 def _setup(
     model: str, transport_name: str, options: dict[str, Any], threads: int, **llm_kwargs: Any
 ) -> tuple[Any, Any]:
@@ -79,7 +85,7 @@ def decode_main(
                         )
                     )
             for event in receiver.poll(timeout=0.002):
-                conn.send(("event", event._asdict()))
+                conn.send(("event", _stamped(event)))
             if engine.has_unfinished_requests():
                 for out in engine.step():
                     tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -125,10 +131,14 @@ def prefill_main(
                 if cmd == "start":
                     rid, prompt, params, grant = args
                     sender.start(rid, prompt, SamplingParams(**params), ReservationGrant(**grant))
-            busy = engine.has_unfinished_requests()
-            events = sender.step() if busy else sender.poll(timeout=0.002)
+            if engine.has_unfinished_requests():
+                for event in sender.compute():  # first tokens out before the last pages go
+                    conn.send(("event", _stamped(event, send_work_s=sender.send_work_s)))
+                events = sender.stream()
+            else:
+                events = sender.poll(timeout=0.002)
             for event in events:
-                conn.send(("event", event._asdict()))
+                conn.send(("event", _stamped(event, send_work_s=sender.send_work_s)))
     finally:
         transport.close()
 

@@ -22,7 +22,7 @@ from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.base import KVTransport, Message
 from tandem.kv_transfer.events import TransferEvent
-from tandem.kv_transfer.manifest import ChunkManifest, KVLayout, encode_state, pages_checksum
+from tandem.kv_transfer.manifest import KVLayout, encode_state, pages_checksum
 from tandem.kv_transfer.receiver import ReservationGrant
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ class KVSender:
         self._events: list[TransferEvent] = []  # ended outside a poll, reported by the next
         self.num_chunks_sent = 0
         self.num_bytes_sent = 0  # page bytes handed to the transport
+        self.send_work_s = 0.0  # time the caller's thread spent handing pages over (not copies
+        # a transport makes on its own threads)
         self.num_transfers_done = 0  # requests whose pages all arrived ("sent")
         self.num_transfers_failed = 0  # ended by an error or a timeout (not a cancel)
         transport.register_pool(engine.kv_pool)
@@ -103,6 +105,16 @@ class KVSender:
         out.grant = grant
         out.next_block = grant.num_hit_blocks
         self._stream(out)
+
+    @property
+    def layout(self) -> KVLayout:
+        """What every manifest declares about the pages (the receiver refuses a mismatch)."""
+        return self._layout
+
+    @layout.setter
+    def layout(self, layout: KVLayout) -> None:
+        self._layout = layout
+        self._layout_json = layout.model_dump(mode="json")
 
     @property
     def has_events(self) -> bool:
@@ -148,6 +160,11 @@ class KVSender:
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[TransferEvent]:
         """One engine step, then streams what it completed and handles replies."""
+        return self.compute() + self.stream()
+
+    def compute(self) -> list[TransferEvent]:
+        """One engine step: a `first_token` event for each prefill it ended. A caller that
+        hands first tokens on before their last pages go calls `stream()` after that."""
         events: list[TransferEvent] = []
         for result in self.engine.step():
             out = self.outgoing.get(result.request_id)
@@ -156,11 +173,14 @@ class KVSender:
                 events.append(
                     TransferEvent("first_token", result.request_id, tuple(result.new_token_ids))
                 )
+        return events
+
+    def stream(self) -> list[TransferEvent]:
+        """Sends the pages the steps so far completed, then handles replies."""
         for out in list(self.outgoing.values()):
             if not out.cancelling and not out.last_sent and out.grant is not None:
                 self._stream(out)
-        events.extend(self.poll())
-        return events
+        return self.poll()
 
     def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
         events, self._events = self._events, []
@@ -183,6 +203,13 @@ class KVSender:
         return events
 
     def _stream(self, out: _Outgoing) -> None:
+        start = time.perf_counter()
+        try:
+            self._send_chunk(out)
+        finally:
+            self.send_work_s += time.perf_counter() - start
+
+    def _send_chunk(self, out: _Outgoing) -> None:
         req, bs, grant = out.request, self.engine.config.block_size, out.grant
         assert grant is not None, "streams only once the reservation is known"
         if out.finished:
@@ -195,26 +222,28 @@ class KVSender:
         offset = out.next_block - grant.num_hit_blocks
         dst = grant.dst_block_ids[offset : offset + len(blocks)]
         self.engine.block_manager.pin(blocks)
-        manifest = ChunkManifest(
-            request_id=req.request_id,
-            layout=self.layout,
-            chunk_index=out.next_chunk,
-            last=last,
-            num_tokens=min(end * bs, req.num_prompt_tokens) if last else end * bs,
-            src_block_ids=blocks,
-            dst_block_ids=dst,
-            checksum=pages_checksum(self.engine.kv_pool.export_blocks(blocks))
+        # A `ChunkManifest` as JSON, written out directly: this runs on the engine's thread
+        # between steps, on the prefill's critical path (the receiver validates the model).
+        manifest: dict[str, Any] = {
+            "request_id": req.request_id,
+            "layout": self._layout_json,
+            "chunk_index": out.next_chunk,
+            "last": last,
+            "num_tokens": min(end * bs, req.num_prompt_tokens) if last else end * bs,
+            "src_block_ids": list(blocks),
+            "dst_block_ids": list(dst),
+            "checksum": pages_checksum(self.engine.kv_pool.export_blocks(blocks))
             if self.checksums and blocks
             else None,
-            first_token_ids=req.output_token_ids if last else [],
-            sampler_state=encode_state(req.generator.get_state())
+            "first_token_ids": list(req.output_token_ids) if last else [],
+            "sampler_state": encode_state(req.generator.get_state())
             if last and req.generator
             else None,
-        )
+        }
         header: dict[str, Any] = {
             "type": "pages",
             "request_id": req.request_id,
-            "manifest": manifest.model_dump(mode="json"),
+            "manifest": manifest,
         }
         if last:
             header["finished"] = self.first_token_ends(out)

@@ -145,16 +145,18 @@ class PrefillService(WorkerLoop):
             self._on_event(event)
 
     def _timed_step(self) -> list[TransferEvent]:
-        """One step, measuring prompt tokens computed per second (for admission control)."""
+        """One step, measuring prompt tokens computed per second (for admission control).
+        First tokens go to their callers before the step's pages are handed to the transport."""
         start = time.perf_counter()
-        events = self.sender.step()
+        for event in self.sender.compute():
+            self._on_event(event)
         elapsed = time.perf_counter() - start
         done = self.engine.last_step_tokens
         if done > 1 and elapsed > 0:  # prefill work, not a lone sampled token
             rate = done / elapsed
             old = self.prefill_tokens_per_s
             self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
-        return events
+        return self.sender.stream()
 
     def _on_event(self, event: TransferEvent) -> None:
         if event.kind == "cancelled":  # by the router (here) or by decode (over the transport)

@@ -10,7 +10,7 @@ from tandem import LLM, SamplingParams
 from tandem.kv_transfer.events import TransferEvent
 from tandem.kv_transfer.fake import FakeTransport
 from tandem.kv_transfer.local import LocalHub
-from tandem.kv_transfer.manifest import TransferError
+from tandem.kv_transfer.manifest import ChunkManifest, TransferError
 from tandem.kv_transfer.receiver import KVReceiver
 from tandem.kv_transfer.sender import KVSender
 
@@ -117,6 +117,47 @@ def test_streams_chunks_during_prefill_and_decodes_exactly(model: str, colocated
     assert statuses[0] < len(prompt), "the first chunk must leave before prefill finishes"
     first = next(e.token_ids for e in events if e.kind == "first_token")
     assert list(first) + pair.decode_all()["a"] == expect(colocated, prompt)
+    pair.idle()
+
+
+def test_manifests_are_written_as_the_model_dumps_them(model: str) -> None:
+    """The sender writes manifests as plain dicts (a hot path): each must equal what
+    `ChunkManifest` validates and dumps, field for field."""
+    pair = Pair(model)
+    sent: list[dict[str, Any]] = []
+    original = pair.p_transport.deliver
+
+    def spy(peer: str, message: Any) -> None:
+        if message.header.get("type") == "pages":
+            sent.append(message.header["manifest"])
+        original(peer, message)
+
+    pair.p_transport.deliver = spy  # type: ignore[method-assign]
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=4)
+    pair.start("m", prompt_of(16 * 20 + 3), seeded)
+    pair.pump()
+    assert len(sent) >= 3 and sent[-1]["last"] and sent[-1]["sampler_state"]
+    for wire in sent:
+        assert ChunkManifest.model_validate(wire).model_dump(mode="json") == wire
+    pair.decode_all()
+    pair.idle()
+
+
+def test_compute_hands_out_the_first_token_before_the_last_chunk_goes(model: str) -> None:
+    pair = Pair(model)
+    pair.start("f", prompt_of(16 * 3 + 2))
+    first: list[TransferEvent] = []
+    while not first:
+        first = [e for e in pair.sender.compute() if e.kind == "first_token"]
+        if not first:
+            pair.sender.stream()
+    assert not pair.sender.outgoing["f"].last_sent  # the last chunk is still to go
+    assert [e.kind for e in pair.sender.stream()] == []
+    assert pair.sender.outgoing["f"].last_sent
+    assert pair.sender.send_work_s > 0
+    pair.pump()
+    assert [e.kind for e in pair.events] == ["committed", "sent"]
+    pair.decode_all()
     pair.idle()
 
 
