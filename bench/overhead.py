@@ -6,8 +6,10 @@ and through the HTTP API (SSE; TTFT to the first chunk). The baseline runs the s
 this process with `LLMEngine.step()`, back to back, and again with the engine idle before each
 request as long as the cluster's prefill worker idles between requests (the decode time of the
 previous one): an engine that just woke computes a prefill about twice as slowly here (cold
-caches), which the cluster pays and a back-to-back loop does not. Prints p50/p99 of each and the
-differences; the JSON summary is the last line. Target: <= 2 ms p50 added per request.
+caches), which the cluster pays and a back-to-back loop does not. Last, a bare gRPC server with
+the same pause (`bench/grpc_floor.py`): the floor under any Python gRPC front end here. Prints
+p50/p99 of each and the differences; the JSON summary is the last line. Target: <= 2 ms p50
+added per request.
 
     python bench/overhead.py                       # embedded tiny model, 40 requests
     python bench/overhead.py --model PATH --requests 100 --max-tokens 64
@@ -31,6 +33,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import torch  # noqa: E402
 
 from tandem import LLM, SamplingParams  # noqa: E402
+from tandem.bench import grpc_floor  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
@@ -168,6 +171,10 @@ def main() -> None:
     idle_s = statistics.median(stages.get("decode_stream") or [0.0]) / 1e3
     idle = summary(*in_process(llm, prompts[3:], params, idle_s=idle_s, tag="-idle"))
     print(f"in-process LLM, idle {idle_s * 1e3:.1f} ms before each request: {idle}", flush=True)
+    floor_ms = round(
+        statistics.median(grpc_floor.measure(prompts[3], args.requests, idle_s)) * 1e3, 3
+    )
+    print(f"bare gRPC round trip (no cluster), same pause: p50 {floor_ms} ms", flush=True)
     cluster["http_ttft_p50_ms"] = round(pct(http_ttft, 50) * 1e3, 3)
     cluster["http_ttft_p99_ms"] = round(pct(http_ttft, 99) * 1e3, 3)
     print(f"cluster (gRPC, 1 prefill + 1 decode, {args.transport}): {cluster}", flush=True)
@@ -184,6 +191,8 @@ def main() -> None:
     }
     print(f"added by the cluster (p50): {added}  (target <= 2 ms)", flush=True)
     print(f"added vs the idle-paced in-process engine (p50): {added_vs_idle}", flush=True)
+    beyond = round(added_vs_idle["ttft_p50_ms"] - floor_ms, 3)
+    print(f"added beyond that engine and the bare gRPC round trip (p50): {beyond} ms", flush=True)
     result: dict[str, Any] = {
         "benchmark": "overhead",
         "model": Path(model).name,
@@ -197,6 +206,8 @@ def main() -> None:
         "target_met": added["ttft_p50_ms"] <= 2.0 and added["tpot_p50_ms"] <= 2.0,
         "in_process_idle": {"idle_ms": round(idle_s * 1e3, 3), **idle},
         "added_vs_idle_p50_ms": added_vs_idle,
+        "grpc_floor_idle_p50_ms": floor_ms,
+        "added_beyond_idle_engine_and_grpc_floor_p50_ms": beyond,
         "router_stages_p50_ms": stage_p50,
         "statistics": {"ttft_stdev_ms": round(statistics.pstdev(grpc_ttft) * 1e3, 3)},
     }

@@ -148,9 +148,14 @@ class PrefillService(WorkerLoop):
         """One step, measuring prompt tokens computed per second (for admission control).
         First tokens go to their callers before the step's pages are handed to the transport."""
         start = time.perf_counter()
-        for event in self.sender.compute():
-            self._on_event(event)
+        first_tokens = self.sender.compute()
         elapsed = time.perf_counter() - start
+        for event in first_tokens:
+            self._on_event(event)
+        if first_tokens:
+            # Drop the GIL once, so the event loop's thread (woken by `resolve`) sends the
+            # first tokens on now, not after this thread's pages, events and stats work.
+            time.sleep(0)
         done = self.engine.last_step_tokens
         if done > 1 and elapsed > 0:  # prefill work, not a lone sampled token
             rate = done / elapsed

@@ -89,13 +89,16 @@ class PDOrchestrator:
     ) -> None:
         """Opens the request's decode stream; with a prefill worker, waits for the decode
         worker's reservation (so "no room" is refused at arrival, 429). Kept on the plan."""
-        _open_decode(plan, request_id, prompt_token_ids, params, priority)
         if plan.prefill is None:
+            _open_decode(plan, request_id, prompt_token_ids, params, priority)
             return
-        # Prefill computes while decode reserves; its pages wait for the grant.
+        # Prefill computes while decode reserves; its pages wait for the grant. Its call goes
+        # out first (one loop turn before decode's): it is the longer way to the first token.
         call = _start_prefill(plan.prefill, request_id, prompt_token_ids, params, None, priority)
         plan.prefill_call = call
         try:
+            await asyncio.sleep(0)
+            _open_decode(plan, request_id, prompt_token_ids, params, priority)
             for attempt in range(MAX_DRAIN_RETRIES + 1):
                 first = await _next(plan.decode_stream, plan.decode)
                 if first["type"] != "error":
@@ -259,14 +262,15 @@ async def _to_completion(cleanup: Awaitable[None]) -> None:
 
 
 async def _close_calls(
-    pending: set[asyncio.Future[Any]], stream: AsyncGenerator[dict[str, Any], None]
+    pending: set[asyncio.Future[Any]], stream: AsyncGenerator[dict[str, Any], None] | None
 ) -> None:
-    """Cancels the request's calls in flight and closes its decode stream; closing a call
-    cancels it on its worker."""
+    """Cancels the request's calls in flight and closes its decode stream (if opened);
+    closing a call cancels it on its worker."""
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    await stream.aclose()
+    if stream is not None:
+        await stream.aclose()
 
 
 def _open_decode(
