@@ -111,7 +111,8 @@ def through_http(
         start = time.perf_counter()
         first = None
         with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body, stream=True) as r:
-            for line in r.iter_lines(chunk_size=None):  # lines as they arrive, not per 512 B
+            # chunk_size=None: lines as they arrive (the default waits for 512 bytes)
+            for line in r.iter_lines(chunk_size=None):  # type: ignore[call-overload]
                 if first is None and line.startswith(b"data: {"):
                     first = time.perf_counter()
                 if b"tandem_timings" in line:

@@ -90,6 +90,7 @@ class UcxTransport(KVTransport):
         self._worker = ucx_api.UCXWorker(context)
         self._address = "ucx:" + self._worker.address.tobytes().hex()
         self._pool: KVCachePool | None = None
+        self._pool_rows: np.ndarray | None = None  # the pool's blocks as rows of bytes (a view)
         self._lock = threading.Lock()  # every UCX call; all state but _commands and _inbox
         self._commands: deque[tuple[str, _Out]] = deque()  # appended to without the lock
         self._inbox: queue.Queue[Message] = queue.Queue()
@@ -124,6 +125,7 @@ class UcxTransport(KVTransport):
         if pool.device.type != "cpu":
             raise TransferError("the ucx transport moves CPU pools only")
         self._pool = pool
+        self._pool_rows = pool.tensor.view(torch.uint8).reshape(pool.num_blocks, -1).numpy()
 
     def send(self, peer: str, header: dict[str, Any], src_block_ids: Sequence[int] = ()) -> None:
         if self._closed:
@@ -244,7 +246,11 @@ class UcxTransport(KVTransport):
         out.deadline = time.monotonic() + self.send_timeout_s
         frames = [(np.frombuffer(bytearray(json.dumps(body).encode()), dtype=np.uint8), 0)]
         if pages is not None:
-            raw = pages.reshape(-1).view(torch.uint8).numpy()
+            raw = (
+                pages
+                if isinstance(pages, np.ndarray)
+                else pages.reshape(-1).view(torch.uint8).numpy()
+            )
             frames.append((raw, _PAGES | body["seq"] % _PAGES))
         for raw, low in frames:
             out.keep.append(raw)
@@ -272,12 +278,12 @@ class UcxTransport(KVTransport):
 
     def _submit(self, link: _Link, msg: _Out) -> _Out:
         seq, link.seq = link.seq, link.seq + 1
-        pages: torch.Tensor | None = None
+        pages: Any = None  # raw bytes (numpy) or a tensor
         meta: dict[str, Any] | None = None
         pool, n = self._pool, len(msg.block_ids)
-        if n and pool is not None:
+        if n and pool is not None and self._pool_rows is not None:
             if (start := _run_start(msg.block_ids)) is not None:
-                pages = pool.tensor[start : start + n]
+                pages = self._pool_rows[start : start + n].reshape(-1)  # numpy: no torch calls
             else:  # gather, reusing the last staging buffer (fresh memory page-faults: slow)
                 nbytes, spare, link.spare = n * pool.bytes_per_block, link.spare, None
                 if spare is None or spare.numel() < nbytes:
@@ -354,11 +360,12 @@ class UcxTransport(KVTransport):
         if pool is not None and isinstance(start, int) and meta.get("direct"):
             fits = (tuple(shape[1:]), dtype) == (pool.block_shape, pool.dtype)
             rx.direct = fits and 0 <= start <= pool.num_blocks - shape[0]
-        if rx.direct and pool is not None and isinstance(start, int):
-            target = pool.tensor[start : start + shape[0]]
+        if rx.direct and self._pool_rows is not None and isinstance(start, int):
+            raw = self._pool_rows[start : start + shape[0]].reshape(-1)  # numpy: no torch calls
         else:  # raises for absurd sizes: only authenticated peers get here
-            target = rx.pages = torch.empty(shape, dtype=dtype)
-        buffer = Array(target.reshape(-1).view(torch.uint8).numpy())
+            rx.pages = torch.empty(shape, dtype=dtype)
+            raw = rx.pages.reshape(-1).view(torch.uint8).numpy()
+        buffer = Array(raw)
         tag = _tag(conn_id, _PAGES | seq % _PAGES)
         rx.request = self._worker.tag_recv(buffer, tag, ucx_api.UCXXTagMaskFull)
 
