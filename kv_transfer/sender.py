@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.output_text import OutputText
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.base import KVTransport, Message
@@ -40,6 +41,7 @@ class _Outgoing:
     finished: bool = False
     cancelling: bool = False
     deadline: float = math.inf
+    stop_string_hit: bool | None = None  # the first token's text holds a stop string
 
 
 class KVSender:
@@ -151,11 +153,20 @@ class KVSender:
             self.engine.abort(request_id)
         return True
 
-    @staticmethod
-    def first_token_ends(out: _Outgoing) -> bool:
-        """The sampled first token already finishes the request (end of sequence, or one
-        token asked for); stop strings are decode's to check."""
-        return out.request.finish_reason == "stop" or out.params.max_tokens <= 1
+    def first_token_ends(self, out: _Outgoing) -> bool:
+        """The sampled first token already finishes the request: end of sequence, one token
+        asked for, or its text holds a stop string (the prefill engine runs without them)."""
+        if out.request.finish_reason == "stop" or out.params.max_tokens <= 1:
+            return True
+        params = out.params
+        if not params.stop or params.min_tokens > 1 or not out.request.output_token_ids:
+            return False
+        if out.stop_string_hit is None:
+            text = OutputText.after(
+                self.engine.tokenizer, out.request.prompt_token_ids, out.request.output_token_ids
+            ).text
+            out.stop_string_hit = any(stop in text for stop in params.stop)
+        return out.stop_string_hit
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[TransferEvent]:

@@ -10,6 +10,7 @@ import pytest
 
 from tandem import LLM
 from tandem.decode_workers.decode_service import DecodeService
+from tandem.engine.output_text import OutputText
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.local import LocalHub, LocalTransport
 from tandem.kv_transfer.receiver import ReservationGrant
@@ -174,6 +175,36 @@ def test_stop_string_and_seeded_sampling_match(services: Any, reference: LLM) ->
         assert tokens == expected.token_ids
         assert text == expected.text
         assert last["finish_reason"] == expected.finish_reason
+
+
+def test_stop_string_in_the_first_token_ends_the_request_as_colocated(
+    services: Any, reference: LLM
+) -> None:
+    """The prefill engine runs without stop strings: the first token's text is checked
+    against them before the last chunk goes, so decode computes nothing more."""
+    prefill, decode = services
+    checked = 0
+    candidates = [[(start * 13 + 7 * j) % 400 + 20 for j in range(40)] for start in range(40)]
+    for i, prompt in enumerate(candidates):
+        if checked == 2:
+            break
+        first = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
+        # the text the first token shows while streaming (a detokenizer may hold some back)
+        shown = OutputText.after(reference.tokenizer, prompt, first.token_ids).text
+        if not shown.strip():
+            continue
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[shown])
+        expected = reference.generate([prompt], params)[0]
+        assert expected.finish_reason == "stop" and expected.token_ids == first.token_ids
+        tokens, got, last, outcome = asyncio.run(run_pd(prefill, decode, f"f{i}", prompt, params))
+        assert tokens == expected.token_ids
+        assert got == expected.text == ""
+        assert last["finish_reason"] == "stop"
+        assert last["stop_reason"] == shown
+        assert outcome["status"] == "sent"
+        checked += 1
+    assert checked >= 2
+    asyncio.run(wait_idle(prefill, decode))
 
 
 def test_closing_the_stream_cancels_on_both_sides(services: Any, reference: LLM) -> None:
