@@ -203,14 +203,19 @@ class RPCClient:
                     self._writer.write(_frame({"id": call_id, "cancel": True}))
 
     async def call(self, method: str, **args: Any) -> dict[str, Any]:
-        """A unary call: the first (only) item."""
+        """A unary call: the first (only) item. Reads on to the call's end frame (it follows
+        the item at once), so the worker is not sent a cancel for a call that already ended."""
         gen = self.stream(method, **args)
+        first: dict[str, Any] | None = None
         try:
             async for item in gen:
-                return item
+                if first is None:
+                    first = item
         finally:
             await gen.aclose()
-        raise RPCError(f"{method} on {self.address} returned nothing")
+        if first is None:
+            raise RPCError(f"{method} on {self.address} returned nothing")
+        return first
 
     async def close(self) -> None:
         self.closed = True

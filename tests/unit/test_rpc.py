@@ -30,12 +30,25 @@ class Handlers:
             self.cancelled.append(name)
             raise
 
+    async def reply_then_tidy(self) -> AsyncIterator[dict[str, Any]]:
+        try:
+            yield {"ok": True}
+            await asyncio.sleep(0.05)  # work after the reply, before the call's end
+        except asyncio.CancelledError:
+            self.cancelled.append("reply_then_tidy")
+            raise
+
     async def boom(self) -> AsyncIterator[dict[str, Any]]:
         raise ValueError("bad things")
         yield {}
 
     def table(self) -> dict[str, Any]:
-        return {"count": self.count, "forever": self.forever, "boom": self.boom}
+        return {
+            "count": self.count,
+            "forever": self.forever,
+            "boom": self.boom,
+            "reply_then_tidy": self.reply_then_tidy,
+        }
 
 
 async def _serve(handlers: Handlers) -> tuple[RPCServer, str]:
@@ -56,6 +69,20 @@ def test_stream_call_and_errors() -> None:
             await client.call("nope")
         results = await asyncio.gather(*(client.call("count", n=i + 1) for i in range(20)))
         assert results == [{"i": 0}] * 20
+        await client.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_unary_call_reads_to_the_end_and_cancels_nothing() -> None:
+    async def main() -> None:
+        handlers = Handlers()
+        server, address = await _serve(handlers)
+        client = RPCClient(address, "secret")
+        assert await client.call("reply_then_tidy") == {"ok": True}
+        await asyncio.sleep(0.1)
+        assert handlers.cancelled == []
         await client.close()
         await server.close()
 
