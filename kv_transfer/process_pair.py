@@ -112,7 +112,9 @@ def prefill_main(
     engine, transport = _setup(
         model, transport_name, options, threads, max_num_batched_tokens=16 * chunk_blocks
     )
-    sender = KVSender(engine, transport, checksums=checksums, ack_timeout_s=10)
+    sender = KVSender(
+        engine, transport, checksums=checksums, ack_timeout_s=10, background_sends=True
+    )
     conn.send(("ready", transport.address))
     try:
         while True:
@@ -140,6 +142,7 @@ def prefill_main(
             for event in events:
                 conn.send(("event", _stamped(event, send_work_s=sender.send_work_s)))
     finally:
+        sender.close()
         transport.close()
 
 

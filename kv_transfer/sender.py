@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
 from tandem.engine.request import Request
@@ -25,6 +27,7 @@ from tandem.kv_transfer.base import KVTransport, Message
 from tandem.kv_transfer.events import TransferEvent
 from tandem.kv_transfer.manifest import KVLayout, encode_state, pages_checksum
 from tandem.kv_transfer.receiver import ReservationGrant
+from tandem.kv_transfer.send_thread import SendThread
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,21 @@ class _Outgoing:
     stop_string_hit: bool | None = None  # the first token's text holds a stop string
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """What a chunk's header says, taken on the engine's thread when the chunk is queued."""
+
+    request_id: str
+    chunk_index: int
+    last: bool
+    num_tokens: int
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    first_token_ids: list[int]
+    sampler_state: torch.Tensor | None
+    finished: bool | None  # last chunk only: the first token already ends the request
+
+
 class KVSender:
     def __init__(
         self,
@@ -53,7 +71,10 @@ class KVSender:
         ack_timeout_s: float = 10.0,
         checksums: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        background_sends: bool = False,
     ) -> None:
+        """`background_sends`: transport calls run on a `SendThread` (in order), so the engine's
+        thread only queues them; without it they run inline (simple to step through in tests)."""
         self.engine = engine
         self.transport = transport
         self.ack_timeout_s = ack_timeout_s
@@ -68,7 +89,29 @@ class KVSender:
         # a transport makes on its own threads)
         self.num_transfers_done = 0  # requests whose pages all arrived ("sent")
         self.num_transfers_failed = 0  # ended by an error or a timeout (not a cancel)
+        self._sends = SendThread() if background_sends else None
         transport.register_pool(engine.kv_pool)
+
+    def close(self) -> None:
+        """Lets queued transport calls finish (call before closing the transport)."""
+        if self._sends is not None:
+            self._sends.close()
+
+    def _post(self, request_id: str, call: Callable[[], object]) -> None:
+        if self._sends is None:
+            call()
+        else:
+            self._sends.post(request_id, call)
+
+    def _stop_and_tell(self, request_id: str, peer: str, kind: str) -> None:
+        """Drops the request's pages still queued in the transport, then sends `kind`
+        ("cancel": we stopped; "cancelled": we confirm the receiver's stop) to `peer`."""
+
+        def call() -> None:
+            self.transport.cancel(request_id)
+            self.transport.send(peer, {"type": kind, "request_id": request_id})
+
+        self._post(request_id, call)
 
     def start(
         self,
@@ -146,8 +189,7 @@ class KVSender:
         if out.grant is None:  # no receiver knows of it yet: nothing to acknowledge
             self._events.append(self._close(out, "cancelled", "cancelled before reservation"))
             return True
-        self.transport.cancel(request_id)
-        self.transport.send(out.grant.address, {"type": "cancel", "request_id": request_id})
+        self._stop_and_tell(request_id, out.grant.address, "cancel")
         out.deadline = self.clock() + self.ack_timeout_s
         if not out.request.is_finished:
             self.engine.abort(request_id)
@@ -198,14 +240,16 @@ class KVSender:
         if events:
             timeout = 0.0
         events += [e for m in self.transport.poll(timeout) if (e := self._handle(m)) is not None]
+        for rid, error in self._sends.failures() if self._sends is not None else ():
+            out = self.outgoing.get(rid or "")
+            if out is not None:
+                events.append(self._close(out, "failed", f"could not send: {error}"))
         now = self.clock()
         for out in list(self.outgoing.values()):
             if now > out.deadline:
                 what = "cancel acknowledgement" if out.cancelling else "acknowledgement"
                 if not out.cancelling and out.grant is not None:  # tell the receiver we stopped
-                    rid = out.request.request_id
-                    self.transport.cancel(rid)
-                    self.transport.send(out.grant.address, {"type": "cancel", "request_id": rid})
+                    self._stop_and_tell(out.request.request_id, out.grant.address, "cancel")
                 events.append(
                     self._close(
                         out, "failed", f"no {what} from the decode side in {self.ack_timeout_s}s"
@@ -233,32 +277,21 @@ class KVSender:
         offset = out.next_block - grant.num_hit_blocks
         dst = grant.dst_block_ids[offset : offset + len(blocks)]
         self.engine.block_manager.pin(blocks)
-        # A `ChunkManifest` as JSON, written out directly: this runs on the engine's thread
-        # between steps, on the prefill's critical path (the receiver validates the model).
-        manifest: dict[str, Any] = {
-            "request_id": req.request_id,
-            "layout": self._layout_json,
-            "chunk_index": out.next_chunk,
-            "last": last,
-            "num_tokens": min(end * bs, req.num_prompt_tokens) if last else end * bs,
-            "src_block_ids": list(blocks),
-            "dst_block_ids": list(dst),
-            "checksum": pages_checksum(self.engine.kv_pool.export_blocks(blocks))
-            if self.checksums and blocks
-            else None,
-            "first_token_ids": list(req.output_token_ids) if last else [],
-            "sampler_state": encode_state(req.generator.get_state())
-            if last and req.generator
-            else None,
-        }
-        header: dict[str, Any] = {
-            "type": "pages",
-            "request_id": req.request_id,
-            "manifest": manifest,
-        }
-        if last:
-            header["finished"] = self.first_token_ends(out)
-        self.transport.send(grant.address, header, blocks)
+        chunk = _Chunk(
+            request_id=req.request_id,
+            chunk_index=out.next_chunk,
+            last=last,
+            num_tokens=min(end * bs, req.num_prompt_tokens) if last else end * bs,
+            src_block_ids=list(blocks),
+            dst_block_ids=list(dst),
+            first_token_ids=list(req.output_token_ids) if last else [],
+            sampler_state=req.generator.get_state() if last and req.generator else None,
+            finished=self.first_token_ends(out) if last else None,
+        )
+        address = grant.address
+        self._post(
+            req.request_id, lambda: self.transport.send(address, self._header(chunk), blocks)
+        )
         out.unacked[out.next_chunk] = blocks
         out.next_chunk += 1
         out.next_block = end
@@ -267,13 +300,38 @@ class KVSender:
         self.num_chunks_sent += 1
         self.num_bytes_sent += len(blocks) * self.engine.kv_pool.bytes_per_block
 
+    def _header(self, chunk: _Chunk) -> dict[str, Any]:
+        """The chunk's message header: its `ChunkManifest` as JSON, written out directly (the
+        receiver validates it against the model)."""
+        manifest = {
+            "request_id": chunk.request_id,
+            "layout": self._layout_json,
+            "chunk_index": chunk.chunk_index,
+            "last": chunk.last,
+            "num_tokens": chunk.num_tokens,
+            "src_block_ids": chunk.src_block_ids,
+            "dst_block_ids": chunk.dst_block_ids,
+            "checksum": pages_checksum(self.engine.kv_pool.export_blocks(chunk.src_block_ids))
+            if self.checksums and chunk.src_block_ids
+            else None,
+            "first_token_ids": chunk.first_token_ids,
+            "sampler_state": encode_state(chunk.sampler_state),
+        }
+        header: dict[str, Any] = {
+            "type": "pages",
+            "request_id": chunk.request_id,
+            "manifest": manifest,
+        }
+        if chunk.finished is not None:
+            header["finished"] = chunk.finished
+        return header
+
     def _handle(self, message: Message) -> TransferEvent | None:
         header = message.header
         kind = header.get("type")
         rid = str(header.get("request_id", ""))
         if kind == "error":  # confirm we stopped, so the receiver may reuse the blocks it held
-            self.transport.cancel(rid)
-            self.transport.send(message.peer, {"type": "cancelled", "request_id": rid})
+            self._stop_and_tell(rid, message.peer, "cancelled")
         out = self.outgoing.get(rid)
         if out is None:
             return None
@@ -288,10 +346,7 @@ class KVSender:
         if kind == "cancelled":
             return self._close(out, "cancelled", "cancelled by prefill")
         if kind == "cancel":
-            self.transport.cancel(out.request.request_id)
-            self.transport.send(
-                message.peer, {"type": "cancelled", "request_id": out.request.request_id}
-            )
+            self._stop_and_tell(out.request.request_id, message.peer, "cancelled")
             return self._close(out, "cancelled", str(header.get("reason", "cancelled by decode")))
         if kind in ("error", "transport_error"):
             return self._close(out, "failed", str(header.get("error", "transfer error")))

@@ -55,7 +55,13 @@ class PrefillService(WorkerLoop):
         super().__init__(name, on_stats)
         self.engine = engine
         self.transport = transport
-        self.sender = KVSender(engine, transport, ack_timeout_s=ack_timeout_s, checksums=checksums)
+        self.sender = KVSender(
+            engine,
+            transport,
+            ack_timeout_s=ack_timeout_s,
+            checksums=checksums,
+            background_sends=True,  # the engine thread only queues each chunk's send
+        )
         self._pending: dict[str, _Pending] = {}
         self.num_cancelled = 0
         self.num_failed = 0
@@ -244,4 +250,5 @@ class PrefillService(WorkerLoop):
 
     def close(self) -> None:
         self.stop()
+        self.sender.close()
         self.transport.close()

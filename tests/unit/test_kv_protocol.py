@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -29,7 +30,13 @@ class Clock:
 class Pair:
     """A prefill engine + sender and a decode engine + receiver joined by fake transports."""
 
-    def __init__(self, model: str, decode_model: str | None = None, chunk_blocks: int = 8) -> None:
+    def __init__(
+        self,
+        model: str,
+        decode_model: str | None = None,
+        chunk_blocks: int = 8,
+        background_sends: bool = False,
+    ) -> None:
         self.clock = Clock()
         hub = LocalHub(TOKEN)
         self.prefill = LLM(
@@ -38,7 +45,14 @@ class Pair:
         self.decode = LLM(model=decode_model or model, num_kv_blocks=256).engine
         self.p_transport = FakeTransport(TOKEN, hub=hub)
         self.d_transport = FakeTransport(TOKEN, hub=hub)
-        self.sender = KVSender(self.prefill, self.p_transport, ack_timeout_s=5, clock=self.clock)
+        self.sender = KVSender(
+            self.prefill,
+            self.p_transport,
+            ack_timeout_s=5,
+            clock=self.clock,
+            background_sends=background_sends,
+        )
+        self.background = background_sends
         self.receiver = KVReceiver(
             self.decode, self.d_transport, lease_s=5, stall_timeout_s=5, clock=self.clock
         )
@@ -49,7 +63,11 @@ class Pair:
         self.sender.start(rid, prompt, params, grant)
 
     def pump(self, steps: int = 200) -> list[TransferEvent]:
+        if self.background:  # messages arrive a little later: give them time
+            steps *= 10
         for _ in range(steps):
+            if self.background:
+                time.sleep(0.001)
             self.events += self.sender.step()
             self.events += self.receiver.poll()
             self.events += self.sender.poll()
@@ -159,6 +177,48 @@ def test_compute_hands_out_the_first_token_before_the_last_chunk_goes(model: str
     assert [e.kind for e in pair.events] == ["committed", "sent"]
     pair.decode_all()
     pair.idle()
+
+
+def test_background_sends_stream_exactly_and_keep_the_order(model: str, colocated: LLM) -> None:
+    """With the transport calls on a `SendThread` (as prefill workers run): same chunks, same
+    order, same tokens; a cancel posted after queued chunks reaches the receiver after them."""
+    pair = Pair(model, background_sends=True)
+    prompt = prompt_of(16 * 30 + 1)
+    pair.start("bg", prompt)
+    events = pair.pump()
+    assert [e.kind for e in events if e.request_id == "bg"] == ["first_token", "committed", "sent"]
+    first = next(e.token_ids for e in events if e.kind == "first_token")
+    assert list(first) + pair.decode_all()["bg"] == expect(colocated, prompt)
+    pair.idle()
+    pair.events.clear()
+    pair.start("bg2", prompt_of(16 * 30 + 1, start=5))
+    for _ in range(3):
+        pair.events += pair.sender.step()
+    pair.sender.cancel("bg2")
+    events = pair.pump()
+    assert [e.kind for e in events if e.request_id == "bg2"][-1] == "cancelled"
+    pair.idle()
+    pair.sender.close()
+
+
+def test_a_background_send_that_fails_fails_the_request_and_unpins(model: str) -> None:
+    pair = Pair(model, background_sends=True)
+    original = pair.p_transport.send
+
+    def send(peer: str, header: dict[str, Any], src_block_ids: Any = ()) -> None:
+        if header.get("type") == "pages" and header["manifest"]["chunk_index"] == 1:
+            raise TransferError("link lost")
+        original(peer, header, src_block_ids)
+
+    pair.p_transport.send = send  # type: ignore[method-assign]
+    pair.start("x", prompt_of(16 * 30 + 1))
+    events = pair.pump()
+    failed = [e for e in events if e.request_id == "x" and e.kind == "failed"]
+    assert failed and "could not send: TransferError: link lost" in (failed[0].error or "")
+    pair.clock.now += 10  # the receiver's lease on the reservation runs out
+    pair.pump()
+    pair.idle()
+    pair.sender.close()
 
 
 def test_decode_side_prefix_reuse_sends_only_missing_blocks(model: str, colocated: LLM) -> None:
