@@ -47,7 +47,7 @@ class _Outgoing:
     stop_string_hit: bool | None = None  # the first token's text holds a stop string
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Chunk:
     """What a chunk's header says, taken on the engine's thread when the chunk is queued."""
 
@@ -282,8 +282,8 @@ class KVSender:
             chunk_index=out.next_chunk,
             last=last,
             num_tokens=min(end * bs, req.num_prompt_tokens) if last else end * bs,
-            src_block_ids=list(blocks),
-            dst_block_ids=list(dst),
+            src_block_ids=blocks,  # (slices: lists of their own)
+            dst_block_ids=dst,
             first_token_ids=list(req.output_token_ids) if last else [],
             sampler_state=req.generator.get_state() if last and req.generator else None,
             finished=self.first_token_ends(out) if last else None,
