@@ -23,6 +23,11 @@ def _stamped(event: Any, **extra: Any) -> dict[str, Any]:
     return {**event._asdict(), "at": time.perf_counter(), **extra}
 
 
+def _work(sender: Any) -> dict[str, float]:
+    """What the prefill's transfer cost its own threads so far (see `KVSender`)."""
+    return {"send_work_s": sender.send_work_s, "send_thread_cpu_s": sender.send_thread_cpu_s}
+
+
 def _setup(
     model: str, transport_name: str, options: dict[str, Any], threads: int, **llm_kwargs: Any
 ) -> tuple[Any, Any]:
@@ -116,6 +121,9 @@ def prefill_main(
         engine, transport, checksums=checksums, ack_timeout_s=10, background_sends=True
     )
     conn.send(("ready", transport.address))
+    # The engine thread's wall time minus its CPU time in steps: time it was runnable but did
+    # not run (waiting for the GIL held by another thread of this process, or preempted).
+    stalled = [0.0]
     try:
         while True:
             if conn.poll():
@@ -130,17 +138,23 @@ def prefill_main(
                     bm = engine.block_manager
                     pinned = sum(bm.pin_count(b) > 0 for b in range(bm.num_blocks))
                     conn.send(("checked", bm.num_free_blocks, bm.num_blocks, pinned))
-                if cmd == "start":
+                if cmd == "start":  # grant None: prefill only (pages wait; "cancel" ends it)
                     rid, prompt, params, grant = args
-                    sender.start(rid, prompt, SamplingParams(**params), ReservationGrant(**grant))
+                    grant = ReservationGrant(**grant) if grant is not None else None
+                    sender.start(rid, prompt, SamplingParams(**params), grant)
+                if cmd == "cancel":
+                    sender.cancel(args[0])
             if engine.has_unfinished_requests():
-                for event in sender.compute():  # first tokens out before the last pages go
-                    conn.send(("event", _stamped(event, send_work_s=sender.send_work_s)))
+                wall, cpu = time.perf_counter(), time.thread_time()
+                first_tokens = sender.compute()
+                stalled[0] += time.perf_counter() - wall - (time.thread_time() - cpu)
+                for event in first_tokens:  # out before the last pages go
+                    conn.send(("event", _stamped(event, **_work(sender), stall_s=stalled[0])))
                 events = sender.stream()
             else:
                 events = sender.poll(timeout=0.002)
             for event in events:
-                conn.send(("event", _stamped(event, send_work_s=sender.send_work_s)))
+                conn.send(("event", _stamped(event, **_work(sender))))
     finally:
         sender.close()
         transport.close()
@@ -197,6 +211,14 @@ class PDProcesses:
     def start(self, rid: str, prompt: list[int], params: dict[str, Any]) -> None:
         grant = self.reserve(rid, prompt, params)
         self.prefill_conn.send(("start", rid, prompt, params, grant))
+
+    def prefill_only(self, rid: str, prompt: list[int], params: dict[str, Any]) -> None:
+        """Prefill on the prefill side with no reservation (nothing is sent); end it with
+        `cancel_prefill` once its first token is out."""
+        self.prefill_conn.send(("start", rid, prompt, params, None))
+
+    def cancel_prefill(self, rid: str) -> None:
+        self.prefill_conn.send(("cancel", rid))
 
     def run(
         self, rid: str, prompt: list[int], params: dict[str, Any], timeout: float = 60.0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,9 @@ class SendThread:
             queue.SimpleQueue()
         )
         self._failures: queue.SimpleQueue[tuple[str | None, str]] = queue.SimpleQueue()
+        self.cpu_s = 0.0
+        """CPU time the calls took on this thread: an upper bound of how long they held the GIL
+        (and so might have held up the engine's thread between two torch kernels)."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -52,8 +56,10 @@ class SendThread:
     def _run(self) -> None:
         while (item := self._calls.get()) is not None:
             request_id, call = item
+            start = time.thread_time()
             try:
                 call()
             except Exception as exc:  # reported to the sender, which fails the request
                 logger.warning("kv send for %s failed: %r", request_id, exc)
                 self._failures.put((request_id, f"{type(exc).__name__}: {exc}"))
+            self.cpu_s += time.thread_time() - start

@@ -92,6 +92,11 @@ class KVSender:
         self._sends = SendThread() if background_sends else None
         transport.register_pool(engine.kv_pool)
 
+    @property
+    def send_thread_cpu_s(self) -> float:
+        """CPU time of the transport calls made on the `SendThread` (0 without one)."""
+        return self._sends.cpu_s if self._sends is not None else 0.0
+
     def close(self) -> None:
         """Lets queued transport calls finish (call before closing the transport)."""
         if self._sends is not None:
