@@ -105,12 +105,11 @@ def hidden_share(
     pd = PDProcesses(
         str(model_dir), transport, chunk_blocks=chunk_blocks, threads=threads, checksums=False
     )
-    first, committed, send_work, thread_cpu, stall_pd, stall_alone = [], [], [], [], [], []
+    first, committed, send_work, stall_pd, stall_alone = [], [], [], [], []
     greedy = {"temperature": 0.0, "max_tokens": 2, "ignore_eos": True}
     try:
         pd.run("warm", warm, greedy)
         work = max(e.get("send_work_s", 0.0) for e in pd.events)
-        cpu = max(e.get("send_thread_cpu_s", 0.0) for e in pd.events)
         stall = max(e.get("stall_s", 0.0) for e in pd.events)
         for i, prompt in enumerate(prompts):
             # The same prefill with nothing sent: how long the engine thread stalls anyway.
@@ -127,9 +126,8 @@ def hidden_share(
             first.append(stamps["first_token"]["at"] - t0)
             committed.append(stamps["committed"]["at"] - t0)
             send_work.append(stamps["first_token"]["send_work_s"] - work)
-            thread_cpu.append(stamps["first_token"]["send_thread_cpu_s"] - cpu)
             stall_pd.append(stamps["first_token"]["stall_s"] - stall)
-            work, cpu = stamps["sent"]["send_work_s"], stamps["sent"]["send_thread_cpu_s"]
+            work = stamps["sent"]["send_work_s"]
             stall = stamps["first_token"]["stall_s"]
     finally:
         pd.close()
@@ -163,7 +161,6 @@ def hidden_share(
         "ttft_disaggregated_ms": round(med(first) * 1e3, 2),
         "send_work_before_first_token_ms": round(med(send_work) * 1e3, 3),
         "committed_after_first_token_ms": round(med(tail) * 1e3, 3),
-        "send_thread_cpu_before_first_token_ms": round(med(thread_cpu) * 1e3, 3),
         "engine_stall_ms": round(med(stall_pd) * 1e3, 3),
         "engine_stall_alone_ms": round(med(stall_alone) * 1e3, 3),
         # Same run, so not blurred by run-to-run spread: the transfer time on the first token's

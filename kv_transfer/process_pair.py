@@ -25,7 +25,7 @@ def _stamped(event: Any, **extra: Any) -> dict[str, Any]:
 
 def _work(sender: Any) -> dict[str, float]:
     """What the prefill's transfer cost its own threads so far (see `KVSender`)."""
-    return {"send_work_s": sender.send_work_s, "send_thread_cpu_s": sender.send_thread_cpu_s}
+    return {"send_work_s": sender.send_work_s}
 
 
 def _setup(
@@ -117,9 +117,7 @@ def prefill_main(
     engine, transport = _setup(
         model, transport_name, options, threads, max_num_batched_tokens=16 * chunk_blocks
     )
-    sender = KVSender(
-        engine, transport, checksums=checksums, ack_timeout_s=10, background_sends=True
-    )
+    sender = KVSender(engine, transport, checksums=checksums, ack_timeout_s=10)
     conn.send(("ready", transport.address))
     # The engine thread's wall time minus its CPU time in steps: time it was runnable but did
     # not run (waiting for the GIL held by another thread of this process, or preempted).
@@ -156,7 +154,6 @@ def prefill_main(
             for event in events:
                 conn.send(("event", _stamped(event, **_work(sender))))
     finally:
-        sender.close()
         transport.close()
 
 

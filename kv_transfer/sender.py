@@ -25,9 +25,8 @@ from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.base import KVTransport, Message
 from tandem.kv_transfer.events import TransferEvent
-from tandem.kv_transfer.manifest import KVLayout, encode_state, pages_checksum
+from tandem.kv_transfer.manifest import KVLayout, TransferError, encode_state, pages_checksum
 from tandem.kv_transfer.receiver import ReservationGrant
-from tandem.kv_transfer.send_thread import SendThread
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +70,7 @@ class KVSender:
         ack_timeout_s: float = 10.0,
         checksums: bool = False,
         clock: Callable[[], float] = time.monotonic,
-        background_sends: bool = False,
     ) -> None:
-        """`background_sends`: transport calls run on a `SendThread` (in order), so the engine's
-        thread only queues them; without it they run inline (simple to step through in tests)."""
         self.engine = engine
         self.transport = transport
         self.ack_timeout_s = ack_timeout_s
@@ -89,34 +85,17 @@ class KVSender:
         # a transport makes on its own threads)
         self.num_transfers_done = 0  # requests whose pages all arrived ("sent")
         self.num_transfers_failed = 0  # ended by an error or a timeout (not a cancel)
-        self._sends = SendThread() if background_sends else None
         transport.register_pool(engine.kv_pool)
-
-    @property
-    def send_thread_cpu_s(self) -> float:
-        """CPU time of the transport calls made on the `SendThread` (0 without one)."""
-        return self._sends.cpu_s if self._sends is not None else 0.0
-
-    def close(self) -> None:
-        """Lets queued transport calls finish (call before closing the transport)."""
-        if self._sends is not None:
-            self._sends.close()
-
-    def _post(self, request_id: str, call: Callable[[], object]) -> None:
-        if self._sends is None:
-            call()
-        else:
-            self._sends.post(request_id, call)
 
     def _stop_and_tell(self, request_id: str, peer: str, kind: str) -> None:
         """Drops the request's pages still queued in the transport, then sends `kind`
         ("cancel": we stopped; "cancelled": we confirm the receiver's stop) to `peer`."""
 
-        def call() -> None:
-            self.transport.cancel(request_id)
+        self.transport.cancel(request_id)
+        try:
             self.transport.send(peer, {"type": kind, "request_id": request_id})
-
-        self._post(request_id, call)
+        except TransferError as exc:  # best effort: the receiver's lease frees its side anyway
+            logger.warning("could not tell %s about %s (%s): %s", peer, request_id, kind, exc)
 
     def start(
         self,
@@ -245,10 +224,6 @@ class KVSender:
         if events:
             timeout = 0.0
         events += [e for m in self.transport.poll(timeout) if (e := self._handle(m)) is not None]
-        for rid, error in self._sends.failures() if self._sends is not None else ():
-            out = self.outgoing.get(rid or "")
-            if out is not None:
-                events.append(self._close(out, "failed", f"could not send: {error}"))
         now = self.clock()
         for out in list(self.outgoing.values()):
             if now > out.deadline:
@@ -293,15 +268,16 @@ class KVSender:
             sampler_state=req.generator.get_state() if last and req.generator else None,
             finished=self.first_token_ends(out) if last else None,
         )
-        address = grant.address
-        self._post(
-            req.request_id, lambda: self.transport.send(address, self._header(chunk), blocks)
-        )
-        out.unacked[out.next_chunk] = blocks
+        out.unacked[out.next_chunk] = blocks  # (a failed send releases them with the request)
         out.next_chunk += 1
         out.next_block = end
         out.last_sent = last
         out.deadline = self.clock() + self.ack_timeout_s
+        try:
+            self.transport.send(grant.address, self._header(chunk), blocks)
+        except TransferError as exc:  # e.g. an address the transport cannot reach
+            self._events.append(self._close(out, "failed", f"could not send the pages: {exc}"))
+            return
         self.num_chunks_sent += 1
         self.num_bytes_sent += len(blocks) * self.engine.kv_pool.bytes_per_block
 

@@ -55,13 +55,7 @@ class PrefillService(WorkerLoop):
         super().__init__(name, on_stats)
         self.engine = engine
         self.transport = transport
-        self.sender = KVSender(
-            engine,
-            transport,
-            ack_timeout_s=ack_timeout_s,
-            checksums=checksums,
-            background_sends=True,  # the engine thread only queues each chunk's send
-        )
+        self.sender = KVSender(engine, transport, ack_timeout_s=ack_timeout_s, checksums=checksums)
         self._pending: dict[str, _Pending] = {}
         self.num_cancelled = 0
         self.num_failed = 0
@@ -250,5 +244,4 @@ class PrefillService(WorkerLoop):
 
     def close(self) -> None:
         self.stop()
-        self.sender.close()
         self.transport.close()
