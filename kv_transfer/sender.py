@@ -48,7 +48,7 @@ class _Outgoing:
 
 @dataclass(slots=True)
 class _Chunk:
-    """What a chunk's header says, taken on the engine's thread when the chunk is queued."""
+    """What a chunk's header says (`KVSender._header` writes it out)."""
 
     request_id: str
     chunk_index: int
