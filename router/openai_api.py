@@ -12,7 +12,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -29,15 +29,30 @@ Kind = Literal["completion", "chat"]
 class ClosingStreamingResponse(StreamingResponse):
     """A stream whose body generator is closed as soon as the response ends, also when the
     client left mid-stream (Starlette leaves it to the garbage collector, which may take
-    seconds when a traceback cycle holds it): closing it cancels the request on its workers."""
+    seconds when a traceback cycle holds it): closing it cancels the request on its workers.
+    `on_close` runs after that, e.g. for a body that never started (closing it runs nothing)."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        *,
+        media_type: str,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        super().__init__(content, media_type=media_type)
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            try:
+                if aclose is not None:
+                    await aclose()
+            finally:
+                if self.on_close is not None:
+                    await self.on_close()
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -85,7 +100,9 @@ async def _respond(
     if stream:
         include_usage = bool(options and options.include_usage)
         return ClosingStreamingResponse(
-            _sse(serving, req, kind, include_usage), media_type="text/event-stream"
+            _sse(serving, req, kind, include_usage),
+            media_type="text/event-stream",
+            on_close=lambda: serving.abandon(req),  # (nothing to do once `run` started)
         )
     async with contextlib.aclosing(serving.run(req)) as items:
         async for _ in items:

@@ -117,6 +117,18 @@ class PDOrchestrator:
         )
         timings.mark("reserved")
 
+    async def abandon(self, plan: RoutePlan) -> None:
+        """For a reserved request whose `generate` never started (its client left in between):
+        closes its calls on the workers and releases its load."""
+        call = plan.prefill_call
+        pending = set() if call is None else {call.task, call.early}
+        if call is not None and call.grant_task is not None:
+            pending.add(call.grant_task)
+        try:
+            await _to_completion(_close_calls(pending, plan.decode_stream))
+        finally:
+            plan.release()
+
     async def _move(self, plan: RoutePlan, role: str) -> None:
         """The plan's `role` worker is draining: another one takes the request (and its load)."""
         old = plan.decode if role == "decode" else plan.prefill

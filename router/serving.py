@@ -39,6 +39,7 @@ class Prepared:
     priority: int = 0
     num_transferred_blocks: int = 0
     user: str | None = None
+    started: bool = False  # `Serving.run` began (it releases the request from then on)
 
     def usage(self) -> dict[str, Any]:
         prompt = len(self.prompt_token_ids)
@@ -153,6 +154,13 @@ class Serving:
                 raise
             return req
 
+    async def abandon(self, req: Prepared) -> None:
+        """A prepared request that will never `run` (a streaming client left before its first
+        byte): its calls on the workers are closed now, not by the garbage collector."""
+        if req.plan is not None and not req.started:
+            req.started = True  # once
+            await self.orchestrator.abandon(req.plan)
+
     @contextlib.contextmanager
     def _counting_refusals(self) -> Iterator[None]:
         """A 429 counts as an admission rejection, any other API error as a failure."""
@@ -167,6 +175,7 @@ class Serving:
 
     async def run(self, req: Prepared) -> AsyncGenerator[dict[str, Any], None]:
         """Token items from the cluster; updates `req` (usage, finish) and logs one line at the end."""
+        req.started = True
         outcome = "cancelled"
         last_item: float | None = None
         try:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import anyio
+from starlette.requests import ClientDisconnect
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.openai_api import ClosingStreamingResponse
@@ -148,3 +149,66 @@ def test_a_request_cancelled_by_its_http_server_closes_its_decode_call() -> None
         assert plan.released
 
     asyncio.run(main())
+
+
+def test_a_client_gone_before_the_first_byte_closes_the_reserved_calls() -> None:
+    """`prepare` reserved on decode and started the prefill call; the client leaves before the
+    stream's body starts, so `run` never runs: `Serving.abandon` (the response's `on_close`)
+    closes both calls and releases the plan's load now."""
+    closed: list[str] = []
+
+    async def decode_stream() -> AsyncIterator[dict[str, Any]]:
+        try:
+            yield {"type": "grant"}
+            await asyncio.sleep(3600)
+            yield {}
+        finally:
+            closed.append("decode")
+
+    async def prefill_call() -> dict[str, Any]:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            closed.append("prefill")
+        return {}
+
+    class Plan:
+        prefill = SimpleNamespace(worker_id="prefill/x")
+        decode = SimpleNamespace(worker_id="decode/x")
+
+        def __init__(self) -> None:
+            self.decode_stream = decode_stream()
+            self.released = False
+
+        def release(self) -> None:
+            self.released = True
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}  # gone already
+
+    async def send(message: dict[str, Any]) -> None:
+        raise OSError("client gone")
+
+    async def main() -> tuple[Plan, Prepared]:
+        plan = Plan()
+        await anext(plan.decode_stream)  # the reservation `prepare` waited for
+        task = asyncio.ensure_future(prefill_call())
+        early: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        plan.prefill_call = SimpleNamespace(task=task, early=early, grant_task=None)  # type: ignore[attr-defined]
+        await asyncio.sleep(0)
+        serving = Serving(PDOrchestrator(None), None, None, "tiny")  # type: ignore[arg-type]
+        req = Prepared("cmpl-2", [1, 2], SamplingParams(max_tokens=4), RequestTimings(), plan=plan)  # type: ignore[arg-type]
+        body = Tracked()
+        response = ClosingStreamingResponse(
+            body.items("sse", sse=True),
+            media_type="text/event-stream",
+            on_close=lambda: serving.abandon(req),
+        )
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        with contextlib.suppress(ClientDisconnect):
+            await response(scope, receive, send)
+        return plan, req
+
+    plan, req = asyncio.run(main())
+    assert sorted(closed) == ["decode", "prefill"]
+    assert plan.released and req.started
