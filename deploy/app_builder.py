@@ -73,6 +73,7 @@ def build_app(config: ClusterConfig) -> Application:
         "served_model_name": config.served_model_name or Path(model).name,
         "registry_name": registry,
         "auth_token": config.auth_token,
+        "api_key": config.api_key,
         "host": config.host,
         "grpc_port": config.grpc_port,
         "request_timeout_s": config.router.request_timeout_s,

@@ -113,6 +113,11 @@ class ClusterConfig(BaseModel):
     )
     transport: str = Field("shm", description="KV transport between prefill and decode.")
     transport_options: dict[str, Any] = Field(default_factory=dict)
+    api_key: str | None = Field(
+        None,
+        description="Clients must send 'Authorization: Bearer <key>' (HTTP header or gRPC "
+        "metadata); /health and /metrics stay open. Unset: no key needed.",
+    )
     auth_token: str | None = Field(
         None, description="Cluster token for KV transfer handshakes (generated when unset)."
     )

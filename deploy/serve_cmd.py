@@ -100,6 +100,14 @@ def serve(
         float | None, typer.Option(help="CPUs of a newly started local Ray cluster.")
     ] = None,
     dashboard_port: Annotated[int, typer.Option(help="Ray dashboard port (new cluster).")] = 8265,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TANDEM_API_KEY",
+            help="Require 'Authorization: Bearer <key>' on the API (HTTP and gRPC); /health "
+            "and /metrics stay open.",
+        ),
+    ] = None,
 ) -> None:
     """Serve a model with disaggregated prefill and decode on Ray (OpenAI API + gRPC).
 
@@ -118,6 +126,7 @@ def serve(
         "host": host,
         "port": port,
         "grpc_port": grpc_port,
+        "api_key": api_key,
         "cache_dir": os.environ.get("TANDEM_CACHE_DIR"),
     }
     try:
@@ -162,7 +171,8 @@ def _print_urls(cfg: Any, ctx: Any, seconds: float) -> None:
     )
     lines = [
         f"[tandem] serving {Path(cfg.model).name}: {workers}, ready in {seconds:.1f}s",
-        f"[tandem]   OpenAI API:    http://{host}:{cfg.port}/v1",
+        f"[tandem]   OpenAI API:    http://{host}:{cfg.port}/v1"
+        + (" (API key required: 'Authorization: Bearer <key>')" if cfg.api_key else ""),
     ]
     if cfg.grpc_port:
         lines.append(f"[tandem]   gRPC:          {host}:{cfg.grpc_port} (tandem.v1.Generation)")

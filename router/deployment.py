@@ -9,6 +9,7 @@ GET /metrics (Prometheus).
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,6 +24,7 @@ from tandem.engine.serve_logging import use_serve_log_handlers
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.worker_registry import get_registry
 from tandem.router.admission import AdmissionConfig
+from tandem.router.api_keys import check_api_key, is_open_path
 from tandem.router.errors import APIError
 from tandem.router.openai_api import (
     create_chat_completion,
@@ -69,6 +71,20 @@ async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
     return error_response(exc)
 
 
+@api.middleware("http")
+async def _require_api_key(request: Request, call_next: Any) -> Response:
+    """Before routing and body validation: a request without the key gets 401, not 422."""
+    if not is_open_path(request.url.path):
+        try:
+            check_api_key(
+                getattr(request.app.state, "api_key", None), request.headers.get("authorization")
+            )
+        except APIError as exc:
+            return error_response(exc)
+    response: Response = await call_next(request)
+    return response
+
+
 @api.exception_handler(StarletteHTTPException)
 async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -92,6 +108,10 @@ class Router:
         `prefill` is None in colocated mode (`settings["mode"]`)."""
         use_serve_log_handlers(str(settings.get("log_level", "info")).upper())
         self.settings = settings
+        # The key: from the config, else from the environment this replica was started in (the
+        # Helm chart puts its Secret on the router pods as TANDEM_API_KEY).
+        self.api_key = settings.get("api_key") or os.environ.get("TANDEM_API_KEY") or None
+        api.state.api_key = self.api_key  # (one router replica per process)
         tokenizer = Tokenizer.from_pretrained(settings["model"])
         self.directory = WorkerDirectory(
             get_registry(settings["registry_name"]), settings["auth_token"]
@@ -137,7 +157,9 @@ class Router:
         from tandem.router.grpc.server import start_grpc_server
 
         try:
-            self._grpc_server = await start_grpc_server(self.serving, host, port)
+            self._grpc_server = await start_grpc_server(
+                self.serving, host, port, api_key=self.api_key
+            )
         except Exception:
             logger.exception("gRPC server did not start on %s:%s", host, port)
 

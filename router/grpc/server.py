@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tandem.router.api_keys import check_api_key
 from tandem.router.errors import APIError
 from tandem.router.grpc import generation_pb2, generation_pb2_grpc
 from tandem.router.pd_orchestrator import RequestTimings
@@ -46,12 +47,18 @@ def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, serving: Serving) -> None:
+    def __init__(self, serving: Serving, api_key: str | None = None) -> None:
         self.serving = serving
+        self.api_key = api_key
 
     async def Generate(  # noqa: N802 - the RPC's name
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        metadata = {k.lower(): v for k, v in context.invocation_metadata() or ()}
+        try:
+            check_api_key(self.api_key, metadata.get("authorization"))
+        except APIError as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, exc.message)
         timings = RequestTimings()
         options = request.sampling
         max_tokens = options.max_tokens if options.HasField("max_tokens") else 16
@@ -92,10 +99,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(code, exc.message)
 
 
-async def start_grpc_server(serving: Serving, host: str, port: int) -> grpc.aio.Server:
-    """Starts Generation + health on `host:port` (SERVING for "" and the Generation service)."""
+async def start_grpc_server(
+    serving: Serving, host: str, port: int, api_key: str | None = None
+) -> grpc.aio.Server:
+    """Starts Generation + health on `host:port` (SERVING for "" and the Generation service).
+    With `api_key`, `Generate` wants the metadata ``authorization: Bearer <key>``."""
     server = grpc.aio.server()
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(serving), server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(serving, api_key), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -56,7 +56,7 @@ class Cluster:
             return self.base_url
         serve.run(build_app(ClusterConfig(**config)), name=APP, route_prefix="/")
         self.config = config
-        wait_ready(self.base_url)
+        wait_ready(self.base_url, config.get("api_key"))
         return self.base_url
 
     def deploy_pd(self, replicas: int = 1) -> str:
@@ -76,11 +76,12 @@ class Cluster:
             time.sleep(0.1)
 
 
-def wait_ready(base_url: str, timeout: float = 120.0) -> None:
+def wait_ready(base_url: str, api_key: str | None = None, timeout: float = 120.0) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if requests.get(f"{base_url}/v1/models", timeout=5).status_code == 200:
+            if requests.get(f"{base_url}/v1/models", headers=headers, timeout=5).status_code == 200:
                 return
         except requests.RequestException:  # not up yet, or still starting its replicas
             pass
