@@ -89,7 +89,7 @@ def build_app(config: ClusterConfig) -> Application:
     }
     return Router.options(  # type: ignore[attr-defined]
         num_replicas=config.router.replicas,
-        ray_actor_options={"num_cpus": config.router.num_cpus},
+        ray_actor_options=config.router.ray_actor_options(),
     ).bind(router_settings, prefill, decode)
 
 

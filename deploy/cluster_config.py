@@ -84,7 +84,18 @@ class RouterConfig(BaseModel):
 
     replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.1, ge=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description='Custom Ray resources per router replica, e.g. {"router": 1} to place it '
+        "on the nodes that advertise it.",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may take.")
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
 
 
 class SLOConfig(BaseModel):

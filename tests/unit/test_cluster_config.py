@@ -40,3 +40,10 @@ def test_the_serve_config_args_are_cluster_config_fields() -> None:
 def test_bad_settings_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         ClusterConfig.model_validate(bad)
+
+
+def test_router_replicas_can_ask_for_custom_ray_resources() -> None:
+    plain = ClusterConfig().router.ray_actor_options()
+    assert plain == {"num_cpus": 0.1}
+    pinned = ClusterConfig.model_validate({"router": {"resources": {"router": 1}, "num_cpus": 0.5}})
+    assert pinned.router.ray_actor_options() == {"num_cpus": 0.5, "resources": {"router": 1}}
