@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
 from tandem.engine.request import Request
@@ -44,21 +42,6 @@ class _Outgoing:
     cancelling: bool = False
     deadline: float = math.inf
     stop_string_hit: bool | None = None  # the first token's text holds a stop string
-
-
-@dataclass(slots=True)
-class _Chunk:
-    """What a chunk's header says (`KVSender._header` writes it out)."""
-
-    request_id: str
-    chunk_index: int
-    last: bool
-    num_tokens: int
-    src_block_ids: list[int]
-    dst_block_ids: list[int]
-    first_token_ids: list[int]
-    sampler_state: torch.Tensor | None
-    finished: bool | None  # last chunk only: the first token already ends the request
 
 
 class KVSender:
@@ -90,7 +73,6 @@ class KVSender:
     def _stop_and_tell(self, request_id: str, peer: str, kind: str) -> None:
         """Drops the request's pages still queued in the transport, then sends `kind`
         ("cancel": we stopped; "cancelled": we confirm the receiver's stop) to `peer`."""
-
         self.transport.cancel(request_id)
         try:
             self.transport.send(peer, {"type": kind, "request_id": request_id})
@@ -257,55 +239,43 @@ class KVSender:
         offset = out.next_block - grant.num_hit_blocks
         dst = grant.dst_block_ids[offset : offset + len(blocks)]
         self.engine.block_manager.pin(blocks)
-        chunk = _Chunk(
-            request_id=req.request_id,
-            chunk_index=out.next_chunk,
-            last=last,
-            num_tokens=min(end * bs, req.num_prompt_tokens) if last else end * bs,
-            src_block_ids=blocks,  # (slices: lists of their own)
-            dst_block_ids=dst,
-            first_token_ids=list(req.output_token_ids) if last else [],
-            sampler_state=req.generator.get_state() if last and req.generator else None,
-            finished=self.first_token_ends(out) if last else None,
-        )
+        # A `ChunkManifest` as JSON, written out directly: this runs on the engine's thread
+        # between steps, on the prefill's critical path (the receiver validates the model).
+        manifest: dict[str, Any] = {
+            "request_id": req.request_id,
+            "layout": self._layout_json,
+            "chunk_index": out.next_chunk,
+            "last": last,
+            "num_tokens": min(end * bs, req.num_prompt_tokens) if last else end * bs,
+            "src_block_ids": blocks,  # (slices: lists of their own)
+            "dst_block_ids": dst,
+            "checksum": pages_checksum(self.engine.kv_pool.export_blocks(blocks))
+            if self.checksums and blocks
+            else None,
+            "first_token_ids": list(req.output_token_ids) if last else [],
+            "sampler_state": encode_state(req.generator.get_state())
+            if last and req.generator
+            else None,
+        }
+        header: dict[str, Any] = {
+            "type": "pages",
+            "request_id": req.request_id,
+            "manifest": manifest,
+        }
+        if last:
+            header["finished"] = self.first_token_ends(out)
         out.unacked[out.next_chunk] = blocks  # (a failed send releases them with the request)
         out.next_chunk += 1
         out.next_block = end
         out.last_sent = last
         out.deadline = self.clock() + self.ack_timeout_s
         try:
-            self.transport.send(grant.address, self._header(chunk), blocks)
+            self.transport.send(grant.address, header, blocks)
         except TransferError as exc:  # e.g. an address the transport cannot reach
             self._events.append(self._close(out, "failed", f"could not send the pages: {exc}"))
             return
         self.num_chunks_sent += 1
         self.num_bytes_sent += len(blocks) * self.engine.kv_pool.bytes_per_block
-
-    def _header(self, chunk: _Chunk) -> dict[str, Any]:
-        """The chunk's message header: its `ChunkManifest` as JSON, written out directly (the
-        receiver validates it against the model)."""
-        manifest = {
-            "request_id": chunk.request_id,
-            "layout": self._layout_json,
-            "chunk_index": chunk.chunk_index,
-            "last": chunk.last,
-            "num_tokens": chunk.num_tokens,
-            "src_block_ids": chunk.src_block_ids,
-            "dst_block_ids": chunk.dst_block_ids,
-            "checksum": pages_checksum(self.engine.kv_pool.export_blocks(chunk.src_block_ids))
-            if self.checksums and chunk.src_block_ids
-            else None,
-            "first_token_ids": chunk.first_token_ids,
-            "sampler_state": encode_state(chunk.sampler_state),
-        }
-        header: dict[str, Any] = {
-            "type": "pages",
-            "request_id": chunk.request_id,
-            "manifest": manifest,
-        }
-        if chunk.finished is not None:
-            header["finished"] = chunk.finished
-        return header
 
     def _handle(self, message: Message) -> TransferEvent | None:
         header = message.header
