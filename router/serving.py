@@ -159,7 +159,10 @@ class Serving:
         byte): its calls on the workers are closed now, not by the garbage collector."""
         if req.plan is not None and not req.started:
             req.started = True  # once
-            await self.orchestrator.abandon(req.plan)
+            try:
+                await self.orchestrator.abandon(req.plan)
+            finally:
+                self._log(req, "cancelled(client left before the first byte)")
 
     @contextlib.contextmanager
     def _counting_refusals(self) -> Iterator[None]:
