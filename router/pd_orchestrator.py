@@ -28,6 +28,12 @@ from typing import Any
 
 from tandem.engine.rpc import RPCError
 from tandem.router.errors import APIError, unavailable
+from tandem.router.prefill_call import (
+    PrefillCall,
+    send_grant,
+    start_prefill_call,
+    without_streamed,
+)
 from tandem.router.route_planner import RoutePlan
 from tandem.router.worker_directory import Worker, WorkerDirectory
 
@@ -94,7 +100,9 @@ class PDOrchestrator:
             return
         # Prefill computes while decode reserves; its pages wait for the grant. Its call goes
         # out first (one loop turn before decode's): it is the longer way to the first token.
-        call = _start_prefill(plan.prefill, request_id, prompt_token_ids, params, None, priority)
+        call = start_prefill_call(
+            plan.prefill, request_id, prompt_token_ids, params, None, priority
+        )
         plan.prefill_call = call
         try:
             await asyncio.sleep(0)
@@ -109,11 +117,11 @@ class PDOrchestrator:
                 await self._move(plan, "decode")
                 _open_decode(plan, request_id, prompt_token_ids, params, priority)
         except BaseException:
-            await _to_completion(_close_calls({call.task, call.early}, plan.decode_stream))
+            await _to_completion(_close_calls(call.futures(), plan.decode_stream))
             raise
         plan.grant = first["grant"]
         call.grant_task = asyncio.ensure_future(
-            _send_grant(plan.prefill, request_id, first["grant"])
+            send_grant(plan.prefill, request_id, first["grant"])
         )
         timings.mark("reserved")
 
@@ -121,9 +129,7 @@ class PDOrchestrator:
         """For a reserved request whose `generate` never started (its client left in between):
         closes its calls on the workers and releases its load."""
         call = plan.prefill_call
-        pending = set() if call is None else {call.task, call.early}
-        if call is not None and call.grant_task is not None:
-            pending.add(call.grant_task)
+        pending = set() if call is None else call.futures()
         try:
             await _to_completion(_close_calls(pending, plan.decode_stream))
         finally:
@@ -166,14 +172,14 @@ class PDOrchestrator:
         try:
             prefill_task: asyncio.Future[Any] | None = None
 
-            def start_prefill(call: _PrefillCall | None = None) -> asyncio.Future[Any]:
+            def start_prefill(call: PrefillCall | None = None) -> asyncio.Future[Any]:
                 nonlocal early
                 assert plan.prefill is not None
                 if early is not None:
                     pending.discard(early)
                     early.cancel()
                 if call is None:  # with the grant: nothing started on this worker yet
-                    call = _start_prefill(
+                    call = start_prefill_call(
                         plan.prefill, request_id, prompt_token_ids, params, plan.grant, priority
                     )
                 early = call.early
@@ -236,7 +242,7 @@ class PDOrchestrator:
                 first_out = True
                 timings.mark("first_token")
                 if streamed is not None:
-                    item, streamed = _without_streamed(item, streamed), None
+                    item, streamed = without_streamed(item, streamed), None
                 if item.get("finish_reason") is not None:
                     timings.mark("finished")
                     timings.worker.update(item.get("timings", {}))
@@ -251,9 +257,8 @@ class PDOrchestrator:
                 next_item = asyncio.ensure_future(_next(stream, plan.decode))
                 pending.add(next_item)
         finally:
-            call = plan.prefill_call
-            if call is not None and call.grant_task is not None:
-                pending.add(call.grant_task)
+            if plan.prefill_call is not None:  # (its task and early may be done: no matter)
+                pending |= plan.prefill_call.futures()
             try:
                 await _to_completion(_close_calls(pending, stream))
             finally:
@@ -318,83 +323,6 @@ async def _next(stream: AsyncGenerator[dict[str, Any], None], worker: Worker) ->
         raise unavailable("the decode worker ended the stream early", "decode_failed") from None
     except RPCError as exc:
         raise unavailable(f"decode worker {worker.worker_id}: {exc}", "decode_failed") from None
-
-
-@dataclass
-class _PrefillCall:
-    task: asyncio.Future[dict[str, Any]]  # the outcome
-    early: asyncio.Future[dict[str, Any]]  # the first token, streamed as soon as sampled
-    grant_task: asyncio.Future[None] | None = None  # hands decode's reservation over
-
-
-def _start_prefill(
-    worker: Worker,
-    request_id: str,
-    prompt: list[int],
-    params: dict[str, Any],
-    grant: dict[str, Any] | None,
-    priority: int,
-) -> _PrefillCall:
-    early: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-    task = asyncio.ensure_future(
-        _prefill(worker, request_id, prompt, params, grant, priority, early)
-    )
-    return _PrefillCall(task, early)
-
-
-async def _send_grant(worker: Worker, request_id: str, grant: dict[str, Any]) -> None:
-    """A refusal is the prefill call's to report (its outcome), so it is only logged here."""
-    try:
-        reply = await worker.client.call("grant", request_id=request_id, grant=grant)
-    except RPCError as exc:
-        reply = {"ok": False, "error": str(exc)}
-    if not reply.get("ok"):
-        logger.info("grant for %s not taken by %s: %s", request_id, worker.worker_id, reply)
-
-
-async def _prefill(
-    worker: Worker,
-    request_id: str,
-    prompt: list[int],
-    params: dict[str, Any],
-    grant: dict[str, Any] | None,
-    priority: int,
-    first_token: asyncio.Future[dict[str, Any]],
-) -> dict[str, Any]:
-    """The prefill call's outcome; its early first token (if any) resolves `first_token`."""
-    call = worker.client.stream(
-        "prefill",
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        params=params,
-        grant=grant,
-        priority=priority,
-        stream_first_token=True,
-    )
-    try:
-        async with contextlib.aclosing(call):
-            async for item in call:
-                if item.get("type") != "first_token":
-                    return item
-                if not first_token.done():
-                    first_token.set_result(item)
-    except RPCError as exc:
-        return {"status": "failed", "error": f"prefill worker {worker.worker_id}: {exc}"}
-    return {"status": "failed", "error": f"prefill worker {worker.worker_id} sent no outcome"}
-
-
-def _without_streamed(item: dict[str, Any], streamed: dict[str, Any]) -> dict[str, Any]:
-    """Decode's first item without the first token the prefill worker already streamed."""
-    ids, text = streamed["token_ids"], streamed["text"]
-    if item["token_ids"][: len(ids)] != ids or not item["text"].startswith(text):
-        raise APIError(
-            500,
-            f"prefill streamed first token {ids} ({text!r}) but decode continued from "
-            f"{item['token_ids'][: len(ids)]} ({item['text'][: len(text)]!r})",
-            type="internal_error",
-            code="first_token_mismatch",
-        )
-    return {**item, "token_ids": item["token_ids"][len(ids) :], "text": item["text"][len(text) :]}
 
 
 def _worker_error(item: dict[str, Any]) -> APIError:

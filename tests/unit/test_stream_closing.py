@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.openai_api import ClosingStreamingResponse
 from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
+from tandem.router.prefill_call import PrefillCall
 from tandem.router.serving import Prepared, Serving
 
 
@@ -195,7 +196,7 @@ def test_a_client_gone_before_the_first_byte_closes_the_reserved_calls() -> None
         await anext(plan.decode_stream)  # the reservation `prepare` waited for
         task = asyncio.ensure_future(prefill_call())
         early: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        plan.prefill_call = SimpleNamespace(task=task, early=early, grant_task=None)  # type: ignore[attr-defined]
+        plan.prefill_call = PrefillCall(task, early)  # type: ignore[attr-defined]
         await asyncio.sleep(0)
         serving = Serving(PDOrchestrator(None), None, None, "tiny")  # type: ignore[arg-type]
         req = Prepared("cmpl-2", [1, 2], SamplingParams(max_tokens=4), RequestTimings(), plan=plan)  # type: ignore[arg-type]

@@ -1,0 +1,101 @@
+"""The router's side of one prefill call: the RPC that streams the early first token and then
+the outcome, the grant that follows decode's reservation, and cutting the early first token
+from decode's first item."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.engine.rpc import RPCError
+from tandem.router.errors import APIError
+from tandem.router.worker_directory import Worker
+
+logger = logging.getLogger("tandem.router")
+
+
+@dataclass
+class PrefillCall:
+    task: asyncio.Future[dict[str, Any]]  # the outcome
+    early: asyncio.Future[dict[str, Any]]  # the first token, streamed as soon as sampled
+    grant_task: asyncio.Future[None] | None = None  # hands decode's reservation over
+
+    def futures(self) -> set[asyncio.Future[Any]]:
+        """Everything of the call that may still run (to cancel when the request ends)."""
+        out: set[asyncio.Future[Any]] = {self.task, self.early}
+        if self.grant_task is not None:
+            out.add(self.grant_task)
+        return out
+
+
+def start_prefill_call(
+    worker: Worker,
+    request_id: str,
+    prompt: list[int],
+    params: dict[str, Any],
+    grant: dict[str, Any] | None,
+    priority: int,
+) -> PrefillCall:
+    early: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(
+        _prefill(worker, request_id, prompt, params, grant, priority, early)
+    )
+    return PrefillCall(task, early)
+
+
+async def send_grant(worker: Worker, request_id: str, grant: dict[str, Any]) -> None:
+    """A refusal is the prefill call's to report (its outcome), so it is only logged here."""
+    try:
+        reply = await worker.client.call("grant", request_id=request_id, grant=grant)
+    except RPCError as exc:
+        reply = {"ok": False, "error": str(exc)}
+    if not reply.get("ok"):
+        logger.info("grant for %s not taken by %s: %s", request_id, worker.worker_id, reply)
+
+
+async def _prefill(
+    worker: Worker,
+    request_id: str,
+    prompt: list[int],
+    params: dict[str, Any],
+    grant: dict[str, Any] | None,
+    priority: int,
+    first_token: asyncio.Future[dict[str, Any]],
+) -> dict[str, Any]:
+    """The prefill call's outcome; its early first token (if any) resolves `first_token`."""
+    call = worker.client.stream(
+        "prefill",
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        params=params,
+        grant=grant,
+        priority=priority,
+        stream_first_token=True,
+    )
+    try:
+        async with contextlib.aclosing(call):
+            async for item in call:
+                if item.get("type") != "first_token":
+                    return item
+                if not first_token.done():
+                    first_token.set_result(item)
+    except RPCError as exc:
+        return {"status": "failed", "error": f"prefill worker {worker.worker_id}: {exc}"}
+    return {"status": "failed", "error": f"prefill worker {worker.worker_id} sent no outcome"}
+
+
+def without_streamed(item: dict[str, Any], streamed: dict[str, Any]) -> dict[str, Any]:
+    """Decode's first item without the first token the prefill worker already streamed."""
+    ids, text = streamed["token_ids"], streamed["text"]
+    if item["token_ids"][: len(ids)] != ids or not item["text"].startswith(text):
+        raise APIError(
+            500,
+            f"prefill streamed first token {ids} ({text!r}) but decode continued from "
+            f"{item['token_ids'][: len(ids)]} ({item['text'][: len(text)]!r})",
+            type="internal_error",
+            code="first_token_mismatch",
+        )
+    return {**item, "token_ids": item["token_ids"][len(ids) :], "text": item["text"][len(text) :]}
