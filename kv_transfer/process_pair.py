@@ -23,11 +23,6 @@ def _stamped(event: Any, **extra: Any) -> dict[str, Any]:
     return {**event._asdict(), "at": time.perf_counter(), **extra}
 
 
-def _work(sender: Any) -> dict[str, float]:
-    """What the prefill's transfer cost its own threads so far (see `KVSender`)."""
-    return {"send_work_s": sender.send_work_s}
-
-
 def _setup(
     model: str, transport_name: str, options: dict[str, Any], threads: int, **llm_kwargs: Any
 ) -> tuple[Any, Any]:
@@ -121,7 +116,7 @@ def prefill_main(
     conn.send(("ready", transport.address))
     # The engine thread's wall time minus its CPU time in steps: time it was runnable but did
     # not run (waiting for the GIL held by another thread of this process, or preempted).
-    stalled = [0.0]
+    stalled = 0.0
     try:
         while True:
             if conn.poll():
@@ -145,14 +140,19 @@ def prefill_main(
             if engine.has_unfinished_requests():
                 wall, cpu = time.perf_counter(), time.thread_time()
                 first_tokens = sender.compute()
-                stalled[0] += time.perf_counter() - wall - (time.thread_time() - cpu)
+                stalled += time.perf_counter() - wall - (time.thread_time() - cpu)
                 for event in first_tokens:  # out before the last pages go
-                    conn.send(("event", _stamped(event, **_work(sender), stall_s=stalled[0])))
+                    conn.send(
+                        (
+                            "event",
+                            _stamped(event, send_work_s=sender.send_work_s, stall_s=stalled),
+                        )
+                    )
                 events = sender.stream()
             else:
                 events = sender.poll(timeout=0.002)
             for event in events:
-                conn.send(("event", _stamped(event, **_work(sender))))
+                conn.send(("event", _stamped(event, send_work_s=sender.send_work_s)))
     finally:
         transport.close()
 

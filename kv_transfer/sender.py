@@ -41,7 +41,6 @@ class _Outgoing:
     finished: bool = False
     cancelling: bool = False
     deadline: float = math.inf
-    stop_string_hit: bool | None = None  # the first token's text holds a stop string
 
 
 class KVSender:
@@ -169,12 +168,10 @@ class KVSender:
         params = out.params
         if not params.stop or params.min_tokens > 1 or not out.request.output_token_ids:
             return False
-        if out.stop_string_hit is None:
-            text = OutputText.after(
-                self.engine.tokenizer, out.request.prompt_token_ids, out.request.output_token_ids
-            ).text
-            out.stop_string_hit = any(stop in text for stop in params.stop)
-        return out.stop_string_hit
+        text = OutputText.after(
+            self.engine.tokenizer, out.request.prompt_token_ids, out.request.output_token_ids
+        ).text
+        return any(stop in text for stop in params.stop)
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[TransferEvent]:
