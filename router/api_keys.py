@@ -5,8 +5,12 @@ endpoints stay open for probes and Prometheus."""
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem.router.errors import APIError
+from tandem.router.openai_api import error_response
 
 OPEN_PATHS = ("/health", "/metrics")
 
@@ -32,3 +36,24 @@ def check_api_key(expected: str | None, authorization: str | None) -> None:
 def is_open_path(path: str) -> bool:
     """Paths served without a key (whatever prefix the app is mounted under)."""
     return path.rstrip("/").endswith(OPEN_PATHS)
+
+
+class APIKeyMiddleware:
+    """Plain ASGI middleware (no per-chunk wrapping of streamed responses): before routing and
+    body parsing, a request to a guarded path without the key gets the 401 JSON body.
+    `key()` is read per request (the router replica sets it after the app is built)."""
+
+    def __init__(self, app: ASGIApp, key: Callable[[], str | None]) -> None:
+        self.app = app
+        self.key = key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        expected = self.key()
+        if scope["type"] == "http" and expected and not is_open_path(scope["path"]):
+            header = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            try:
+                check_api_key(expected, header.decode("latin-1"))
+            except APIError as exc:
+                await error_response(exc)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

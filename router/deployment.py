@@ -24,7 +24,7 @@ from tandem.engine.serve_logging import use_serve_log_handlers
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.worker_registry import get_registry
 from tandem.router.admission import AdmissionConfig
-from tandem.router.api_keys import check_api_key, is_open_path
+from tandem.router.api_keys import APIKeyMiddleware
 from tandem.router.errors import APIError
 from tandem.router.openai_api import (
     create_chat_completion,
@@ -71,18 +71,7 @@ async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
     return error_response(exc)
 
 
-@api.middleware("http")
-async def _require_api_key(request: Request, call_next: Any) -> Response:
-    """Before routing and body validation: a request without the key gets 401, not 422."""
-    if not is_open_path(request.url.path):
-        try:
-            check_api_key(
-                getattr(request.app.state, "api_key", None), request.headers.get("authorization")
-            )
-        except APIError as exc:
-            return error_response(exc)
-    response: Response = await call_next(request)
-    return response
+api.add_middleware(APIKeyMiddleware, key=lambda: getattr(api.state, "api_key", None))
 
 
 @api.exception_handler(StarletteHTTPException)
