@@ -56,17 +56,29 @@ DECODE_TILE = 64
 """Key positions per decode-loop iteration: bigger loads in flight than one 16-token block."""
 
 
+DECODE_PROGRAMS_PER_SM = 8
+"""Decode programs per SM to aim for: each holds only a few loads in flight, so an SM needs
+several to keep HBM busy (one sequence at 128K positions reached 43 % of copy bandwidth with 2)."""
+
+MAX_SPLITS = 256
+MIN_SPLIT_POSITIONS = 256
+COMBINE_CHUNK = 32
+
+
 @functools.cache
 def _sm_count(index: int | None) -> int:
     return int(torch.cuda.get_device_properties(index or 0).multi_processor_count)
 
 
-def _num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU about twice, but no split under 256 positions."""
+def _num_splits(
+    batch: int, kv_heads: int, max_context: int, device: torch.device, per_sm: int | None = None
+) -> int:
+    """Enough programs for ``per_sm`` per SM, but no split under 256 positions."""
     if device.type != "cuda":
-        return 1 if max_context <= 256 else 2  # the interpreter: exercise both paths
-    want = -(-2 * _sm_count(device.index) // max(1, batch * kv_heads))
-    return max(1, min(want, -(-max_context // 256), 64))
+        return 1 if max_context <= MIN_SPLIT_POSITIONS else 2  # interpreter: both paths
+    per_sm = per_sm or DECODE_PROGRAMS_PER_SM
+    want = -(-per_sm * _sm_count(device.index) // max(1, batch * kv_heads))
+    return max(1, min(want, -(-max_context // MIN_SPLIT_POSITIONS), MAX_SPLITS))
 
 
 def paged_attention_triton(
@@ -142,12 +154,13 @@ def paged_attention_triton(
         part_o = part_ml = out  # unused
     decode_kernel[(batch, num_kv_heads, splits)](
         query, k_cache, v_cache, out, part_o, part_ml, block_tables, context_lens,
-        query_start_loc, *scalars, num_heads, *strides,
-        ROWS=_pow2(group, 16), SPLITS=splits, BLOCK_N=DECODE_TILE, **consts,
+        query_start_loc, *scalars, num_heads, splits, *strides,
+        ROWS=_pow2(group, 16), ONE_SPLIT=splits == 1, BLOCK_N=DECODE_TILE, **consts,
     )  # fmt: skip
     if splits > 1:
         combine_kernel[(batch, num_heads)](
-            out, part_o, part_ml, query_start_loc, num_heads, *out.stride(),
-            SPLITS=splits, SPLITS_PAD=_pow2(splits), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+            out, part_o, part_ml, query_start_loc, num_heads, splits, *out.stride(),
+            SPLITS_PAD=_pow2(splits), CHUNK=min(_pow2(splits), COMBINE_CHUNK),
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         )  # fmt: skip
     return out

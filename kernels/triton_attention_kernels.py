@@ -179,8 +179,8 @@ def decode_kernel(
     k_ptr,
     v_ptr,
     o_ptr,
-    part_o_ptr,  # (B, H, SPLITS, HEAD_PAD) float32, when SPLITS > 1
-    part_ml_ptr,  # (B, H, SPLITS, 2) float32: running max and sum (base 2)
+    part_o_ptr,  # (B, H, num_splits, HEAD_PAD) float32, when num_splits > 1
+    part_ml_ptr,  # (B, H, num_splits, 2) float32: running max and sum (base 2)
     tables_ptr,
     ctx_ptr,
     qsl_ptr,
@@ -188,6 +188,7 @@ def decode_kernel(
     window,
     block_size,
     num_heads,
+    num_splits,  # a runtime value: each new count would otherwise compile a new kernel
     stride_qt,
     stride_qh,
     stride_qd,
@@ -206,7 +207,7 @@ def decode_kernel(
     stride_tn,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
-    SPLITS: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -236,7 +237,7 @@ def decode_kernel(
         lo = tl.maximum(ctx - window, 0)
     # This split's share of [lo, ctx), in whole tiles.
     tiles = tl.cdiv(ctx - lo, BLOCK_N)
-    per_split = tl.cdiv(tiles, SPLITS)
+    per_split = tl.cdiv(tiles, num_splits)
     begin = lo + split * per_split * BLOCK_N
     end = tl.minimum(begin + per_split * BLOCK_N, ctx)
     table_row = tables_ptr + seq.to(tl.int64) * stride_tb
@@ -252,7 +253,7 @@ def decode_kernel(
         )  # fmt: skip
         allowed = valid[None, :]
         m_i, l_i, acc = _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, UPCAST, IEEE)
-    if SPLITS == 1:
+    if ONE_SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             o_ptr + q_row * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
@@ -260,7 +261,7 @@ def decode_kernel(
             mask=row_ok[:, None] & dim_ok[None, :],
         )
     else:
-        part = (seq.to(tl.int64) * num_heads + head) * SPLITS + split  # (ROWS,)
+        part = (seq.to(tl.int64) * num_heads + head) * num_splits + split  # (ROWS,)
         tl.store(part_o_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
@@ -273,35 +274,43 @@ def combine_kernel(
     part_ml_ptr,
     qsl_ptr,
     num_heads,
+    num_splits,
     stride_ot,
     stride_oh,
     stride_od,
-    SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
+    CHUNK: tl.constexpr,  # splits merged per loop step (keeps CHUNK x HEAD_PAD in registers)
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < SPLITS
-    base = (seq.to(tl.int64) * num_heads + head) * SPLITS
-    m = tl.load(part_ml_ptr + (base + splits) * 2, mask=split_ok, other=float("-inf"))
-    l_part = tl.load(part_ml_ptr + (base + splits) * 2 + 1, mask=split_ok, other=0.0)
-    m_max = tl.max(m, 0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    weight = tl.exp2(m - m_safe)  # 0 for empty splits (m = -inf)
-    dims = tl.arange(0, HEAD_PAD)
-    acc = tl.load(
-        part_o_ptr + (base + splits)[:, None] * HEAD_PAD + dims[None, :],
-        mask=split_ok[:, None],
-        other=0.0,
-    )
-    total = tl.sum(weight * l_part, 0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     q_row = tl.load(qsl_ptr + seq).to(tl.int64)
     if tl.load(qsl_ptr + seq + 1) == q_row:
         return
+    base = (seq.to(tl.int64) * num_heads + head) * num_splits
+    every = tl.arange(0, SPLITS_PAD)
+    m_all = tl.load(part_ml_ptr + (base + every) * 2, mask=every < num_splits, other=float("-inf"))
+    m_max = tl.max(m_all, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    dims = tl.arange(0, HEAD_PAD)
+    out = tl.zeros([HEAD_PAD], tl.float32)
+    total = tl.zeros([CHUNK], tl.float32)
+    for first in range(0, num_splits, CHUNK):
+        splits = first + tl.arange(0, CHUNK)
+        split_ok = splits < num_splits
+        m = tl.load(part_ml_ptr + (base + splits) * 2, mask=split_ok, other=float("-inf"))
+        l_part = tl.load(part_ml_ptr + (base + splits) * 2 + 1, mask=split_ok, other=0.0)
+        weight = tl.exp2(m - m_safe)  # 0 for empty splits (m = -inf)
+        acc = tl.load(
+            part_o_ptr + (base + splits)[:, None] * HEAD_PAD + dims[None, :],
+            mask=split_ok[:, None],
+            other=0.0,
+        )
+        total += weight * l_part
+        out += tl.sum(acc * weight[:, None], 0)
+    denom = tl.sum(total, 0)
+    out = out / tl.where(denom > 0, denom, 1.0)
     tl.store(
         o_ptr + q_row * stride_ot + head * stride_oh + dims * stride_od,
         out.to(o_ptr.dtype.element_ty),

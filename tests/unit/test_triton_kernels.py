@@ -142,12 +142,13 @@ def test_sliding_window(window: int, scenario: str) -> None:
     assert _diff(_run(paged_attention_triton, batch, 0.3, sliding_window=window), want) < 1e-5
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 40])
 @pytest.mark.parametrize("window", [None, 37])
 def test_decode_split_k(splits: int, window: int | None) -> None:
     """Each split walks its share of the context; the combine kernel merges them. More splits
-    than tiles leaves empty splits, which must contribute nothing."""
-    ctx = [1, 16, 33, 150, 97]
+    than tiles leaves empty splits, which must contribute nothing; 40 splits take the combine
+    kernel through more than one chunk of 32 (5,000 positions are 79 tiles of 64: 2 per split)."""
+    ctx = [1, 16, 33, 150, 97] + ([5000] if splits > 32 else [])
     batch = make_paged_batch(
         ctx, [1] * len(ctx), num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
         pad_value=-1, table_dtype=torch.int32, seed=splits,
