@@ -2,7 +2,8 @@
 
 Starts a local Ray cluster, deploys 1 prefill + 1 decode worker on the same checkpoint, and sends
 requests one at a time through gRPC (one message per token, so every token's arrival is seen)
-and through the HTTP API (SSE; TTFT to the first chunk). The baseline runs the same prompts in
+and through the HTTP API (SSE; TTFT to the first chunk; through HAProxy as `tandem serve` does,
+or `--ingress proxy` for Ray Serve's Python proxy). The baseline runs the same prompts in
 this process with `LLMEngine.step()`, back to back, and again with the engine idle before each
 request as long as the cluster's prefill worker idles between requests (the decode time of the
 previous one): an engine that just woke computes a prefill about twice as slowly here (cold
@@ -34,6 +35,7 @@ import torch  # noqa: E402
 
 from tandem import LLM, SamplingParams  # noqa: E402
 from tandem.bench import grpc_floor  # noqa: E402
+from tandem.deploy.ingress import Ingress, ingress_environment  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
@@ -131,6 +133,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--transport", default="shm")
+    parser.add_argument(
+        "--ingress",
+        choices=[i.value for i in Ingress],
+        default=Ingress.haproxy.value,
+        help="HTTP front of the cluster, as `tandem serve --ingress` (default haproxy)",
+    )
     args = parser.parse_args()
 
     import ray
@@ -155,6 +163,7 @@ def main() -> None:
     base = summary(*in_process(llm, prompts[3:], params))
     print(f"in-process LLM: {base}", flush=True)
 
+    os.environ.update(ingress_environment(Ingress(args.ingress), os.environ))
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 28999})
     try:
@@ -201,6 +210,7 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
         "transport": args.transport,
+        "ingress": args.ingress,
         "in_process": base,
         "cluster": cluster,
         "added_p50_ms": added,

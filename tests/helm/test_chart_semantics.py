@@ -76,6 +76,17 @@ def test_the_api_key_reaches_only_the_router_pods(renders: dict[str, list[Manife
     assert not [m for m in renders["default"] if m["kind"] == "Secret"]
 
 
+def test_the_haproxy_ingress_is_switched_on_for_every_pod(
+    renders: dict[str, list[Manifest]],
+) -> None:
+    flag = {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"}
+    for name, want in (("monitoring", True), ("default", False)):
+        cluster = the(renders[name], "RayService")["spec"]["rayClusterConfig"]
+        for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+            env = group["template"]["spec"]["containers"][0]["env"]
+            assert (flag in env) is want, (name, group.get("groupName", "head"))
+
+
 def test_pod_monitors_only_with_the_prometheus_operator(
     renders: dict[str, list[Manifest]],
 ) -> None:

@@ -7,6 +7,7 @@ base URL; the cluster, Serve's HTTP port and the gRPC port stay the same across 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -54,10 +55,24 @@ class Cluster:
         }
         if config == self.config:
             return self.base_url
-        serve.run(build_app(ClusterConfig(**config)), name=APP, route_prefix="/")
+        cluster_config = ClusterConfig(**config)
+        serve.run(build_app(cluster_config), name=APP, route_prefix="/")
         self.config = config
         wait_ready(self.base_url, config.get("api_key"))
+        roles = ["decode"] if cluster_config.mode == "colocated" else ["prefill", "decode"]
+        self.wait_workers({r: getattr(cluster_config, r).replicas for r in roles})
         return self.base_url
+
+    def wait_workers(self, expected: dict[str, int], timeout: float = 30) -> None:
+        """Until /health counts `expected` live workers per role: the router learns of new
+        replicas from the worker registry every few seconds, so right after a deploy it may
+        still count only some of them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            health = requests.get(f"{self.base_url}/health", timeout=10).json()
+            if health.get("workers") == expected or time.monotonic() > deadline:
+                return
+            time.sleep(0.25)
 
     def deploy_pd(self, replicas: int = 1) -> str:
         """`replicas` prefill + `replicas` decode workers (the default deployment)."""
@@ -94,7 +109,19 @@ def cluster(tiny_checkpoint: Callable[..., Path]) -> Iterator[Cluster]:
     import ray
     from ray import serve
 
-    ray.init(num_cpus=4, include_dashboard=False, namespace="tandem-tests", log_to_driver=False)
+    from tandem.deploy.ingress import STATE_DIR, Ingress, ingress_environment
+
+    # The cluster runs the ingress `tandem serve` starts by default (HAProxy). The variables
+    # reach the Ray processes through ray.init's environment and leave this one right after,
+    # so that a `tandem serve` a test starts picks its own HAProxy state and ports.
+    env = ingress_environment(Ingress.haproxy, os.environ)
+    os.environ.update(env)
+    try:
+        ray.init(num_cpus=4, include_dashboard=False, namespace="tandem-tests", log_to_driver=False)
+    finally:
+        for name in env:
+            os.environ.pop(name, None)
+    state_dir = env.get(STATE_DIR)
     http_port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     try:
@@ -102,3 +129,5 @@ def cluster(tiny_checkpoint: Callable[..., Path]) -> Iterator[Cluster]:
     finally:
         serve.shutdown()
         ray.shutdown()
+        if state_dir:
+            shutil.rmtree(state_dir, ignore_errors=True)

@@ -36,6 +36,9 @@ spec:
         - {name: HF_HUB_OFFLINE, value: "1"}
         - {name: TRANSFORMERS_OFFLINE, value: "1"}
         - {name: TOKENIZERS_PARALLELISM, value: "false"}
+        {{- if eq $root.Values.serve.ingress "haproxy" }}
+        - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "1"}  # read by the controller and replicas
+        {{- end }}
         {{- with .env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
