@@ -4,7 +4,7 @@ Ray 2.60 can put HAProxy in front of Serve (``RAY_SERVE_ENABLE_HA_PROXY=1``, exp
 Ray): each router replica then serves HTTP on its own port and HAProxy forwards each request
 to one of them, instead of the proxy actor relaying every request and every SSE chunk through
 a Python event loop and an actor call. Measured here (`bench/overhead.py`, 2 cores), the
-streaming TTFT over HTTP goes from about 16 ms to about 7.5 ms.
+streaming TTFT over HTTP goes from about 15 ms to about 8 ms.
 
 Both settings are read by the Ray processes when they start, so they apply only to a cluster
 that tandem starts itself (`tandem serve`, the tests); a cluster you join keeps its own.

@@ -173,7 +173,8 @@ def serve(
     try:
         ray_serve.start(http_options={"host": cfg.host, "port": cfg.port})
         ray_serve.run(app, name=cfg.app_name, route_prefix="/")
-        _print_urls(cfg, ctx, time.monotonic() - started, ingress_in_use(os.environ))
+        _print_urls(cfg, ctx, time.monotonic() - started,
+                    ingress_in_use(os.environ) if own_cluster else None)  # fmt: skip
         while not stop.wait(0.5):
             pass
         typer.echo("[tandem] stopping ...")
@@ -182,7 +183,8 @@ def serve(
     typer.echo("[tandem] stopped")
 
 
-def _print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress) -> None:
+def _print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress | None) -> None:
+    """`ingress`: what the cluster tandem started uses (None: a cluster it joined)."""
     host = cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
     dashboard = getattr(ctx, "dashboard_url", None)
     workers = (
@@ -193,7 +195,8 @@ def _print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress) -> None:
     )
     lines = [
         f"[tandem] serving {Path(cfg.model).name}: {workers}, ready in {seconds:.1f}s",
-        f"[tandem]   OpenAI API:    http://{host}:{cfg.port}/v1 (through {ingress.value})"
+        f"[tandem]   OpenAI API:    http://{host}:{cfg.port}/v1"
+        + (f" (through {ingress.value})" if ingress else "")
         + (" (API key required: 'Authorization: Bearer <key>')" if cfg.api_key else ""),
     ]
     if cfg.grpc_port:
