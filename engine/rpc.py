@@ -22,6 +22,7 @@ import json
 import logging
 import socket
 import struct
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
@@ -140,6 +141,9 @@ class RPCClient:
         self._reader_task: asyncio.Task[None] | None = None
         self._connecting: asyncio.Lock | None = None
         self.closed = False
+        self.lost_at: float | None = None
+        """When the connection failed or broke (`time.time()`); None while it works or after
+        `close()`: a worker that dies is seen here first, before its registry entry ages out."""
 
     async def _connect(self) -> asyncio.StreamWriter:
         if self._writer is not None:
@@ -149,10 +153,14 @@ class RPCClient:
         async with self._connecting:
             if self._writer is None:
                 host, _, port = self.address.rpartition(":")
-                reader, writer = await asyncio.open_connection(host, int(port))
-                _no_delay(writer)
-                writer.write(_frame({"token": self.auth_token}))
-                reply = await asyncio.wait_for(_read(reader), 10)
+                try:
+                    reader, writer = await asyncio.open_connection(host, int(port))
+                    _no_delay(writer)
+                    writer.write(_frame({"token": self.auth_token}))
+                    reply = await asyncio.wait_for(_read(reader), 10)
+                except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+                    self.closed, self.lost_at = True, time.time()
+                    raise RPCError(f"cannot reach {self.address}: {exc!r}") from None
                 if not reply.get("ok"):
                     writer.close()
                     raise RPCError(f"{self.address} refused the connection: {reply.get('error')}")
@@ -171,6 +179,8 @@ class RPCClient:
         except (asyncio.IncompleteReadError, ConnectionError, RPCError, ValueError):
             pass
         finally:
+            if not self.closed:  # the worker went away (close() sets `closed` first)
+                self.lost_at = time.time()
             self.closed = True
             self._writer = None
             for queue in self._queues.values():

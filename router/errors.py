@@ -43,3 +43,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def unavailable(message: str, code: str = "unavailable") -> APIError:
     return APIError(503, message, type="service_unavailable_error", code=code)
+
+
+class WorkerLost(APIError):
+    """A worker's connection broke or was refused (it died, or its process hangs): 503. A
+    request that has sent its caller nothing yet can start over on the workers still alive."""
+
+    def __init__(self, worker_id: str, message: str, code: str) -> None:
+        super().__init__(503, message, type="service_unavailable_error", code=code)
+        self.worker_id = worker_id

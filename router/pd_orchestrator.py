@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.rpc import RPCError
-from tandem.router.errors import APIError, unavailable
+from tandem.router.errors import APIError, WorkerLost, unavailable
 from tandem.router.prefill_call import (
     PrefillCall,
     send_grant,
@@ -213,9 +213,11 @@ class PDOrchestrator:
                         continue
                     plan.release_prefill()
                     if outcome["status"] != "sent":
-                        raise unavailable(
-                            f"prefill failed: {outcome.get('error')}", "prefill_failed"
-                        )
+                        message = f"prefill failed: {outcome.get('error')}"
+                        assert plan.prefill is not None
+                        if plan.prefill.client.lost_at is not None:
+                            raise WorkerLost(plan.prefill.worker_id, message, "prefill_failed")
+                        raise unavailable(message, "prefill_failed")
                     timings.worker.update(outcome.get("timings", {}))
                 if next_item not in done:
                     continue
@@ -322,7 +324,10 @@ async def _next(stream: AsyncGenerator[dict[str, Any], None], worker: Worker) ->
     except StopAsyncIteration:
         raise unavailable("the decode worker ended the stream early", "decode_failed") from None
     except RPCError as exc:
-        raise unavailable(f"decode worker {worker.worker_id}: {exc}", "decode_failed") from None
+        message = f"decode worker {worker.worker_id}: {exc}"
+        if worker.client.lost_at is not None:
+            raise WorkerLost(worker.worker_id, message, "decode_failed") from None
+        raise unavailable(message, "decode_failed") from None
 
 
 def _worker_error(item: dict[str, Any]) -> APIError:

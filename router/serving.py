@@ -13,12 +13,16 @@ from typing import Any
 from tandem.engine.metrics import RouterMetrics
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
-from tandem.router.errors import APIError, bad_request
+from tandem.router.errors import APIError, WorkerLost, bad_request
 from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
 from tandem.router.request_prep import ModelLimits, sampling_params, tokenize_prompt
 from tandem.router.route_planner import RoutePlan, RoutePlanner
 
 logger = logging.getLogger("tandem.router")
+
+MAX_LOST_RETRIES = 1
+"""Times a request starts over when a worker it uses is lost before it sent its caller
+anything (the workers' deaths are seen at once: the router holds a connection to each)."""
 
 
 @dataclass
@@ -40,6 +44,14 @@ class Prepared:
     num_transferred_blocks: int = 0
     user: str | None = None
     started: bool = False  # `Serving.run` began (it releases the request from then on)
+    deadline_ms: float | None = None  # admission's deadline (planning again keeps it)
+    attempt: int = 0  # times it started over after losing a worker
+
+    @property
+    def worker_request_id(self) -> str:
+        """The id its workers know it by: a new one when it starts over, so that no worker
+        mistakes it for the calls of the attempt before (still being cancelled)."""
+        return self.request_id if self.attempt == 0 else f"{self.request_id}~{self.attempt}"
 
     def usage(self) -> dict[str, Any]:
         prompt = len(self.prompt_token_ids)
@@ -123,36 +135,58 @@ class Serving:
             timings.mark("tokenized")
             params = sampling_params(len(token_ids), max_tokens, fields, limits)
             admission = self.planner.admission
-            plan = await self.planner.plan(
-                token_ids,
-                self.info,
-                admission.deadline_ms(deadline_ms, user),
-                hold_s=self.request_timeout_s,
-                max_tokens=params.max_tokens,
-            )
-            self.metrics.decision(self.planner.policy_name, _decision(plan))
             req = Prepared(
                 request_id,
                 token_ids,
                 params,
                 timings,
-                plan=plan,
                 priority=admission.priority(priority, user),
                 user=user,
+                deadline_ms=admission.deadline_ms(deadline_ms, user),
             )
-            try:
-                await self.orchestrator.reserve(
-                    plan,
-                    request_id,
-                    token_ids,
-                    params.model_dump(exclude_defaults=True),
-                    req.priority,
-                    timings,
-                )
-            except BaseException:
-                plan.release()
-                raise
+            for attempt in range(MAX_LOST_RETRIES + 1):
+                try:
+                    await self._route(req)
+                    break
+                except WorkerLost as exc:
+                    if attempt == MAX_LOST_RETRIES:
+                        raise
+                    self._starting_over(req, exc)
             return req
+
+    async def _route(self, req: Prepared) -> None:
+        """Plans the request's workers and opens its calls (decode's reservation first)."""
+        plan = await self.planner.plan(
+            req.prompt_token_ids,
+            self.info,
+            req.deadline_ms,
+            hold_s=self.request_timeout_s,
+            max_tokens=req.params.max_tokens,
+        )
+        self.metrics.decision(self.planner.policy_name, _decision(plan))
+        req.plan = plan
+        try:
+            await self.orchestrator.reserve(
+                plan,
+                req.worker_request_id,
+                req.prompt_token_ids,
+                req.params.model_dump(exclude_defaults=True),
+                req.priority,
+                req.timings,
+            )
+        except BaseException:
+            plan.release()
+            raise
+
+    @staticmethod
+    def _starting_over(req: Prepared, exc: WorkerLost) -> None:
+        req.attempt += 1
+        logger.warning(
+            "request %s: %s is gone (%s); starting over on the workers still alive",
+            req.request_id,
+            exc.worker_id,
+            exc.message,
+        )
 
     async def abandon(self, req: Prepared) -> None:
         """A prepared request that will never `run` (a streaming client left before its first
@@ -183,32 +217,23 @@ class Serving:
         last_item: float | None = None
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                assert req.plan is not None
-                async with contextlib.aclosing(
-                    self.orchestrator.generate(
-                        req.request_id,
-                        req.prompt_token_ids,
-                        req.params.model_dump(exclude_defaults=True),
-                        req.timings,
-                        req.plan,
-                        req.priority,
-                    )
-                ) as items:
-                    async for item in items:
-                        now = time.time()
-                        if last_item is not None:
-                            self.metrics.token_gap(now - last_item)
-                        last_item = now
-                        req.completion_tokens += len(item["token_ids"])
-                        req.token_ids.extend(item["token_ids"])
-                        req.text += item["text"]
-                        if item.get("finish_reason") is not None:
-                            req.finish_reason = item["finish_reason"]
-                            req.stop_reason = item.get("stop_reason")
-                            req.num_cached_tokens = int(item.get("num_cached_tokens", 0))
-                            req.num_transferred_blocks = int(item.get("num_transferred_blocks", 0))
-                            outcome = f"finished({req.finish_reason})"
-                        yield item
+                for attempt in range(MAX_LOST_RETRIES + 1):
+                    try:
+                        async with contextlib.aclosing(self._generate(req)) as items:
+                            async for item in items:
+                                now = time.time()
+                                if last_item is not None:
+                                    self.metrics.token_gap(now - last_item)
+                                last_item = now
+                                outcome = self._take(req, item) or outcome
+                                yield item
+                        break
+                    except WorkerLost as exc:
+                        # Nothing reached the caller yet: start over without that worker.
+                        if last_item is not None or attempt == MAX_LOST_RETRIES:
+                            raise
+                        self._starting_over(req, exc)
+                        await self._route(req)
         except TimeoutError:
             outcome = "failed(timeout)"
             self.metrics.failed("timeout")
@@ -223,6 +248,35 @@ class Serving:
             self._log(req, outcome)
             if not outcome.startswith("failed"):
                 self._record(req)
+
+    async def _generate(self, req: Prepared) -> AsyncGenerator[dict[str, Any], None]:
+        assert req.plan is not None
+        async with contextlib.aclosing(
+            self.orchestrator.generate(
+                req.worker_request_id,
+                req.prompt_token_ids,
+                req.params.model_dump(exclude_defaults=True),
+                req.timings,
+                req.plan,
+                req.priority,
+            )
+        ) as items:
+            async for item in items:
+                yield item
+
+    @staticmethod
+    def _take(req: Prepared, item: dict[str, Any]) -> str | None:
+        """Adds a token item to `req`; the outcome to log when it is the last one."""
+        req.completion_tokens += len(item["token_ids"])
+        req.token_ids.extend(item["token_ids"])
+        req.text += item["text"]
+        if item.get("finish_reason") is None:
+            return None
+        req.finish_reason = item["finish_reason"]
+        req.stop_reason = item.get("stop_reason")
+        req.num_cached_tokens = int(item.get("num_cached_tokens", 0))
+        req.num_transferred_blocks = int(item.get("num_transferred_blocks", 0))
+        return f"finished({req.finish_reason})"
 
     def _record(self, req: Prepared) -> None:
         """Metrics of a request that finished, or that the client abandoned ("abort")."""

@@ -46,6 +46,17 @@ class Worker:
         return (self.in_flight, self.queued_tokens, float(reported or 0))
 
 
+def _lost_since_its_report(worker: Worker, address: str, entry: dict[str, Any]) -> bool:
+    """The connection to `worker` broke or was refused after the worker's last report to the
+    registry: it died (or its process hangs). Reconnecting now would only fail again."""
+    lost_at = worker.client.lost_at
+    return (
+        worker.client.address == address
+        and lost_at is not None
+        and float(entry.get("reported_at", 0.0)) <= lost_at
+    )
+
+
 class WorkerDirectory:
     def __init__(self, registry: Any, auth_token: str) -> None:
         self.registry = registry
@@ -84,6 +95,9 @@ class WorkerDirectory:
                     self.mark_draining(wid)
                 continue
             seen.add(wid)
+            if worker is not None and _lost_since_its_report(worker, address, entry):
+                worker.stats = entry  # dead until it reports again (or its entry ages out)
+                continue
             if worker is None or worker.client.address != address or worker.client.closed:
                 old = worker
                 worker = Worker(wid, str(entry["role"]), RPCClient(address, self.auth_token))

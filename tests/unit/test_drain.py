@@ -191,6 +191,34 @@ def test_the_directory_keeps_a_draining_workers_connection_for_its_requests() ->
     asyncio.run(main())
 
 
+def test_the_directory_does_not_bring_back_a_lost_worker_until_it_reports_again() -> None:
+    """A worker whose connection broke after its last report died: it stays out of the live
+    set (its registry entry lingers for seconds) until it reports again."""
+
+    async def main() -> None:
+        registry = FakeRegistry()
+        d = WorkerDirectory(registry, TOKEN)
+        entry = {"worker_id": "prefill/a", "role": "prefill", "rpc_address": "127.0.0.1:1",
+                 "reported_at": 100.0}  # fmt: skip
+        registry.entries = [
+            entry,
+            {**entry, "worker_id": "prefill/b", "rpc_address": "127.0.0.1:2"},
+        ]
+        await d.refresh()
+        a = d.workers["prefill/a"]
+        a.client.closed, a.client.lost_at = True, 150.0  # its connection broke at t=150
+        await d.refresh()
+        assert [w.worker_id for w in d.live("prefill")] == ["prefill/b"]
+        assert d.workers["prefill/a"] is a  # kept (its requests' load), not reconnected
+        registry.entries[0] = {**entry, "reported_at": 160.0}  # alive after all
+        await d.refresh()
+        assert sorted(w.worker_id for w in d.live("prefill")) == ["prefill/a", "prefill/b"]
+        assert d.workers["prefill/a"] is not a  # a fresh connection
+        await d.close()
+
+    asyncio.run(main())
+
+
 def test_recent_mean_forgets_old_samples() -> None:
     now = [0.0]
     mean = RecentMean(window_s=5.0, clock=lambda: now[0])

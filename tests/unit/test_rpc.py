@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tandem.engine.rpc import RPCClient, RPCError, RPCServer
+from tandem.engine.rpc import RPCClient, RPCError, RPCServer, _frame, _read
 
 
 class Handlers:
@@ -132,5 +132,36 @@ def test_a_dropped_connection_cancels_its_calls() -> None:
             await asyncio.sleep(0.01)
         assert handlers.cancelled == ["b"]
         await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_is_gone_is_an_rpc_error_and_is_marked_lost() -> None:
+    """A connection that breaks (the worker's process died) marks the client lost; a refused
+    one (its port is closed) is an RPCError, not an OSError that would reach the API as a
+    500; a `close()` of our own marks nothing."""
+
+    async def dies_after_hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read(reader)
+        writer.write(_frame({"ok": True}))
+        await _read(reader)  # the first call arrives; the process dies before answering
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(dies_after_hello, "127.0.0.1", 0)
+        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = RPCClient(address, "secret")
+        with pytest.raises(RPCError, match="lost"):
+            await client.call("count", n=1)
+        assert client.closed and client.lost_at is not None
+        server.close()
+        await server.wait_closed()
+        refused = RPCClient(address, "secret")
+        with pytest.raises(RPCError, match="cannot reach"):
+            await refused.call("count", n=1)
+        assert refused.closed and refused.lost_at is not None
+        ours = RPCClient(address, "secret")
+        await ours.close()
+        assert ours.closed and ours.lost_at is None
 
     asyncio.run(main())

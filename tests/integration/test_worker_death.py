@@ -1,0 +1,54 @@
+"""A prefill worker that dies: the requests sent right after all succeed, exactly, on the one
+still alive. Before, those routed to the dead one failed for up to 10 s (its registry entry
+lingers): with a 503 while the router's connection to it was breaking, then with a 500
+(`ConnectionRefusedError`) each time the router reconnected. A request routed there just
+before the router noticed starts over on the live workers; that race is rare here, so
+`tests/unit/test_worker_lost.py` covers the starting over itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+import ray
+
+from tandem import LLM, SamplingParams
+from tests.integration.conftest import Cluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def _kill_replica(worker_id: str) -> None:
+    """Kills the Serve replica behind `worker_id` ("prefill/<replica id>") for good."""
+    replica = worker_id.split("/", 1)[1]
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if replica in a["name"]]  # fmt: skip
+    assert len(names) == 1, names
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+
+
+def test_requests_after_a_prefill_worker_dies_all_succeed_exactly(cluster: Cluster) -> None:
+    base_url = cluster.deploy(prefill={"replicas": 2, "num_cpus": 0.25},
+                              decode={"replicas": 1, "num_cpus": 0.25})  # fmt: skip
+    prompts = [f"request number {i} about the weather" for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = LLM(model=str(cluster.model), num_kv_blocks=512).generate(
+        prompts, params, use_tqdm=False
+    )
+    prefill = sorted(w["worker_id"] for w in cluster.workers() if w["role"] == "prefill")
+    assert len(prefill) == 2
+    _kill_replica(prefill[0])
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    outcomes: list[Any] = []
+    for prompt, ref in zip(prompts, expected, strict=True):
+        try:
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                            temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            outcomes.append(out.choices[0].text == ref.text)
+        except openai.APIStatusError as exc:
+            outcomes.append(f"{exc.status_code} {exc.body}")
+    cluster.config = {}  # the next test deploys afresh (Serve is replacing the replica)
+    assert outcomes == [True] * len(prompts)
+    live = [w for w in cluster.workers() if w["role"] == "prefill" and "error" not in w]
+    assert prefill[0] not in {w["worker_id"] for w in live}
