@@ -38,6 +38,7 @@ class Worker:
     queued_tokens: int = 0
     events_task: asyncio.Task[None] | None = None
     draining: bool = False
+    lost_report: Any = None  # its registry report when its connection was seen lost
 
     def load(self) -> tuple[float, ...]:
         reported = self.stats.get(
@@ -47,14 +48,17 @@ class Worker:
 
 
 def _lost_since_its_report(worker: Worker, address: str, entry: dict[str, Any]) -> bool:
-    """The connection to `worker` broke or was refused after the worker's last report to the
-    registry: it died (or its process hangs). Reconnecting now would only fail again."""
-    lost_at = worker.client.lost_at
-    return (
-        worker.client.address == address
-        and lost_at is not None
-        and float(entry.get("reported_at", 0.0)) <= lost_at
-    )
+    """The connection to `worker` broke or was refused, and the worker has not reported to the
+    registry since this directory first saw that: it died (or hangs), and reconnecting would
+    only fail again. Reports are compared by value, not against this machine's clock (the
+    registry may run on another node)."""
+    if worker.client.address != address or worker.client.lost_at is None:
+        return False
+    report = entry.get("reported_at")
+    if worker.lost_report is None:
+        worker.lost_report = report
+        return True
+    return bool(report == worker.lost_report)
 
 
 class WorkerDirectory:
