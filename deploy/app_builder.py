@@ -54,6 +54,7 @@ def build_app(config: ClusterConfig) -> Application:
     workers and, unless `config.mode` is "colocated", prefill workers."""
     from tandem.decode_workers.deployment import DecodeWorker
     from tandem.prefill_workers.deployment import PrefillWorker
+    from tandem.router.api_keys import key_digest
     from tandem.router.deployment import Router
 
     config = config.with_auth_token()
@@ -73,7 +74,7 @@ def build_app(config: ClusterConfig) -> Application:
         "served_model_name": config.served_model_name or Path(model).name,
         "registry_name": registry,
         "auth_token": config.auth_token,
-        "api_key": config.api_key,
+        "api_key_sha256": key_digest(config.api_key) if config.api_key else None,
         "host": config.host,
         "grpc_port": config.grpc_port,
         "request_timeout_s": config.router.request_timeout_s,

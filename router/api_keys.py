@@ -4,6 +4,7 @@ endpoints stay open for probes and Prometheus."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Callable
 
@@ -15,14 +16,20 @@ from tandem.router.openai_api import error_response
 OPEN_PATHS = ("/health", "/metrics")
 
 
-def check_api_key(expected: str | None, authorization: str | None) -> None:
-    """Raises a 401 `APIError` unless `authorization` is ``Bearer <expected>``; with no key
-    configured every request passes."""
-    if not expected:
+def key_digest(key: str) -> str:
+    """What the router is given instead of the key itself (Serve shows a deployment's init
+    arguments, e.g. on the Ray dashboard): its SHA-256, hex."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def check_api_key(expected_digest: str | None, authorization: str | None) -> None:
+    """Raises a 401 `APIError` unless `authorization` is ``Bearer <key>`` for the key whose
+    `key_digest` is `expected_digest`; with no key configured every request passes."""
+    if not expected_digest:
         return
     scheme, _, given = (authorization or "").strip().partition(" ")
     if scheme.lower() == "bearer" and hmac.compare_digest(
-        given.strip().encode(), expected.encode()
+        key_digest(given.strip()), expected_digest
     ):
         return
     raise APIError(
@@ -41,7 +48,8 @@ def is_open_path(path: str) -> bool:
 class APIKeyMiddleware:
     """Plain ASGI middleware (no per-chunk wrapping of streamed responses): before routing and
     body parsing, a request to a guarded path without the key gets the 401 JSON body.
-    `key()` is read per request (the router replica sets it after the app is built)."""
+    `key()`, the key's digest, is read per request (the router replica sets it after the app
+    is built)."""
 
     def __init__(self, app: ASGIApp, key: Callable[[], str | None]) -> None:
         self.app = app

@@ -24,7 +24,7 @@ from tandem.engine.serve_logging import use_serve_log_handlers
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.worker_registry import get_registry
 from tandem.router.admission import AdmissionConfig
-from tandem.router.api_keys import APIKeyMiddleware
+from tandem.router.api_keys import APIKeyMiddleware, key_digest
 from tandem.router.errors import APIError
 from tandem.router.openai_api import (
     create_chat_completion,
@@ -71,7 +71,7 @@ async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
     return error_response(exc)
 
 
-api.add_middleware(APIKeyMiddleware, key=lambda: getattr(api.state, "api_key", None))
+api.add_middleware(APIKeyMiddleware, key=lambda: getattr(api.state, "api_key_digest", None))
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -97,10 +97,14 @@ class Router:
         `prefill` is None in colocated mode (`settings["mode"]`)."""
         use_serve_log_handlers(str(settings.get("log_level", "info")).upper())
         self.settings = settings
-        # The key: from the config, else from the environment this replica was started in (the
-        # Helm chart puts its Secret on the router pods as TANDEM_API_KEY).
-        self.api_key = settings.get("api_key") or os.environ.get("TANDEM_API_KEY") or None
-        api.state.api_key = self.api_key  # (one router replica per process)
+        # The key's digest: from the config (never the key: Serve shows init arguments), else
+        # the key in the environment this replica was started in (the Helm chart puts its
+        # Secret on the router pods as TANDEM_API_KEY).
+        env_key = os.environ.get("TANDEM_API_KEY")
+        self.api_key_digest: str | None = settings.get("api_key_sha256") or (
+            key_digest(env_key) if env_key else None
+        )
+        api.state.api_key_digest = self.api_key_digest  # (one router replica per process)
         tokenizer = Tokenizer.from_pretrained(settings["model"])
         self.directory = WorkerDirectory(
             get_registry(settings["registry_name"]), settings["auth_token"]
@@ -147,7 +151,7 @@ class Router:
 
         try:
             self._grpc_server = await start_grpc_server(
-                self.serving, host, port, api_key=self.api_key
+                self.serving, host, port, api_key_digest=self.api_key_digest
             )
         except Exception:
             logger.exception("gRPC server did not start on %s:%s", host, port)

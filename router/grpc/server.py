@@ -47,16 +47,16 @@ def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, serving: Serving, api_key: str | None = None) -> None:
+    def __init__(self, serving: Serving, api_key_digest: str | None = None) -> None:
         self.serving = serving
-        self.api_key = api_key
+        self.api_key_digest = api_key_digest
 
     async def Generate(  # noqa: N802 - the RPC's name
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         metadata = {k.lower(): v for k, v in context.invocation_metadata() or ()}
         try:
-            check_api_key(self.api_key, metadata.get("authorization"))
+            check_api_key(self.api_key_digest, metadata.get("authorization"))
         except APIError as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, exc.message)
         timings = RequestTimings()
@@ -100,13 +100,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 async def start_grpc_server(
-    serving: Serving, host: str, port: int, api_key: str | None = None
+    serving: Serving, host: str, port: int, api_key_digest: str | None = None
 ) -> grpc.aio.Server:
     """Starts Generation + health on `host:port` (SERVING for "" and the Generation service).
-    With `api_key`, `Generate` wants the metadata ``authorization: Bearer <key>``."""
+    With `api_key_digest` (`key_digest` of the key), `Generate` wants the metadata
+    ``authorization: Bearer <key>``."""
     server = grpc.aio.server()
     generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(serving, api_key), server
+        GenerationServicer(serving, api_key_digest), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,10 +1,13 @@
-"""`check_api_key`: Bearer scheme, exact key, nothing required without one."""
+"""`check_api_key`: Bearer scheme, exact key, nothing required without one; the router is
+given the key's digest, never the key."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tandem.router.api_keys import check_api_key, is_open_path
+from tandem.router.api_keys import check_api_key, is_open_path, key_digest
 from tandem.router.errors import APIError
 
 
@@ -15,13 +18,13 @@ def test_no_key_configured_lets_everything_through() -> None:
 
 @pytest.mark.parametrize("header", ["Bearer k3y", "bearer k3y", "  Bearer   k3y  "])
 def test_the_right_key_passes(header: str) -> None:
-    check_api_key("k3y", header)
+    check_api_key(key_digest("k3y"), header)
 
 
 @pytest.mark.parametrize("header", [None, "", "k3y", "Basic k3y", "Bearer k3", "Bearer k3y2"])
 def test_anything_else_is_401_with_an_openai_style_body(header: str | None) -> None:
     with pytest.raises(APIError) as refused:
-        check_api_key("k3y", header)
+        check_api_key(key_digest("k3y"), header)
     assert refused.value.status == 401
     assert refused.value.body()["error"]["code"] == "invalid_api_key"
     assert refused.value.headers == {"WWW-Authenticate": "Bearer"}
@@ -30,3 +33,17 @@ def test_anything_else_is_401_with_an_openai_style_body(header: str | None) -> N
 def test_probes_and_metrics_stay_open_under_any_prefix() -> None:
     assert is_open_path("/health") and is_open_path("/tandem/metrics/")
     assert not is_open_path("/v1/models") and not is_open_path("/debug/workers")
+
+
+def test_the_router_is_given_the_keys_digest_not_the_key(tmp_path: Path) -> None:
+    """Serve shows a deployment's init arguments (Ray dashboard, `serve status`)."""
+    from tandem.deploy.app_builder import build_app
+    from tandem.deploy.cluster_config import ClusterConfig
+    from tandem.deploy.tiny_model import build_tiny_checkpoint
+
+    model = build_tiny_checkpoint(tmp_path / "m")
+    app = build_app(ClusterConfig(model=str(model), api_key="s3cret-key"))
+    settings = app._bound_deployment.init_args[0]
+    assert "s3cret-key" not in repr(app._bound_deployment.init_args)
+    assert settings["api_key_sha256"] == key_digest("s3cret-key")
+    assert "api_key" not in settings
