@@ -2,8 +2,8 @@
 
 Starts a local Ray cluster, deploys 1 prefill + 1 decode worker on the same checkpoint, and sends
 requests one at a time through gRPC (one message per token, so every token's arrival is seen)
-and through the HTTP API (SSE; TTFT to the first chunk; through HAProxy as `tandem serve` does,
-or `--ingress proxy` for Ray Serve's Python proxy). The baseline runs the same prompts in
+and through the HTTP API (SSE; TTFT to the first chunk; through Ray Serve's Python proxy as
+`tandem serve` does by default, or `--ingress haproxy`). The baseline runs the same prompts in
 this process with `LLMEngine.step()`, back to back, and again with the engine idle before each
 request as long as the cluster's prefill worker idles between requests (the decode time of the
 previous one): an engine that just woke computes a prefill about twice as slowly here (cold
@@ -136,8 +136,8 @@ def main() -> None:
     parser.add_argument(
         "--ingress",
         choices=[i.value for i in Ingress],
-        default=Ingress.haproxy.value,
-        help="HTTP front of the cluster, as `tandem serve --ingress` (default haproxy)",
+        default=Ingress.proxy.value,
+        help="HTTP front of the cluster, as `tandem serve --ingress` (default proxy)",
     )
     args = parser.parse_args()
 

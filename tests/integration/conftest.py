@@ -111,10 +111,10 @@ def cluster(tiny_checkpoint: Callable[..., Path]) -> Iterator[Cluster]:
 
     from tandem.deploy.ingress import STATE_DIR, Ingress, ingress_environment
 
-    # The cluster runs the ingress `tandem serve` starts by default (HAProxy). The variables
-    # reach the Ray processes through ray.init's environment and leave this one right after,
-    # so that a `tandem serve` a test starts picks its own HAProxy state and ports.
-    env = ingress_environment(Ingress.haproxy, os.environ)
+    # The cluster runs the ingress `tandem serve` starts by default (Serve's proxy). The
+    # variables reach the Ray processes through ray.init's environment and leave this one
+    # right after, so that a `tandem serve` a test starts makes its own choice.
+    env = ingress_environment(Ingress.proxy, os.environ)
     os.environ.update(env)
     try:
         ray.init(num_cpus=4, include_dashboard=False, namespace="tandem-tests", log_to_driver=False)

@@ -94,7 +94,7 @@ def test_tandem_serve_answers_and_stops_on_ctrl_c(
         raise
     out = stop(proc)
     assert proc.returncode == 0, out[-3000:]
-    assert f"OpenAI API:    http://127.0.0.1:{port}/v1 (through haproxy)" in out
+    assert f"OpenAI API:    http://127.0.0.1:{port}/v1 (through proxy)" in out
     assert "Ray dashboard: http://" in out
     assert "/metrics (Prometheus)" in out
     assert "[tandem] stopped" in out
