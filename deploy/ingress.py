@@ -6,11 +6,12 @@ to one of them, instead of the proxy actor relaying every request and every SSE 
 a Python event loop and an actor call. Measured here (`bench/overhead.py`, 2 cores), the
 streaming TTFT over HTTP goes from about 15 ms to about 8 ms.
 
-The cost: HAProxy forwards a client's disconnect to the replica only when the response next
-writes, so a client that leaves during a long prefill is noticed at the first token (the
-prefill runs to its end; its blocks are still released). `tests/integration/
-test_cancel_during_prefill.py` failed 1 run in 4 with HAProxy and 0 in 5 with the proxy. The
-proxy stays the default.
+The cost, observed: a client that leaves during a long prefill is not always noticed before
+the prefill ends (`tests/integration/test_cancel_during_prefill.py` failed 1 run in 4 with
+HAProxy, and once in CI, against 0 in 5 with the proxy: the prefill ran to its end, its blocks
+were released). The likely cause, not verified: HAProxy passes the disconnect on only when the
+response next writes, and nothing is written before the first token. The proxy stays the
+default.
 
 Both settings are read by the Ray processes when they start, so they apply only to a cluster
 that tandem starts itself (`tandem serve`, the tests); a cluster you join keeps its own.

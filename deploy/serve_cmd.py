@@ -118,8 +118,8 @@ def serve(
         typer.Option(
             help="HTTP front of a cluster tandem starts: proxy (default), Ray Serve's Python proxy "
             "actor; haproxy, Ray's HAProxy ingress, forwards straight to the router replicas "
-            "(about 7 ms less time to first token here), but notices a client that leaves "
-            "during prefill only when the first token is written.",
+            "(about 7 ms less time to first token here), but a client that leaves during a "
+            "long prefill may be noticed only at the first token.",
             case_sensitive=False,
         ),
     ] = Ingress.proxy,
