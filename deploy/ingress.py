@@ -91,8 +91,3 @@ def ingress_environment(ingress: Ingress, environ: Mapping[str, str]) -> dict[st
         env[f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT"] = str(first)
         env[f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT"] = str(last)
     return {HAPROXY_FLAG: "1"} | {k: v for k, v in env.items() if k not in environ}
-
-
-def ingress_in_use(environ: Mapping[str, str]) -> Ingress:
-    """The ingress the Ray processes started from `environ` use."""
-    return Ingress.haproxy if environ.get(HAPROXY_FLAG) == "1" else Ingress.proxy

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from tandem.deploy.ingress import STATE_DIR, Ingress, ingress_environment, ingress_in_use
+from tandem.deploy.ingress import STATE_DIR, Ingress, ingress_environment
 
 logger = logging.getLogger("tandem.deploy")
 
@@ -174,8 +174,7 @@ def serve(
     try:
         ray_serve.start(http_options={"host": cfg.host, "port": cfg.port})
         ray_serve.run(app, name=cfg.app_name, route_prefix="/")
-        _print_urls(cfg, ctx, time.monotonic() - started,
-                    ingress_in_use(os.environ) if own_cluster else None)  # fmt: skip
+        _print_urls(cfg, ctx, time.monotonic() - started, ingress if own_cluster else None)
         while not stop.wait(0.5):
             pass
         typer.echo("[tandem] stopping ...")

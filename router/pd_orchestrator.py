@@ -213,11 +213,12 @@ class PDOrchestrator:
                         continue
                     plan.release_prefill()
                     if outcome["status"] != "sent":
-                        message = f"prefill failed: {outcome.get('error')}"
                         assert plan.prefill is not None
-                        if plan.prefill.client.lost_at is not None:
-                            raise WorkerLost(plan.prefill.worker_id, message, "prefill_failed")
-                        raise unavailable(message, "prefill_failed")
+                        raise _failed(
+                            plan.prefill,
+                            f"prefill failed: {outcome.get('error')}",
+                            "prefill_failed",
+                        )
                     timings.worker.update(outcome.get("timings", {}))
                 if next_item not in done:
                     continue
@@ -324,10 +325,14 @@ async def _next(stream: AsyncGenerator[dict[str, Any], None], worker: Worker) ->
     except StopAsyncIteration:
         raise unavailable("the decode worker ended the stream early", "decode_failed") from None
     except RPCError as exc:
-        message = f"decode worker {worker.worker_id}: {exc}"
-        if worker.client.lost_at is not None:
-            raise WorkerLost(worker.worker_id, message, "decode_failed") from None
-        raise unavailable(message, "decode_failed") from None
+        raise _failed(worker, f"decode worker {worker.worker_id}: {exc}", "decode_failed") from None
+
+
+def _failed(worker: Worker, message: str, code: str) -> APIError:
+    """A 503 for a call to `worker` that failed; `WorkerLost` when its connection is gone."""
+    if worker.client.lost_at is not None:
+        return WorkerLost(worker.worker_id, message, code)
+    return unavailable(message, code)
 
 
 def _worker_error(item: dict[str, Any]) -> APIError:

@@ -249,20 +249,16 @@ class Serving:
             if not outcome.startswith("failed"):
                 self._record(req)
 
-    async def _generate(self, req: Prepared) -> AsyncGenerator[dict[str, Any], None]:
+    def _generate(self, req: Prepared) -> AsyncGenerator[dict[str, Any], None]:
         assert req.plan is not None
-        async with contextlib.aclosing(
-            self.orchestrator.generate(
-                req.worker_request_id,
-                req.prompt_token_ids,
-                req.params.model_dump(exclude_defaults=True),
-                req.timings,
-                req.plan,
-                req.priority,
-            )
-        ) as items:
-            async for item in items:
-                yield item
+        return self.orchestrator.generate(
+            req.worker_request_id,
+            req.prompt_token_ids,
+            req.params.model_dump(exclude_defaults=True),
+            req.timings,
+            req.plan,
+            req.priority,
+        )
 
     @staticmethod
     def _take(req: Prepared, item: dict[str, Any]) -> str | None:

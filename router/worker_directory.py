@@ -51,7 +51,7 @@ def _lost_since_its_report(worker: Worker, address: str, entry: dict[str, Any]) 
     """The connection to `worker` broke or was refused, and the worker has not reported to the
     registry since this directory first saw that: it died (or hangs), and reconnecting would
     only fail again. Reports are compared by value, not against this machine's clock (the
-    registry may run on another node)."""
+    registry may run on another node). The first call after the loss records that report."""
     if worker.client.address != address or worker.client.lost_at is None:
         return False
     report = entry.get("reported_at")

@@ -7,7 +7,6 @@ base URL; the cluster, Serve's HTTP port and the gRPC port stay the same across 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -109,7 +108,7 @@ def cluster(tiny_checkpoint: Callable[..., Path]) -> Iterator[Cluster]:
     import ray
     from ray import serve
 
-    from tandem.deploy.ingress import STATE_DIR, Ingress, ingress_environment
+    from tandem.deploy.ingress import Ingress, ingress_environment
 
     # The cluster runs the ingress `tandem serve` starts by default (Serve's proxy). The
     # variables reach the Ray processes through ray.init's environment and leave this one
@@ -121,7 +120,6 @@ def cluster(tiny_checkpoint: Callable[..., Path]) -> Iterator[Cluster]:
     finally:
         for name in env:
             os.environ.pop(name, None)
-    state_dir = env.get(STATE_DIR)
     http_port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     try:
@@ -129,5 +127,3 @@ def cluster(tiny_checkpoint: Callable[..., Path]) -> Iterator[Cluster]:
     finally:
         serve.shutdown()
         ray.shutdown()
-        if state_dir:
-            shutil.rmtree(state_dir, ignore_errors=True)

@@ -10,19 +10,17 @@ from tandem.deploy.ingress import (
     HAPROXY_FLAG,
     Ingress,
     ingress_environment,
-    ingress_in_use,
 )
 
 
 def test_the_proxy_ingress_switches_haproxy_off_even_when_the_environment_has_it_on() -> None:
     env = ingress_environment(Ingress.proxy, {HAPROXY_FLAG: "1"})
     assert env == {HAPROXY_FLAG: "0"}
-    assert ingress_in_use(env) is Ingress.proxy
 
 
 def test_haproxy_gets_its_own_state_directory_and_a_short_local_drain() -> None:
     env = ingress_environment(Ingress.haproxy, {})
-    assert env[HAPROXY_FLAG] == "1" and ingress_in_use(env) is Ingress.haproxy
+    assert env[HAPROXY_FLAG] == "1"
     assert env[DRAINING_PERIOD] == "2.0"
     state = env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]
     assert os.path.basename(state).startswith("tandem-haproxy-") and os.path.isdir(state)
