@@ -26,6 +26,8 @@ import random
 import statistics
 import sys
 import time
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 from typing import Any
 
@@ -188,7 +190,10 @@ def _wait(pd: Any, rid: str, kinds: set[str], timeout: float = 120.0) -> dict[st
     while not kinds <= seen.keys():
         if time.perf_counter() > deadline:
             raise TimeoutError(f"{rid}: saw only {sorted(seen)}")
-        for conn in (pd.prefill_conn, pd.decode_conn):
+        # Blocks until a process writes (no polling loop: on 2 cores its wake-ups would take
+        # the CPU from the prefill that is being measured).
+        for ready in wait_for_any([pd.prefill_conn, pd.decode_conn], timeout=1.0):
+            conn: Connection = ready  # type: ignore[assignment]
             while conn.poll():
                 msg = conn.recv()
                 if msg[0] == "event" and msg[1]["request_id"] == rid:
@@ -197,7 +202,6 @@ def _wait(pd: Any, rid: str, kinds: set[str], timeout: float = 120.0) -> dict[st
                     seen.setdefault(msg[1]["kind"], msg[1])
                 if msg[0] == "done" and msg[1] == rid:
                     seen["done"] = {}
-        time.sleep(0.0002)
     return seen
 
 

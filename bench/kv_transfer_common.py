@@ -1,14 +1,16 @@
 """KV-transfer throughput between two processes, and a memcpy measured the same way.
 
 `measure_throughput(name, chunk_bytes, repeats)` spawns a receiving process holding an endpoint of
-transport `name` (for "shm", a shared-memory pool, so pages land directly), sends `repeats`
+transport `name` (pools as the workers allocate them: for "shm" the receiver's in shared memory,
+so pages land directly, the sender's private, on huge pages), sends `repeats`
 messages of `chunk_bytes` of pages from this process, and returns GB/s (1e9 bytes/s) from the
 first send until the receiver reports it has them all. Chunks cycle through a pool of at least
 256 MiB on both sides (as real transfers do, they miss the caches); each message's source and
 destination blocks are one consecutive run. `"memcpy"` times ``numpy.copyto`` between two
 preallocated buffers of that size with the same chunk cycle, in this process; `"memcpy-shm"`
-does the same from a torch-allocated buffer into a shared-memory region, the buffers the shm
-transport copies between (numpy's own buffers get transparent huge pages, those do not).
+does the same from a private buffer on huge pages into a shared-memory region, the buffers the
+shm transport copies between (numpy's own buffers get transparent huge pages, shared memory
+does not).
 
 Run ``python -m bench.kv_transfer_common`` for the table at 64 KiB, 1 MiB, 16 MiB and 64 MiB.
 """
@@ -51,11 +53,13 @@ def _memcpy(chunk_bytes: int, repeats: int, into_shm: bool = False) -> float:
     size = num_blocks * BLOCK_BYTES
     slots = num_blocks // chunk_blocks
     region = None
-    if into_shm:  # the buffers the shm transport copies between: a torch pool -> shared memory
+    if into_shm:  # the buffers the shm transport copies between: a private pool -> shared memory
+        from tandem.kv_transfer._hugepages import hugepage_buffer
         from tandem.kv_transfer._shm_region import ShmRegion, new_endpoint_id
 
         region = ShmRegion.create(f"tandem-kv-{new_endpoint_id()}-b0", size)
-        src = torch.ones(size, dtype=torch.uint8).numpy()
+        src = hugepage_buffer(size).numpy()
+        src.fill(1)
         dst = region.tensor(torch.uint8, (size,)).numpy()
         dst.fill(1)
     else:
@@ -76,15 +80,16 @@ def _memcpy(chunk_bytes: int, repeats: int, into_shm: bool = False) -> float:
             region.unlink()
 
 
-def _pool(transport: Any, num_blocks: int, sending: bool = False) -> Any:
+def _pool(transport: Any, num_blocks: int, *, send_only: bool = False) -> Any:
     """The pool an engine would use with this transport (`allocate_pool` where it has one, as
-    `process_pair` does; the shm sender reads from private memory, where THP applies)."""
+    the workers and `process_pair` do: for shm, the receiver's in shared memory and the
+    sender's, `send_only`, in private memory on huge pages)."""
     from tandem.kernels.kv_cache import KVCachePool
 
     allocate = getattr(transport, "allocate_pool", None)
-    if allocate is None or (sending and transport.name == "shm"):
+    if allocate is None:
         return KVCachePool(num_blocks, **BLOCK)
-    return allocate(num_blocks, **BLOCK)
+    return allocate(num_blocks, **BLOCK, send_only=send_only)
 
 
 def _receiver_main(pipe: Connection, transport_name: str, num_blocks: int) -> None:
@@ -131,7 +136,7 @@ def measure_throughput(
     child.close()
     transport = create_transport(transport_name, TOKEN)
     try:
-        pool = _pool(transport, num_blocks, sending=True)
+        pool = _pool(transport, num_blocks, send_only=True)
         pool.tensor.fill_(1.0)
         transport.register_pool(pool)
         if not pipe.poll(60):

@@ -5,6 +5,7 @@ Plain pydantic, JSON-able: it travels to the worker as a Ray Serve deployment ar
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,8 +42,11 @@ def create_engine_and_transport(settings: WorkerSettings) -> tuple[Any, Any]:
         settings.transport, settings.auth_token, **settings.transport_options
     )
     config = settings.engine.model_copy(update={"enable_kv_events": True})  # for the router
+    factory = getattr(transport, "allocate_pool", None)
+    if factory is not None and settings.role == "prefill":  # pages only go out
+        factory = functools.partial(factory, send_only=True)
     try:
-        engine = LLMEngine(config, kv_pool_factory=getattr(transport, "allocate_pool", None))
+        engine = LLMEngine(config, kv_pool_factory=factory)
     except BaseException:
         transport.close()
         raise

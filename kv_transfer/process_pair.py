@@ -8,6 +8,7 @@ is local IPC between processes this module starts, never a network connection.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing as mp
 import os
 import time
@@ -24,7 +25,13 @@ def _stamped(event: Any, **extra: Any) -> dict[str, Any]:
 
 
 def _setup(
-    model: str, transport_name: str, options: dict[str, Any], threads: int, **llm_kwargs: Any
+    model: str,
+    transport_name: str,
+    options: dict[str, Any],
+    threads: int,
+    *,
+    send_only: bool = False,
+    **llm_kwargs: Any,
 ) -> tuple[Any, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -35,6 +42,8 @@ def _setup(
 
     transport = create_transport(transport_name, TOKEN, **options)
     factory = getattr(transport, "allocate_pool", None)
+    if factory is not None and send_only:  # as a prefill worker's
+        factory = functools.partial(factory, send_only=True)
     engine = LLM(model=model, num_kv_blocks=256, kv_pool_factory=factory, **llm_kwargs).engine
     return engine, transport
 
@@ -110,7 +119,12 @@ def prefill_main(
     from tandem.kv_transfer.sender import KVSender
 
     engine, transport = _setup(
-        model, transport_name, options, threads, max_num_batched_tokens=16 * chunk_blocks
+        model,
+        transport_name,
+        options,
+        threads,
+        send_only=True,
+        max_num_batched_tokens=16 * chunk_blocks,
     )
     sender = KVSender(engine, transport, checksums=checksums, ack_timeout_s=10)
     conn.send(("ready", transport.address))

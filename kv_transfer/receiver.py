@@ -6,7 +6,8 @@
    it, land exactly on the next reserved blocks, and carry this engine's KV layout; anything else
    fails the request (duplicates of an already accepted chunk are acknowledged and ignored).
 3. The last chunk carries the first token and sampler state and commits the request into the
-   decode engine's running batch.
+   decode engine's running batch. Its acknowledgement covers every chunk before it (the chunks
+   arrive in order), so a stream costs the sender's engine thread one reply, not one per chunk.
 4. Cancel from either side releases the reservation and is acknowledged; a reservation that sees
    no chunk within its lease, or whose stream stalls, is released by itself.
 
@@ -222,8 +223,7 @@ class KVReceiver:
         res.next_block += len(manifest.dst_block_ids)
         res.next_chunk += 1
         res.deadline = self.clock() + self.stall_timeout_s
-        if not manifest.last:
-            self._ack(res, manifest.chunk_index)
+        if not manifest.last:  # acknowledged with the last one (an ack covers all before it)
             return None
         return self._commit(res, manifest, message.header)
 

@@ -4,7 +4,8 @@
 blocks that became full since the last step as one chunk (so the first chunk leaves while the
 rest of the prompt is still being computed); when the first token is sampled, the last chunk
 carries the partial last block, the token and the sampler state. Every block stays pinned until
-the receiver acknowledges its chunk, so no page is reused while a transport may still read it.
+the receiver acknowledges its chunk (an acknowledgement covers every chunk up to its index; the
+receiver sends one, for the last chunk), so no page is reused while a transport may still read it.
 A cancel from the receiver, an error reply or a missing acknowledgement releases everything.
 """
 
@@ -283,10 +284,10 @@ class KVSender:
         out = self.outgoing.get(rid)
         if out is None:
             return None
-        if kind == "ack" and not out.cancelling:
-            pinned = out.unacked.pop(int(header.get("chunk_index", -1)), None)
-            if pinned is not None:
-                self.engine.block_manager.unpin(pinned)
+        if kind == "ack" and not out.cancelling:  # cumulative: chunks up to this one arrived
+            acked = int(header.get("chunk_index", -1))
+            for index in [i for i in out.unacked if i <= acked]:
+                self.engine.block_manager.unpin(out.unacked.pop(index))
             out.deadline = self.clock() + self.ack_timeout_s if out.unacked else math.inf
             if out.last_sent and not out.unacked:
                 return self._close(out, "sent")

@@ -114,9 +114,12 @@ class UcxTransport(KVTransport):
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
+        *,
+        send_only: bool = False,
     ) -> KVCachePool:
         """A zero-filled CPU pool on transparent huge pages (UCX's shared-memory copies run about
-        twice as fast over them); pass it as the engine's `kv_pool_factory`, then register it."""
+        twice as fast over them); pass it as the engine's `kv_pool_factory`, then register it.
+        (`send_only` changes nothing here: both ends of UCX want huge pages.)"""
         return allocate_hugepage_pool(
             num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype
         )

@@ -120,6 +120,42 @@ def test_streams_chunks_during_prefill_and_decodes_exactly(model: str, colocated
     pair.idle()
 
 
+def test_one_acknowledgement_covers_the_stream_and_unpins_every_chunk(model: str) -> None:
+    """The receiver acknowledges the last chunk only (each reply costs the prefill engine's
+    thread); the sender keeps every chunk pinned until then and unpins them all on it."""
+    pair = Pair(model)
+    acks: list[int] = []
+    pinned_before_ack: list[int] = []
+    original_d, original_p = pair.d_transport.deliver, pair.p_transport.deliver
+
+    def spy_decode(peer: str, message: Any) -> None:
+        if message.header.get("type") == "ack":
+            acks.append(message.header["chunk_index"])
+            bm = pair.prefill.block_manager
+            pinned_before_ack.append(sum(bm.pin_count(b) > 0 for b in range(bm.num_blocks)))
+        original_d(peer, message)
+
+    chunks: list[int] = []
+
+    def spy_prefill(peer: str, message: Any) -> None:
+        if message.header.get("type") == "pages":
+            chunks.append(len(message.header["manifest"]["src_block_ids"]))
+        original_p(peer, message)
+
+    pair.d_transport.deliver = spy_decode  # type: ignore[method-assign]
+    pair.p_transport.deliver = spy_prefill  # type: ignore[method-assign]
+    pair.start("k", prompt_of(16 * 30 + 2))  # 31 blocks in chunks of 8
+    events = pair.pump()
+    assert [e.kind for e in events if e.request_id == "k"] == ["first_token", "committed", "sent"]
+    assert len(chunks) >= 4 and sum(chunks) == 31
+    assert acks == [len(chunks) - 1]
+    assert pinned_before_ack == [31]  # every chunk stayed pinned until the one ack
+    bm = pair.prefill.block_manager
+    assert sum(bm.pin_count(b) > 0 for b in range(bm.num_blocks)) == 0
+    pair.decode_all()
+    pair.idle()
+
+
 def test_manifests_are_written_as_the_model_dumps_them(model: str) -> None:
     """The sender writes manifests as plain dicts (a hot path): each must equal what
     `ChunkManifest` validates and dumps, field for field."""

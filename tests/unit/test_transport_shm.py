@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -103,3 +104,47 @@ def test_pool_wraps_only_a_matching_tensor() -> None:
         KVCachePool(2, 1, 4, 1, 8, dtype=torch.float16, tensor=good)
     with pytest.raises(ValueError):
         KVCachePool(2, 1, 4, 1, 8, tensor=torch.zeros(4, *good.shape[1:])[::2])
+
+
+def test_a_send_only_pool_is_private_memory_on_huge_page_boundaries() -> None:
+    """A prefill worker's pool (pages only go out) is not in shared memory: it sits on 2 MiB
+    boundaries for transparent huge pages; pages still land directly in a shared pool."""
+    sender = create_transport("shm", h.TOKEN)
+    receiver = create_transport("shm", h.TOKEN)
+    assert isinstance(sender, ShmTransport) and isinstance(receiver, ShmTransport)
+    try:
+        pool = sender.allocate_pool(**h.POOL, send_only=True)
+        assert pool.tensor.data_ptr() % (2 << 20) == 0
+        assert h.shm_entries(sender.endpoint_id) == []
+        h.fill_pool(pool, 3)
+        sender.register_pool(pool)
+        target = receiver.allocate_pool(**h.POOL)
+        assert len(h.shm_entries(receiver.endpoint_id)) == 1
+        receiver.register_pool(target)
+        sender.send(receiver.address, h.manifest_header("s", [7, 8]), [1, 2])
+        (got,) = h.collect(receiver, 1, 10.0)
+        assert got.header["direct"] is True
+        assert h.block_digests(target)[7:9] == h.block_digests(pool)[1:3]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize(("role", "shared"), [("prefill", 0), ("decode", 1)])
+def test_workers_keep_only_the_decode_pool_in_shared_memory(
+    tiny_checkpoint: Any, role: str, shared: int
+) -> None:
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.worker_settings import WorkerSettings, create_engine_and_transport
+
+    settings = WorkerSettings(
+        role=role,  # type: ignore[arg-type]
+        engine=EngineConfig(model=str(tiny_checkpoint()), num_kv_blocks=16),
+        auth_token="t",
+    )
+    engine, transport = create_engine_and_transport(settings)
+    try:
+        assert len(h.shm_entries(transport.endpoint_id)) == shared
+        assert engine.kv_pool.num_blocks == 16
+    finally:
+        transport.close()
