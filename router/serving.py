@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.metrics import RouterMetrics
+from tandem.engine.output_text import OutputText
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.router.errors import APIError, WorkerLost, bad_request
@@ -21,8 +22,11 @@ from tandem.router.route_planner import RoutePlan, RoutePlanner
 logger = logging.getLogger("tandem.router")
 
 MAX_LOST_RETRIES = 1
-"""Times a request starts over when a worker it uses is lost before it sent its caller
-anything (the workers' deaths are seen at once: the router holds a connection to each)."""
+"""Times a request goes on after losing a worker it uses (the workers' deaths are seen at once:
+the router holds a connection to each). Lost before it sent its caller anything, it starts
+over; lost mid-stream (its decode worker died), it continues where the stream stopped when the
+continuation is the same as the lost one would have been: greedy, or sampling without a seed,
+and no stop strings (see `Prepared.resumable`)."""
 
 
 @dataclass
@@ -46,6 +50,34 @@ class Prepared:
     started: bool = False  # `Serving.run` began (it releases the request from then on)
     deadline_ms: float | None = None  # admission's deadline (planning again keeps it)
     attempt: int = 0  # times it started over after losing a worker
+    resumed_tokens: int = 0  # generated tokens the current attempt takes as part of its prompt
+    resumed_text: OutputText | None = None  # the text of a resumed request, detokenized here
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a new attempt from the tokens streamed so far gives what the lost one would
+        have: greedy decoding does, and unseeded sampling has no one answer to keep. A seeded
+        sampler's state died with its worker. Stop strings are searched in a worker's own
+        text, and the lost worker held back the text that might start one: the new attempt
+        could miss a stop string across the seam."""
+        sampling_ok = self.params.temperature == 0 or self.params.seed is None
+        return sampling_ok and not self.params.stop
+
+    def attempt_prompt(self) -> list[int]:
+        """What the current attempt prefills: the prompt, and the tokens streamed before its
+        decode worker was lost."""
+        return self.prompt_token_ids + self.token_ids[: self.resumed_tokens]
+
+    def attempt_params(self) -> SamplingParams:
+        """The sampling parameters of the current attempt (what is left to generate)."""
+        done = self.resumed_tokens
+        if not done:
+            return self.params
+        update = {
+            "max_tokens": self.params.max_tokens - done,
+            "min_tokens": max(0, self.params.min_tokens - done),
+        }
+        return self.params.model_copy(update=update)
 
     @property
     def worker_request_id(self) -> str:
@@ -156,12 +188,13 @@ class Serving:
 
     async def _route(self, req: Prepared) -> None:
         """Plans the request's workers and opens its calls (decode's reservation first)."""
+        prompt, params = req.attempt_prompt(), req.attempt_params()
         plan = await self.planner.plan(
-            req.prompt_token_ids,
+            prompt,
             self.info,
             req.deadline_ms,
             hold_s=self.request_timeout_s,
-            max_tokens=req.params.max_tokens,
+            max_tokens=params.max_tokens,
         )
         self.metrics.decision(self.planner.policy_name, _decision(plan))
         req.plan = plan
@@ -169,8 +202,8 @@ class Serving:
             await self.orchestrator.reserve(
                 plan,
                 req.worker_request_id,
-                req.prompt_token_ids,
-                req.params.model_dump(exclude_defaults=True),
+                prompt,
+                params.model_dump(exclude_defaults=True),
                 req.priority,
                 req.timings,
             )
@@ -178,14 +211,25 @@ class Serving:
             plan.release()
             raise
 
-    @staticmethod
-    def _starting_over(req: Prepared, exc: WorkerLost) -> None:
+    def _starting_over(self, req: Prepared, exc: WorkerLost) -> None:
         req.attempt += 1
+        req.resumed_tokens = len(req.token_ids)
+        if req.resumed_tokens:
+            # The new attempt's worker detokenizes after a prompt that ends with tokens whose
+            # text the lost worker may have held back (part of a UTF-8 character): the text
+            # goes on here, from the request's own prompt.
+            req.resumed_text = OutputText.after(self.tokenizer, req.prompt_token_ids, req.token_ids)
+        how = (
+            f"continuing after {req.resumed_tokens} tokens"
+            if req.resumed_tokens
+            else "starting over"
+        )
         logger.warning(
-            "request %s: %s is gone (%s); starting over on the workers still alive",
+            "request %s: %s is gone (%s); %s on the workers still alive",
             req.request_id,
             exc.worker_id,
             exc.message,
+            how,
         )
 
     async def abandon(self, req: Prepared) -> None:
@@ -229,8 +273,8 @@ class Serving:
                                 yield item
                         break
                     except WorkerLost as exc:
-                        # Nothing reached the caller yet: start over without that worker.
-                        if last_item is not None or attempt == MAX_LOST_RETRIES:
+                        # Start over, or go on from the tokens sent, without that worker.
+                        if attempt == MAX_LOST_RETRIES or not (last_item is None or req.resumable):
                             raise
                         self._starting_over(req, exc)
                         await self._route(req)
@@ -253,8 +297,8 @@ class Serving:
         assert req.plan is not None
         return self.orchestrator.generate(
             req.worker_request_id,
-            req.prompt_token_ids,
-            req.params.model_dump(exclude_defaults=True),
+            req.attempt_prompt(),
+            req.attempt_params().model_dump(exclude_defaults=True),
             req.timings,
             req.plan,
             req.priority,
@@ -262,7 +306,15 @@ class Serving:
 
     @staticmethod
     def _take(req: Prepared, item: dict[str, Any]) -> str | None:
-        """Adds a token item to `req`; the outcome to log when it is the last one."""
+        """Adds a token item to `req`; the outcome to log when it is the last one. The item's
+        text of a resumed request is replaced with the text detokenized here."""
+        text = req.resumed_text
+        if text is not None:
+            for token in item["token_ids"]:
+                text.add(token)
+            if item.get("finish_reason") is not None:
+                text.flush()
+            item["text"] = text.text[len(req.text) :]
         req.completion_tokens += len(item["token_ids"])
         req.token_ids.extend(item["token_ids"])
         req.text += item["text"]
@@ -270,7 +322,10 @@ class Serving:
             return None
         req.finish_reason = item["finish_reason"]
         req.stop_reason = item.get("stop_reason")
-        req.num_cached_tokens = int(item.get("num_cached_tokens", 0))
+        # (of the last attempt's prompt: at most the request's own when it went on mid-stream)
+        req.num_cached_tokens = min(
+            int(item.get("num_cached_tokens", 0)), len(req.prompt_token_ids)
+        )
         req.num_transferred_blocks = int(item.get("num_transferred_blocks", 0))
         return f"finished({req.finish_reason})"
 

@@ -1,4 +1,7 @@
-"""A prefill worker that dies: the requests sent right after all succeed, exactly, on the one
+"""A decode worker that dies in the middle of a stream: the stream goes on, exactly, from the
+tokens already sent, on the decode worker still alive.
+
+A prefill worker that dies: the requests sent right after all succeed, exactly, on the one
 still alive. Before, those routed to the dead one failed for up to 10 s (its registry entry
 lingers): with a 503 while the router's connection to it was breaking, then with a 500
 (`ConnectionRefusedError`) each time the router reconnected. A request routed there just
@@ -52,3 +55,37 @@ def test_requests_after_a_prefill_worker_dies_all_succeed_exactly(cluster: Clust
     assert outcomes == [True] * len(prompts)
     live = [w for w in cluster.workers() if w["role"] == "prefill" and "error" not in w]
     assert prefill[0] not in {w["worker_id"] for w in live}
+
+
+def test_a_stream_whose_decode_worker_dies_goes_on_exactly(cluster: Cluster) -> None:
+    base_url = cluster.deploy(prefill={"replicas": 1, "num_cpus": 0.25},
+                              decode={"replicas": 2, "num_cpus": 0.25})  # fmt: skip
+    prompt, max_tokens = "the story of a long walk through the hills and the valleys", 1800
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    expected = LLM(model=str(cluster.model), num_kv_blocks=512).generate(
+        [prompt], params, use_tqdm=False
+    )[0]
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = iter(stream)
+    texts = [next(chunks).choices[0].text]
+    busy = [w for w in cluster.workers() if w["role"] == "decode" and w.get("num_requests")]
+    assert len(busy) == 1, busy  # the one decoding this request, mid-stream
+    _kill_replica(busy[0]["worker_id"])
+    usage = None
+    after_kill = 0
+    for chunk in chunks:
+        texts.extend(c.text for c in chunk.choices)
+        after_kill += bool(chunk.choices)
+        usage = chunk.usage or usage
+    cluster.config = {}  # the next test deploys afresh (Serve is replacing the replica)
+    assert after_kill > 0
+    assert "".join(texts) == expected.text
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        len(expected.prompt_token_ids),
+        max_tokens,
+    )

@@ -1,9 +1,12 @@
 """A worker lost before the request sent its caller anything: the request starts over once,
-under a new worker-side id, on a new plan; after the first token, or a second time, it fails."""
+under a new worker-side id, on a new plan. Lost after tokens went out (its decode worker died),
+a greedy or unseeded request goes on from those tokens, once; a seeded sampling one fails (its
+sampler's state died with the worker), as does a second loss."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -36,41 +39,74 @@ class FakePlanner:
         return plan
 
 
+PROMPT = [1, 2, 3]
+ANSWER = [7, 8, 9, 10, 11]
+"""What the fake model generates after `PROMPT`, whatever part of it a prompt already holds."""
+
+
 class FakeOrchestrator:
-    """`generate` loses its worker on the calls listed in `lose` (by call number), before or
-    after its first item."""
+    """`generate` streams `ANSWER` one token per item, from where its prompt leaves off, and
+    loses its worker on the calls listed in `lose` (by call number), before or after its first
+    item."""
 
     def __init__(self, lose: dict[int, str]) -> None:
         self.lose = lose
         self.generated: list[str] = []
-        self.reserved: list[str] = []
+        self.prompts: list[list[int]] = []
+        self.params: list[dict[str, Any]] = []
+        self.reserved: list[tuple[str, list[int]]] = []
+        self.texts: dict[int, str] = {}  # a token's text other than ``<id>``
 
-    async def reserve(self, plan: Any, request_id: str, *args: Any) -> None:
-        self.reserved.append(request_id)
+    async def reserve(self, plan: Any, request_id: str, prompt: list[int], *args: Any) -> None:
+        self.reserved.append((request_id, list(prompt)))
 
-    async def generate(self, request_id: str, *args: Any) -> AsyncIterator[dict[str, Any]]:
+    async def generate(
+        self, request_id: str, prompt: list[int], params: dict[str, Any], *args: Any
+    ) -> AsyncIterator[dict[str, Any]]:
         call = len(self.generated)
         self.generated.append(request_id)
+        self.prompts.append(list(prompt))
+        self.params.append(params)
         when = self.lose.get(call)
         if when == "before":
             raise WorkerLost("prefill/a", "connection to prefill/a lost", "prefill_failed")
-        yield {"token_ids": [7], "text": "x"}
-        if when == "after":
-            raise WorkerLost("decode/b", "connection to decode/b lost", "decode_failed")
-        yield {"token_ids": [8], "text": "y", "finish_reason": "length"}
+        start, count = len(prompt) - len(PROMPT), params.get("max_tokens", 16)
+        for i, token in enumerate(ANSWER[start : start + count]):
+            last = i == count - 1
+            yield {"token_ids": [token], "text": self.texts.get(token, f"<{token}>"),
+                   "finish_reason": "length" if last else None}  # fmt: skip
+            if when == "after" and not last:
+                raise WorkerLost("decode/b", "connection to decode/b lost", "decode_failed")
+
+
+class FakeTokenizer:
+    """Token 300 is the first byte of a two-byte character that token 301 completes (the
+    worker holds the text of 300 back); every other token is ``<id>``."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        out, i = "", 0
+        while i < len(ids):
+            if ids[i] == 300:
+                out += "é" if i + 1 < len(ids) and ids[i + 1] == 301 else "\ufffd"
+                i += 2 if i + 1 < len(ids) and ids[i + 1] == 301 else 1
+                continue
+            out += f"<{ids[i]}>"
+            i += 1
+        return out
 
 
 def _serving(orchestrator: FakeOrchestrator) -> tuple[Serving, FakePlanner]:
     planner = FakePlanner()
-    return Serving(orchestrator, planner, None, "tiny"), planner  # type: ignore[arg-type]
+    serving = Serving(orchestrator, planner, FakeTokenizer(), "tiny")  # type: ignore[arg-type]
+    return serving, planner
 
 
-def _prepared(planner: FakePlanner) -> Prepared:
+def _prepared(planner: FakePlanner, params: SamplingParams | None = None) -> Prepared:
     plan = asyncio.run(planner.plan())
     return Prepared(
         "cmpl-1",
-        [1, 2, 3],
-        SamplingParams(max_tokens=2),
+        list(PROMPT),
+        params or SamplingParams(max_tokens=2),
         RequestTimings(),
         plan=plan,  # type: ignore[arg-type]
     )
@@ -86,18 +122,76 @@ def test_a_worker_lost_before_the_first_token_starts_the_request_over() -> None:
     req = _prepared(planner)
     assert asyncio.run(_collect(serving, req)) == [[7], [8]]
     assert orchestrator.generated == ["cmpl-1", "cmpl-1~1"]  # a new id for the workers
-    assert orchestrator.reserved == ["cmpl-1~1"]  # a fresh reservation on a new plan
+    assert orchestrator.reserved == [("cmpl-1~1", PROMPT)]  # a fresh reservation, new plan
     assert len(planner.plans) == 2 and planner.plans[1] is req.plan
     assert (req.completion_tokens, req.finish_reason, req.attempt) == (2, "length", 1)
 
 
-def test_a_worker_lost_after_the_first_token_fails_the_request() -> None:
+def test_a_greedy_request_whose_decode_worker_dies_goes_on_from_the_tokens_sent() -> None:
     orchestrator = FakeOrchestrator({0: "after"})
     serving, planner = _serving(orchestrator)
-    req = _prepared(planner)
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=3, seed=5)
+    req = _prepared(planner, params)
+    assert asyncio.run(_collect(serving, req)) == [[7], [8], [9], [10]]
+    assert orchestrator.generated == ["cmpl-1", "cmpl-1~1"]
+    # The new attempt prefills the prompt and the token already sent, and asks for the rest.
+    assert orchestrator.reserved == [("cmpl-1~1", [*PROMPT, 7])]
+    assert orchestrator.prompts[1] == [*PROMPT, 7]
+    assert (orchestrator.params[1]["max_tokens"], orchestrator.params[1]["min_tokens"]) == (3, 2)
+    assert (req.token_ids, req.text) == ([7, 8, 9, 10], "<7><8><9><10>")
+    assert req.usage()["prompt_tokens"] == 3 and req.usage()["completion_tokens"] == 4
+    assert (req.finish_reason, req.attempt, req.resumed_tokens) == ("length", 1, 1)
+
+
+def test_an_unseeded_sampling_request_goes_on_too() -> None:
+    orchestrator = FakeOrchestrator({0: "after"})
+    serving, planner = _serving(orchestrator)
+    req = _prepared(planner, SamplingParams(temperature=0.8, max_tokens=3))
+    assert asyncio.run(_collect(serving, req)) == [[7], [8], [9]]
+    assert orchestrator.prompts[1] == [*PROMPT, 7]
+
+
+def test_text_held_back_by_the_lost_worker_is_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lost worker streamed token 300 without its text (half a character); the new
+    attempt's worker sees 300 in its prompt. The router's own detokenizer writes "é" once 301
+    comes, as one worker would have."""
+    monkeypatch.setattr(sys.modules[__name__], "ANSWER", [300, 301, 9])
+    orchestrator = FakeOrchestrator({0: "after"})
+    orchestrator.texts = {300: ""}  # the first worker holds the half character back
+    serving, planner = _serving(orchestrator)
+    req = _prepared(planner, SamplingParams(temperature=0, max_tokens=3))
+    assert asyncio.run(_collect(serving, req)) == [[300], [301], [9]]
+    assert req.text == "é<9>"
+
+
+def test_a_request_with_stop_strings_whose_decode_worker_dies_fails() -> None:
+    """The lost worker held back text that may start a stop string: across the seam the new
+    attempt could miss it."""
+    orchestrator = FakeOrchestrator({0: "after"})
+    serving, planner = _serving(orchestrator)
+    req = _prepared(planner, SamplingParams(temperature=0, max_tokens=3, stop=["<9>"]))
+    with pytest.raises(WorkerLost):
+        asyncio.run(_collect(serving, req))
+
+
+def test_a_seeded_sampling_request_whose_decode_worker_dies_fails() -> None:
+    """Its sampler's state died with the worker: going on would give other tokens than the
+    seed promises."""
+    orchestrator = FakeOrchestrator({0: "after"})
+    serving, planner = _serving(orchestrator)
+    req = _prepared(planner, SamplingParams(temperature=0.8, seed=3, max_tokens=3))
     with pytest.raises(WorkerLost):
         asyncio.run(_collect(serving, req))
     assert orchestrator.generated == ["cmpl-1"] and req.completion_tokens == 1
+
+
+def test_a_request_goes_on_mid_stream_once_at_most() -> None:
+    orchestrator = FakeOrchestrator({0: "after", 1: "after"})
+    serving, planner = _serving(orchestrator)
+    req = _prepared(planner, SamplingParams(temperature=0, max_tokens=4))
+    with pytest.raises(WorkerLost):
+        asyncio.run(_collect(serving, req))
+    assert orchestrator.generated == ["cmpl-1", "cmpl-1~1"] and req.token_ids == [7, 8]
 
 
 def test_a_request_starts_over_once_at_most() -> None:
