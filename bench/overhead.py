@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from tandem import LLM, SamplingParams  # noqa: E402
 from tandem.bench import grpc_floor  # noqa: E402
-from tandem.deploy.ingress import Ingress, ingress_environment  # noqa: E402
+from tandem.deploy.ingress import DEFAULT_INGRESS, Ingress, ingress_environment  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument(
         "--ingress",
         choices=[i.value for i in Ingress],
-        default=Ingress.proxy.value,
+        default=DEFAULT_INGRESS.value,
         help="HTTP front of the cluster, as `tandem serve --ingress` (default proxy)",
     )
     args = parser.parse_args()

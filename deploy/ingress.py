@@ -54,6 +54,10 @@ class Ingress(StrEnum):
     proxy = "proxy"
 
 
+DEFAULT_INGRESS = Ingress.proxy
+"""What `tandem serve`, the overhead bench and the integration tests use unless told."""
+
+
 def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from tandem.deploy.ingress import STATE_DIR, Ingress, ingress_environment
+from tandem.deploy.ingress import DEFAULT_INGRESS, STATE_DIR, Ingress, ingress_environment
 
 logger = logging.getLogger("tandem.deploy")
 
@@ -122,7 +122,7 @@ def serve(
             "long prefill may be noticed only at the first token.",
             case_sensitive=False,
         ),
-    ] = Ingress.proxy,
+    ] = DEFAULT_INGRESS,
     api_key: Annotated[
         str | None,
         typer.Option(

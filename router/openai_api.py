@@ -4,15 +4,21 @@ Streams follow OpenAI: `data: {chunk}` events, an optional usage chunk with empt
 (`stream_options.include_usage`), then `data: [DONE]`. An error after the stream started is
 sent as one `data: {"error": ...}` event before `[DONE]`. Every response carries the request's
 stage timings: the `x-tandem-timings` header (non-streaming) and a `tandem_timings` field.
+
+While a stream waits (a long prefill, a queue) it writes an SSE comment (`: keep-alive`, which
+clients skip) every `KEEPALIVE_S`. Behind HAProxy a client that left is noticed only when the
+response writes: without them a client leaving during prefill was seen at the first token, and
+the prefill ran to its end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -24,6 +30,10 @@ from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.serving import Prepared, Serving
 
 Kind = Literal["completion", "chat"]
+
+KEEPALIVE_S = 0.25
+"""A waiting stream writes an SSE comment this often (seconds)."""
+KEEPALIVE = ": keep-alive\n\n"
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -163,13 +173,16 @@ def _event(data: dict[str, Any]) -> str:
 
 async def _sse(
     serving: Serving, req: Prepared, kind: Kind, include_usage: bool
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     model = serving.model_name
     try:
         if kind == "chat":
             yield _chunk(model, req, kind, "", None, role=True)
-        async with contextlib.aclosing(serving.run(req)) as items:
+        async with contextlib.aclosing(_paced(serving.run(req), KEEPALIVE_S)) as items:
             async for item in items:
+                if item is None:
+                    yield KEEPALIVE
+                    continue
                 finish = item.get("finish_reason")
                 if item["text"] or finish is not None:
                     yield _chunk(model, req, kind, item["text"] or None, finish)
@@ -187,6 +200,43 @@ async def _sse(
     except APIError as exc:
         yield _event(exc.body())
     yield "data: [DONE]\n\n"
+
+
+async def _paced(
+    items: AsyncGenerator[dict[str, Any], None], every_s: float
+) -> AsyncGenerator[dict[str, Any] | None, None]:
+    """`items`, and None whenever `every_s` pass without one. One task drives `items` from
+    start to end (its timeouts stay bound to it); closing this cancels that task."""
+    queue: asyncio.Queue[tuple[dict[str, Any] | None, BaseException | None]] = asyncio.Queue()
+
+    async def drive() -> None:
+        try:
+            async with contextlib.aclosing(items):
+                async for item in items:
+                    queue.put_nowait((item, None))
+        except Exception as exc:  # (APIError, ...) raised where the caller reads
+            queue.put_nowait((None, exc))
+            return
+        queue.put_nowait((None, None))
+
+    driver = asyncio.create_task(drive())
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(every_s):
+                    item, error = await queue.get()
+            except TimeoutError:
+                yield None
+                continue
+            if error is not None:
+                raise error
+            if item is None:
+                return
+            yield item
+    finally:
+        driver.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await driver
 
 
 def models_body(model: str, max_model_len: int) -> dict[str, Any]:

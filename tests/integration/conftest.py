@@ -108,12 +108,14 @@ def cluster(tiny_checkpoint: Callable[..., Path]) -> Iterator[Cluster]:
     import ray
     from ray import serve
 
-    from tandem.deploy.ingress import Ingress, ingress_environment
+    from tandem.deploy.ingress import DEFAULT_INGRESS, Ingress, ingress_environment
 
-    # The cluster runs the ingress `tandem serve` starts by default (Serve's proxy). The
-    # variables reach the Ray processes through ray.init's environment and leave this one
-    # right after, so that a `tandem serve` a test starts makes its own choice.
-    env = ingress_environment(Ingress.proxy, os.environ)
+    # The cluster runs the ingress `tandem serve` starts by default, or the one named by
+    # TANDEM_TEST_INGRESS (proxy | haproxy). The variables reach the Ray processes through
+    # ray.init's environment and leave this one right after, so that a `tandem serve` a test
+    # starts makes its own choice.
+    ingress = Ingress(os.environ.get("TANDEM_TEST_INGRESS", DEFAULT_INGRESS.value))
+    env = ingress_environment(ingress, os.environ)
     os.environ.update(env)
     try:
         ray.init(num_cpus=4, include_dashboard=False, namespace="tandem-tests", log_to_driver=False)
