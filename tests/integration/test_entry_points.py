@@ -21,6 +21,7 @@ import openai
 import pytest
 import yaml
 
+from tandem.deploy.ingress import DEFAULT_INGRESS
 from tests.integration.conftest import free_port, wait_ready
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -94,7 +95,7 @@ def test_tandem_serve_answers_and_stops_on_ctrl_c(
         raise
     out = stop(proc)
     assert proc.returncode == 0, out[-3000:]
-    assert f"OpenAI API:    http://127.0.0.1:{port}/v1 (through proxy)" in out
+    assert f"OpenAI API:    http://127.0.0.1:{port}/v1 (through {DEFAULT_INGRESS})" in out
     assert "Ray dashboard: http://" in out
     assert "/metrics (Prometheus)" in out
     assert "[tandem] stopped" in out
