@@ -48,21 +48,11 @@ class OutputProcessor:
 
     @staticmethod
     def _find_stop_string(req: Request) -> bool:
-        detok = req.output_text
-        assert detok is not None and req.params.stop
-        text = detok.text
-        longest = max(len(s) for s in req.params.stop)
-        window_start = max(0, detok.checked_len - longest + 1)
-        best: tuple[int, str] | None = None
-        for stop in req.params.stop:
-            idx = text.find(stop, window_start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        detok.checked_len = len(text)
-        if best is None:
+        assert req.output_text is not None and req.params.stop
+        stop = req.output_text.find_stop(req.params.stop)
+        if stop is None:
             return False
-        detok.truncate(best[0])
-        req.stop_reason = best[1]
+        req.stop_reason = stop
         return True
 
     @staticmethod
@@ -73,10 +63,4 @@ class OutputProcessor:
             return ""
         if finished and not isinstance(req.stop_reason, str):
             detok.flush()
-        hold = 0
-        if not finished and req.params.stop:
-            hold = max(len(s) for s in req.params.stop) - 1
-        end = max(detok.emitted_len, len(detok.text) - hold)
-        delta = detok.text[detok.emitted_len : end]
-        detok.emitted_len = end
-        return delta
+        return detok.delta(req.params.stop, finished=finished)

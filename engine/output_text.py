@@ -38,3 +38,29 @@ class OutputText:
     def truncate(self, length: int) -> None:
         self.text = self.text[:length]
         self.emitted_len = min(self.emitted_len, length)
+
+    def find_stop(self, stops: Sequence[str]) -> str | None:
+        """The stop string that occurs first in the text not searched yet (with enough of the
+        searched text before it for one to span the boundary); the text is cut just before it."""
+        text = self.text
+        longest = max(len(s) for s in stops)
+        window_start = max(0, self.checked_len - longest + 1)
+        best: tuple[int, str] | None = None
+        for stop in stops:
+            idx = text.find(stop, window_start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        self.checked_len = len(text)
+        if best is None:
+            return None
+        self.truncate(best[0])
+        return best[1]
+
+    def delta(self, stops: Sequence[str] | None, *, finished: bool) -> str:
+        """Text not streamed yet, holding back what could start one of `stops` unless
+        `finished`; marks it streamed."""
+        hold = max(len(s) for s in stops) - 1 if stops and not finished else 0
+        end = max(self.emitted_len, len(self.text) - hold)
+        out = self.text[self.emitted_len : end]
+        self.emitted_len = end
+        return out

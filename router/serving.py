@@ -25,8 +25,8 @@ MAX_LOST_RETRIES = 1
 """Times a request goes on after losing a worker it uses (the workers' deaths are seen at once:
 the router holds a connection to each). Lost before it sent its caller anything, it starts
 over; lost mid-stream (its decode worker died), it continues where the stream stopped when the
-continuation is the same as the lost one would have been: greedy, or sampling without a seed,
-and no stop strings (see `Prepared.resumable`)."""
+continuation is the same as the lost one would have been: greedy, or sampling without a seed
+(see `Prepared.resumable`)."""
 
 
 @dataclass
@@ -52,16 +52,14 @@ class Prepared:
     attempt: int = 0  # times it started over after losing a worker
     resumed_tokens: int = 0  # generated tokens the current attempt takes as part of its prompt
     resumed_text: OutputText | None = None  # the text of a resumed request, detokenized here
+    stopped_here: bool = False  # the router found a stop string the new attempt's worker missed
 
     @property
     def resumable(self) -> bool:
         """Whether a new attempt from the tokens streamed so far gives what the lost one would
         have: greedy decoding does, and unseeded sampling has no one answer to keep. A seeded
-        sampler's state died with its worker. Stop strings are searched in a worker's own
-        text, and the lost worker held back the text that might start one: the new attempt
-        could miss a stop string across the seam."""
-        sampling_ok = self.params.temperature == 0 or self.params.seed is None
-        return sampling_ok and not self.params.stop
+        sampler's state died with its worker."""
+        return self.params.temperature == 0 or self.params.seed is None
 
     def attempt_prompt(self) -> list[int]:
         """What the current attempt prefills: the prompt, and the tokens streamed before its
@@ -216,9 +214,13 @@ class Serving:
         req.resumed_tokens = len(req.token_ids)
         if req.resumed_tokens:
             # The new attempt's worker detokenizes after a prompt that ends with tokens whose
-            # text the lost worker may have held back (part of a UTF-8 character): the text
-            # goes on here, from the request's own prompt.
-            req.resumed_text = OutputText.after(self.tokenizer, req.prompt_token_ids, req.token_ids)
+            # text the lost worker may have held back (part of a UTF-8 character, or what
+            # could start a stop string), and it searches stop strings in its own text only:
+            # the text goes on here, from the request's own prompt, and stops are found here.
+            text = OutputText.after(self.tokenizer, req.prompt_token_ids, req.token_ids)
+            text.emitted_len = len(req.text)  # what the caller has
+            text.checked_len = len(text.text)  # (the lost worker found no stop in it)
+            req.resumed_text = text
         how = (
             f"continuing after {req.resumed_tokens} tokens"
             if req.resumed_tokens
@@ -271,6 +273,8 @@ class Serving:
                                 last_item = now
                                 outcome = self._take(req, item) or outcome
                                 yield item
+                                if req.stopped_here:  # (closing the stream cancels it)
+                                    break
                         break
                     except WorkerLost as exc:
                         # Start over, or go on from the tokens sent, without that worker.
@@ -306,15 +310,10 @@ class Serving:
 
     @staticmethod
     def _take(req: Prepared, item: dict[str, Any]) -> str | None:
-        """Adds a token item to `req`; the outcome to log when it is the last one. The item's
-        text of a resumed request is replaced with the text detokenized here."""
-        text = req.resumed_text
-        if text is not None:
-            for token in item["token_ids"]:
-                text.add(token)
-            if item.get("finish_reason") is not None:
-                text.flush()
-            item["text"] = text.text[len(req.text) :]
+        """Adds a token item to `req`; the outcome to log when it is the last one. A resumed
+        request's item gets the text detokenized here, and ends at a stop string found here."""
+        if req.resumed_text is not None:
+            _retext(req, req.resumed_text, item)
         req.completion_tokens += len(item["token_ids"])
         req.token_ids.extend(item["token_ids"])
         req.text += item["text"]
@@ -378,6 +377,25 @@ class Serving:
             _route(req.plan),
             stages,
         )
+
+
+def _retext(req: Prepared, text: OutputText, item: dict[str, Any]) -> None:
+    """Replaces the text of a resumed request's `item` with the text of its tokens after the
+    request's own prompt and output so far; cuts the item at a stop string (the output
+    processor's rules: not before `min_tokens`, the text cut just before it)."""
+    params, tokens = req.params, item["token_ids"]
+    for n, token in enumerate(tokens, start=1):
+        text.add(token)
+        if params.stop and len(req.token_ids) + n >= params.min_tokens:
+            stop = text.find_stop(params.stop)
+            if stop is not None:
+                item.update(token_ids=tokens[:n], finish_reason="stop", stop_reason=stop)
+                req.stopped_here = True
+                break
+    finished = item.get("finish_reason") is not None
+    if finished and not isinstance(item.get("stop_reason"), str):
+        text.flush()
+    item["text"] = text.delta(params.stop, finished=finished)
 
 
 def _seconds(ms: float | None) -> float | None:

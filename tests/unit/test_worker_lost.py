@@ -1,7 +1,8 @@
 """A worker lost before the request sent its caller anything: the request starts over once,
 under a new worker-side id, on a new plan. Lost after tokens went out (its decode worker died),
-a greedy or unseeded request goes on from those tokens, once; a seeded sampling one fails (its
-sampler's state died with the worker), as does a second loss."""
+a greedy or unseeded request goes on from those tokens, once, with its text and stop strings
+handled in the router across the seam; a seeded sampling one fails (its sampler's state died
+with the worker), as does a second loss."""
 
 from __future__ import annotations
 
@@ -164,14 +165,31 @@ def test_text_held_back_by_the_lost_worker_is_not_lost(monkeypatch: pytest.Monke
     assert req.text == "é<9>"
 
 
-def test_a_request_with_stop_strings_whose_decode_worker_dies_fails() -> None:
-    """The lost worker held back text that may start a stop string: across the seam the new
-    attempt could miss it."""
+def test_a_stop_string_across_the_seam_is_found_by_the_router() -> None:
+    """The lost worker held back the text of token 7 (it could start the stop string); the new
+    attempt's worker sees 7 in its prompt and "<8>" alone holds no stop. The router searches
+    the request's whole text: it stops at 8, cuts the text before the stop string and ends the
+    stream, as one worker would have."""
     orchestrator = FakeOrchestrator({0: "after"})
+    orchestrator.texts = {7: ""}  # held back by the first worker
     serving, planner = _serving(orchestrator)
-    req = _prepared(planner, SamplingParams(temperature=0, max_tokens=3, stop=["<9>"]))
-    with pytest.raises(WorkerLost):
-        asyncio.run(_collect(serving, req))
+    params = SamplingParams(temperature=0, max_tokens=4, stop=["7><8"])
+    req = _prepared(planner, params)
+    assert asyncio.run(_collect(serving, req)) == [[7], [8]]  # 9 and 10 never come
+    assert (req.text, req.finish_reason, req.stop_reason) == ("<", "stop", "7><8")
+    assert req.completion_tokens == 2 and len(orchestrator.generated) == 2
+
+
+def test_no_stop_before_min_tokens_after_the_seam() -> None:
+    """As in the engine's output processor: stop strings are searched once `min_tokens` are
+    out (then in all the text not searched yet, so the one at 8 ends the request at 9)."""
+    orchestrator = FakeOrchestrator({0: "after"})
+    orchestrator.texts = {7: ""}
+    serving, planner = _serving(orchestrator)
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=3, stop=["7><8"])
+    req = _prepared(planner, params)
+    assert asyncio.run(_collect(serving, req)) == [[7], [8], [9]]
+    assert (req.finish_reason, req.stop_reason, req.completion_tokens) == ("stop", "7><8", 3)
 
 
 def test_a_seeded_sampling_request_whose_decode_worker_dies_fails() -> None:
