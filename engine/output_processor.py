@@ -1,8 +1,9 @@
 """After sampling: append tokens, decide stops, detokenize, and emit `StepOutput`s.
 
 Stop rules, in order, for each new token: a stop token id (or EOS unless `ignore_eos`) once
-`min_tokens` are out; a stop string in the text (the text is cut just before it, also when it
-spans several tokens); `max_tokens`; the model's context length. Streamed text holds back the
+`min_tokens` are out; a stop string in the text once `min_tokens` are out, ending after the
+text of the first `min_tokens` tokens (the text is cut just before it, also when it spans
+several tokens); `max_tokens`; the model's context length. Streamed text holds back the
 last `len(longest stop) - 1` characters so that a stop string is never half-emitted.
 """
 
@@ -42,6 +43,8 @@ class OutputProcessor:
             req.output_text.add(token)
             if params.stop and num_out >= params.min_tokens and self._find_stop_string(req):
                 return "stop"
+            if params.stop and num_out < params.min_tokens:  # stops written before don't count
+                req.output_text.checked_len = len(req.output_text.text)
         if num_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -386,12 +386,12 @@ def _retext(req: Prepared, text: OutputText, item: dict[str, Any]) -> None:
     params, tokens = req.params, item["token_ids"]
     for n, token in enumerate(tokens, start=1):
         text.add(token)
-        if params.stop and len(req.token_ids) + n >= params.min_tokens:
-            stop = text.find_stop(params.stop)
-            if stop is not None:
-                item.update(token_ids=tokens[:n], finish_reason="stop", stop_reason=stop)
-                req.stopped_here = True
-                break
+        if params.stop and len(req.token_ids) + n < params.min_tokens:
+            text.checked_len = len(text.text)  # stops written before `min_tokens` don't count
+        elif params.stop and (stop := text.find_stop(params.stop)) is not None:
+            item.update(token_ids=tokens[:n], finish_reason="stop", stop_reason=stop)
+            req.stopped_here = True
+            break
     finished = item.get("finish_reason") is not None
     if finished and not isinstance(item.get("stop_reason"), str):
         text.flush()

@@ -86,6 +86,27 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     assert stop_tok not in late.token_ids[:9]
 
 
+def test_a_stop_string_before_min_tokens_does_not_count(llm: LLM) -> None:
+    """Written before `min_tokens` tokens were out, a stop string is not searched for later
+    either (its text was already streamed: cutting there would make the final text shorter
+    than the stream)."""
+    engine: LLMEngine = llm.engine
+    prompt = [50, 51, 52]
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    early = engine.tokenizer.decode(full.token_ids[:2])
+    stop = early[-3:] if len(early) >= 3 else early  # ends within the first 2 tokens' text
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=6, ignore_eos=True,
+                            stop=[stop])  # fmt: skip
+    req = engine.add_request(prompt, params, stream_text=True)
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas.extend(o.text_delta for o in engine.step() if o.request_id == req.request_id)
+    out = engine.make_output(req)
+    assert len(out.token_ids) >= 6
+    assert "".join(deltas) == out.text
+    assert out.text.startswith(early)
+
+
 def test_max_tokens_finish_length(llm: LLM) -> None:
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
     assert len(out.token_ids) == 7 and out.finish_reason == "length"

@@ -181,15 +181,15 @@ def test_a_stop_string_across_the_seam_is_found_by_the_router() -> None:
 
 
 def test_no_stop_before_min_tokens_after_the_seam() -> None:
-    """As in the engine's output processor: stop strings are searched once `min_tokens` are
-    out (then in all the text not searched yet, so the one at 8 ends the request at 9)."""
+    """As in the engine's output processor: a stop string written before `min_tokens` tokens
+    were out does not count, then or later."""
     orchestrator = FakeOrchestrator({0: "after"})
     orchestrator.texts = {7: ""}
     serving, planner = _serving(orchestrator)
     params = SamplingParams(temperature=0, max_tokens=4, min_tokens=3, stop=["7><8"])
     req = _prepared(planner, params)
-    assert asyncio.run(_collect(serving, req)) == [[7], [8], [9]]
-    assert (req.finish_reason, req.stop_reason, req.completion_tokens) == ("stop", "7><8", 3)
+    assert asyncio.run(_collect(serving, req)) == [[7], [8], [9], [10]]
+    assert (req.text, req.finish_reason) == ("<7><8><9><10>", "length")
 
 
 def test_a_seeded_sampling_request_whose_decode_worker_dies_fails() -> None:
