@@ -137,7 +137,7 @@ def main() -> None:
         "--ingress",
         choices=[i.value for i in Ingress],
         default=DEFAULT_INGRESS.value,
-        help="HTTP front of the cluster, as `tandem serve --ingress` (default haproxy)",
+        help="HTTP front of the cluster, as `tandem serve --ingress` (default proxy)",
     )
     args = parser.parse_args()
 

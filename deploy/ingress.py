@@ -54,12 +54,12 @@ class Ingress(StrEnum):
     proxy = "proxy"
 
 
-DEFAULT_INGRESS = Ingress.haproxy
-"""What `tandem serve`, the overhead bench and the integration tests use unless told: HAProxy,
-about 7 ms less time to first token over HTTP here than Serve's proxy (`docs/benchmarks.md`).
-A client leaving during a long prefill is noticed through the router's SSE keep-alive comments
-(`tandem.router.openai_api.KEEPALIVE_S`). The Helm chart keeps `proxy` until the HAProxy path has
-run on a real KubeRay cluster."""
+DEFAULT_INGRESS = Ingress.proxy
+"""What `tandem serve`, the overhead bench and the integration tests use unless told: Serve's
+proxy. HAProxy is about 7 ms faster to the first token over HTTP here (`docs/benchmarks.md`),
+but behind it a waiting stream must write SSE comments for a client's leaving to be noticed
+(`tandem.router.openai_api.KEEPALIVE_S`), and clients that parse every SSE line as JSON (as
+`vllm bench serve`'s does) fail on those."""
 
 
 def _port_is_free(port: int) -> bool:

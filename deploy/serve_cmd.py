@@ -116,10 +116,11 @@ def serve(
     ingress: Annotated[
         Ingress,
         typer.Option(
-            help="HTTP front of a cluster tandem starts: haproxy (default), Ray's HAProxy "
-            "ingress, forwards straight to the router replicas; proxy, Ray Serve's Python proxy "
-            "actor, relays every request and SSE chunk (about 7 ms more time to first token "
-            "here).",
+            help="HTTP front of a cluster tandem starts: proxy (default), Ray Serve's Python proxy "
+            "actor, relays every request and SSE chunk; haproxy, Ray's HAProxy ingress, forwards "
+            "straight to the router replicas (about 7 ms less time to first token here), and a "
+            "stream that waits then writes ': keep-alive' SSE comments every 0.25 s, so that a "
+            "client's leaving is noticed (clients that parse every line as JSON fail on them).",
             case_sensitive=False,
         ),
     ] = DEFAULT_INGRESS,

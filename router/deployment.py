@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.deploy.ingress import HAPROXY_FLAG
 from tandem.engine.metrics import RouterMetrics, WorkerMetricsCollector
 from tandem.engine.serve_logging import use_serve_log_handlers
 from tandem.engine.tokenizer import Tokenizer
@@ -27,6 +28,7 @@ from tandem.router.admission import AdmissionConfig
 from tandem.router.api_keys import APIKeyMiddleware, key_digest
 from tandem.router.errors import APIError
 from tandem.router.openai_api import (
+    KEEPALIVE_S,
     create_chat_completion,
     create_completion,
     error_response,
@@ -139,6 +141,9 @@ class Router:
             settings.get("request_timeout_s", 600.0),
             self.metrics,
             settings.get("slo"),
+            # Behind Ray's HAProxy ingress (tandem serve --ingress haproxy, the chart's
+            # serve.ingress: haproxy) a client's leaving is noticed only when a stream writes.
+            sse_keepalive_s=KEEPALIVE_S if os.environ.get(HAPROXY_FLAG) == "1" else None,
         )
         self.registry_name: str = settings["registry_name"]
         self._grpc_server: Any = None

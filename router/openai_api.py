@@ -5,10 +5,12 @@ Streams follow OpenAI: `data: {chunk}` events, an optional usage chunk with empt
 sent as one `data: {"error": ...}` event before `[DONE]`. Every response carries the request's
 stage timings: the `x-tandem-timings` header (non-streaming) and a `tandem_timings` field.
 
-While a stream waits (a long prefill, a queue) it writes an SSE comment (`: keep-alive`, which
-clients skip) every `KEEPALIVE_S`. Behind HAProxy a client that left is noticed only when the
-response writes: without them a client leaving during prefill was seen at the first token, and
-the prefill ran to its end.
+Behind Ray's HAProxy ingress (`Serving.sse_keepalive_s` set) a stream that waits (a long
+prefill, a queue) writes an SSE comment (`: keep-alive`) every `KEEPALIVE_S`: HAProxy notices a
+client that left only when the response writes, and without them a client leaving during
+prefill was seen at the first token, the prefill running to its end. Behind Serve's proxy, which
+passes a disconnect on at once, no comment is written: clients that parse every line as JSON
+(as `vllm bench serve`'s does) would fail on one.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tandem.router.serving import Prepared, Serving
 Kind = Literal["completion", "chat"]
 
 KEEPALIVE_S = 0.25
-"""A waiting stream writes an SSE comment this often (seconds)."""
+"""Behind HAProxy, a waiting stream writes an SSE comment this often (seconds)."""
 KEEPALIVE = ": keep-alive\n\n"
 
 
@@ -178,7 +180,10 @@ async def _sse(
     try:
         if kind == "chat":
             yield _chunk(model, req, kind, "", None, role=True)
-        async with contextlib.aclosing(_paced(serving.run(req), KEEPALIVE_S)) as items:
+        every_s = serving.sse_keepalive_s
+        run = serving.run(req)
+        paced = run if every_s is None else _paced(run, every_s)
+        async with contextlib.aclosing(paced) as items:
             async for item in items:
                 if item is None:
                     yield KEEPALIVE

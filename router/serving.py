@@ -104,7 +104,10 @@ class Serving:
         request_timeout_s: float = 600.0,
         metrics: RouterMetrics | None = None,
         slo: dict[str, float | None] | None = None,
+        sse_keepalive_s: float | None = None,
     ) -> None:
+        self.sse_keepalive_s = sse_keepalive_s
+        """How often a waiting SSE stream writes a comment (None: never; see `openai_api`)."""
         self.metrics = metrics or RouterMetrics(model_name, "router")
         slo = slo or {}
         self.slo_ttft_s = _seconds(slo.get("ttft_ms"))

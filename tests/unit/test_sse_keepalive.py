@@ -1,6 +1,7 @@
-"""A stream that waits writes SSE comments (clients skip them), so that a proxy which notices a
-client's leaving only on a write (HAProxy) notices it during a long prefill too; closing the
-stream cancels the request while it waits."""
+"""Behind HAProxy (`Serving.sse_keepalive_s` set) a stream that waits writes SSE comments, so that
+HAProxy, which notices a client's leaving only on a write, notices it during a long prefill too;
+closing the stream cancels the request while it waits. Without it (Serve's proxy) no comment is
+written: clients that parse every SSE line as JSON would fail on one."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import asyncio
 from collections.abc import AsyncGenerator
 from types import SimpleNamespace
 from typing import Any
-
-import pytest
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router import openai_api
@@ -23,7 +22,8 @@ class FakeServing:
 
     model_name = "tiny"
 
-    def __init__(self, wait_s: float, fail: bool = False) -> None:
+    def __init__(self, wait_s: float, fail: bool = False, keepalive_s: float | None = 0.05) -> None:
+        self.sse_keepalive_s = keepalive_s
         self.wait_s = wait_s
         self.fail = fail
         self.ended: list[str] = []
@@ -51,11 +51,6 @@ async def _events(serving: FakeServing) -> list[str]:
     return [event async for event in gen]
 
 
-@pytest.fixture(autouse=True)
-def fast_keepalive(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(openai_api, "KEEPALIVE_S", 0.05)
-
-
 def test_a_waiting_stream_writes_comments_then_its_tokens() -> None:
     serving = FakeServing(wait_s=0.3)
     events = asyncio.run(_events(serving))
@@ -68,6 +63,13 @@ def test_a_waiting_stream_writes_comments_then_its_tokens() -> None:
         True,
         "data: [DONE]\n\n",
     ]
+    assert serving.ended == ["finished"]
+
+
+def test_without_haproxy_a_waiting_stream_writes_no_comment() -> None:
+    serving = FakeServing(wait_s=0.3, keepalive_s=None)
+    events = asyncio.run(_events(serving))
+    assert len(events) == 3 and not [e for e in events if e.startswith(":")]
     assert serving.ended == ["finished"]
 
 
