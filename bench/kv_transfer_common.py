@@ -85,11 +85,10 @@ def _pool(transport: Any, num_blocks: int, *, send_only: bool = False) -> Any:
     the workers and `process_pair` do: for shm, the receiver's in shared memory and the
     sender's, `send_only`, in private memory on huge pages)."""
     from tandem.kernels.kv_cache import KVCachePool
+    from tandem.kv_transfer.registry import pool_factory
 
-    allocate = getattr(transport, "allocate_pool", None)
-    if allocate is None:
-        return KVCachePool(num_blocks, **BLOCK)
-    return allocate(num_blocks, **BLOCK, send_only=send_only)
+    factory = pool_factory(transport, send_only=send_only)
+    return (factory or KVCachePool)(num_blocks, **BLOCK)
 
 
 def _receiver_main(pipe: Connection, transport_name: str, num_blocks: int) -> None:

@@ -41,18 +41,16 @@ class OutputProcessor:
             return "stop"
         if req.output_text is not None:
             req.output_text.add(token)
-            if params.stop and num_out >= params.min_tokens and self._find_stop_string(req):
+            if params.stop and self._find_stop_string(req, num_out >= params.min_tokens):
                 return "stop"
-            if params.stop and num_out < params.min_tokens:  # stops written before don't count
-                req.output_text.checked_len = len(req.output_text.text)
         if num_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
 
     @staticmethod
-    def _find_stop_string(req: Request) -> bool:
+    def _find_stop_string(req: Request, counting: bool) -> bool:
         assert req.output_text is not None and req.params.stop
-        stop = req.output_text.find_stop(req.params.stop)
+        stop = req.output_text.find_stop(req.params.stop, counting=counting)
         if stop is None:
             return False
         req.stop_reason = stop
@@ -64,6 +62,5 @@ class OutputProcessor:
         detok = req.output_text
         if detok is None:
             return ""
-        if finished and not isinstance(req.stop_reason, str):
-            detok.flush()
-        return detok.delta(req.params.stop, finished=finished)
+        cut = isinstance(req.stop_reason, str)
+        return detok.delta(req.params.stop, finished=finished, cut=cut)

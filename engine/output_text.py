@@ -39,10 +39,15 @@ class OutputText:
         self.text = self.text[:length]
         self.emitted_len = min(self.emitted_len, length)
 
-    def find_stop(self, stops: Sequence[str]) -> str | None:
+    def find_stop(self, stops: Sequence[str], *, counting: bool = True) -> str | None:
         """The stop string that occurs first in the text not searched yet (with enough of the
-        searched text before it for one to span the boundary); the text is cut just before it."""
+        searched text before it for one to span the boundary); the text is cut just before it.
+        Not `counting` (before `min_tokens` are out): the text so far is marked searched, so
+        a stop string written there does not count later either."""
         text = self.text
+        if not counting:
+            self.checked_len = len(text)
+            return None
         longest = max(len(s) for s in stops)
         window_start = max(0, self.checked_len - longest + 1)
         best: tuple[int, str] | None = None
@@ -56,9 +61,12 @@ class OutputText:
         self.truncate(best[0])
         return best[1]
 
-    def delta(self, stops: Sequence[str] | None, *, finished: bool) -> str:
+    def delta(self, stops: Sequence[str] | None, *, finished: bool, cut: bool = False) -> str:
         """Text not streamed yet, holding back what could start one of `stops` unless
-        `finished`; marks it streamed."""
+        `finished`; marks it streamed. A finished text not `cut` at a stop string first takes
+        the detokenizer's pending bytes."""
+        if finished and not cut:
+            self.flush()
         hold = max(len(s) for s in stops) - 1 if stops and not finished else 0
         end = max(self.emitted_len, len(self.text) - hold)
         out = self.text[self.emitted_len : end]

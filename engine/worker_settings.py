@@ -5,7 +5,6 @@ Plain pydantic, JSON-able: it travels to the worker as a Ray Serve deployment ar
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,16 +34,14 @@ def create_engine_and_transport(settings: WorkerSettings) -> tuple[Any, Any]:
     import torch
 
     from tandem.engine.llm_engine import LLMEngine
-    from tandem.kv_transfer.registry import create_transport
+    from tandem.kv_transfer.registry import create_transport, pool_factory
 
     torch.set_num_threads(settings.torch_threads)
     transport = create_transport(
         settings.transport, settings.auth_token, **settings.transport_options
     )
     config = settings.engine.model_copy(update={"enable_kv_events": True})  # for the router
-    factory = getattr(transport, "allocate_pool", None)
-    if factory is not None and settings.role == "prefill":  # pages only go out
-        factory = functools.partial(factory, send_only=True)
+    factory = pool_factory(transport, send_only=settings.role == "prefill")
     try:
         engine = LLMEngine(config, kv_pool_factory=factory)
     except BaseException:

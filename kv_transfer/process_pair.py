@@ -8,7 +8,6 @@ is local IPC between processes this module starts, never a network connection.
 from __future__ import annotations
 
 import contextlib
-import functools
 import multiprocessing as mp
 import os
 import time
@@ -38,12 +37,10 @@ def _setup(
 
     torch.set_num_threads(threads)
     from tandem import LLM
-    from tandem.kv_transfer.registry import create_transport
+    from tandem.kv_transfer.registry import create_transport, pool_factory
 
     transport = create_transport(transport_name, TOKEN, **options)
-    factory = getattr(transport, "allocate_pool", None)
-    if factory is not None and send_only:  # as a prefill worker's
-        factory = functools.partial(factory, send_only=True)
+    factory = pool_factory(transport, send_only=send_only)  # (send_only: as a prefill worker's)
     engine = LLM(model=model, num_kv_blocks=256, kv_pool_factory=factory, **llm_kwargs).engine
     return engine, transport
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -35,3 +36,12 @@ def transport_class(name: str) -> type[KVTransport]:
 def create_transport(name: str, auth_token: str, **options: Any) -> KVTransport:
     """Instantiates the transport called `name` with the cluster token and its own options."""
     return transport_class(name)(auth_token, **options)
+
+
+def pool_factory(transport: KVTransport, *, send_only: bool = False) -> Any:
+    """The engine's `kv_pool_factory` for `transport`: its `allocate_pool` where it has one
+    (`send_only` for an engine whose pages only go out, a prefill worker's), else None."""
+    allocate = getattr(transport, "allocate_pool", None)
+    if allocate is None or not send_only:
+        return allocate
+    return functools.partial(allocate, send_only=True)

@@ -29,7 +29,8 @@ from starlette.types import Receive, Scope, Send
 from tandem.router.errors import APIError
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.router.pd_orchestrator import RequestTimings
-from tandem.router.serving import Prepared, Serving
+from tandem.router.prepared import Prepared
+from tandem.router.serving import Serving
 
 Kind = Literal["completion", "chat"]
 

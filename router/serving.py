@@ -7,15 +7,13 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.metrics import RouterMetrics
-from tandem.engine.output_text import OutputText
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.router.errors import APIError, WorkerLost, bad_request
 from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
+from tandem.router.prepared import Prepared
 from tandem.router.request_prep import ModelLimits, sampling_params, tokenize_prompt
 from tandem.router.route_planner import RoutePlan, RoutePlanner
 
@@ -27,71 +25,6 @@ the router holds a connection to each). Lost before it sent its caller anything,
 over; lost mid-stream (its decode worker died), it continues where the stream stopped when the
 continuation is the same as the lost one would have been: greedy, or sampling without a seed
 (see `Prepared.resumable`)."""
-
-
-@dataclass
-class Prepared:
-    """A validated request, ready for the cluster."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    timings: RequestTimings
-    completion_tokens: int = 0
-    num_cached_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    plan: RoutePlan | None = None
-    priority: int = 0
-    num_transferred_blocks: int = 0
-    user: str | None = None
-    started: bool = False  # `Serving.run` began (it releases the request from then on)
-    deadline_ms: float | None = None  # admission's deadline (planning again keeps it)
-    attempt: int = 0  # times it started over after losing a worker
-    resumed_tokens: int = 0  # generated tokens the current attempt takes as part of its prompt
-    resumed_text: OutputText | None = None  # the text of a resumed request, detokenized here
-    stopped_here: bool = False  # the router found a stop string the new attempt's worker missed
-
-    @property
-    def resumable(self) -> bool:
-        """Whether a new attempt from the tokens streamed so far gives what the lost one would
-        have: greedy decoding does, and unseeded sampling has no one answer to keep. A seeded
-        sampler's state died with its worker."""
-        return self.params.temperature == 0 or self.params.seed is None
-
-    def attempt_prompt(self) -> list[int]:
-        """What the current attempt prefills: the prompt, and the tokens streamed before its
-        decode worker was lost."""
-        return self.prompt_token_ids + self.token_ids[: self.resumed_tokens]
-
-    def attempt_params(self) -> SamplingParams:
-        """The sampling parameters of the current attempt (what is left to generate)."""
-        done = self.resumed_tokens
-        if not done:
-            return self.params
-        update = {
-            "max_tokens": self.params.max_tokens - done,
-            "min_tokens": max(0, self.params.min_tokens - done),
-        }
-        return self.params.model_copy(update=update)
-
-    @property
-    def worker_request_id(self) -> str:
-        """The id its workers know it by: a new one when it starts over, so that no worker
-        mistakes it for the calls of the attempt before (still being cancelled)."""
-        return self.request_id if self.attempt == 0 else f"{self.request_id}~{self.attempt}"
-
-    def usage(self) -> dict[str, Any]:
-        prompt = len(self.prompt_token_ids)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": prompt + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
-            "kv_transferred_blocks": self.num_transferred_blocks,
-        }
 
 
 class Serving:
@@ -213,17 +146,7 @@ class Serving:
             raise
 
     def _starting_over(self, req: Prepared, exc: WorkerLost) -> None:
-        req.attempt += 1
-        req.resumed_tokens = len(req.token_ids)
-        if req.resumed_tokens:
-            # The new attempt's worker detokenizes after a prompt that ends with tokens whose
-            # text the lost worker may have held back (part of a UTF-8 character, or what
-            # could start a stop string), and it searches stop strings in its own text only:
-            # the text goes on here, from the request's own prompt, and stops are found here.
-            text = OutputText.after(self.tokenizer, req.prompt_token_ids, req.token_ids)
-            text.emitted_len = len(req.text)  # what the caller has
-            text.checked_len = len(text.text)  # (the lost worker found no stop in it)
-            req.resumed_text = text
+        req.start_over(self.tokenizer)
         how = (
             f"continuing after {req.resumed_tokens} tokens"
             if req.resumed_tokens
@@ -316,7 +239,7 @@ class Serving:
         """Adds a token item to `req`; the outcome to log when it is the last one. A resumed
         request's item gets the text detokenized here, and ends at a stop string found here."""
         if req.resumed_text is not None:
-            _retext(req, req.resumed_text, item)
+            req.retext(item)
         req.completion_tokens += len(item["token_ids"])
         req.token_ids.extend(item["token_ids"])
         req.text += item["text"]
@@ -380,25 +303,6 @@ class Serving:
             _route(req.plan),
             stages,
         )
-
-
-def _retext(req: Prepared, text: OutputText, item: dict[str, Any]) -> None:
-    """Replaces the text of a resumed request's `item` with the text of its tokens after the
-    request's own prompt and output so far; cuts the item at a stop string (the output
-    processor's rules: not before `min_tokens`, the text cut just before it)."""
-    params, tokens = req.params, item["token_ids"]
-    for n, token in enumerate(tokens, start=1):
-        text.add(token)
-        if params.stop and len(req.token_ids) + n < params.min_tokens:
-            text.checked_len = len(text.text)  # stops written before `min_tokens` don't count
-        elif params.stop and (stop := text.find_stop(params.stop)) is not None:
-            item.update(token_ids=tokens[:n], finish_reason="stop", stop_reason=stop)
-            req.stopped_here = True
-            break
-    finished = item.get("finish_reason") is not None
-    if finished and not isinstance(item.get("stop_reason"), str):
-        text.flush()
-    item["text"] = text.delta(params.stop, finished=finished)
 
 
 def _seconds(ms: float | None) -> float | None:

@@ -14,7 +14,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.router import openai_api
 from tandem.router.errors import APIError
 from tandem.router.pd_orchestrator import RequestTimings
-from tandem.router.serving import Prepared
+from tandem.router.prepared import Prepared
 
 
 class FakeServing:

@@ -19,7 +19,8 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.router.openai_api import ClosingStreamingResponse
 from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
 from tandem.router.prefill_call import PrefillCall
-from tandem.router.serving import Prepared, Serving
+from tandem.router.prepared import Prepared
+from tandem.router.serving import Serving
 
 
 class Tracked:

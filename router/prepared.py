@@ -1,0 +1,111 @@
+"""A request the router has validated, and its state across attempts: the tokens and text it
+sent its caller, and, after a worker was lost mid-stream, what the next attempt prefills and
+generates, with the text after the seam detokenized here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.engine.output_text import OutputText
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tokenizer import Tokenizer
+from tandem.router.pd_orchestrator import RequestTimings
+from tandem.router.route_planner import RoutePlan
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the cluster."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    timings: RequestTimings
+    completion_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    plan: RoutePlan | None = None
+    priority: int = 0
+    num_transferred_blocks: int = 0
+    user: str | None = None
+    started: bool = False  # `Serving.run` began (it releases the request from then on)
+    deadline_ms: float | None = None  # admission's deadline (planning again keeps it)
+    attempt: int = 0  # times it started over after losing a worker
+    resumed_tokens: int = 0  # generated tokens the current attempt takes as part of its prompt
+    resumed_text: OutputText | None = None  # the text of a resumed request, detokenized here
+    stopped_here: bool = False  # the router found a stop string the new attempt's worker missed
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a new attempt from the tokens streamed so far gives what the lost one would
+        have: greedy decoding does, and unseeded sampling has no one answer to keep. A seeded
+        sampler's state died with its worker."""
+        return self.params.temperature == 0 or self.params.seed is None
+
+    def attempt_prompt(self) -> list[int]:
+        """What the current attempt prefills: the prompt, and the tokens streamed before its
+        decode worker was lost."""
+        return self.prompt_token_ids + self.token_ids[: self.resumed_tokens]
+
+    def attempt_params(self) -> SamplingParams:
+        """The sampling parameters of the current attempt (what is left to generate)."""
+        done = self.resumed_tokens
+        if not done:
+            return self.params
+        update = {
+            "max_tokens": self.params.max_tokens - done,
+            "min_tokens": max(0, self.params.min_tokens - done),
+        }
+        return self.params.model_copy(update=update)
+
+    @property
+    def worker_request_id(self) -> str:
+        """The id its workers know it by: a new one when it starts over, so that no worker
+        mistakes it for the calls of the attempt before (still being cancelled)."""
+        return self.request_id if self.attempt == 0 else f"{self.request_id}~{self.attempt}"
+
+    def usage(self) -> dict[str, Any]:
+        prompt = len(self.prompt_token_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+            "kv_transferred_blocks": self.num_transferred_blocks,
+        }
+
+    def start_over(self, tokenizer: Tokenizer) -> None:
+        """A new attempt after a lost worker, from the tokens sent so far (none: from the
+        start). The new attempt's worker detokenizes after a prompt that ends with tokens whose
+        text the lost worker may have held back (part of a UTF-8 character, or what could start
+        a stop string), and it searches stop strings in its own text only: the text goes on
+        here, from the request's own prompt, and stops are found here (`retext`)."""
+        self.attempt += 1
+        self.resumed_tokens = len(self.token_ids)
+        if self.resumed_tokens:
+            text = OutputText.after(tokenizer, self.prompt_token_ids, self.token_ids)
+            text.emitted_len = len(self.text)  # what the caller has
+            text.checked_len = len(text.text)  # (the lost worker found no stop in it)
+            self.resumed_text = text
+
+    def retext(self, item: dict[str, Any]) -> None:
+        """Replaces the text of a resumed request's `item` with the text of its tokens after
+        the request's own prompt and output so far; cuts the item at a stop string (the output
+        processor's rules: not before `min_tokens`, the text cut just before it)."""
+        text = self.resumed_text
+        assert text is not None
+        params, tokens = self.params, item["token_ids"]
+        for n, token in enumerate(tokens, start=1):
+            text.add(token)
+            counting = len(self.token_ids) + n >= params.min_tokens
+            if params.stop and (stop := text.find_stop(params.stop, counting=counting)) is not None:
+                item.update(token_ids=tokens[:n], finish_reason="stop", stop_reason=stop)
+                self.stopped_here = True
+                break
+        finished = item.get("finish_reason") is not None
+        cut = isinstance(item.get("stop_reason"), str)
+        item["text"] = text.delta(params.stop, finished=finished, cut=cut)
