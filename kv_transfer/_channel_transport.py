@@ -14,7 +14,6 @@ sender's own `poll()` (see `tandem.kv_transfer.base`).
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import socket
@@ -40,7 +39,7 @@ from tandem.kv_transfer._socket_channel import (
     shutdown_and_close,
     valid_block_ids,
 )
-from tandem.kv_transfer.base import KVTransport, Message, drain_inbox
+from tandem.kv_transfer.base import KVTransport, Message, drain_inbox, header_json
 from tandem.kv_transfer.manifest import TransferError
 
 log = logging.getLogger(__name__)
@@ -136,17 +135,17 @@ class ChannelTransport(KVTransport):
             raise TransferError("transport is closed")
         if not isinstance(peer, str) or not peer.startswith(f"{self.name}:"):
             raise TransferError(f"{self.name} transport cannot reach {peer!r}")
-        ids = tuple(int(b) for b in src_block_ids)
+        ids = tuple(map(int, src_block_ids))
         if ids:
             if self._pool is None:
                 raise TransferError("register_pool() before sending pages")
             if not valid_block_ids(ids, self._pool.num_blocks):
                 raise TransferError(f"bad src_block_ids {list(ids)}")
         try:
-            header_json = json.dumps(header, separators=(",", ":"))
+            text = header_json(header)
         except (TypeError, ValueError) as exc:
             raise TransferError(f"header is not JSON-serialisable: {exc}") from None
-        item = Outgoing(peer, header_json, request_id_of(header), ids, dst_block_ids_of(header))
+        item = Outgoing(peer, text, request_id_of(header), ids, dst_block_ids_of(header))
         with self._cond:
             if self._closed:
                 raise TransferError("transport is closed")

@@ -24,6 +24,7 @@ Semantics every implementation keeps:
 from __future__ import annotations
 
 import contextlib
+import json
 import queue
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -51,6 +52,25 @@ def drain_inbox(inbox: queue.Queue[Message], timeout: float = 0.0) -> list[Messa
         while True:
             out.append(inbox.get_nowait())
     return out
+
+
+class EncodedHeader(dict[str, Any]):
+    """A header that comes with its JSON text, written once by a caller on a hot path (the
+    prefill engine's thread, `PagesHeaderWriter`). Transports that send JSON send `text` instead
+    of encoding the dict again, and need not copy it: it is not changed after `send`."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, header: dict[str, Any], text: str) -> None:
+        super().__init__(header)
+        self.text = text
+
+
+def header_json(header: dict[str, Any]) -> str:
+    """The JSON text of a header to send (an `EncodedHeader`'s own)."""
+    if isinstance(header, EncodedHeader):
+        return header.text
+    return json.dumps(header, separators=(",", ":"))
 
 
 class KVTransport(ABC):

@@ -7,6 +7,9 @@ KV layout of the pages, which source blocks they came from and which reserved bl
 from __future__ import annotations
 
 import base64
+import json
+from collections.abc import Sequence
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 import torch
@@ -15,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.engine.errors import TandemError
 from tandem.kernels.kv_cache import KVCachePool
+from tandem.kv_transfer.base import EncodedHeader
 
 POOL_LAYOUT = "block,layer,kv,slot,head,dim"
 """The order of a block's dimensions in `KVCachePool` (one block = one contiguous region)."""
@@ -88,6 +92,88 @@ class ChunkManifest(BaseModel):
             raise ValueError("src_block_ids and dst_block_ids differ in length")
         if self.last and not self.first_token_ids:
             raise ValueError("the last chunk must carry the first sampled token")
+
+
+class PagesHeaderWriter:
+    """Writes the header of a chunk of pages (``{"type": "pages", "request_id", "manifest"[,
+    "finished"]}``, the manifest a `ChunkManifest` as JSON) together with its JSON text.
+
+    This runs on a prefill engine's thread between steps, once per chunk: building the text from
+    pieces (the layout's JSON written once, integer lists by `str`) costs a third of what
+    `json.dumps` does right after a forward pass has evicted the CPU caches (measured ~35 against
+    ~100 us for a 16-block chunk), and the transports send the text as it is.
+    """
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self._layout_dict = layout.model_dump(mode="json")
+        self._layout_text = json.dumps(self._layout_dict, separators=(",", ":"))
+
+    def write(
+        self,
+        request_id: str,
+        chunk_index: int,
+        *,
+        last: bool,
+        num_tokens: int,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        checksum: str | None = None,
+        first_token_ids: Sequence[int] = (),
+        sampler_state: str | None = None,
+        finished: bool | None = None,
+    ) -> EncodedHeader:
+        src, dst, first = list(src_block_ids), list(dst_block_ids), list(first_token_ids)
+        manifest: dict[str, Any] = {
+            "request_id": request_id,
+            "layout": self._layout_dict,
+            "chunk_index": chunk_index,
+            "last": last,
+            "num_tokens": num_tokens,
+            "src_block_ids": src,
+            "dst_block_ids": dst,
+            "checksum": checksum,
+            "first_token_ids": first,
+            "sampler_state": sampler_state,
+        }
+        header: dict[str, Any] = {"type": "pages", "request_id": request_id, "manifest": manifest}
+        rid = encode_basestring_ascii(request_id)
+        parts = [
+            '{"type":"pages","request_id":',
+            rid,
+            ',"manifest":{"request_id":',
+            rid,
+            ',"layout":',
+            self._layout_text,
+            ',"chunk_index":',
+            str(int(chunk_index)),
+            ',"last":true' if last else ',"last":false',
+            ',"num_tokens":',
+            str(int(num_tokens)),
+            ',"src_block_ids":',
+            _int_list(src),
+            ',"dst_block_ids":',
+            _int_list(dst),
+            ',"checksum":',
+            "null" if checksum is None else encode_basestring_ascii(checksum),
+            ',"first_token_ids":',
+            _int_list(first),
+            ',"sampler_state":',
+            "null" if sampler_state is None else encode_basestring_ascii(sampler_state),
+            "}",
+        ]
+        if finished is not None:
+            header["finished"] = finished
+            parts.append(',"finished":true' if finished else ',"finished":false')
+        parts.append("}")
+        return EncodedHeader(header, "".join(parts))
+
+
+def _int_list(values: list[int]) -> str:
+    """JSON of a list of ints (`str` of a list of plain ints is exactly that)."""
+    if not set(map(type, values)) <= {int}:  # (no generator: this runs on a hot path)
+        raise TypeError(f"block and token ids must be ints, got {values!r}")
+    return str(values)
 
 
 def pages_checksum(pages: torch.Tensor) -> str:

@@ -16,7 +16,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
@@ -24,7 +23,13 @@ from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.base import KVTransport, Message
 from tandem.kv_transfer.events import TransferEvent
-from tandem.kv_transfer.manifest import KVLayout, TransferError, encode_state, pages_checksum
+from tandem.kv_transfer.manifest import (
+    KVLayout,
+    PagesHeaderWriter,
+    TransferError,
+    encode_state,
+    pages_checksum,
+)
 from tandem.kv_transfer.receiver import ReservationGrant
 
 logger = logging.getLogger(__name__)
@@ -120,12 +125,11 @@ class KVSender:
     @property
     def layout(self) -> KVLayout:
         """What every manifest declares about the pages (the receiver refuses a mismatch)."""
-        return self._layout
+        return self._headers.layout
 
     @layout.setter
     def layout(self, layout: KVLayout) -> None:
-        self._layout = layout
-        self._layout_json = layout.model_dump(mode="json")
+        self._headers = PagesHeaderWriter(layout)
 
     @property
     def has_events(self) -> bool:
@@ -237,31 +241,22 @@ class KVSender:
         offset = out.next_block - grant.num_hit_blocks
         dst = grant.dst_block_ids[offset : offset + len(blocks)]
         self.engine.block_manager.pin(blocks)
-        # A `ChunkManifest` as JSON, written out directly: this runs on the engine's thread
-        # between steps, on the prefill's critical path (the receiver validates the model).
-        manifest: dict[str, Any] = {
-            "request_id": req.request_id,
-            "layout": self._layout_json,
-            "chunk_index": out.next_chunk,
-            "last": last,
-            "num_tokens": min(end * bs, req.num_prompt_tokens) if last else end * bs,
-            "src_block_ids": blocks,  # (slices: lists of their own)
-            "dst_block_ids": dst,
-            "checksum": pages_checksum(self.engine.kv_pool.export_blocks(blocks))
+        header = self._headers.write(
+            req.request_id,
+            out.next_chunk,
+            last=last,
+            num_tokens=min(end * bs, req.num_prompt_tokens) if last else end * bs,
+            src_block_ids=blocks,
+            dst_block_ids=dst,
+            checksum=pages_checksum(self.engine.kv_pool.export_blocks(blocks))
             if self.checksums and blocks
             else None,
-            "first_token_ids": list(req.output_token_ids) if last else [],
-            "sampler_state": encode_state(req.generator.get_state())
+            first_token_ids=req.output_token_ids if last else (),
+            sampler_state=encode_state(req.generator.get_state())
             if last and req.generator
             else None,
-        }
-        header: dict[str, Any] = {
-            "type": "pages",
-            "request_id": req.request_id,
-            "manifest": manifest,
-        }
-        if last:
-            header["finished"] = self.first_token_ends(out)
+            finished=self.first_token_ends(out) if last else None,
+        )
         out.unacked[out.next_chunk] = blocks  # (a failed send releases them with the request)
         out.next_chunk += 1
         out.next_block = end

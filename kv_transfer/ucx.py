@@ -44,7 +44,7 @@ from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer._hugepages import allocate_hugepage_pool
 from tandem.kv_transfer._socket_channel import request_id_of
 from tandem.kv_transfer._ucx_records import _Conn, _Link, _Out, _run_start, _Rx
-from tandem.kv_transfer.base import KVTransport, Message, drain_inbox
+from tandem.kv_transfer.base import EncodedHeader, KVTransport, Message, drain_inbox
 from tandem.kv_transfer.manifest import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets variables UCX 1.21 lacks
@@ -133,10 +133,12 @@ class UcxTransport(KVTransport):
     def send(self, peer: str, header: dict[str, Any], src_block_ids: Sequence[int] = ()) -> None:
         if self._closed:
             raise TransferError("transport is closed")
-        ids = [int(b) for b in src_block_ids]
-        if ids and not all(0 <= b < (self._pool.num_blocks if self._pool else 0) for b in ids):
+        ids = list(map(int, src_block_ids))
+        if ids and not (min(ids) >= 0 and max(ids) < (self._pool.num_blocks if self._pool else 0)):
             raise TransferError(f"block ids {ids} are not in the registered pool")
-        self._commands.append((peer, _Out(json.loads(json.dumps(header)), ids)))  # JSON copy
+        # A JSON copy (the caller may change its dict later), unless it comes encoded already.
+        copy = header if isinstance(header, EncodedHeader) else json.loads(json.dumps(header))
+        self._commands.append((peer, _Out(copy, ids)))
         self._wake.set()
 
     def poll(self, timeout: float = 0.0) -> list[Message]:

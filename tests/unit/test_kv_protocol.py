@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.kv_transfer.base import EncodedHeader
 from tandem.kv_transfer.events import TransferEvent
 from tandem.kv_transfer.fake import FakeTransport
 from tandem.kv_transfer.local import LocalHub
@@ -169,12 +171,25 @@ def test_manifests_are_written_as_the_model_dumps_them(model: str) -> None:
         original(peer, message)
 
     pair.p_transport.deliver = spy  # type: ignore[method-assign]
+    texts: list[EncodedHeader] = []
+    send = pair.p_transport.send
+
+    def spy_send(peer: str, header: dict[str, Any], src_block_ids: Any = ()) -> None:
+        if header.get("type") == "pages":
+            assert isinstance(header, EncodedHeader)
+            texts.append(header)
+        send(peer, header, src_block_ids)
+
+    pair.p_transport.send = spy_send  # type: ignore[method-assign]
     seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=4)
     pair.start("m", prompt_of(16 * 20 + 3), seeded)
     pair.pump()
     assert len(sent) >= 3 and sent[-1]["last"] and sent[-1]["sampler_state"]
     for wire in sent:
         assert ChunkManifest.model_validate(wire).model_dump(mode="json") == wire
+    # What the socket transports send instead of encoding the dict: the same JSON.
+    assert [json.loads(h.text) for h in texts] == [dict(h) for h in texts]
+    assert [json.loads(h.text)["manifest"] for h in texts] == sent
     pair.decode_all()
     pair.idle()
 

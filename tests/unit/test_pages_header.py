@@ -1,0 +1,69 @@
+"""`PagesHeaderWriter`: the chunk header's JSON text is written from pieces on the prefill's hot
+path, so it must say exactly what its dict says, and refuse what it cannot write."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tandem.kv_transfer.base import EncodedHeader, header_json
+from tandem.kv_transfer.manifest import ChunkManifest, KVLayout, PagesHeaderWriter
+
+LAYOUT = KVLayout(
+    namespace="ns-1", block_size=16, num_layers=2, num_kv_heads=4, head_dim=64, dtype="float32"
+)
+
+
+@pytest.mark.parametrize(
+    ("request_id", "last", "finished"),
+    [
+        ("r-1", False, None),
+        ('quote"and\\back slash', True, True),
+        ("caf\u00e9 \u2603 \n tab\t", True, False),
+        ("", False, None),
+    ],
+)
+def test_the_text_is_the_json_of_the_dict(request_id: str, last: bool, finished: bool) -> None:
+    header = PagesHeaderWriter(LAYOUT).write(
+        request_id,
+        3,
+        last=last,
+        num_tokens=83,
+        src_block_ids=[7, 8, 9, 40, 2],
+        dst_block_ids=range(100, 105),
+        checksum="00ff" if last else None,
+        first_token_ids=[31999] if last else (),
+        sampler_state="AAEC" if last else None,
+        finished=finished,
+    )
+    assert isinstance(header, EncodedHeader)
+    assert json.loads(header.text) == header
+    assert header_json(header) == header.text
+    assert header["request_id"] == request_id and header["type"] == "pages"
+    assert ("finished" in header) is (finished is not None)
+    manifest = header["manifest"]
+    assert manifest["src_block_ids"] == [7, 8, 9, 40, 2]
+    assert manifest["dst_block_ids"] == [100, 101, 102, 103, 104]
+    assert ChunkManifest.model_validate(manifest).model_dump(mode="json") == manifest
+
+
+@pytest.mark.parametrize(
+    "ids", [[1, True], [1, np.int64(2)], [1.0], ["3"]], ids=["bool", "numpy", "float", "str"]
+)
+def test_ids_that_are_not_plain_ints_are_refused(ids: list[Any]) -> None:
+    with pytest.raises(TypeError, match="must be ints"):
+        PagesHeaderWriter(LAYOUT).write(
+            "r",
+            0,
+            last=False,
+            num_tokens=16,
+            src_block_ids=ids,
+            dst_block_ids=ids,
+        )
+
+
+def test_a_plain_header_is_encoded_compactly() -> None:
+    assert header_json({"type": "ack", "chunk_index": 2}) == '{"type":"ack","chunk_index":2}'
