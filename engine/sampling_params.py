@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tandem.engine.errors import InvalidRequestError
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+"""The seeds a `torch.Generator` takes (a signed or unsigned 64-bit integer)."""
 
 
 class SamplingParams(BaseModel):
@@ -20,7 +23,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = 1.0
     top_k: int = -1
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     max_tokens: int = 16
     min_tokens: int = Field(0, ge=0)
     stop: list[str] | None = None
@@ -67,6 +70,14 @@ class SamplingParams(BaseModel):
         if value < 1:
             raise ValueError(f"max_tokens must be >= 1, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        return self
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,7 @@
 
 (No `from __future__ import annotations` here: FastAPI must see real types on the methods.)
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health,
 GET /debug/workers (every worker's KV block accounting, from the worker registry),
 GET /metrics (Prometheus).
 """
@@ -173,6 +173,14 @@ class Router:
     async def models(self) -> dict[str, Any]:
         limits = await self.serving.limits()
         return models_body(self.serving.model_name, limits.max_model_len)
+
+    @api.get("/v1/models/{model:path}")
+    async def model_card(self, model: str) -> dict[str, Any]:
+        """One model's card (`client.models.retrieve`); 404 for a model not served here."""
+        self.serving.check_model(model or "?")
+        limits = await self.serving.limits()
+        card: dict[str, Any] = models_body(self.serving.model_name, limits.max_model_len)["data"][0]
+        return card
 
     @api.get("/health")
     async def health(self) -> JSONResponse:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.engine.sampling_params import SEED_MAX, SEED_MIN
 from tandem.router.errors import bad_request
 
 
@@ -26,7 +27,7 @@ class _SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -43,6 +44,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = 1.0  # vLLM's extension
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -52,6 +54,10 @@ class _SamplingFields(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported", name, "unsupported")
+        if self.repetition_penalty != 1.0:
+            raise bad_request(
+                "repetition_penalty is not supported", "repetition_penalty", "unsupported"
+            )
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
         if self.stream_options is not None and not self.stream:

@@ -52,6 +52,15 @@ CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
     ("empty prompt", "/v1/completions", {**OK, "prompt": ""}, 400, "prompt"),
     ("token id outside vocab", "/v1/completions", {**OK, "prompt": [1, 2, 999999]}, 400, "prompt"),
     ("n > 1", "/v1/completions", {**OK, "n": 2}, 400, "n"),
+    ("seed beyond 64 bits", "/v1/completions", {**OK, "seed": 2**70}, 400, "seed"),
+    ("min_tokens > max_tokens", "/v1/completions", {**OK, "min_tokens": 9}, 400, None),
+    (
+        "repetition_penalty",
+        "/v1/completions",
+        {**OK, "repetition_penalty": 1.2},
+        400,
+        "repetition_penalty",
+    ),
     ("stream wrong type", "/v1/completions", {**OK, "stream": "maybe"}, 400, "stream"),
     ("stop wrong type", "/v1/completions", {**OK, "stop": 5}, 400, None),
     ("messages missing", "/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
@@ -93,6 +102,14 @@ def test_malformed_json_and_unknown_route(base_url: str) -> None:
     )
     assert_error(post(base_url, "/v1/chat/completions", data=b"not json", headers=headers), 400)
     assert_error(post(base_url, "/v1/nothing", json=OK), 404)
+
+
+def test_a_model_card_is_retrieved_by_name(base_url: str) -> None:
+    card = requests.get(f"{base_url}/v1/models/tiny", timeout=30)
+    assert card.status_code == 200, card.text
+    assert card.json()["id"] == "tiny" and card.json()["object"] == "model"
+    missing = requests.get(f"{base_url}/v1/models/org/other-model", timeout=30)
+    assert_error(missing, 404, "model")
 
 
 def test_unknown_fields_are_ignored_and_server_keeps_serving(base_url: str) -> None:

@@ -59,11 +59,22 @@ def test_bad_prompt_in_a_batch_leaves_nothing_queued(llm: LLM) -> None:
         ({"top_k": 0}, "top_k must be -1"),
         ({"temperature": -1.0}, "temperature"),
         ({"stop": [""]}, "stop strings must be non-empty"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"min_tokens": 5, "max_tokens": 4}, r"min_tokens \(5\) must be <= max_tokens \(4\)"),
     ],
 )
 def test_bad_sampling_params(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_seeds_at_the_ends_of_the_64_bit_range_sample(llm: LLM) -> None:
+    for seed in (2**64 - 1, -(2**63)):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=3, ignore_eos=True)
+        first, again = llm.generate([[1, 2, 3], [1, 2, 3]], [params, params])
+        assert len(first.token_ids) == 3 and first.token_ids == again.token_ids
+    _still_works(llm)
 
 
 def test_params_count_must_match_prompts(llm: LLM) -> None:
