@@ -35,7 +35,7 @@ def assert_error(resp: requests.Response, status: int, param: str | None = None)
     assert "Traceback" not in resp.text
 
 
-CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
+CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("unknown model", "/v1/completions", {**OK, "model": "gpt-9"}, 404, "model"),
     ("unknown chat model", "/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 404, "model"),
     ("max_tokens 0", "/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens"),
