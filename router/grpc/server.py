@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tandem.router.api_keys import check_api_key
-from tandem.router.errors import APIError
+from tandem.router.errors import APIError, bad_request
 from tandem.router.grpc import generation_pb2, generation_pb2_grpc
 from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.serving import Serving
@@ -66,6 +66,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             list(request.prompt_token_ids) if request.prompt_token_ids else request.prompt
         )
         try:
+            if request.prompt_token_ids and request.prompt:
+                raise bad_request("give prompt or prompt_token_ids, not both", "prompt")
+            if request.HasField("deadline_ms") and not request.deadline_ms > 0:
+                raise bad_request(f"deadline_ms must be > 0, got {request.deadline_ms}")
             req = await self.serving.prepare(
                 request.request_id or f"grpc-{uuid.uuid4().hex}",
                 request.model or None,

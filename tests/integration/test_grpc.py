@@ -77,6 +77,20 @@ def test_generate_refuses_bad_input(channel: grpc.Channel) -> None:
             generation_pb2.GenerateRequest(prompt="a deadline nobody can meet", deadline_ms=0.001),
             grpc.StatusCode.RESOURCE_EXHAUSTED,
         ),
+        (
+            generation_pb2.GenerateRequest(prompt="x", deadline_ms=-1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            generation_pb2.GenerateRequest(prompt="x", prompt_token_ids=[1, 2]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            generation_pb2.GenerateRequest(
+                prompt="x", sampling=generation_pb2.SamplingOptions(max_tokens=2, min_tokens=3)
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
     ]
     for request, code in cases:
         with pytest.raises(grpc.RpcError) as info:
