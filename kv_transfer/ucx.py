@@ -14,7 +14,10 @@ holds blocks of ended reservations until the sender confirms it stopped (`receiv
 
 Speed (see docs/benchmarks.md): one thread makes every UCX call (`send` only queues) and *polls*:
 it steps without pausing while there is work and pauses for at most `idle_sleep_s` when idle
-(UCX's WAKEUP feature, needed to sleep on the worker's fd, halves its shared-memory throughput).
+(UCX's WAKEUP feature, needed to sleep on the worker's fd, halves its shared-memory throughput);
+an endpoint with a send-only pool (a prefill worker's) pauses for up to `quiet_sleep_s` while
+nothing of its own is queued or in flight, since only acknowledgements can arrive then (each
+wake-up takes the GIL from the engine: 1,000 a second cost a 1.7 s CPU prefill ~2.5 ms).
 `allocate_pool` gives pools on transparent huge pages (UCX's CMA copies pin pages one at a
 time). Data endpoints skip UCX error handling (it limits UCX to TCP); an idle second
 endpoint with it reports a dead peer at once. Lost links, no welcome in `hello_timeout_s`, sends
@@ -76,12 +79,15 @@ class UcxTransport(KVTransport):
         hello_timeout_s: float = 3.0,
         max_inflight: int = 8,
         idle_sleep_s: float = 0.001,
+        quiet_sleep_s: float = 0.02,
         ucx_config: dict[str, str] | None = None,
     ) -> None:
         super().__init__(auth_token)
         self.send_timeout_s, self.hello_timeout_s = send_timeout_s, hello_timeout_s
         self.max_inflight = max(1, max_inflight)
         self.idle_sleep_s = max(0.0, idle_sleep_s)
+        self.quiet_sleep_s = max(self.idle_sleep_s, quiet_sleep_s)
+        self._send_only = False  # set by `allocate_pool(send_only=True)`
         # No WAKEUP feature: it halves UCX's shared-memory throughput here, so the thread polls.
         features = (ucx_api.Feature.TAG,)
         config = {k: v for k, v in _UCX_DEFAULTS.items() if f"UCX_{k}" not in os.environ}
@@ -119,7 +125,9 @@ class UcxTransport(KVTransport):
     ) -> KVCachePool:
         """A zero-filled CPU pool on transparent huge pages (UCX's shared-memory copies run about
         twice as fast over them); pass it as the engine's `kv_pool_factory`, then register it.
-        (`send_only` changes nothing here: both ends of UCX want huge pages.)"""
+        Both ends of UCX want huge pages; `send_only` (a prefill worker's pool) lets the
+        progress thread pause longer while nothing is in flight (`quiet_sleep_s`)."""
+        self._send_only |= send_only
         return allocate_hugepage_pool(
             num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype
         )
@@ -187,9 +195,11 @@ class UcxTransport(KVTransport):
         # is served within tens of microseconds and an idle endpoint wakes about 1000 times/s.
         idle_since: float | None = None
         while not self._closed:
+            quiet = False
             try:
                 with self._lock:
                     active = self._step()
+                    quiet = self._send_only and self._quiet()
             except Exception:  # keep the thread alive; the failure shows up as timeouts
                 logger.exception("ucx transport: progress step failed")
                 active = False
@@ -198,7 +208,8 @@ class UcxTransport(KVTransport):
                 continue
             now = time.monotonic()
             idle_since = now if idle_since is None else idle_since
-            pause = min(self.idle_sleep_s, (now - idle_since) / 4)
+            cap = self.quiet_sleep_s if quiet else self.idle_sleep_s
+            pause = min(cap, (now - idle_since) / 4)
             if pause > 0 and not self._commands:
                 self._wake.wait(pause)
                 self._wake.clear()
@@ -226,6 +237,12 @@ class UcxTransport(KVTransport):
             active |= self._deliver(conn)
         self._busy = [(r, b) for r, b in self._busy if not r.completed]
         return active
+
+    def _quiet(self) -> bool:
+        """Nothing of this endpoint's is queued or in flight (under the lock)."""
+        if self._commands or self._busy:
+            return False
+        return all(not link.queue and not link.inflight for link in self._links.values())
 
     def _take_commands(self) -> bool:
         taken = bool(self._commands)

@@ -154,3 +154,37 @@ def test_same_process_round_trip_and_bad_input() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_quiet_send_only_endpoint_polls_rarely_and_still_hears_replies() -> None:
+    """A prefill worker's endpoint (send-only pool) pauses up to `quiet_sleep_s` while nothing
+    of its own is in flight, instead of waking 1,000 times a second; a send wakes it at once,
+    and replies still arrive (at most one pause later)."""
+    a = UcxTransport(h.TOKEN, quiet_sleep_s=0.05)
+    b = UcxTransport(h.TOKEN)
+    steps = 0
+    original = a._step
+
+    def counted() -> bool:
+        nonlocal steps
+        steps += 1
+        return original()
+
+    a._step = counted  # type: ignore[method-assign]
+    try:
+        pool = a.allocate_pool(**h.POOL, send_only=True)
+        h.fill_pool(pool, 4)
+        a.register_pool(pool)
+        a.send(b.address, {"request_id": "r", "n": 1}, [1, 2])
+        (m,) = h.collect(b, 1, 5.0)
+        assert m.pages is not None and m.pages.equal(pool.export_blocks([1, 2]))
+        time.sleep(0.3)  # quiet from here on
+        steps = 0
+        time.sleep(1.0)
+        assert steps <= 60  # ~20 at a 50 ms cap; an endpoint that is not send-only takes ~1,000
+        b.send(a.address, {"type": "ack", "request_id": "r"})
+        (reply,) = h.collect(a, 1, 5.0)
+        assert reply.header["type"] == "ack"
+    finally:
+        a.close()
+        b.close()
