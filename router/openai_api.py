@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from ray.exceptions import TaskCancelledError
 from starlette.types import Receive, Scope, Send
 
 from tandem.router.errors import APIError
@@ -31,6 +33,8 @@ from tandem.router.openai_protocol import ChatCompletionRequest, CompletionReque
 from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
 from tandem.router.serving import Serving
+
+logger = logging.getLogger(__name__)
 
 Kind = Literal["completion", "chat"]
 
@@ -58,6 +62,10 @@ class ClosingStreamingResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except TaskCancelledError:
+            # Behind Serve's proxy, a client that leaves makes `receive` raise this: the
+            # request ends here (closing the body cancels it on its workers), not as an error.
+            logger.info("client left during the stream")
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
             try:

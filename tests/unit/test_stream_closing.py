@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
 import anyio
+import pytest
+from ray.exceptions import TaskCancelledError
 from starlette.requests import ClientDisconnect
 
 from tandem.engine.sampling_params import SamplingParams
@@ -101,6 +104,39 @@ def test_streaming_response_closes_its_body_when_the_send_is_cancelled() -> None
 
     asyncio.run(main())
     assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 2
+
+
+def test_a_client_leaving_behind_serves_proxy_ends_the_stream_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Behind Serve's proxy a client that leaves makes `receive` raise `TaskCancelledError`:
+    the stream ends and its body is closed, with one INFO line, not an error and traceback."""
+    body = Tracked()
+    sent: list[dict[str, Any]] = []
+    gone = asyncio.Event()
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if len(sent) >= 2:
+            gone.set()
+            await asyncio.sleep(3600)
+
+    async def receive() -> dict[str, Any]:
+        await gone.wait()
+        raise TaskCancelledError()
+
+    async def main() -> None:
+        response = ClosingStreamingResponse(
+            body.items("sse", sse=True), media_type="text/event-stream"
+        )
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}}  # as Serve's replicas run it
+        await asyncio.wait_for(response(scope, receive, send), 10)  # returns, no exception
+
+    with caplog.at_level(logging.INFO, logger="tandem.router.openai_api"):
+        asyncio.run(main())
+    assert body.closed == ["sse"]
+    assert [r.getMessage() for r in caplog.records] == ["client left during the stream"]
+    assert all(r.levelno == logging.INFO and r.exc_info is None for r in caplog.records)
 
 
 def test_a_request_cancelled_by_its_http_server_closes_its_decode_call() -> None:
