@@ -64,6 +64,7 @@ class _Held:
     peer: str | None
     block_table: list[int]
     deadline: float
+    cancel_reason: str | None = None  # ended by a decode-side cancel (else by a failure)
 
 
 @dataclass
@@ -136,7 +137,7 @@ class KVReceiver:
         res = self.reservations.pop(request_id, None)
         if res is None:
             return False
-        self._hold(res)
+        self._hold(res, cancel_reason=reason)
         if res.peer is not None:
             self.transport.send(
                 res.peer, {"type": "cancel", "request_id": request_id, "reason": reason}
@@ -200,7 +201,15 @@ class KVReceiver:
     def _on_pages(self, message: Message, request_id: str) -> TransferEvent | None:
         res = self.reservations.get(request_id)
         if res is None:
-            self._reply_error(message.peer, request_id, "unknown, expired or cancelled reservation")
+            reason = self._cancel_reason(request_id, message.peer)
+            if reason is not None:  # cancelled here before its first pages: a cancel, no error
+                self.transport.send(
+                    message.peer, {"type": "cancel", "request_id": request_id, "reason": reason}
+                )
+            else:
+                self._reply_error(
+                    message.peer, request_id, "unknown, expired or cancelled reservation"
+                )
             return None
         if res.peer is not None and res.peer != message.peer:
             self._reply_error(message.peer, request_id, "reservation belongs to another sender")
@@ -302,9 +311,16 @@ class KVReceiver:
             self._reply_error(res.peer, res.request_id, error)
         return TransferEvent("failed", res.request_id, error=error)
 
-    def _hold(self, res: _Reservation) -> None:
+    def _hold(self, res: _Reservation, cancel_reason: str | None = None) -> None:
         deadline = self.clock() + self.stall_timeout_s
-        self.held.append(_Held(res.request_id, res.peer, res.block_table, deadline))
+        self.held.append(_Held(res.request_id, res.peer, res.block_table, deadline, cancel_reason))
+
+    def _cancel_reason(self, request_id: str, peer: str) -> str | None:
+        """Why `request_id` was cancelled here, if it was and `peer` may be its sender."""
+        for held in self.held:
+            if held.request_id == request_id and held.peer in (None, peer):
+                return held.cancel_reason
+        return None
 
     def _unhold(self, held: _Held) -> None:
         self.held.remove(held)

@@ -305,6 +305,27 @@ def test_receiver_cancel_mid_stream_unpins_sender(model: str, colocated: LLM) ->
     _next_request_is_exact(pair, colocated)
 
 
+def test_a_reservation_cancelled_before_its_first_pages_ends_as_a_cancel(
+    model: str, colocated: LLM
+) -> None:
+    """Decode cancels (the client left) before any pages came, so it cannot tell the sender;
+    the first pages then get a cancel back, not an error: the transfer ends "cancelled" on
+    both sides and nothing counts as failed."""
+    pair = Pair(model)
+    prompt = prompt_of(16 * 20, start=12)
+    grant = pair.receiver.reserve("early", prompt, GREEDY)
+    assert pair.receiver.cancel("early", "client left")
+    pair.sender.start("early", prompt, GREEDY, grant)
+    events = pair.pump()
+    assert [(e.kind, e.request_id, e.error) for e in events] == [
+        ("cancelled", "early", "client left")
+    ]
+    assert pair.sender.num_transfers_failed == 0
+    assert not pair.receiver.held and not pair.sender.outgoing
+    pair.idle()
+    _next_request_is_exact(pair, colocated)
+
+
 def test_sender_cancel_mid_stream_releases_reservation(model: str, colocated: LLM) -> None:
     pair = Pair(model)
     pair.start("c", prompt_of(16 * 30, start=10))
