@@ -16,6 +16,7 @@ import typer
 from pydantic import ValidationError
 
 from tandem.deploy.ingress import DEFAULT_INGRESS, STATE_DIR, Ingress, ingress_environment
+from tandem.engine.errors import summarize_validation
 
 logger = logging.getLogger("tandem.deploy")
 
@@ -160,7 +161,10 @@ def serve(
         typer.echo("[tandem] preparing the model ...")
         cfg = cfg.model_copy(update={"model": resolve_model(cfg)})
         app = build_app(cfg)
-    except (ValidationError, ValueError, OSError) as exc:
+    except ValidationError as exc:
+        typer.echo(f"Error: invalid configuration: {summarize_validation(exc)}", err=True)
+        raise typer.Exit(code=2) from None
+    except (ValueError, OSError) as exc:
         typer.echo(f"Error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
     if cfg.host in ("127.0.0.1", "localhost"):

@@ -6,6 +6,8 @@ accepted, so that servers can map them to HTTP 4xx without a stack trace.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class TandemError(Exception):
     """Base class of tandem's own errors."""
@@ -25,3 +27,14 @@ class UnsupportedModelError(TandemError, ValueError):
 
 class CheckpointError(TandemError, FileNotFoundError):
     """A checkpoint directory or one of its files is missing or unreadable."""
+
+
+def summarize_validation(exc: Any) -> str:
+    """A pydantic `ValidationError` in one line: ``field.path: message; ...`` (no URLs, no input
+    echo), for error replies and command-line messages."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ())) or "params"
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)

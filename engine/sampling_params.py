@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tandem.engine.errors import InvalidRequestError
+from tandem.engine.errors import InvalidRequestError, summarize_validation
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """The seeds a `torch.Generator` takes (a signed or unsigned 64-bit integer)."""
@@ -34,7 +34,9 @@ class SamplingParams(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise InvalidRequestError(f"invalid sampling parameters: {_summarize(exc)}") from None
+            raise InvalidRequestError(
+                f"invalid sampling parameters: {summarize_validation(exc)}"
+            ) from None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -82,12 +84,3 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
-
-
-def _summarize(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ())) or "params"
-        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        parts.append(f"{where}: {msg}")
-    return "; ".join(parts)

@@ -47,3 +47,30 @@ def test_router_replicas_can_ask_for_custom_ray_resources() -> None:
     assert plain == {"num_cpus": 0.1}
     pinned = ClusterConfig.model_validate({"router": {"resources": {"router": 1}, "num_cpus": 0.5}})
     assert pinned.router.ray_actor_options() == {"num_cpus": 0.5, "resources": {"router": 1}}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--transport", "nope"],
+            "Error: invalid configuration: transport: transport 'nope' cannot join processes",
+        ),
+        (["--config", "BAD_YAML"], "Error: invalid configuration: prefill.bogus: Extra inputs"),
+    ],
+)
+def test_tandem_serve_names_a_bad_setting_in_one_line(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    """Refused before Ray starts: exit code 2 and one line naming the field, without pydantic's
+    URL or the input echoed back."""
+    from typer.testing import CliRunner
+
+    from tandem.deploy.cli import app
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prefill:\n  replicas: 2\n  bogus: 1\n")
+    res = CliRunner().invoke(app, ["serve", *[str(bad) if a == "BAD_YAML" else a for a in args]])
+    assert res.exit_code == 2
+    assert message in res.output
+    assert "pydantic.dev" not in res.output and "input_value" not in res.output
