@@ -1,8 +1,8 @@
 """OpenAI-compatible request schemas (completions and chat) and what they mean for the engine.
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do; known fields are
-type-checked. Features tandem does not implement (n > 1, logprobs, echo, penalties, ...) are
-refused with a 400 that names the field rather than silently ignored.
+type-checked. Features tandem does not implement (n > 1, logprobs, echo, penalties, JSON mode,
+function calling, ...) are refused with a 400 that names the field rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -136,6 +136,29 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise bad_request(
+                f"response_format {kind!r} is not supported (only 'text')",
+                "response_format",
+                "unsupported",
+            )
+        if self.tools and self.tool_choice != "none":
+            raise bad_request(
+                "tools (function calling) are not supported; send tool_choice='none' or no tools",
+                "tools",
+                "unsupported",
+            )
+        if self.tool_choice not in (None, "none"):
+            raise bad_request(
+                f"tool_choice {self.tool_choice!r} is not supported", "tool_choice", "unsupported"
+            )
 
     def requested_max_tokens(self) -> int | None:
         return (

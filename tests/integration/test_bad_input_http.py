@@ -12,6 +12,7 @@ from tests.integration.conftest import Cluster
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
@@ -73,6 +74,21 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         None,
     ),
     ("chat max_tokens 0", "/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    (
+        "chat json mode",
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    ("chat tools", "/v1/chat/completions", {**CHAT, "tools": [TOOL]}, 400, "tools"),
+    (
+        "chat tool_choice required",
+        "/v1/chat/completions",
+        {**CHAT, "tool_choice": "required"},
+        400,
+        "tool_choice",
+    ),
     ("body is a list", "/v1/completions", [1, 2, 3], 400, None),
     ("deadline wrong type", "/v1/completions", {**OK, "deadline_ms": "soon"}, 400, "deadline_ms"),
     ("deadline not positive", "/v1/completions", {**OK, "deadline_ms": 0}, 400, "deadline_ms"),
@@ -117,6 +133,9 @@ def test_unknown_fields_are_ignored_and_server_keeps_serving(base_url: str) -> N
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 4
     resp = post(base_url, "/v1/chat/completions", json=CHAT)
+    assert resp.status_code == 200, resp.text
+    plain = {**CHAT, "response_format": {"type": "text"}, "tools": [TOOL], "tool_choice": "none"}
+    resp = post(base_url, "/v1/chat/completions", json=plain)
     assert resp.status_code == 200, resp.text
 
 
