@@ -145,15 +145,20 @@ class Tokenizer:
         return str(self._hf.decode(id_list, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Render ``messages`` with the tokenizer's chat template and return the token ids.
 
-        transformers raises ValueError if the tokenizer has no chat template.
+        `continue_final_message` leaves the last (assistant) message open, for the model to go
+        on with it. transformers raises ValueError if the tokenizer has no chat template.
         """
         out = self._hf.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tokenize=True,
             return_dict=False,
         )

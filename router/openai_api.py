@@ -111,6 +111,8 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest) 
         deadline_ms=body.deadline_ms,
         priority=body.priority,
         user=body.user,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
     )
     return await _respond(serving, req, "chat", body.stream, body.stream_options)
 

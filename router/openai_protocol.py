@@ -136,6 +136,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -155,6 +156,17 @@ class ChatCompletionRequest(_SamplingFields):
                 "tools",
                 "unsupported",
             )
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise bad_request(
+                    "continue_final_message needs add_generation_prompt=false",
+                    "continue_final_message",
+                )
+            if self.messages[-1].role != "assistant":
+                raise bad_request(
+                    "continue_final_message needs an assistant message last",
+                    "continue_final_message",
+                )
         if self.tool_choice not in (None, "none"):
             raise bad_request(
                 f"tool_choice {self.tool_choice!r} is not supported", "tool_choice", "unsupported"

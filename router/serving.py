@@ -82,8 +82,11 @@ class Serving:
         deadline_ms: float | None = None,
         priority: int | None = None,
         user: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> Prepared:
-        """`prompt` is text, token ids, or chat messages (rendered with the chat template).
+        """`prompt` is text, token ids, or chat messages (rendered with the chat template, with
+        the two template options of the chat API).
         Also routes and admits the request: a 429 here means nothing was started."""
         self.metrics.arrived(user, timings.arrival)
         with self._counting_refusals():
@@ -91,7 +94,11 @@ class Serving:
             limits = await self.limits()
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
                 try:
-                    token_ids = self.tokenizer.apply_chat_template(prompt)
+                    token_ids = self.tokenizer.apply_chat_template(
+                        prompt,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                    )
                 except (ValueError, TypeError) as exc:
                     raise bad_request(
                         f"cannot apply the chat template: {exc}", "messages"

@@ -13,7 +13,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+CHAT: dict[str, Any] = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +87,20 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ),
     ("chat tools", "/v1/chat/completions", {**CHAT, "tools": [TOOL]}, 400, "tools"),
     (
+        "continue_final_message with a generation prompt",
+        "/v1/chat/completions",
+        {**CHAT, "continue_final_message": True},
+        400,
+        "continue_final_message",
+    ),
+    (
+        "continue_final_message after a user message",
+        "/v1/chat/completions",
+        {**CHAT, "continue_final_message": True, "add_generation_prompt": False},
+        400,
+        "continue_final_message",
+    ),
+    (
         "chat tool_choice required",
         "/v1/chat/completions",
         {**CHAT, "tool_choice": "required"},
@@ -126,6 +144,28 @@ def test_a_model_card_is_retrieved_by_name(base_url: str) -> None:
     assert card.json()["id"] == "tiny" and card.json()["object"] == "model"
     missing = requests.get(f"{base_url}/v1/models/org/other-model", timeout=30)
     assert_error(missing, 404, "model")
+
+
+def test_chat_template_options_shape_the_prompt(base_url: str) -> None:
+    """add_generation_prompt=false leaves the assistant header out; continue_final_message
+    leaves the last assistant message open (the tiny model's ChatML-like template)."""
+
+    def prompt_tokens(**extra: Any) -> int:
+        resp = post(base_url, "/v1/chat/completions", json={**CHAT, **extra})
+        assert resp.status_code == 200, resp.text
+        return int(resp.json()["usage"]["prompt_tokens"])
+
+    with_header = prompt_tokens()
+    without = prompt_tokens(add_generation_prompt=False)
+    assert without < with_header
+    reply = {"role": "assistant", "content": "Sure"}
+    opened = prompt_tokens(
+        messages=[*CHAT["messages"], reply],
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    closed = prompt_tokens(messages=[*CHAT["messages"], reply], add_generation_prompt=False)
+    assert with_header < opened < closed  # the open one lacks the message's end marker
 
 
 def test_unknown_fields_are_ignored_and_server_keeps_serving(base_url: str) -> None:

@@ -80,6 +80,11 @@ def test_chat_template(tok: Tokenizer) -> None:
     assert tok.decode(no_prompt, skip_special_tokens=False) == expected.removesuffix(
         "<|im_start|>assistant\n"
     )
+    started = [*messages, {"role": "assistant", "content": "Да, и"}]
+    open_ended = tok.apply_chat_template(
+        started, add_generation_prompt=False, continue_final_message=True
+    )
+    assert tok.decode(open_ended, skip_special_tokens=False) == expected + "Да, и"
 
 
 def test_eos_and_vocab(tok: Tokenizer, tiny_checkpoint: Callable[..., Path]) -> None:
