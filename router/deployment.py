@@ -3,6 +3,7 @@
 (No `from __future__ import annotations` here: FastAPI must see real types on the methods.)
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health,
+POST /tokenize and /detokenize (vLLM's),
 GET /debug/workers (every worker's KV block accounting, from the worker registry),
 GET /metrics (Prometheus).
 """
@@ -39,6 +40,7 @@ from tandem.router.pd_orchestrator import PDOrchestrator
 from tandem.router.route_planner import DecodeRoutingConfig, RoutePlanner
 from tandem.router.routing_policy import RoutingConfig
 from tandem.router.serving import Serving
+from tandem.router.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from tandem.router.worker_directory import WorkerDirectory
 
 logger = logging.getLogger("tandem.router")
@@ -168,6 +170,14 @@ class Router:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Any:
         return await create_chat_completion(self.serving, body)
+
+    @api.post("/tokenize")
+    async def tokenize_route(self, body: TokenizeRequest) -> dict[str, Any]:
+        return await tokenize(self.serving, body)
+
+    @api.post("/detokenize")
+    async def detokenize_route(self, body: DetokenizeRequest) -> dict[str, Any]:
+        return await detokenize(self.serving, body)
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:

@@ -168,6 +168,30 @@ def test_chat_template_options_shape_the_prompt(base_url: str) -> None:
     assert with_header < opened < closed  # the open one lacks the message's end marker
 
 
+def test_tokenize_counts_as_the_completions_do(base_url: str) -> None:
+    """vLLM's /tokenize and /detokenize: the counts match what a completion reports as its
+    prompt_tokens, text and chat alike, and the ids decode back to the text."""
+    text = "Count me exactly, déjà vu 🙂"
+    tok = post(base_url, "/tokenize", json={"model": "tiny", "prompt": text})
+    assert tok.status_code == 200, tok.text
+    body = tok.json()
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
+    done = post(base_url, "/v1/completions", json={**OK, "prompt": text}).json()
+    assert done["usage"]["prompt_tokens"] == body["count"]
+    back = post(base_url, "/detokenize", json={"model": "tiny", "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"].endswith(text), back.text
+    chat = post(base_url, "/tokenize", json={"model": "tiny", "messages": CHAT["messages"]})
+    chat_done = post(base_url, "/v1/chat/completions", json=CHAT).json()
+    assert chat.json()["count"] == chat_done["usage"]["prompt_tokens"]
+    assert_error(post(base_url, "/tokenize", json={"model": "tiny"}), 400, "prompt")
+    both = {"model": "tiny", "prompt": "x", "messages": CHAT["messages"]}
+    assert_error(post(base_url, "/tokenize", json=both), 400, "prompt")
+    assert_error(post(base_url, "/tokenize", json={"model": "gpt-9", "prompt": "x"}), 404, "model")
+    outside = {"model": "tiny", "tokens": [1, 10**9]}
+    assert_error(post(base_url, "/detokenize", json=outside), 400, "tokens")
+    assert_error(post(base_url, "/detokenize", json={"model": "tiny", "tokens": "12"}), 400)
+
+
 def test_unknown_fields_are_ignored_and_server_keeps_serving(base_url: str) -> None:
     resp = post(base_url, "/v1/completions", json={**OK, "surprise": {"nested": [1, 2]}, "x": None})
     assert resp.status_code == 200, resp.text

@@ -1,0 +1,72 @@
+"""vLLM's `POST /tokenize` and `POST /detokenize`: the served model's tokenizer over HTTP.
+
+`/tokenize` takes a `prompt` (text) or chat `messages` (rendered with the chat template and its
+two options, as `/v1/chat/completions` does) and answers ``{"count", "max_model_len",
+"tokens"}``; `/detokenize` takes `tokens` and answers ``{"prompt"}``. Clients use them to count
+tokens exactly as the server will, e.g. to fit a prompt to the context.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.router.errors import bad_request
+from tandem.router.openai_protocol import ChatMessage
+from tandem.router.serving import Serving
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True  # for `prompt`
+    add_generation_prompt: bool = True  # for `messages`
+    continue_final_message: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+async def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:
+    serving.check_model(body.model)
+    limits = await serving.limits()
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give either prompt or messages", "prompt")
+    if body.messages is not None:
+        if body.continue_final_message and body.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message needs add_generation_prompt=false",
+                "continue_final_message",
+            )
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            tokens = serving.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+            )
+        except (ValueError, TypeError) as exc:
+            raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
+    else:
+        assert body.prompt is not None
+        tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": tokens}
+
+
+async def detokenize(serving: Serving, body: DetokenizeRequest) -> dict[str, Any]:
+    serving.check_model(body.model)
+    limits = await serving.limits()
+    bad = [t for t in body.tokens if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise bad_request(
+            f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})", "tokens"
+        )
+    return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
