@@ -139,9 +139,7 @@ class KVReceiver:
             return False
         self._hold(res, cancel_reason=reason)
         if res.peer is not None:
-            self.transport.send(
-                res.peer, {"type": "cancel", "request_id": request_id, "reason": reason}
-            )
+            self._tell_cancel(res.peer, request_id, reason)
         return True
 
     @property
@@ -203,9 +201,7 @@ class KVReceiver:
         if res is None:
             reason = self._cancel_reason(request_id, message.peer)
             if reason is not None:  # cancelled here before its first pages: a cancel, no error
-                self.transport.send(
-                    message.peer, {"type": "cancel", "request_id": request_id, "reason": reason}
-                )
+                self._tell_cancel(message.peer, request_id, reason)
             else:
                 self._reply_error(
                     message.peer, request_id, "unknown, expired or cancelled reservation"
@@ -331,6 +327,9 @@ class KVReceiver:
         self.transport.send(
             res.peer, {"type": "ack", "request_id": res.request_id, "chunk_index": chunk_index}
         )
+
+    def _tell_cancel(self, peer: str, request_id: str, reason: str) -> None:
+        self.transport.send(peer, {"type": "cancel", "request_id": request_id, "reason": reason})
 
     def _reply_error(self, peer: str, request_id: str, error: str) -> None:
         self.transport.send(peer, {"type": "error", "request_id": request_id, "error": error})

@@ -33,6 +33,7 @@ from tandem.router.openai_api import (
     create_chat_completion,
     create_completion,
     error_response,
+    model_card,
     models_body,
 )
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -189,8 +190,7 @@ class Router:
         """One model's card (`client.models.retrieve`); 404 for a model not served here."""
         self.serving.check_model(model or "?")
         limits = await self.serving.limits()
-        card: dict[str, Any] = models_body(self.serving.model_name, limits.max_model_len)["data"][0]
-        return card
+        return model_card(self.serving.model_name, limits.max_model_len)
 
     @api.get("/health")
     async def health(self) -> JSONResponse:

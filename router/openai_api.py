@@ -255,17 +255,16 @@ async def _paced(
             await driver
 
 
-def models_body(model: str, max_model_len: int) -> dict[str, Any]:
+def model_card(model: str, max_model_len: int) -> dict[str, Any]:
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": model,
-                "object": "model",
-                "created": int(time.time()),
-                "owned_by": "tandem",
-                "root": model,
-                "max_model_len": max_model_len,
-            }
-        ],
+        "id": model,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "tandem",
+        "root": model,
+        "max_model_len": max_model_len,
     }
+
+
+def models_body(model: str, max_model_len: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(model, max_model_len)]}

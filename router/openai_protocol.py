@@ -156,17 +156,9 @@ class ChatCompletionRequest(_SamplingFields):
                 "tools",
                 "unsupported",
             )
-        if self.continue_final_message:
-            if self.add_generation_prompt:
-                raise bad_request(
-                    "continue_final_message needs add_generation_prompt=false",
-                    "continue_final_message",
-                )
-            if self.messages[-1].role != "assistant":
-                raise bad_request(
-                    "continue_final_message needs an assistant message last",
-                    "continue_final_message",
-                )
+        check_template_options(
+            self.messages, self.add_generation_prompt, self.continue_final_message
+        )
         if self.tool_choice not in (None, "none"):
             raise bad_request(
                 f"tool_choice {self.tool_choice!r} is not supported", "tool_choice", "unsupported"
@@ -180,4 +172,25 @@ class ChatCompletionRequest(_SamplingFields):
         )
 
     def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Chat messages as the chat template takes them."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+def check_template_options(
+    messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool
+) -> None:
+    """`continue_final_message` continues an assistant message: no generation prompt after it."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise bad_request(
+            "continue_final_message needs add_generation_prompt=false", "continue_final_message"
+        )
+    if messages[-1].role != "assistant":
+        raise bad_request(
+            "continue_final_message needs an assistant message last", "continue_final_message"
+        )

@@ -27,14 +27,19 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int], vocab_size: i
         token_ids = tokenizer.encode(prompt)
     else:
         token_ids = list(prompt)
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise bad_request(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "prompt"
-            )
+        check_token_ids(token_ids, vocab_size, "prompt", "prompt token ids")
     if not token_ids:
         raise bad_request("prompt is empty", "prompt")
     return token_ids
+
+
+def check_token_ids(
+    token_ids: list[int], vocab_size: int, param: str, what: str = "token ids"
+) -> None:
+    """400 naming `param` when an id lies outside the vocabulary."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})", param)
 
 
 def sampling_params(

@@ -70,6 +70,23 @@ class Serving:
                 code="model_not_found",
             )
 
+    def render_chat(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """The token ids of chat `messages` through the chat template (400 if it fails)."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+        except (ValueError, TypeError) as exc:
+            raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
+
     async def prepare(
         self,
         request_id: str,
@@ -93,16 +110,11 @@ class Serving:
             self.check_model(model)
             limits = await self.limits()
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-                try:
-                    token_ids = self.tokenizer.apply_chat_template(
-                        prompt,
-                        add_generation_prompt=add_generation_prompt,
-                        continue_final_message=continue_final_message,
-                    )
-                except (ValueError, TypeError) as exc:
-                    raise bad_request(
-                        f"cannot apply the chat template: {exc}", "messages"
-                    ) from None
+                token_ids = self.render_chat(
+                    prompt,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                )
             else:
                 token_ids = tokenize_prompt(self.tokenizer, prompt, limits.vocab_size)  # type: ignore[arg-type]
             timings.mark("tokenized")

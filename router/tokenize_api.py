@@ -13,7 +13,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.router.errors import bad_request
-from tandem.router.openai_protocol import ChatMessage
+from tandem.router.openai_protocol import ChatMessage, check_template_options, template_messages
+from tandem.router.request_prep import check_token_ids
 from tandem.router.serving import Serving
 
 
@@ -41,20 +42,14 @@ async def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give either prompt or messages", "prompt")
     if body.messages is not None:
-        if body.continue_final_message and body.add_generation_prompt:
-            raise bad_request(
-                "continue_final_message needs add_generation_prompt=false",
-                "continue_final_message",
-            )
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            tokens = serving.tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-            )
-        except (ValueError, TypeError) as exc:
-            raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
+        check_template_options(
+            body.messages, body.add_generation_prompt, body.continue_final_message
+        )
+        tokens = serving.render_chat(
+            template_messages(body.messages),
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+        )
     else:
         assert body.prompt is not None
         tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -64,9 +59,5 @@ async def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:
 async def detokenize(serving: Serving, body: DetokenizeRequest) -> dict[str, Any]:
     serving.check_model(body.model)
     limits = await serving.limits()
-    bad = [t for t in body.tokens if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise bad_request(
-            f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})", "tokens"
-        )
+    check_token_ids(body.tokens, limits.vocab_size, "tokens")
     return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
