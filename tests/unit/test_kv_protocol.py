@@ -1,103 +1,25 @@
-"""The transfer protocol over the in-process fake transport: streaming, exactness and faults."""
+"""The transfer protocol over the in-process fake transport: streaming and exactness
+(cancels and faults: `test_kv_protocol_faults.py`)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-import pytest
-
 from tandem import LLM, SamplingParams
 from tandem.kv_transfer.base import EncodedHeader
 from tandem.kv_transfer.events import TransferEvent
-from tandem.kv_transfer.fake import FakeTransport
-from tandem.kv_transfer.local import LocalHub
 from tandem.kv_transfer.manifest import ChunkManifest, TransferError
-from tandem.kv_transfer.receiver import KVReceiver
-from tandem.kv_transfer.sender import KVSender
+from tests import kv_protocol_pair
+from tests.kv_protocol_pair import (
+    GREEDY,
+    Pair,
+    expect,
+    prompt_of,
+)
 
-TOKEN = "cluster-secret"
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class Pair:
-    """A prefill engine + sender and a decode engine + receiver joined by fake transports."""
-
-    def __init__(self, model: str, decode_model: str | None = None, chunk_blocks: int = 8) -> None:
-        self.clock = Clock()
-        hub = LocalHub(TOKEN)
-        self.prefill = LLM(
-            model=model, num_kv_blocks=256, max_num_batched_tokens=16 * chunk_blocks
-        ).engine
-        self.decode = LLM(model=decode_model or model, num_kv_blocks=256).engine
-        self.p_transport = FakeTransport(TOKEN, hub=hub)
-        self.d_transport = FakeTransport(TOKEN, hub=hub)
-        self.sender = KVSender(self.prefill, self.p_transport, ack_timeout_s=5, clock=self.clock)
-        self.receiver = KVReceiver(
-            self.decode, self.d_transport, lease_s=5, stall_timeout_s=5, clock=self.clock
-        )
-        self.events: list[TransferEvent] = []
-
-    def start(self, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> None:
-        grant = self.receiver.reserve(rid, prompt, params)
-        self.sender.start(rid, prompt, params, grant)
-
-    def pump(self, steps: int = 200) -> list[TransferEvent]:
-        for _ in range(steps):
-            self.events += self.sender.step()
-            self.events += self.receiver.poll()
-            self.events += self.sender.poll()
-            idle = not self.sender.outgoing and not self.receiver.reservations
-            if idle and not self.receiver.held:
-                break
-        return self.events
-
-    def decode_all(self) -> dict[str, list[int]]:
-        tokens: dict[str, list[int]] = {}
-        while self.decode.has_unfinished_requests():
-            for out in self.decode.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        return tokens
-
-    def check(self) -> None:
-        self.prefill.check_integrity()
-        tables = [r.block_table for r in self.decode.requests.values() if r.block_table]
-        self.decode.block_manager.check_integrity(tables + self.receiver.block_tables())
-        for engine in (self.prefill, self.decode):
-            bm = engine.block_manager
-            assert all(bm.pin_count(b) == 0 for b in range(bm.num_blocks))
-
-    def idle(self) -> None:
-        """Both sides hold nothing: every block is back in the free queue."""
-        self.check()
-        for engine in (self.prefill, self.decode):
-            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint: Any) -> str:
-    return str(tiny_checkpoint(arch="qwen3", seed=9, head_dim=32))
-
-
-@pytest.fixture(scope="module")
-def colocated(model: str) -> LLM:
-    return LLM(model=model, num_kv_blocks=256)
-
-
-def expect(colocated: LLM, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
-    return colocated.generate([prompt], params)[0].token_ids
-
-
-def prompt_of(n: int, start: int = 1) -> list[int]:
-    return [(start + 7 * i) % 500 + 1 for i in range(n)]
+model = kv_protocol_pair.model  # the module-scoped fixtures
+colocated = kv_protocol_pair.colocated
 
 
 def test_streams_chunks_during_prefill_and_decodes_exactly(model: str, colocated: LLM) -> None:
@@ -262,150 +184,4 @@ def test_seeded_sampling_continues_exactly(model: str, colocated: LLM) -> None:
     events = pair.pump()
     first = next(e.token_ids for e in events if e.kind == "first_token")
     assert list(first) + pair.decode_all()["s"] == expect(colocated, prompt, params)
-    pair.idle()
-
-
-def test_duplicate_chunk_is_acknowledged_and_ignored(model: str, colocated: LLM) -> None:
-    pair = Pair(model)
-    pair.p_transport.duplicate(
-        lambda h: h.get("type") == "pages" and h["manifest"]["chunk_index"] == 1
-    )
-    prompt = prompt_of(16 * 20, start=5)
-    pair.start("d", prompt)
-    events = pair.pump()
-    assert "committed" in [e.kind for e in events]
-    first = next(e.token_ids for e in events if e.kind == "first_token")
-    assert list(first) + pair.decode_all()["d"] == expect(colocated, prompt)
-    pair.idle()
-
-
-def test_out_of_order_chunk_is_refused_and_everything_released(model: str, colocated: LLM) -> None:
-    pair = Pair(model)
-    pair.p_transport.hold(lambda h: h.get("type") == "pages" and h["manifest"]["chunk_index"] == 1)
-    pair.start("o", prompt_of(16 * 30, start=6))
-    events = pair.pump(steps=3)
-    pair.p_transport.release_held()
-    events = pair.pump()
-    failed = [e for e in events if e.kind == "failed"]
-    assert failed and "out of order" in (failed[0].error or "")
-    assert "committed" not in [e.kind for e in events]
-    pair.idle()
-    _next_request_is_exact(pair, colocated)
-
-
-def test_receiver_cancel_mid_stream_unpins_sender(model: str, colocated: LLM) -> None:
-    pair = Pair(model)
-    pair.start("c", prompt_of(16 * 30, start=8))
-    pair.events += pair.sender.step()
-    pair.events += pair.receiver.poll()
-    assert pair.receiver.cancel("c")
-    events = pair.pump()
-    assert ("cancelled", "c") in [(e.kind, e.request_id) for e in events]
-    pair.idle()
-    _next_request_is_exact(pair, colocated)
-
-
-def test_a_reservation_cancelled_before_its_first_pages_ends_as_a_cancel(
-    model: str, colocated: LLM
-) -> None:
-    """Decode cancels (the client left) before any pages came, so it cannot tell the sender;
-    the first pages then get a cancel back, not an error: the transfer ends "cancelled" on
-    both sides and nothing counts as failed."""
-    pair = Pair(model)
-    prompt = prompt_of(16 * 20, start=12)
-    grant = pair.receiver.reserve("early", prompt, GREEDY)
-    assert pair.receiver.cancel("early", "client left")
-    pair.sender.start("early", prompt, GREEDY, grant)
-    events = pair.pump()
-    assert [(e.kind, e.request_id, e.error) for e in events] == [
-        ("cancelled", "early", "client left")
-    ]
-    assert pair.sender.num_transfers_failed == 0
-    assert not pair.receiver.held and not pair.sender.outgoing
-    pair.idle()
-    _next_request_is_exact(pair, colocated)
-
-
-def test_sender_cancel_mid_stream_releases_reservation(model: str, colocated: LLM) -> None:
-    pair = Pair(model)
-    pair.start("c", prompt_of(16 * 30, start=10))
-    pair.events += pair.sender.step()
-    assert pair.sender.cancel("c")
-    events = pair.pump()
-    kinds = [(e.kind, e.request_id) for e in events]
-    assert ("cancelled", "c") in kinds
-    assert not pair.receiver.reservations
-    pair.idle()
-    _next_request_is_exact(pair, colocated)
-
-
-def test_lease_expires_without_pages(model: str) -> None:
-    pair = Pair(model)
-    pair.receiver.reserve("l", prompt_of(40), GREEDY)
-    assert pair.decode.block_manager.num_free_blocks < 256
-    pair.clock.now += 6
-    events = pair.receiver.poll()
-    assert [(e.kind, e.request_id) for e in events] == [("failed", "l")]
-    assert "lease expired" in (events[0].error or "")
-    # A sender may still be writing into them: held until it confirms or the stall timeout.
-    pair.check()
-    assert pair.decode.block_manager.num_free_blocks < 256
-    pair.clock.now += 6
-    assert pair.receiver.poll() == []
-    pair.idle()
-
-
-def test_sender_dies_mid_stream_receiver_frees_and_fails(model: str, colocated: LLM) -> None:
-    pair = Pair(model)
-    pair.start("k", prompt_of(16 * 30, start=12))
-    pair.events += pair.sender.step()
-    pair.events += pair.receiver.poll()
-    # The prefill process dies: its engine and sender are gone, nothing more arrives.
-    pair.sender.outgoing.clear()
-    pair.prefill.abort("k")
-    pair.clock.now += 6
-    events = pair.receiver.poll()
-    assert [(e.kind, e.request_id) for e in events] == [("failed", "k")]
-    assert "stalled" in (events[0].error or "")
-    pair.clock.now += 6  # nobody confirms: the held blocks come back after the stall timeout
-    assert pair.receiver.poll() == []
-    pair.decode.block_manager.check_integrity([])
-    assert pair.decode.block_manager.num_free_blocks == 256
-
-
-def test_missing_acknowledgement_times_out_on_the_sender(model: str) -> None:
-    pair = Pair(model)
-    pair.p_transport.drop(lambda h: h.get("type") == "pages")
-    pair.start("t", prompt_of(40))
-    pair.events += pair.sender.step()
-    pair.clock.now += 6
-    events = pair.sender.poll() + pair.receiver.poll()
-    assert ("failed", "t") in [(e.kind, e.request_id) for e in events]
-    pair.idle()
-
-
-def test_manifest_mismatch_is_refused(model: str, tiny_checkpoint: Any) -> None:
-    other = str(tiny_checkpoint(arch="qwen3", seed=10, head_dim=32))
-    pair = Pair(model, decode_model=other)
-    pair.start("m", prompt_of(40))
-    events = pair.pump()
-    failed = [e for e in events if e.kind == "failed"]
-    assert len(failed) == 2  # reported by both sides
-    assert all("namespace" in (e.error or "") for e in failed)
-    pair.idle()
-
-
-def test_wrong_token_cannot_connect(model: str) -> None:
-    hub = LocalHub(TOKEN)
-    with pytest.raises(TransferError, match="wrong cluster token"):
-        FakeTransport("not-the-token", hub=hub)
-
-
-def _next_request_is_exact(pair: Pair, colocated: LLM) -> None:
-    prompt = prompt_of(16 * 12 + 3, start=40)
-    pair.events = []
-    pair.start("next", prompt)
-    events = pair.pump()
-    first = next(e.token_ids for e in events if e.kind == "first_token")
-    assert list(first) + pair.decode_all()["next"] == expect(colocated, prompt)
     pair.idle()

@@ -1,0 +1,162 @@
+"""The transfer protocol over the in-process fake transport: duplicates, cancels from either
+side, leases, a dying sender, timeouts, refused manifests and tokens; after each, both sides
+hold nothing and the next request is exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tandem import LLM
+from tandem.kv_transfer.fake import FakeTransport
+from tandem.kv_transfer.local import LocalHub
+from tandem.kv_transfer.manifest import TransferError
+from tests import kv_protocol_pair
+from tests.kv_protocol_pair import (
+    GREEDY,
+    TOKEN,
+    Pair,
+    expect,
+    next_request_is_exact,
+    prompt_of,
+)
+
+model = kv_protocol_pair.model  # the module-scoped fixtures
+colocated = kv_protocol_pair.colocated
+
+
+def test_duplicate_chunk_is_acknowledged_and_ignored(model: str, colocated: LLM) -> None:
+    pair = Pair(model)
+    pair.p_transport.duplicate(
+        lambda h: h.get("type") == "pages" and h["manifest"]["chunk_index"] == 1
+    )
+    prompt = prompt_of(16 * 20, start=5)
+    pair.start("d", prompt)
+    events = pair.pump()
+    assert "committed" in [e.kind for e in events]
+    first = next(e.token_ids for e in events if e.kind == "first_token")
+    assert list(first) + pair.decode_all()["d"] == expect(colocated, prompt)
+    pair.idle()
+
+
+def test_out_of_order_chunk_is_refused_and_everything_released(model: str, colocated: LLM) -> None:
+    pair = Pair(model)
+    pair.p_transport.hold(lambda h: h.get("type") == "pages" and h["manifest"]["chunk_index"] == 1)
+    pair.start("o", prompt_of(16 * 30, start=6))
+    events = pair.pump(steps=3)
+    pair.p_transport.release_held()
+    events = pair.pump()
+    failed = [e for e in events if e.kind == "failed"]
+    assert failed and "out of order" in (failed[0].error or "")
+    assert "committed" not in [e.kind for e in events]
+    pair.idle()
+    next_request_is_exact(pair, colocated)
+
+
+def test_receiver_cancel_mid_stream_unpins_sender(model: str, colocated: LLM) -> None:
+    pair = Pair(model)
+    pair.start("c", prompt_of(16 * 30, start=8))
+    pair.events += pair.sender.step()
+    pair.events += pair.receiver.poll()
+    assert pair.receiver.cancel("c")
+    events = pair.pump()
+    assert ("cancelled", "c") in [(e.kind, e.request_id) for e in events]
+    pair.idle()
+    next_request_is_exact(pair, colocated)
+
+
+def test_a_reservation_cancelled_before_its_first_pages_ends_as_a_cancel(
+    model: str, colocated: LLM
+) -> None:
+    """Decode cancels (the client left) before any pages came, so it cannot tell the sender;
+    the first pages then get a cancel back, not an error: the transfer ends "cancelled" on
+    both sides and nothing counts as failed."""
+    pair = Pair(model)
+    prompt = prompt_of(16 * 20, start=12)
+    grant = pair.receiver.reserve("early", prompt, GREEDY)
+    assert pair.receiver.cancel("early", "client left")
+    pair.sender.start("early", prompt, GREEDY, grant)
+    events = pair.pump()
+    assert [(e.kind, e.request_id, e.error) for e in events] == [
+        ("cancelled", "early", "client left")
+    ]
+    assert pair.sender.num_transfers_failed == 0
+    assert not pair.receiver.held and not pair.sender.outgoing
+    pair.idle()
+    next_request_is_exact(pair, colocated)
+
+
+def test_sender_cancel_mid_stream_releases_reservation(model: str, colocated: LLM) -> None:
+    pair = Pair(model)
+    pair.start("c", prompt_of(16 * 30, start=10))
+    pair.events += pair.sender.step()
+    assert pair.sender.cancel("c")
+    events = pair.pump()
+    kinds = [(e.kind, e.request_id) for e in events]
+    assert ("cancelled", "c") in kinds
+    assert not pair.receiver.reservations
+    pair.idle()
+    next_request_is_exact(pair, colocated)
+
+
+def test_lease_expires_without_pages(model: str) -> None:
+    pair = Pair(model)
+    pair.receiver.reserve("l", prompt_of(40), GREEDY)
+    assert pair.decode.block_manager.num_free_blocks < 256
+    pair.clock.now += 6
+    events = pair.receiver.poll()
+    assert [(e.kind, e.request_id) for e in events] == [("failed", "l")]
+    assert "lease expired" in (events[0].error or "")
+    # A sender may still be writing into them: held until it confirms or the stall timeout.
+    pair.check()
+    assert pair.decode.block_manager.num_free_blocks < 256
+    pair.clock.now += 6
+    assert pair.receiver.poll() == []
+    pair.idle()
+
+
+def test_sender_dies_mid_stream_receiver_frees_and_fails(model: str, colocated: LLM) -> None:
+    pair = Pair(model)
+    pair.start("k", prompt_of(16 * 30, start=12))
+    pair.events += pair.sender.step()
+    pair.events += pair.receiver.poll()
+    # The prefill process dies: its engine and sender are gone, nothing more arrives.
+    pair.sender.outgoing.clear()
+    pair.prefill.abort("k")
+    pair.clock.now += 6
+    events = pair.receiver.poll()
+    assert [(e.kind, e.request_id) for e in events] == [("failed", "k")]
+    assert "stalled" in (events[0].error or "")
+    pair.clock.now += 6  # nobody confirms: the held blocks come back after the stall timeout
+    assert pair.receiver.poll() == []
+    pair.decode.block_manager.check_integrity([])
+    assert pair.decode.block_manager.num_free_blocks == 256
+
+
+def test_missing_acknowledgement_times_out_on_the_sender(model: str) -> None:
+    pair = Pair(model)
+    pair.p_transport.drop(lambda h: h.get("type") == "pages")
+    pair.start("t", prompt_of(40))
+    pair.events += pair.sender.step()
+    pair.clock.now += 6
+    events = pair.sender.poll() + pair.receiver.poll()
+    assert ("failed", "t") in [(e.kind, e.request_id) for e in events]
+    pair.idle()
+
+
+def test_manifest_mismatch_is_refused(model: str, tiny_checkpoint: Any) -> None:
+    other = str(tiny_checkpoint(arch="qwen3", seed=10, head_dim=32))
+    pair = Pair(model, decode_model=other)
+    pair.start("m", prompt_of(40))
+    events = pair.pump()
+    failed = [e for e in events if e.kind == "failed"]
+    assert len(failed) == 2  # reported by both sides
+    assert all("namespace" in (e.error or "") for e in failed)
+    pair.idle()
+
+
+def test_wrong_token_cannot_connect(model: str) -> None:
+    hub = LocalHub(TOKEN)
+    with pytest.raises(TransferError, match="wrong cluster token"):
+        FakeTransport("not-the-token", hub=hub)
