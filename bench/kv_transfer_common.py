@@ -1,8 +1,9 @@
 """KV-transfer throughput between two processes, and a memcpy measured the same way.
 
 `measure_throughput(name, chunk_bytes, repeats)` spawns a receiving process holding an endpoint of
-transport `name` (pools as the workers allocate them: for "shm" the receiver's in shared memory,
-so pages land directly, the sender's private, on huge pages), sends `repeats`
+transport `name` (pools as the workers allocate them: for "shm" the receiver's private on huge
+pages and written by cross-memory attach where the kernel allows it, else in shared memory, so
+pages land directly; the sender's private, on huge pages), sends `repeats`
 messages of `chunk_bytes` of pages from this process, and returns GB/s (1e9 bytes/s) from the
 first send until the receiver reports it has them all. Chunks cycle through a pool of at least
 256 MiB on both sides (as real transfers do, they miss the caches); each message's source and
@@ -10,7 +11,8 @@ destination blocks are one consecutive run. `"memcpy"` times ``numpy.copyto`` be
 preallocated buffers of that size with the same chunk cycle, in this process; `"memcpy-shm"`
 does the same from a private buffer on huge pages into a shared-memory region, the buffers the
 shm transport copies between (numpy's own buffers get transparent huge pages, shared memory
-does not).
+does not). `"shm-region"` is shm with the receiving pool in shared memory whatever the kernel
+allows (`cross_memory=False`), `"shm-staged"` shm with no manifest (pages staged).
 
 Run ``python -m bench.kv_transfer_common`` for the table at 64 KiB, 1 MiB, 16 MiB and 64 MiB.
 """
@@ -32,7 +34,9 @@ BLOCK: dict[str, Any] = {"num_layers": 2, "block_size": 16, "num_kv_heads": 4, "
 BLOCK_BYTES = 64 * 1024
 POOL_BYTES = 256 << 20
 TOKEN = "bench-token"
-NAMES = ("memcpy", "memcpy-shm", "shm", "shm-staged", "torch")
+NAMES = ("memcpy", "memcpy-shm", "shm", "shm-region", "shm-staged", "torch")
+OPTIONS: dict[str, dict[str, Any]] = {"shm-region": {"cross_memory": False}}
+"""Options of the receiving endpoint for bench names that are variants of a transport."""
 
 
 def _geometry(chunk_bytes: int) -> tuple[int, int]:
@@ -91,11 +95,13 @@ def _pool(transport: Any, num_blocks: int, *, send_only: bool = False) -> Any:
     return (factory or KVCachePool)(num_blocks, **BLOCK)
 
 
-def _receiver_main(pipe: Connection, transport_name: str, num_blocks: int) -> None:
+def _receiver_main(
+    pipe: Connection, transport_name: str, num_blocks: int, options: dict[str, Any]
+) -> None:
     from tandem.kv_transfer.registry import create_transport
 
     torch.set_num_threads(1)
-    transport = create_transport(transport_name, TOKEN)
+    transport = create_transport(transport_name, TOKEN, **options)
     pool = _pool(transport, num_blocks)
     transport.register_pool(pool)
     pipe.send(transport.address)
@@ -120,8 +126,11 @@ def measure_throughput(
     """
     if transport_name in ("memcpy", "memcpy-shm"):
         return _memcpy(chunk_bytes, repeats, into_shm=transport_name == "memcpy-shm")
+    options = OPTIONS.get(transport_name, {})
     if transport_name == "shm-staged":
         transport_name, direct = "shm", False
+    elif transport_name in OPTIONS:
+        transport_name = transport_name.partition("-")[0]
     from tandem.kv_transfer.registry import create_transport
 
     chunk_blocks, num_blocks = _geometry(chunk_bytes)
@@ -129,7 +138,7 @@ def measure_throughput(
     ctx = mp.get_context("spawn")
     pipe, child = ctx.Pipe()
     process = ctx.Process(
-        target=_receiver_main, args=(child, transport_name, num_blocks), daemon=True
+        target=_receiver_main, args=(child, transport_name, num_blocks, options), daemon=True
     )
     process.start()
     child.close()

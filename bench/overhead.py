@@ -134,6 +134,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--transport", default="shm")
     parser.add_argument(
+        "--transport-option",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="a transport option for every worker, e.g. pull=false (repeatable)",
+    )
+    parser.add_argument(
         "--ingress",
         choices=[i.value for i in Ingress],
         default=DEFAULT_INGRESS.value,
@@ -148,8 +155,9 @@ def main() -> None:
     from tandem.deploy.cluster_config import ClusterConfig
 
     cache = Path(tempfile.gettempdir()) / "tandem-bench"
+    options = {k: json.loads(v) for k, _, v in (o.partition("=") for o in args.transport_option)}
     config = ClusterConfig(model=args.model, cache_dir=str(cache), transport=args.transport,
-                           served_model_name="bench", grpc_port=50151,
+                           transport_options=options, served_model_name="bench", grpc_port=50151,
                            engine={"num_kv_blocks": 1024},
                            # every request takes the PD path (no local prefill on decode)
                            decode_routing={"conditional_prefill_max_tokens": 0})  # fmt: skip
@@ -210,6 +218,7 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
         "transport": args.transport,
+        "transport_options": options,
         "ingress": args.ingress,
         "in_process": base,
         "cluster": cluster,

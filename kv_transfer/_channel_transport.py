@@ -75,6 +75,7 @@ class ChannelTransport(KVTransport):
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._turn = 0
+        self._busy_peer: str | None = None  # whose messages the sender thread holds unsent
         self._listener: socket.socket | None = None
         self._address = ""
 
@@ -110,6 +111,10 @@ class ChannelTransport(KVTransport):
         """Turns a received `msg` frame into a `Message` (collecting its pages)."""
         raise NotImplementedError
 
+    def _control_frame(self, conn: Conn, frame: dict[str, Any]) -> None:
+        """A frame other than `msg` from an authenticated peer; raising ends the connection."""
+        raise FrameError(f"unexpected frame {frame.get('type')!r}")
+
     def _back_frame(self, link: Link, frame: dict[str, Any]) -> None:
         raise FrameError(f"unexpected frame {frame.get('type')!r} from {link.peer}")
 
@@ -131,6 +136,12 @@ class ChannelTransport(KVTransport):
         self._pool = pool
 
     def send(self, peer: str, header: dict[str, Any], src_block_ids: Sequence[int] = ()) -> None:
+        self._enqueue(self._outgoing(peer, header, src_block_ids))
+
+    def _outgoing(
+        self, peer: str, header: dict[str, Any], src_block_ids: Sequence[int]
+    ) -> Outgoing:
+        """`send`'s arguments checked and ready to queue (`TransferError` if they are not)."""
         if self._closed:
             raise TransferError("transport is closed")
         if not isinstance(peer, str) or not peer.startswith(f"{self.name}:"):
@@ -145,13 +156,17 @@ class ChannelTransport(KVTransport):
             text = header_json(header)
         except (TypeError, ValueError) as exc:
             raise TransferError(f"header is not JSON-serialisable: {exc}") from None
-        item = Outgoing(peer, text, request_id_of(header), ids, dst_block_ids_of(header))
+        return Outgoing(peer, text, request_id_of(header), ids, dst_block_ids_of(header))
+
+    def _enqueue(self, item: Outgoing) -> None:
+        """Queues `item` for the sender thread and wakes it."""
         with self._cond:
             if self._closed:
                 raise TransferError("transport is closed")
-            queued = self._queues.setdefault(peer, deque())
+            queued = self._queues.setdefault(item.peer, deque())
             queued.append(item)
-            busy = len(queued) > 1 and len(ids) * self._block_bytes() >= YIELD_PAGE_BYTES
+            page_bytes = len(item.src_block_ids) * self._block_bytes()
+            busy = len(queued) > 1 and page_bytes >= YIELD_PAGE_BYTES
             self._cond.notify_all()
         if busy:
             # Let the sender thread take the GIL: a caller queueing large messages back to back
@@ -246,8 +261,11 @@ class ChannelTransport(KVTransport):
                 if frame is None:
                     return
                 header = frame.get("header")
-                if frame.get("type") != "msg" or not isinstance(header, dict):
-                    raise FrameError(f"unexpected frame {frame.get('type')!r}")
+                if frame.get("type") != "msg":
+                    self._control_frame(conn, frame)
+                    continue
+                if not isinstance(header, dict):
+                    raise FrameError("a msg frame without a header")
                 self._inbox.put(self._receive(conn, frame, header))
         except Exception as exc:  # any failure ends this connection only
             if not self._closed:
@@ -259,11 +277,15 @@ class ChannelTransport(KVTransport):
             shutdown_and_close(sock)
 
     def _next_item(self) -> Outgoing | None:
+        """The next message to send, round robin over peers (call holding `_cond`); its peer is
+        `_busy_peer` until the batch it starts is written."""
         peers = [peer for peer, items in self._queues.items() if items]
         if not peers:
+            self._busy_peer = None
             return None
         self._turn = (self._turn + 1) % len(peers)
-        return self._queues[peers[self._turn]].popleft()
+        self._busy_peer = peers[self._turn]
+        return self._queues[self._busy_peer].popleft()
 
     def _send_loop(self) -> None:
         while True:

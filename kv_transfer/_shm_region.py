@@ -104,6 +104,12 @@ class ShmRegion:
         flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=offset)
         return flat.view(dtype).view(shape)
 
+    def buffer(self) -> memoryview:
+        """The region's bytes as a writable memoryview (writes are shared)."""
+        if self._mm is None:
+            raise ValueError(f"shared-memory region {self.name} is closed")
+        return memoryview(self._mm)
+
     def unlink(self) -> None:
         """Removes the name (owner only); mappings stay valid until released."""
         if not self._unlinked:

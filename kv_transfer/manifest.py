@@ -104,10 +104,27 @@ class PagesHeaderWriter:
     ~100 us for a 16-block chunk), and the transports send the text as it is.
     """
 
+    PREFIXES = 256
+    """Requests whose header text up to the chunk index is kept (a stream's chunks share it)."""
+
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self._layout_dict = layout.model_dump(mode="json")
         self._layout_text = json.dumps(self._layout_dict, separators=(",", ":"))
+        self._prefixes: dict[str, str] = {}
+
+    def _prefix(self, request_id: str) -> str:
+        prefix = self._prefixes.get(request_id)
+        if prefix is None:
+            if len(self._prefixes) >= self.PREFIXES:
+                self._prefixes.clear()
+            rid = encode_basestring_ascii(request_id)
+            prefix = (
+                f'{{"type":"pages","request_id":{rid},"manifest":{{"request_id":{rid},'
+                f'"layout":{self._layout_text},"chunk_index":'
+            )
+            self._prefixes[request_id] = prefix
+        return prefix
 
     def write(
         self,
@@ -137,15 +154,8 @@ class PagesHeaderWriter:
             "sampler_state": sampler_state,
         }
         header: dict[str, Any] = {"type": "pages", "request_id": request_id, "manifest": manifest}
-        rid = encode_basestring_ascii(request_id)
         parts = [
-            '{"type":"pages","request_id":',
-            rid,
-            ',"manifest":{"request_id":',
-            rid,
-            ',"layout":',
-            self._layout_text,
-            ',"chunk_index":',
+            self._prefix(request_id),
             str(int(chunk_index)),
             ',"last":true' if last else ',"last":false',
             ',"num_tokens":',

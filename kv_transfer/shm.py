@@ -1,19 +1,25 @@
-"""Same-node transport: pages are written straight into the receiver's shared-memory KV pool.
+"""Same-node transport: pages are written straight into the receiver's KV pool.
 
 Address: ``shm:<path of a Unix domain socket>`` (the control channel, `_channel_transport`).
 
-Direct path (one copy). The receiver allocates its pool with `ShmTransport.allocate_pool` (a
-named POSIX shared-memory region viewed as the pool tensor) and registers it; the welcome frame
-of every handshake tells the sender the region name and pool geometry. For a message with pages
-whose header names ``manifest.dst_block_ids`` (valid for that pool, same block shape and dtype),
-the sender maps the region once per link and copies the pages of `src_block_ids` straight to
-`dst_block_ids` (runs of consecutive ids as one slice copy), then sends the header. The receiver's
-`poll()` returns ``Message(peer, header | {"direct": True}, None)``: the pages are in place.
+Direct path (one copy). The receiver allocates its pool with `ShmTransport.allocate_pool` and
+registers it; the welcome frame of every handshake tells the sender where the pool is and its
+geometry. For a message with pages whose header names ``manifest.dst_block_ids`` (valid for that
+pool, same block shape and dtype), the sender copies the pages of `src_block_ids` straight to
+`dst_block_ids` (runs of consecutive ids as one copy each), then sends the header. The
+receiver's `poll()` returns ``Message(peer, header | {"direct": True}, None)``: the pages are in
+place. The pool is one of:
 
-Staging path (two copies). Without a shared-memory pool on the receiver, or without dst ids in
-the header, the sender copies the pages into a staging ring (a region it owns, one per link)
-and the receiver copies them out into `Message.pages` (``header["direct"]`` is False) and
-returns a credit so the sender can reuse that part of the ring.
+- private memory on transparent huge pages, written with cross-memory attach
+  (`process_vm_writev`, `_cross_memory`) where the kernel allows it (same user, Yama's
+  ``ptrace_scope`` 0): the fastest copy, as huge pages need no TLB miss per 4 KiB;
+- otherwise a named POSIX shared-memory region, which the sender maps once per link.
+
+Staging path (two copies). Without such a pool on the receiver, without dst ids in the header,
+or where the kernel refuses the cross-memory write, the sender copies the pages into a staging
+ring (a region it owns, one per link) and the receiver copies them out into `Message.pages`
+(``header["direct"]`` is False) and returns a credit so the sender can reuse that part of the
+ring.
 
 Regions are named ``tandem-kv-<endpoint_id>-<kind><n>``; `close()` unlinks those this endpoint
 created (so does a finalizer at interpreter exit, and multiprocessing's resource tracker if the
@@ -22,9 +28,9 @@ process is killed).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
+import logging
 import multiprocessing.util as mp_util
 import os
 import socket
@@ -32,6 +38,7 @@ import tempfile
 import time
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +46,10 @@ import numpy as np
 import torch
 
 from tandem.kernels.kv_cache import KVCachePool
+from tandem.kv_transfer import _cross_memory, _pull_ring, _shm_pull
 from tandem.kv_transfer._channel_transport import ChannelTransport
 from tandem.kv_transfer._hugepages import allocate_hugepage_pool
+from tandem.kv_transfer._shm_memory import Owned, Rows, as_rows, copy_rows, ring_fit
 from tandem.kv_transfer._shm_region import ShmRegion, is_region_name, new_endpoint_id
 from tandem.kv_transfer._socket_channel import (
     Conn,
@@ -55,40 +64,24 @@ from tandem.kv_transfer._socket_channel import (
     send_frame,
     valid_block_ids,
 )
-from tandem.kv_transfer.base import Message
+from tandem.kv_transfer.base import EncodedHeader, Message, header_json
 from tandem.kv_transfer.manifest import TransferError
 
 _ALIGN = 64
-
-
-Rows = Any
-"""Blocks as rows of raw bytes: a numpy ``(n, bytes)`` view on CPU, a uint8 tensor elsewhere."""
-
-
-def as_rows(t: torch.Tensor) -> Rows:
-    """`t`'s first dimension as rows of raw bytes (a view; numpy on CPU, so copies are one
-    single-threaded memcpy each with no torch dispatch overhead)."""
-    rows = t.view(torch.uint8).reshape(t.shape[0], -1)
-    return rows.numpy() if rows.device.type == "cpu" else rows
-
-
-def copy_rows(dst: Rows, src: Rows) -> None:
-    """`dst[...] = src` for equal-shape row blocks from `as_rows`."""
-    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
-        np.copyto(dst, src)
-    else:
-        as_tensor = torch.from_numpy
-        d = as_tensor(dst) if isinstance(dst, np.ndarray) else dst
-        d.copy_(as_tensor(src) if isinstance(src, np.ndarray) else src)
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
 class _LinkState:
-    """Sender side of a link: the peer's mapped pool (if any) and this link's staging ring."""
+    """Sender side of a link: the peer's pool (mapped, or where to write it by cross-memory
+    attach) if it announced one, and this link's staging ring."""
 
     peer_region: ShmRegion | None = None
     peer_pool: torch.Tensor | None = None
     peer_rows: Rows = None
+    target: _cross_memory.RemotePool | None = None  # a private pool, written by cross-memory
+    pending_runs: list[tuple[int, int, int]] = field(default_factory=list)  # written at `_flush`
+    pull: _shm_pull.PullWriter | None = None  # the pull path's ring, where the peer took it
     ring: ShmRegion | None = None
     ring_bytes: np.ndarray | None = None
     outstanding: deque[tuple[int, int, int]] = field(default_factory=deque)  # seq, offset, size
@@ -101,40 +94,7 @@ class _ConnState:
 
     staging: ShmRegion | None = None
     staging_bytes: np.ndarray | None = None
-
-
-class _Owned:
-    """What an endpoint must remove when it goes away (kept apart from it for the finalizer)."""
-
-    def __init__(self, socket_path: str) -> None:
-        self.socket_path = socket_path
-        self.regions: dict[str, ShmRegion] = {}
-
-    def drop(self, name: str) -> None:
-        region = self.regions.pop(name, None)
-        if region is not None:
-            region.unlink()
-            region.close()
-
-    def release(self) -> None:
-        for name in list(self.regions):
-            self.drop(name)
-        with contextlib.suppress(OSError):
-            os.unlink(self.socket_path)
-
-
-def _ring_fit(outstanding: deque[tuple[int, int, int]], capacity: int, size: int) -> int | None:
-    """Where `size` bytes fit in a ring whose in-use ranges are `outstanding` (FIFO order)."""
-    if not outstanding:
-        return 0 if size <= capacity else None
-    first = outstanding[0][1]
-    _, last_off, last_size = outstanding[-1]
-    end = last_off + last_size
-    if last_off >= first:  # not wrapped: free space is [end, capacity) and [0, first)
-        if end + size <= capacity:
-            return end
-        return 0 if size <= first else None
-    return end if end + size <= first else None
+    reader: _shm_pull.PullReader | None = None  # the pull path's reader, where offered
 
 
 class ShmTransport(ChannelTransport):
@@ -142,7 +102,10 @@ class ShmTransport(ChannelTransport):
 
     Options: `socket_dir` (default: the temp dir), `staging_bytes` (initial size of each
     link's staging ring; grown on demand), `timeout` (seconds for connect, handshake and a full
-    staging ring).
+    staging ring), `cross_memory` (receive into a private huge-page pool written by
+    cross-memory attach where the kernel allows it; False: always a shared-memory region),
+    `pull` (offer receivers the pull path of `_shm_pull`: None, for pools from
+    `allocate_pool(send_only=True)`; True, for any CPU pool; False, never).
     """
 
     name = "shm"
@@ -154,18 +117,30 @@ class ShmTransport(ChannelTransport):
         socket_dir: str | None = None,
         staging_bytes: int = 64 << 20,
         timeout: float = 30.0,
+        cross_memory: bool = True,
+        pull: bool | None = None,
     ) -> None:
         super().__init__(auth_token, timeout=timeout)
+        self.cross_memory = bool(cross_memory) and _cross_memory.available()
+        """Whether `allocate_pool` gives receiving pools that peers write by cross-memory
+        attach (asked for, and allowed here)."""
         self.endpoint_id = new_endpoint_id()
         """Names this endpoint's regions and socket (``tandem-kv-<endpoint_id>...``)."""
         self.staging_bytes = int(staging_bytes)
         directory = socket_dir or tempfile.gettempdir()
-        self._owned = _Owned(os.path.join(directory, f"tandem-kv-{self.endpoint_id}.sock"))
+        self._owned = Owned(os.path.join(directory, f"tandem-kv-{self.endpoint_id}.sock"))
         self._finalizer = weakref.finalize(self, self._owned.release)
         # multiprocessing children leave through os._exit(), skipping atexit: clean up there too.
         mp_util.Finalize(self, self._owned.release, exitpriority=10)
         self._names = itertools.count()
+        self.pull = pull
+        """Offer the pull path to peers: None, when the registered pool came from
+        `allocate_pool(send_only=True)` (a prefill worker's); True, for any CPU pool; False, never.
+        """
+        self._offered_ring: ShmRegion | None = None
+        self._send_pools: set[int] = set()  # data_ptr of pools allocated send_only
         self._pool_regions: dict[int, str] = {}  # data_ptr of an allocated pool -> region name
+        self._private_pools: set[int] = set()  # data_ptr of pools peers write by cross-memory
         self._announce: dict[str, Any] | None = None
         self._pool_rows: Rows = None
         self._start()
@@ -182,9 +157,11 @@ class ShmTransport(ChannelTransport):
         *,
         send_only: bool = False,
     ) -> KVCachePool:
-        """A zero-filled CPU `KVCachePool` living in a shared-memory region of this endpoint.
+        """A zero-filled CPU `KVCachePool` that peers can write pages into directly: private
+        memory on transparent huge pages written by cross-memory attach (`cross_memory`), or a
+        shared-memory region of this endpoint.
 
-        Register it with `register_pool` to receive pages directly into it. The region is
+        Register it with `register_pool` to receive pages directly into it. A region is
         unlinked at `close()`; the pool stays usable in this process after that.
 
         `send_only`: the pool of an endpoint that never receives pages (a prefill worker), in
@@ -195,10 +172,13 @@ class ShmTransport(ChannelTransport):
         """
         if self._closed:
             raise TransferError("transport is closed")
-        if send_only:
-            return allocate_hugepage_pool(
+        if send_only or self.cross_memory:
+            pool = allocate_hugepage_pool(
                 num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype
             )
+            pools = self._send_pools if send_only else self._private_pools
+            pools.add(pool.tensor.data_ptr())
+            return pool
         nbytes = KVCachePool.bytes_for(
             num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype
         )
@@ -218,16 +198,18 @@ class ShmTransport(ChannelTransport):
         from `allocate_pool` (otherwise they stage). Register before publishing the address."""
         super().register_pool(pool)
         self._pool_rows = as_rows(pool.tensor)
-        region = self._pool_regions.get(pool.tensor.data_ptr())
-        if region is None or pool.device.type != "cpu":
-            self._announce = None
-            return
-        self._announce = {
-            "region": region,
+        ptr = pool.tensor.data_ptr()
+        geometry = {
             "num_blocks": pool.num_blocks,
             "block_shape": list(pool.block_shape),
             "dtype": dtype_name(pool.dtype),
         }
+        if ptr in self._private_pools:
+            self._announce = {"pid": os.getpid(), "address": ptr, **geometry}
+        elif ptr in self._pool_regions and pool.device.type == "cpu":
+            self._announce = {"region": self._pool_regions[ptr], **geometry}
+        else:
+            self._announce = None
 
     def _region_name(self, kind: str) -> str:
         return f"tandem-kv-{self.endpoint_id}-{kind}{next(self._names)}"
@@ -251,20 +233,81 @@ class ShmTransport(ChannelTransport):
             raise
         return sock
 
+    def _hello_extra(self) -> dict[str, Any]:
+        """Offers the pull path's ring to the peer this link is opening to, where it may serve."""
+        if self._offers_pull():
+            assert self._pool is not None
+            ring = ShmRegion.create(
+                self._region_name("r"), _pull_ring.CONTROL_BYTES + _shm_pull.RING_BYTES
+            )
+            self._owned.regions[ring.name] = ring
+            self._offered_ring = ring  # (sender thread only, until `_connected` takes it)
+            return {"pull": _shm_pull.offer(ring, self._pool)}
+        return {}
+
+    def _offers_pull(self) -> bool:
+        if self.pull is False or not _pull_ring.supported():
+            return False
+        pool = self._pool
+        if self.pull is None and (pool is None or pool.tensor.data_ptr() not in self._send_pools):
+            return False
+        return _shm_pull.can_pull_from(pool)
+
+    def _open_link(self, peer: str) -> Link:
+        try:
+            return super()._open_link(peer)
+        finally:  # a ring offered to a peer that refused, or to a handshake that failed
+            ring, self._offered_ring = self._offered_ring, None
+            if ring is not None:
+                self._owned.drop(ring.name)
+
     def _accept_hello(self, conn: Conn, hello: dict[str, Any]) -> dict[str, Any]:
-        conn.state = _ConnState()
-        return {"pool": self._announce}
+        state = _ConnState()
+        conn.state = state
+        offered = hello.get("pull")
+        if offered is not None and self.pull is not False and _pull_ring.supported():
+            state.reader = _shm_pull.reader_for(
+                offered, conn, self._pool, self._inbox.put, self._address
+            )
+        return {"pool": self._announce, "pull": state.reader is not None}
+
+    def _accepted(self, conn: Conn) -> None:
+        reader = conn.state.reader if isinstance(conn.state, _ConnState) else None
+        if reader is not None:
+            self._spawn(reader.run, "pull")
+
+    def _control_frame(self, conn: Conn, frame: dict[str, Any]) -> None:
+        reader = conn.state.reader if isinstance(conn.state, _ConnState) else None
+        if frame.get("type") == "wake" and reader is not None:
+            reader.wake()
+        else:
+            super()._control_frame(conn, frame)
 
     def _connected(self, link: Link) -> None:
         state = _LinkState()
         link.state = state
+        ring, self._offered_ring = self._offered_ring, None
+        if ring is not None:
+            if link.welcome.get("pull") is True:
+                state.pull = _shm_pull.PullWriter(ring, link.sock)
+                return  # every message goes through the ring
+            self._owned.drop(ring.name)
         pool = link.welcome.get("pool")
         if pool is None:
             return
-        if not isinstance(pool, dict) or not is_region_name(pool.get("region")):
+        if not isinstance(pool, dict):
             raise FrameError(f"{link.peer} announced a bad pool {pool!r}")
         num_blocks = parse_shape([pool.get("num_blocks")], 1)[0]
         shape = (num_blocks, *parse_shape(pool.get("block_shape"), 5))
+        if "pid" in pool:  # private memory: written by cross-memory attach where allowed
+            state.target = _cross_memory.remote_pool(pool, link.sock)
+            if state.target is None:
+                log.warning(
+                    "%s: cannot write into the pool of %s: staging", self._address, link.peer
+                )
+            return
+        if not is_region_name(pool.get("region")):
+            raise FrameError(f"{link.peer} announced a bad pool {pool!r}")
         region = ShmRegion.attach(pool["region"], populate=True)
         state.peer_region = region
         state.peer_pool = region.tensor(parse_dtype(pool.get("dtype")), shape)
@@ -279,26 +322,62 @@ class ShmTransport(ChannelTransport):
             state.peer_region.close()
         with self._cond:
             ring, state.ring, state.ring_bytes = state.ring, None, None
+            pull, state.pull = state.pull, None
             self._cond.notify_all()
-        if ring is not None:
-            self._owned.drop(ring.name)
+        for region in (ring, pull.region if pull is not None else None):
+            if region is not None:
+                self._owned.drop(region.name)
 
     def _release_conn(self, conn: Conn) -> None:
         state = conn.state
         if isinstance(state, _ConnState) and state.staging is not None:
             state.staging.close()
             state.staging = state.staging_bytes = None
+        if isinstance(state, _ConnState) and state.reader is not None:
+            state.reader.stop()
+            state.reader.region.close()
 
     def _release(self) -> None:
         self._finalizer()
 
     # ------------------------------------------------------------------ sending
+    def send(self, peer: str, header: dict[str, Any], src_block_ids: Sequence[int] = ()) -> None:
+        """Queues for the sender thread, or, on a link with a pull ring and nothing queued before
+        it, appends the message to the ring right here (no thread woken; see `_shm_pull`)."""
+        link = self._links.get(peer)
+        pull = link.state.pull if link is not None and type(link.state) is _LinkState else None
+        if pull is not None and self._pool is not None:
+            # As `_outgoing` checks, but touching less: this runs on a prefill engine's thread
+            # after every step, right after a forward pass evicted the CPU caches.
+            ids = tuple(map(int, src_block_ids))
+            if valid_block_ids(ids, self._pool.num_blocks):
+                try:
+                    text = header.text if type(header) is EncodedHeader else header_json(header)
+                except (TypeError, ValueError):
+                    text = None  # `_outgoing` says what is wrong
+                with self._cond:
+                    if (
+                        link.state.pull is pull  # type: ignore[union-attr]
+                        and not self._closed
+                        and self._busy_peer != peer
+                        and not self._queues.get(peer)
+                        and text is not None
+                        and pull.write(ids, text)
+                    ):
+                        return
+        self._enqueue(self._outgoing(peer, header, src_block_ids))
+
     def _transmit(self, link: Link, item: Outgoing) -> bytes | None:
         state: _LinkState = link.state
+        if state.pull is not None:  # (`send` writes no record while this thread holds some)
+            state.pull.write_waiting(item, self.timeout, lambda: link.failed or self._closed)
+            return None
         pool = self._pool
         if not item.src_block_ids or pool is None:
             return encode_frame(f'{{"type":"msg","header":{item.header_json}}}')
         src, dst = item.src_block_ids, item.dst_block_ids
+        if state.target is not None and dst is not None and self._write_across(state, src, dst):
+            return encode_frame(f'{{"type":"msg","direct":true,"header":{item.header_json}}}')
         peer_pool, peer_rows, rows = state.peer_pool, state.peer_rows, self._pool_rows
         if (
             peer_pool is not None
@@ -328,6 +407,33 @@ class ShmTransport(ChannelTransport):
         frame = f'{{"type":"msg","pages":{json.dumps(pages)},"header":{item.header_json}}}'
         return encode_frame(frame)
 
+    def _write_across(self, state: _LinkState, src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
+        """Queues the pages of `src` for `dst` in the peer's private pool: `_flush` writes them by
+        cross-memory attach, before the frames that announce them. False where the pools do not
+        match (the message is staged)."""
+        pool, target = self._pool, state.target
+        assert pool is not None and target is not None
+        if len(dst) != len(src) or not target.matches(pool):
+            return False
+        if not valid_block_ids(dst, target.num_blocks):
+            return False
+        state.pending_runs += target.runs(pool.tensor.data_ptr(), src, dst)
+        return True
+
+    def _flush(self, link: Link) -> None:
+        """Writes the pages queued for the peer's private pool (one system call for the batch),
+        then the frames."""
+        state = link.state
+        if isinstance(state, _LinkState) and state.pending_runs:
+            runs, state.pending_runs = state.pending_runs, []
+            assert state.target is not None
+            try:
+                _cross_memory.write(state.target.pid, runs)
+            except OSError as exc:
+                link.pending.clear()  # those frames would announce pages that are not there
+                raise TransferError(f"could not write pages into {link.peer}: {exc}") from None
+        super()._flush(link)
+
     def _reserve(self, link: Link, nbytes: int) -> tuple[int, int, ShmRegion, np.ndarray]:
         """Room for `nbytes` in the link's staging ring: (seq, offset, ring, its bytes);
         waits for credits."""
@@ -352,7 +458,7 @@ class ShmTransport(ChannelTransport):
                         state.ring_bytes = ring.tensor(torch.uint8, (ring.size,)).numpy()
                         offset = 0
                 else:
-                    offset = _ring_fit(state.outstanding, ring.size, size)
+                    offset = ring_fit(state.outstanding, ring.size, size)
                 if offset is not None and ring is not None and state.ring_bytes is not None:
                     seq = state.next_seq
                     state.next_seq += 1

@@ -230,13 +230,16 @@ def _errors(messages: list[Message]) -> list[dict[str, Any]]:
     return [m.header for m in messages if m.header.get("type") == "transport_error"]
 
 
-def check_pages_land(name: str, peer: PeerProcess, *, shm_pool: bool = False) -> list[Received]:
+def check_pages_land(
+    name: str, peer: PeerProcess, *, shm_pool: bool = False, options: dict[str, Any] | None = None
+) -> list[Received]:
     """Chunks of 1, 3, 16 and 4 blocks (64 KiB .. 1 MiB), non-consecutive dst ids and one
     message without a manifest: pages land byte-exact, every other receiver block is untouched.
-    Returns what the peer received (callers check which messages were direct)."""
-    address, _ = peer.create(name, shm_pool=shm_pool, seed=1)
+    Returns what the peer received (callers check which messages were direct). `options` are
+    both endpoints' transport options."""
+    address, _ = peer.create(name, shm_pool=shm_pool, seed=1, options=options)
     before = peer.digests()
-    sender, pool = make_endpoint(name, seed=7)
+    sender, pool = make_endpoint(name, seed=7, options=options)
     try:
         src_digests = block_digests(pool)
         chunks = [
@@ -264,10 +267,12 @@ def check_pages_land(name: str, peer: PeerProcess, *, shm_pool: bool = False) ->
         sender.close()
 
 
-def check_fifo(name: str, peer: PeerProcess, *, shm_pool: bool = False) -> None:
+def check_fifo(
+    name: str, peer: PeerProcess, *, shm_pool: bool = False, options: dict[str, Any] | None = None
+) -> None:
     """20 headers, some carrying pages (direct and staged), arrive in the order sent."""
-    address, _ = peer.create(name, shm_pool=shm_pool)
-    sender, _ = make_endpoint(name)
+    address, _ = peer.create(name, shm_pool=shm_pool, options=options)
+    sender, _ = make_endpoint(name, options=options)
     try:
         for i in range(20):
             if i % 3 == 0:
@@ -301,13 +306,20 @@ def check_wrong_token(name: str, peer: PeerProcess, *, shm_pool: bool = False) -
         intruder.close()
 
 
-def check_cancel(name: str, peer: PeerProcess, *, shm_pool: bool = False, count: int = 120) -> None:
+def check_cancel(
+    name: str,
+    peer: PeerProcess,
+    *,
+    shm_pool: bool = False,
+    count: int = 120,
+    options: dict[str, Any] | None = None,
+) -> None:
     """Many queued 1 MiB sends of one request, then `cancel`: the cancelled ones never arrive,
     the rest arrive before a later marker, and nothing of that request follows it. (How many
     are still queued when `cancel` runs depends on the transport thread's speed; on a quiet
     machine it may already have sent them all, which the checks below also accept.)"""
-    address, _ = peer.create(name, shm_pool=shm_pool)
-    sender, _ = make_endpoint(name)
+    address, _ = peer.create(name, shm_pool=shm_pool, options=options)
+    sender, _ = make_endpoint(name, options=options)
     try:
         src, dst = list(range(16)), list(range(16, 32))
         for i in range(count):
@@ -350,13 +362,15 @@ def check_peer_death(name: str) -> None:
         peer.stop()
 
 
-def check_close(name: str, peer: PeerProcess, *, shm_pool: bool = False) -> list[str]:
+def check_close(
+    name: str, peer: PeerProcess, *, shm_pool: bool = False, options: dict[str, Any] | None = None
+) -> list[str]:
     """Both ends close twice without error after traffic in both directions; sending after close
     raises. Returns the endpoint ids involved (shm: to check /dev/shm is clean)."""
     from tandem.kv_transfer.manifest import TransferError
 
-    address, peer_id = peer.create(name, shm_pool=shm_pool)
-    local, _ = make_endpoint(name, shm_pool=shm_pool)
+    address, peer_id = peer.create(name, shm_pool=shm_pool, options=options)
+    local, _ = make_endpoint(name, shm_pool=shm_pool, options=options)
     local_id = getattr(local, "endpoint_id", "")
     local.send(address, manifest_header("c1", [1, 2]), [3, 4])
     local.send(address, {"request_id": "c2"}, [5])

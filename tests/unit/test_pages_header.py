@@ -67,3 +67,18 @@ def test_ids_that_are_not_plain_ints_are_refused(ids: list[Any]) -> None:
 
 def test_a_plain_header_is_encoded_compactly() -> None:
     assert header_json({"type": "ack", "chunk_index": 2}) == '{"type":"ack","chunk_index":2}'
+
+
+def test_interleaved_streams_each_get_their_own_text() -> None:
+    """The text up to the chunk index is kept per request (bounded): streams that interleave,
+    more of them than are kept, still each get exactly their own header."""
+    writer = PagesHeaderWriter(LAYOUT)
+    ids = [f'req-{i}"{i % 7}' for i in range(PagesHeaderWriter.PREFIXES + 44)]
+    for chunk in range(2):
+        for n, rid in enumerate(ids):
+            header = writer.write(
+                rid, chunk, last=False, num_tokens=16 * (chunk + 1), src_block_ids=[n],
+                dst_block_ids=[chunk],
+            )  # fmt: skip
+            assert json.loads(header.text) == header
+            assert header["request_id"] == rid and header["manifest"]["chunk_index"] == chunk

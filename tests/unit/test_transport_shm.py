@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,11 +11,30 @@ import pytest
 import torch
 
 from tandem.kernels.kv_cache import KVCachePool
+from tandem.kv_transfer import _cross_memory, _pull_ring
 from tandem.kv_transfer.registry import create_transport
 from tandem.kv_transfer.shm import ShmTransport
 from tests import transport_harness as h
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shm")
+
+REGION = {"cross_memory": False}
+"""Options for receiving pools in shared-memory regions (the sender maps them)."""
+PRIVATE = {"cross_memory": True}
+"""... in private huge-page memory written by cross-memory attach (where the kernel allows)."""
+needs_cross_memory = pytest.mark.skipif(
+    not _cross_memory.available(), reason="cross-memory attach not allowed here"
+)
+PULL = {"pull": True}
+"""... or read by the receiver from the sender's pool, announced in a ring (`_shm_pull`)."""
+needs_pull = pytest.mark.skipif(
+    not (_cross_memory.available() and _pull_ring.supported()), reason="no pull path here"
+)
+POOL_KINDS = [
+    pytest.param(REGION, id="region"),
+    pytest.param(PRIVATE, id="private", marks=needs_cross_memory),
+    pytest.param(PULL, id="pull", marks=needs_pull),
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +44,50 @@ def peer() -> Iterator[h.PeerProcess]:
     process.stop()
 
 
-def test_pages_land_directly_in_a_shared_pool(peer: h.PeerProcess) -> None:
-    got = h.check_pages_land("shm", peer, shm_pool=True)
+@pytest.mark.parametrize("options", POOL_KINDS)
+def test_pages_land_directly_in_the_receivers_pool(
+    peer: h.PeerProcess, options: dict[str, Any]
+) -> None:
+    got = h.check_pages_land("shm", peer, shm_pool=True, options=options)
     assert all(r.header["direct"] is True and r.staged_blocks == 0 for r in got[:-1])
+
+
+@needs_cross_memory
+def test_a_refused_cross_memory_write_stages_instead(
+    peer: h.PeerProcess, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the kernel refuses to write into the receiver (a stricter ptrace policy than this
+    process saw), found when the link opens, the link stages its pages: they still land
+    byte-exact."""
+    monkeypatch.setattr(_cross_memory, "allowed", lambda pid, address: False)
+    got = h.check_pages_land("shm", peer, shm_pool=True, options=PRIVATE)
+    assert all(r.header["direct"] is False and r.staged_blocks > 0 for r in got)
+    assert "cannot write into the pool of" in caplog.text
+
+
+@needs_cross_memory
+def test_a_failed_cross_memory_write_fails_the_batch_not_silently(
+    peer: h.PeerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that fails after the link opened reports a transport error for the requests it
+    carried; the receiver gets no header announcing pages that are not there."""
+    address, _ = peer.create("shm", shm_pool=True, options=PRIVATE)
+    sender, _ = h.make_endpoint("shm", options=PRIVATE)
+    try:
+        sender.send(address, h.manifest_header("ok", [1]), [1])
+        assert [r.header["request_id"] for r in peer.receive(1)] == ["ok"]
+
+        def fail(pid: int, runs: Any) -> None:
+            raise OSError(14, "process_vm_writev copied 0 of 65536 bytes")
+
+        monkeypatch.setattr(_cross_memory, "write", fail)
+        sender.send(address, h.manifest_header("bad", [2]), [2])
+        errors = [m.header for m in h.collect(sender, 1, 10.0)]
+        assert [(e["type"], e["request_id"]) for e in errors] == [("transport_error", "bad")]
+        assert "could not write pages" in errors[0]["error"]
+        assert peer.receive(1, timeout=0.5) == []
+    finally:
+        sender.close()
 
 
 def test_pages_are_staged_for_a_plain_pool(peer: h.PeerProcess) -> None:
@@ -34,24 +95,29 @@ def test_pages_are_staged_for_a_plain_pool(peer: h.PeerProcess) -> None:
     assert all(r.header["direct"] is False and r.staged_blocks > 0 for r in got)
 
 
-def test_fifo(peer: h.PeerProcess) -> None:
-    h.check_fifo("shm", peer, shm_pool=True)
+@pytest.mark.parametrize("options", POOL_KINDS)
+def test_fifo(peer: h.PeerProcess, options: dict[str, Any]) -> None:
+    h.check_fifo("shm", peer, shm_pool=True, options=options)
 
 
 def test_wrong_token_is_refused(peer: h.PeerProcess) -> None:
     h.check_wrong_token("shm", peer, shm_pool=True)
 
 
-def test_cancel_drops_queued_sends(peer: h.PeerProcess) -> None:
-    h.check_cancel("shm", peer, shm_pool=True)
+@pytest.mark.parametrize("options", POOL_KINDS)
+def test_cancel_drops_queued_sends(peer: h.PeerProcess, options: dict[str, Any]) -> None:
+    h.check_cancel("shm", peer, shm_pool=True, options=options)
 
 
 def test_sender_sees_peer_death() -> None:
     h.check_peer_death("shm")
 
 
-def test_close_is_idempotent_and_unlinks_regions(peer: h.PeerProcess) -> None:
-    ids = h.check_close("shm", peer, shm_pool=True)
+@pytest.mark.parametrize("options", POOL_KINDS)
+def test_close_is_idempotent_and_unlinks_regions(
+    peer: h.PeerProcess, options: dict[str, Any]
+) -> None:
+    ids = h.check_close("shm", peer, shm_pool=True, options=options)
     assert len(ids) == 2
     for endpoint_id in ids:
         assert h.shm_entries(endpoint_id) == []
@@ -79,8 +145,11 @@ def test_staging_ring_wraps_and_grows() -> None:
     assert h.shm_entries(a.endpoint_id) == [] and not os.path.exists(a.address[4:])
 
 
-def test_allocate_pool_is_a_working_kv_pool() -> None:
-    t = ShmTransport(h.TOKEN)
+@pytest.mark.parametrize("options", POOL_KINDS[:2])
+def test_allocate_pool_is_a_working_kv_pool(options: dict[str, Any]) -> None:
+    t = ShmTransport(h.TOKEN, **options)
+    private = t.cross_memory
+    assert private == options["cross_memory"]
     try:
         pool = t.allocate_pool(4, 2, 8, 2, 16, dtype=torch.bfloat16)
         assert pool.tensor.is_contiguous() and pool.tensor.dtype == torch.bfloat16
@@ -88,7 +157,9 @@ def test_allocate_pool_is_a_working_kv_pool() -> None:
         data = torch.randn(pool.blocks_shape(2)).to(torch.bfloat16)
         pool.import_blocks([3, 1], data)
         assert torch.equal(pool.export_blocks([3, 1]), data)
-        assert len(h.shm_entries(t.endpoint_id)) == 1
+        assert len(h.shm_entries(t.endpoint_id)) == (0 if private else 1)
+        if private:  # on transparent huge pages
+            assert pool.tensor.data_ptr() % (2 << 20) == 0
     finally:
         t.close()
     assert h.shm_entries(t.endpoint_id) == []
@@ -110,7 +181,7 @@ def test_a_send_only_pool_is_private_memory_on_huge_page_boundaries() -> None:
     """A prefill worker's pool (pages only go out) is not in shared memory: it sits on 2 MiB
     boundaries for transparent huge pages; pages still land directly in a shared pool."""
     sender = create_transport("shm", h.TOKEN)
-    receiver = create_transport("shm", h.TOKEN)
+    receiver = create_transport("shm", h.TOKEN, **REGION)
     assert isinstance(sender, ShmTransport) and isinstance(receiver, ShmTransport)
     try:
         pool = sender.allocate_pool(**h.POOL, send_only=True)
@@ -134,6 +205,8 @@ def test_a_send_only_pool_is_private_memory_on_huge_page_boundaries() -> None:
 def test_workers_keep_only_the_decode_pool_in_shared_memory(
     tiny_checkpoint: Any, role: str, shared: int
 ) -> None:
+    """Only a decode worker's pool receives pages: in a shared region, or in private memory
+    that senders write by cross-memory attach where the kernel allows it."""
     from tandem.engine.config import EngineConfig
     from tandem.engine.worker_settings import WorkerSettings, create_engine_and_transport
 
@@ -143,8 +216,87 @@ def test_workers_keep_only_the_decode_pool_in_shared_memory(
         auth_token="t",
     )
     engine, transport = create_engine_and_transport(settings)
+    assert isinstance(transport, ShmTransport)
+    if transport.cross_memory:
+        shared = 0
     try:
         assert len(h.shm_entries(transport.endpoint_id)) == shared
         assert engine.kv_pool.num_blocks == 16
     finally:
         transport.close()
+
+
+@needs_pull
+def test_the_pull_path_is_taken_and_a_sleeping_reader_is_woken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A send-only pool offers its ring; records reach a reader that went to sleep through the
+    link's wake frame (its own periodic look is set far beyond the wait here)."""
+    from tandem.kv_transfer import _shm_pull
+
+    monkeypatch.setattr(_shm_pull, "IDLE_CHECK_S", 30.0)
+    sender = create_transport("shm", h.TOKEN)
+    receiver = create_transport("shm", h.TOKEN)
+    assert isinstance(sender, ShmTransport) and isinstance(receiver, ShmTransport)
+    try:
+        pool = sender.allocate_pool(**h.POOL, send_only=True)
+        h.fill_pool(pool, 5)
+        sender.register_pool(pool)
+        target = receiver.allocate_pool(**h.POOL)
+        receiver.register_pool(target)
+        sender.send(receiver.address, h.manifest_header("a", [4, 5]), [10, 11])
+        (first,) = h.collect(receiver, 1, 10.0)
+        assert first.header["direct"] is True and first.pages is None
+        assert [n for n in h.shm_entries(sender.endpoint_id) if n.endswith("-r0")]
+        for n, (src, dst) in enumerate([([3], [9]), ([20, 21, 22], [30, 31, 40])]):
+            time.sleep(0.3)  # the reader is asleep by now
+            start = time.monotonic()
+            sender.send(receiver.address, h.manifest_header(f"b{n}", dst), src)
+            (got,) = h.collect(receiver, 1, 5.0)
+            assert got.header["request_id"] == f"b{n}" and time.monotonic() - start < 1.0
+        digests, sent = h.block_digests(target), h.block_digests(pool)
+        for src, dst in [([10, 11], [4, 5]), ([3], [9]), ([20, 21, 22], [30, 31, 40])]:
+            assert [digests[d] for d in dst] == [sent[s] for s in src]
+    finally:
+        sender.close()
+        receiver.close()
+    assert h.shm_entries(sender.endpoint_id) == []
+
+
+@needs_pull
+def test_a_stream_is_polled_and_costs_the_sender_one_wake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While chunks with ``last: false`` keep coming the reader polls, so only the first chunk
+    of a stream (and the first message after it) makes the sender write a wake frame."""
+    from tandem.kv_transfer import _shm_pull
+
+    wakes: list[str] = []
+    real_send_frame = _shm_pull.send_frame
+
+    def counting(sock: Any, payload: Any) -> None:
+        wakes.append(str(payload))
+        real_send_frame(sock, payload)
+
+    monkeypatch.setattr(_shm_pull, "send_frame", counting)
+    sender = create_transport("shm", h.TOKEN)
+    receiver = create_transport("shm", h.TOKEN)
+    try:
+        pool = sender.allocate_pool(**h.POOL, send_only=True)  # type: ignore[attr-defined]
+        sender.register_pool(pool)
+        receiver.register_pool(receiver.allocate_pool(**h.POOL))  # type: ignore[attr-defined]
+        sender.send(receiver.address, {"type": "hello-first"})  # opens the link (queued path)
+        assert len(h.collect(receiver, 1, 10.0)) == 1
+        time.sleep(0.1)  # the reader has nothing under way: asleep
+        before = len(wakes)
+        for chunk in range(4):
+            manifest = {"request_id": "s", "dst_block_ids": [chunk], "last": chunk == 3}
+            sender.send(receiver.address, {"request_id": "s", "manifest": manifest}, [chunk])
+            assert len(h.collect(receiver, 1, 5.0)) == 1
+            time.sleep(0.02)
+        assert len(wakes) == before + 1
+        time.sleep(0.1)
+        sender.send(receiver.address, {"type": "after"})
+        assert len(h.collect(receiver, 1, 5.0)) == 1
+        assert len(wakes) == before + 2
+    finally:
+        sender.close()
+        receiver.close()

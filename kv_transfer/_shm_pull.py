@@ -1,0 +1,231 @@
+"""The shm transport's pull path: the receiver copies pages out of the sender's pool itself.
+
+On the push path the sender's own thread copies each message's pages, so a prefill engine that
+streams a chunk after every step wakes that thread and shares its GIL with it while it computes
+the next chunk. On the pull path `send` only appends a record (the header and the source block
+ids) to a ring in shared memory (`RecordRing`) and returns: no system call, no thread woken in
+the sending process. A reader thread in the receiving process polls the ring, copies the pages
+straight from the sender's pool into its own with cross-memory attach (`process_vm_readv`), and
+hands the message on, in ring order.
+
+The reader polls every `POLL_S` while a stream of chunks is under way (it saw a chunk whose
+manifest says ``last: false`` within `STREAM_GAP_S`), and sleeps otherwise: polling takes the
+receiving process's GIL from its decode engine. A sender that writes to a sleeping reader's ring
+sends it a ``wake`` frame on the link's socket, so a stream costs the sender one system call, at
+its start, and a one-chunk transfer one. A link offers the ring in its hello
+(`offer`); the receiver accepts it only if the kernel lets it read the sender's memory (the
+process at the other end of the socket, as the kernel reports it) and the CPU orders stores
+(`RecordRing` on x86-64).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tandem.kernels.kv_cache import KVCachePool
+from tandem.kv_transfer import _cross_memory
+from tandem.kv_transfer._pull_ring import RecordRing
+from tandem.kv_transfer._shm_region import ShmRegion, is_region_name
+from tandem.kv_transfer._socket_channel import (
+    Conn,
+    FrameError,
+    Outgoing,
+    dst_block_ids_of,
+    send_frame,
+    shutdown_and_close,
+    valid_block_ids,
+)
+from tandem.kv_transfer.base import Message
+from tandem.kv_transfer.manifest import TransferError
+
+log = logging.getLogger(__name__)
+
+RING_BYTES = 4 << 20
+"""Each link's record ring (records are a header and two id lists: a few hundred bytes)."""
+POLL_S = 0.001
+"""How often a reader looks at its ring while a stream is under way."""
+STREAM_GAP_S = 2.0
+"""A stream with no chunk for this long is not waited for by polling any more."""
+IDLE_CHECK_S = 0.05
+"""How often a sleeping reader looks anyway (in case a wake frame crossed its going to sleep)."""
+
+
+def can_pull_from(pool: KVCachePool | None) -> bool:
+    """Whether peers could copy pages out of `pool` (in this process's CPU memory, contiguous)."""
+    return (
+        pool is not None
+        and pool.device.type == "cpu"
+        and pool.tensor.is_contiguous()
+        and _cross_memory.available()
+    )
+
+
+def offer(ring: ShmRegion, pool: KVCachePool) -> dict[str, Any]:
+    """The hello field that offers a link's ring, and where the pages are read from."""
+    return {"ring": ring.name, "pool": _cross_memory.describe(pool)}
+
+
+def reader_for(
+    offered: object,
+    conn: Conn,
+    pool: KVCachePool | None,
+    deliver: Callable[[Message], None],
+    where: str,
+) -> PullReader | None:
+    """The reader for a hello's offer, if this process may read from the sender (the process
+    at the other end of `conn`'s socket, as the kernel reports it); else None (log says why).
+    `where` names this endpoint in the log."""
+    if not isinstance(offered, dict) or not is_region_name(offered.get("ring")):
+        raise FrameError(f"bad pull offer {offered!r}")
+    try:
+        source = _cross_memory.remote_pool(offered.get("pool"), conn.sock)
+        ring = ShmRegion.attach(offered["ring"]) if source is not None else None
+    except OSError as exc:
+        source, ring = None, None
+        log.info("%s: cannot read the ring of %s: %s", where, conn.peer, exc)
+    if source is None or ring is None:
+        log.info("%s: cannot pull pages from %s: it will push them", where, conn.peer)
+        return None
+
+    def fail(exc: BaseException) -> None:
+        log.warning("%s: pulling pages from %s failed: %s", where, conn.peer, exc)
+        shutdown_and_close(conn.sock)
+
+    return PullReader(conn.peer, ring, source, pool, deliver, fail)
+
+
+def ring_of(region: ShmRegion) -> RecordRing:
+    return RecordRing(region.buffer())
+
+
+class PullWriter:
+    """Sender side of one link: appends records to its ring, wakes a sleeping reader."""
+
+    def __init__(self, region: ShmRegion, sock: Any) -> None:
+        self.region = region
+        self.ring = ring_of(region)
+        self.sock = sock
+        self._lock = threading.Lock()
+
+    def write(self, src_block_ids: tuple[int, ...], header_json: str) -> bool:
+        """Appends a message; False when the ring is full (the reader is behind)."""
+        ids = ",".join(map(str, src_block_ids))
+        if not self.ring.write(f'{{"src":[{ids}],"header":{header_json}}}'.encode()):
+            return False
+        with self._lock:  # (an atomic operation: the record is visible before the flag is read)
+            if self.ring.reader_asleep:
+                send_frame(self.sock, '{"type":"wake"}')
+        return True
+
+    def write_waiting(self, item: Outgoing, timeout: float, failed: Callable[[], bool]) -> None:
+        """`write`, waiting for room up to `timeout` seconds (the sender thread's way)."""
+        deadline = time.monotonic() + timeout
+        while not self.write(item.src_block_ids, item.header_json):
+            if failed():
+                raise TransferError("link closed while its ring was full")
+            if time.monotonic() > deadline:
+                raise TransferError("the peer is not reading its ring (full)")
+            time.sleep(POLL_S)
+
+
+class PullReader:
+    """Receiver side of one connection: a thread that drains the ring into `deliver`."""
+
+    def __init__(
+        self,
+        peer: str,
+        region: ShmRegion,
+        source: _cross_memory.RemotePool,
+        pool: KVCachePool | None,
+        deliver: Callable[[Message], None],
+        fail: Callable[[BaseException], None],
+    ) -> None:
+        self.peer = peer
+        self.region = region
+        self.ring = ring_of(region)
+        self.source = source
+        self.pool = pool
+        self.deliver = deliver
+        self.fail = fail
+        self._wake = threading.Event()
+        self._stopped = False
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    def run(self) -> None:
+        streams: dict[str, float] = {}  # request id -> when its last chunk so far came
+        try:
+            while not self._stopped:
+                if self._drain(streams):
+                    continue
+                now = time.monotonic()
+                for rid in [r for r, at in streams.items() if now - at > STREAM_GAP_S]:
+                    del streams[rid]
+                if streams:
+                    time.sleep(POLL_S)
+                    continue
+                self.ring.set_asleep(True)
+                self._wake.clear()  # (a lock: orders the store above before the load below)
+                if not self.ring.has_records() and not self._stopped:
+                    self._wake.wait(IDLE_CHECK_S)
+                self.ring.set_asleep(False)
+        except Exception as exc:  # a bad record or a copy that failed ends the connection
+            if not self._stopped:
+                self.fail(exc)
+
+    def _drain(self, streams: dict[str, float]) -> int:
+        """Delivers what the ring holds; notes in `streams` which streams are under way."""
+        records = self.ring.read()
+        for record in records:
+            message = self._message(record)
+            manifest = message.header.get("manifest")
+            if isinstance(manifest, dict) and isinstance(manifest.get("request_id"), str):
+                if manifest.get("last") is False:
+                    streams[manifest["request_id"]] = time.monotonic()
+                else:
+                    streams.pop(manifest["request_id"], None)
+            self.deliver(message)
+        return len(records)
+
+    def _message(self, record: bytes) -> Message:
+        try:
+            obj = json.loads(record)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise FrameError(f"ring record is not JSON: {exc}") from None
+        src, header = obj.get("src") if isinstance(obj, dict) else None, None
+        if isinstance(obj, dict) and isinstance(obj.get("header"), dict):
+            header = obj["header"]
+        if header is None or not isinstance(src, list) or not set(map(type, src)) <= {int}:
+            raise FrameError("bad ring record")
+        if not src:
+            return Message(self.peer, header, None)
+        if not valid_block_ids(src, self.source.num_blocks):
+            raise FrameError(f"ring record names blocks {src} outside the sender's pool")
+        dst = dst_block_ids_of(header)
+        pool, source = self.pool, self.source
+        if (
+            pool is not None
+            and dst is not None
+            and len(dst) == len(src)
+            and source.matches(pool)
+            and valid_block_ids(dst, pool.num_blocks)
+        ):
+            _cross_memory.read(source.pid, source.runs(pool.tensor.data_ptr(), dst, src))
+            header["direct"] = True
+            return Message(self.peer, header, None)
+        pages = torch.empty((len(src), *source.block_shape), dtype=source.dtype)
+        _cross_memory.read(source.pid, source.runs(pages.data_ptr(), range(len(src)), src))
+        header["direct"] = False
+        return Message(self.peer, header, pages)
