@@ -300,3 +300,34 @@ def test_a_stream_is_polled_and_costs_the_sender_one_wake(monkeypatch: pytest.Mo
     finally:
         sender.close()
         receiver.close()
+
+
+@needs_pull
+@pytest.mark.parametrize(
+    "record",
+    [b"not json", b'{"src":[1],"header":3}', b'{"src":[999],"header":{"request_id":"x"}}'],
+    ids=["not-json", "no-header", "block-outside-the-pool"],
+)
+def test_a_bad_ring_record_ends_the_connection(record: bytes) -> None:
+    """The receiver trusts nothing in the ring: a record it cannot read, or one naming blocks
+    outside the sender's pool, ends the connection (the sender hears of it), never a copy."""
+    sender = create_transport("shm", h.TOKEN)
+    receiver = create_transport("shm", h.TOKEN)
+    assert isinstance(sender, ShmTransport)
+    try:
+        pool = sender.allocate_pool(**h.POOL, send_only=True)
+        sender.register_pool(pool)
+        target = receiver.allocate_pool(**h.POOL)  # type: ignore[attr-defined]
+        receiver.register_pool(target)
+        before = h.block_digests(target)
+        sender.send(receiver.address, {"request_id": "first"})
+        assert len(h.collect(receiver, 1, 10.0)) == 1
+        pull = sender._links[receiver.address].state.pull
+        assert pull is not None and pull.ring.write(record)
+        sender.send(receiver.address, {"request_id": "wake"})  # (wakes the reader if asleep)
+        errors = [m.header for m in h.collect(sender, 1, 10.0)]
+        assert errors and errors[0]["type"] == "transport_error"
+        assert h.collect(receiver, 1, 0.3) == [] and h.block_digests(target) == before
+    finally:
+        sender.close()
+        receiver.close()
