@@ -53,6 +53,9 @@ POLL_S = 0.001
 """How often a reader looks at its ring while a stream is under way."""
 STREAM_GAP_S = 2.0
 """A stream with no chunk for this long is not waited for by polling any more."""
+BURST_S = 0.002
+"""After a record, a reader looks again at once for this long before it sleeps (records sent
+back to back then cost no wake each)."""
 IDLE_CHECK_S = 0.05
 """How often a sleeping reader looks anyway (in case a wake frame crossed its going to sleep)."""
 
@@ -166,15 +169,20 @@ class PullReader:
 
     def run(self) -> None:
         streams: dict[str, float] = {}  # request id -> when its last chunk so far came
+        last = 0.0
         try:
             while not self._stopped:
-                if self._drain(streams):
-                    continue
                 now = time.monotonic()
+                if self._drain(streams):
+                    last = now
+                    continue
                 for rid in [r for r, at in streams.items() if now - at > STREAM_GAP_S]:
                     del streams[rid]
                 if streams:
                     time.sleep(POLL_S)
+                    continue
+                if now - last < BURST_S:  # messages back to back: the next one is near
+                    time.sleep(0)
                     continue
                 self.ring.set_asleep(True)
                 self._wake.clear()  # (a lock: orders the store above before the load below)
@@ -188,8 +196,11 @@ class PullReader:
     def _drain(self, streams: dict[str, float]) -> int:
         """Delivers what the ring holds; notes in `streams` which streams are under way."""
         records = self.ring.read()
-        for record in records:
-            message = self._message(record)
+        runs: list[tuple[int, int, int]] = []
+        messages = [self._message(record, runs) for record in records]
+        if runs:  # every page of the batch in one system call
+            _cross_memory.read(self.source.pid, runs)
+        for message in messages:
             manifest = message.header.get("manifest")
             if isinstance(manifest, dict) and isinstance(manifest.get("request_id"), str):
                 if manifest.get("last") is False:
@@ -199,7 +210,8 @@ class PullReader:
             self.deliver(message)
         return len(records)
 
-    def _message(self, record: bytes) -> Message:
+    def _message(self, record: bytes, runs: list[tuple[int, int, int]]) -> Message:
+        """The message of a ring record; adds the copies its pages need to `runs`."""
         try:
             obj = json.loads(record)
         except (UnicodeDecodeError, ValueError) as exc:
@@ -222,10 +234,10 @@ class PullReader:
             and source.matches(pool)
             and valid_block_ids(dst, pool.num_blocks)
         ):
-            _cross_memory.read(source.pid, source.runs(pool.tensor.data_ptr(), dst, src))
+            runs += source.runs(pool.tensor.data_ptr(), dst, src)
             header["direct"] = True
             return Message(self.peer, header, None)
         pages = torch.empty((len(src), *source.block_shape), dtype=source.dtype)
-        _cross_memory.read(source.pid, source.runs(pages.data_ptr(), range(len(src)), src))
+        runs += source.runs(pages.data_ptr(), range(len(src)), src)
         header["direct"] = False
         return Message(self.peer, header, pages)
