@@ -139,7 +139,9 @@ class PullWriter:
 
 
 class PullReader:
-    """Receiver side of one connection: a thread that drains the ring into `deliver`."""
+    """Receiver side of one connection: a thread that drains the ring into `deliver` (`run`),
+    and `wake`, which the connection's socket thread calls for a wake frame: it drains the ring
+    itself (it is awake already; one thread hand-off fewer), then wakes the thread."""
 
     def __init__(
         self,
@@ -159,8 +161,12 @@ class PullReader:
         self.fail = fail
         self._wake = threading.Event()
         self._stopped = False
+        self._lock = threading.Lock()  # one drainer at a time
+        self._streams: dict[str, float] = {}  # request id -> when its last chunk so far came
 
     def wake(self) -> None:
+        with self._lock:
+            self._drain()
         self._wake.set()
 
     def stop(self) -> None:
@@ -168,16 +174,17 @@ class PullReader:
         self._wake.set()
 
     def run(self) -> None:
-        streams: dict[str, float] = {}  # request id -> when its last chunk so far came
         last = 0.0
         try:
             while not self._stopped:
                 now = time.monotonic()
-                if self._drain(streams):
-                    last = now
-                    continue
-                for rid in [r for r, at in streams.items() if now - at > STREAM_GAP_S]:
-                    del streams[rid]
+                with self._lock:
+                    if self._drain():
+                        last = now
+                        continue
+                    streams = self._streams
+                    for rid in [r for r, at in streams.items() if now - at > STREAM_GAP_S]:
+                        del streams[rid]
                 if streams:
                     time.sleep(POLL_S)
                     continue
@@ -193,8 +200,9 @@ class PullReader:
             if not self._stopped:
                 self.fail(exc)
 
-    def _drain(self, streams: dict[str, float]) -> int:
-        """Delivers what the ring holds; notes in `streams` which streams are under way."""
+    def _drain(self) -> int:
+        """Delivers what the ring holds; notes which streams are under way (hold `_lock`)."""
+        streams = self._streams
         records = self.ring.read()
         runs: list[tuple[int, int, int]] = []
         messages = [self._message(record, runs) for record in records]
