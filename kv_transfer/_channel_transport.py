@@ -68,7 +68,9 @@ class ChannelTransport(KVTransport):
         """The most recent send failures (also reported as `transport_error` messages)."""
         self._pool: KVCachePool | None = None
         self._inbox: queue.Queue[Message] = queue.Queue()
-        self._cond = threading.Condition()
+        self._mutex = threading.RLock()
+        """`_cond`'s lock; `with self._mutex` is the cheaper way to hold it (no Python frame)."""
+        self._cond = threading.Condition(self._mutex)
         self._queues: dict[str, deque[Outgoing]] = {}
         self._links: dict[str, Link] = {}
         self._conns: set[Conn] = set()

@@ -355,7 +355,7 @@ class ShmTransport(ChannelTransport):
                     text = header.text if type(header) is EncodedHeader else header_json(header)
                 except (TypeError, ValueError):
                     text = None  # `_outgoing` says what is wrong
-                with self._cond:
+                with self._mutex:  # (`send` runs on a prefill engine's thread)
                     if (
                         link.state.pull is pull  # type: ignore[union-attr]
                         and not self._closed
