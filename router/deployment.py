@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem import __version__
 from tandem.deploy.ingress import HAPROXY_FLAG
 from tandem.engine.metrics import RouterMetrics, WorkerMetricsCollector
 from tandem.engine.serve_logging import use_serve_log_handlers
@@ -191,6 +192,11 @@ class Router:
         self.serving.check_model(model or "?")
         limits = await self.serving.limits()
         return model_card(self.serving.model_name, limits.max_model_len)
+
+    @api.get("/version")
+    async def version(self) -> dict[str, str]:
+        """tandem's version, as vLLM's `GET /version` answers."""
+        return {"version": __version__}
 
     @api.get("/health")
     async def health(self) -> JSONResponse:

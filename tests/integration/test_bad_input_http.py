@@ -146,6 +146,13 @@ def test_a_model_card_is_retrieved_by_name(base_url: str) -> None:
     assert_error(missing, 404, "model")
 
 
+def test_version_is_tandems(base_url: str) -> None:
+    from tandem import __version__
+
+    resp = requests.get(f"{base_url}/version", timeout=30)
+    assert resp.status_code == 200 and resp.json() == {"version": __version__}
+
+
 def test_chat_template_options_shape_the_prompt(base_url: str) -> None:
     """add_generation_prompt=false leaves the assistant header out; continue_final_message
     leaves the last assistant message open (the tiny model's ChatML-like template)."""
