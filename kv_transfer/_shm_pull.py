@@ -47,8 +47,9 @@ from tandem.kv_transfer.manifest import TransferError
 
 log = logging.getLogger(__name__)
 
-RING_BYTES = 4 << 20
-"""Each link's record ring (records are a header and two id lists: a few hundred bytes)."""
+RING_BYTES = 1 << 20
+"""Each link's record ring: thousands of records (a header and two id lists, a few hundred
+bytes each), in /dev/shm, which containers often keep small (64 MiB by default in Docker)."""
 POLL_S = 0.001
 """How often a reader looks at its ring while a stream is under way."""
 STREAM_GAP_S = 2.0
@@ -118,9 +119,13 @@ class PullWriter:
         self._lock = threading.Lock()
 
     def write(self, src_block_ids: tuple[int, ...], header_json: str) -> bool:
-        """Appends a message; False when the ring is full (the reader is behind)."""
+        """Appends a message; False when the ring is full (the reader is behind).
+        `TransferError` for a message larger than the whole ring."""
         ids = ",".join(map(str, src_block_ids))
-        if not self.ring.write(f'{{"src":[{ids}],"header":{header_json}}}'.encode()):
+        record = f'{{"src":[{ids}],"header":{header_json}}}'.encode()
+        if not self.ring.write(record):
+            if len(record) + 8 > self.ring.capacity:
+                raise TransferError(f"a header of {len(record)} bytes exceeds the pull ring")
             return False
         with self._lock:  # (an atomic operation: the record is visible before the flag is read)
             if self.ring.reader_asleep:

@@ -12,6 +12,7 @@ import torch
 
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer import _cross_memory, _pull_ring
+from tandem.kv_transfer.manifest import TransferError
 from tandem.kv_transfer.registry import create_transport
 from tandem.kv_transfer.shm import ShmTransport
 from tests import transport_harness as h
@@ -332,6 +333,26 @@ def test_a_bad_ring_record_ends_the_connection(record: bytes) -> None:
         later = h.collect(receiver, 1, 0.3)
         assert [m.header["request_id"] for m in later] in ([], ["wake"])
         assert h.block_digests(target) == before
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@needs_pull
+def test_a_header_larger_than_the_pull_ring_is_refused_at_send() -> None:
+    sender = create_transport("shm", h.TOKEN)
+    receiver = create_transport("shm", h.TOKEN)
+    try:
+        pool = sender.allocate_pool(**h.POOL, send_only=True)  # type: ignore[attr-defined]
+        sender.register_pool(pool)
+        receiver.register_pool(receiver.allocate_pool(**h.POOL))  # type: ignore[attr-defined]
+        sender.send(receiver.address, {"request_id": "first"})
+        assert len(h.collect(receiver, 1, 10.0)) == 1
+        with pytest.raises(TransferError, match="exceeds the pull ring"):
+            sender.send(receiver.address, {"request_id": "big", "blob": "x" * (2 << 20)})
+        sender.send(receiver.address, {"request_id": "after"}, [1])
+        (got,) = h.collect(receiver, 1, 10.0)
+        assert got.header["request_id"] == "after"
     finally:
         sender.close()
         receiver.close()
