@@ -20,6 +20,7 @@ process at the other end of the socket, as the kernel reports it) and the CPU or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -129,7 +130,9 @@ class PullWriter:
             return False
         with self._lock:  # (an atomic operation: the record is visible before the flag is read)
             if self.ring.reader_asleep:
-                send_frame(self.sock, '{"type":"wake"}')
+                # (a peer that is gone: the link's watcher reports it through `poll`)
+                with contextlib.suppress(OSError):
+                    send_frame(self.sock, '{"type":"wake"}')
         return True
 
     def write_waiting(self, item: Outgoing, timeout: float, failed: Callable[[], bool]) -> None:

@@ -356,3 +356,27 @@ def test_a_header_larger_than_the_pull_ring_is_refused_at_send() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+@needs_pull
+def test_a_receiver_gone_is_reported_by_poll_not_raised_by_send() -> None:
+    """`send` never raises for a broken link (a prefill engine's thread calls it): a receiver
+    that went away is reported through the sender's `poll`."""
+    sender = create_transport("shm", h.TOKEN)
+    receiver = create_transport("shm", h.TOKEN)
+    try:
+        pool = sender.allocate_pool(**h.POOL, send_only=True)  # type: ignore[attr-defined]
+        sender.register_pool(pool)
+        receiver.register_pool(receiver.allocate_pool(**h.POOL))  # type: ignore[attr-defined]
+        sender.send(receiver.address, {"request_id": "first"})
+        assert len(h.collect(receiver, 1, 10.0)) == 1
+        time.sleep(0.1)  # the reader is asleep: the next record needs a wake frame
+        receiver.close()
+        for n in range(5):  # the socket may still look open for the first of these
+            sender.send(receiver.address, {"request_id": f"late{n}"}, [n])
+            time.sleep(0.05)
+        errors = [m.header for m in h.collect(sender, 1, 10.0)]
+        assert errors and errors[0]["type"] == "transport_error"
+    finally:
+        sender.close()
+        receiver.close()
