@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -36,6 +37,28 @@ POOL_KINDS = [
     pytest.param(PRIVATE, id="private", marks=needs_cross_memory),
     pytest.param(PULL, id="pull", marks=needs_pull),
 ]
+
+
+@contextlib.contextmanager
+def pull_link() -> Iterator[tuple[ShmTransport, ShmTransport, KVCachePool, KVCachePool]]:
+    """A sender with a send-only pool and a receiver, the pull link between them open (one
+    message went through); yields (sender, receiver, the sender's pool, the receiver's)."""
+    sender = create_transport("shm", h.TOKEN)
+    receiver = create_transport("shm", h.TOKEN)
+    assert isinstance(sender, ShmTransport) and isinstance(receiver, ShmTransport)
+    try:
+        pool = sender.allocate_pool(**h.POOL, send_only=True)
+        h.fill_pool(pool, 5)
+        sender.register_pool(pool)
+        target = receiver.allocate_pool(**h.POOL)
+        receiver.register_pool(target)
+        sender.send(receiver.address, {"request_id": "first"})
+        assert len(h.collect(receiver, 1, 10.0)) == 1
+        assert sender._links[receiver.address].state.pull is not None
+        yield sender, receiver, pool, target
+    finally:
+        sender.close()
+        receiver.close()
 
 
 @pytest.fixture(scope="module")
@@ -236,15 +259,7 @@ def test_the_pull_path_is_taken_and_a_sleeping_reader_is_woken(
     from tandem.kv_transfer import _shm_pull
 
     monkeypatch.setattr(_shm_pull, "IDLE_CHECK_S", 30.0)
-    sender = create_transport("shm", h.TOKEN)
-    receiver = create_transport("shm", h.TOKEN)
-    assert isinstance(sender, ShmTransport) and isinstance(receiver, ShmTransport)
-    try:
-        pool = sender.allocate_pool(**h.POOL, send_only=True)
-        h.fill_pool(pool, 5)
-        sender.register_pool(pool)
-        target = receiver.allocate_pool(**h.POOL)
-        receiver.register_pool(target)
+    with pull_link() as (sender, receiver, pool, target):
         sender.send(receiver.address, h.manifest_header("a", [4, 5]), [10, 11])
         (first,) = h.collect(receiver, 1, 10.0)
         assert first.header["direct"] is True and first.pages is None
@@ -258,9 +273,6 @@ def test_the_pull_path_is_taken_and_a_sleeping_reader_is_woken(
         digests, sent = h.block_digests(target), h.block_digests(pool)
         for src, dst in [([10, 11], [4, 5]), ([3], [9]), ([20, 21, 22], [30, 31, 40])]:
             assert [digests[d] for d in dst] == [sent[s] for s in src]
-    finally:
-        sender.close()
-        receiver.close()
     assert h.shm_entries(sender.endpoint_id) == []
 
 
@@ -279,14 +291,7 @@ def test_a_stream_is_polled_and_costs_the_sender_one_wake(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(_shm_pull, "send_frame", counting)
     monkeypatch.setattr(_shm_pull, "IDLE_CHECK_S", 30.0)  # (no periodic look: only wakes)
-    sender = create_transport("shm", h.TOKEN)
-    receiver = create_transport("shm", h.TOKEN)
-    try:
-        pool = sender.allocate_pool(**h.POOL, send_only=True)  # type: ignore[attr-defined]
-        sender.register_pool(pool)
-        receiver.register_pool(receiver.allocate_pool(**h.POOL))  # type: ignore[attr-defined]
-        sender.send(receiver.address, {"type": "hello-first"})  # opens the link (queued path)
-        assert len(h.collect(receiver, 1, 10.0)) == 1
+    with pull_link() as (sender, receiver, _, _):
         time.sleep(0.1)  # the reader has nothing under way: asleep
         before = len(wakes)
         for chunk in range(4):
@@ -299,9 +304,6 @@ def test_a_stream_is_polled_and_costs_the_sender_one_wake(monkeypatch: pytest.Mo
         sender.send(receiver.address, {"type": "after"})
         assert len(h.collect(receiver, 1, 5.0)) == 1
         assert len(wakes) == before + 2
-    finally:
-        sender.close()
-        receiver.close()
 
 
 @needs_pull
@@ -313,17 +315,8 @@ def test_a_stream_is_polled_and_costs_the_sender_one_wake(monkeypatch: pytest.Mo
 def test_a_bad_ring_record_ends_the_connection(record: bytes) -> None:
     """The receiver trusts nothing in the ring: a record it cannot read, or one naming blocks
     outside the sender's pool, ends the connection (the sender hears of it), never a copy."""
-    sender = create_transport("shm", h.TOKEN)
-    receiver = create_transport("shm", h.TOKEN)
-    assert isinstance(sender, ShmTransport)
-    try:
-        pool = sender.allocate_pool(**h.POOL, send_only=True)
-        sender.register_pool(pool)
-        target = receiver.allocate_pool(**h.POOL)  # type: ignore[attr-defined]
-        receiver.register_pool(target)
+    with pull_link() as (sender, receiver, _, target):
         before = h.block_digests(target)
-        sender.send(receiver.address, {"request_id": "first"})
-        assert len(h.collect(receiver, 1, 10.0)) == 1
         pull = sender._links[receiver.address].state.pull
         assert pull is not None and pull.ring.write(record)
         sender.send(receiver.address, {"request_id": "wake"})  # (wakes the reader if asleep)
@@ -333,43 +326,23 @@ def test_a_bad_ring_record_ends_the_connection(record: bytes) -> None:
         later = h.collect(receiver, 1, 0.3)
         assert [m.header["request_id"] for m in later] in ([], ["wake"])
         assert h.block_digests(target) == before
-    finally:
-        sender.close()
-        receiver.close()
 
 
 @needs_pull
 def test_a_header_larger_than_the_pull_ring_is_refused_at_send() -> None:
-    sender = create_transport("shm", h.TOKEN)
-    receiver = create_transport("shm", h.TOKEN)
-    try:
-        pool = sender.allocate_pool(**h.POOL, send_only=True)  # type: ignore[attr-defined]
-        sender.register_pool(pool)
-        receiver.register_pool(receiver.allocate_pool(**h.POOL))  # type: ignore[attr-defined]
-        sender.send(receiver.address, {"request_id": "first"})
-        assert len(h.collect(receiver, 1, 10.0)) == 1
+    with pull_link() as (sender, receiver, _, _):
         with pytest.raises(TransferError, match="exceeds the pull ring"):
             sender.send(receiver.address, {"request_id": "big", "blob": "x" * (2 << 20)})
         sender.send(receiver.address, {"request_id": "after"}, [1])
         (got,) = h.collect(receiver, 1, 10.0)
         assert got.header["request_id"] == "after"
-    finally:
-        sender.close()
-        receiver.close()
 
 
 @needs_pull
 def test_a_receiver_gone_is_reported_by_poll_not_raised_by_send() -> None:
     """`send` never raises for a broken link (a prefill engine's thread calls it): a receiver
     that went away is reported through the sender's `poll`."""
-    sender = create_transport("shm", h.TOKEN)
-    receiver = create_transport("shm", h.TOKEN)
-    try:
-        pool = sender.allocate_pool(**h.POOL, send_only=True)  # type: ignore[attr-defined]
-        sender.register_pool(pool)
-        receiver.register_pool(receiver.allocate_pool(**h.POOL))  # type: ignore[attr-defined]
-        sender.send(receiver.address, {"request_id": "first"})
-        assert len(h.collect(receiver, 1, 10.0)) == 1
+    with pull_link() as (sender, receiver, _, _):
         time.sleep(0.1)  # the reader is asleep: the next record needs a wake frame
         receiver.close()
         for n in range(5):  # the socket may still look open for the first of these
@@ -377,6 +350,3 @@ def test_a_receiver_gone_is_reported_by_poll_not_raised_by_send() -> None:
             time.sleep(0.05)
         errors = [m.header for m in h.collect(sender, 1, 10.0)]
         assert errors and errors[0]["type"] == "transport_error"
-    finally:
-        sender.close()
-        receiver.close()
