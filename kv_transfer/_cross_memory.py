@@ -208,16 +208,16 @@ def remote_pool(described: object, sock: socket.socket) -> RemotePool | None:
     `FrameError` for a description that is not well formed."""
     if not isinstance(described, dict):
         raise FrameError(f"bad pool description {described!r}")
-    address = parse_shape([described.get("address")], 1)[0]
-    num_blocks = parse_shape([described.get("num_blocks")], 1)[0]
+    pid, address, num_blocks = parse_shape(
+        [described.get("pid"), described.get("address"), described.get("num_blocks")], 3
+    )
     place = RemotePool(
-        described.get("pid"),  # type: ignore[arg-type]  # (checked just below)
+        pid,
         address,
         num_blocks,
         parse_shape(described.get("block_shape"), 5),
         parse_dtype(described.get("dtype")),
     )
-    pid = peer_pid(sock)
-    if pid is None or pid != place.pid or not address:
+    if pid != peer_pid(sock) or not address:
         return None
     return place if allowed(pid, address) else None

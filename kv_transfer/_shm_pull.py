@@ -89,14 +89,14 @@ def reader_for(
     `where` names this endpoint in the log."""
     if not isinstance(offered, dict) or not is_region_name(offered.get("ring")):
         raise FrameError(f"bad pull offer {offered!r}")
+    why = "the kernel does not let this process read its memory"
     try:
         source = _cross_memory.remote_pool(offered.get("pool"), conn.sock)
         ring = ShmRegion.attach(offered["ring"]) if source is not None else None
     except OSError as exc:
-        source, ring = None, None
-        log.info("%s: cannot read the ring of %s: %s", where, conn.peer, exc)
+        source, ring, why = None, None, str(exc)
     if source is None or ring is None:
-        log.info("%s: cannot pull pages from %s: it will push them", where, conn.peer)
+        log.info("%s: cannot pull pages from %s (%s): it will push them", where, conn.peer, why)
         return None
 
     def fail(exc: BaseException) -> None:

@@ -64,7 +64,7 @@ from tandem.kv_transfer._socket_channel import (
     send_frame,
     valid_block_ids,
 )
-from tandem.kv_transfer.base import EncodedHeader, Message, header_json
+from tandem.kv_transfer.base import Message, header_json
 from tandem.kv_transfer.manifest import TransferError
 
 _ALIGN = 64
@@ -297,8 +297,6 @@ class ShmTransport(ChannelTransport):
             return
         if not isinstance(pool, dict):
             raise FrameError(f"{link.peer} announced a bad pool {pool!r}")
-        num_blocks = parse_shape([pool.get("num_blocks")], 1)[0]
-        shape = (num_blocks, *parse_shape(pool.get("block_shape"), 5))
         if "pid" in pool:  # private memory: written by cross-memory attach where allowed
             state.target = _cross_memory.remote_pool(pool, link.sock)
             if state.target is None:
@@ -308,6 +306,8 @@ class ShmTransport(ChannelTransport):
             return
         if not is_region_name(pool.get("region")):
             raise FrameError(f"{link.peer} announced a bad pool {pool!r}")
+        num_blocks = parse_shape([pool.get("num_blocks")], 1)[0]
+        shape = (num_blocks, *parse_shape(pool.get("block_shape"), 5))
         region = ShmRegion.attach(pool["region"], populate=True)
         state.peer_region = region
         state.peer_pool = region.tensor(parse_dtype(pool.get("dtype")), shape)
@@ -352,7 +352,7 @@ class ShmTransport(ChannelTransport):
             ids = tuple(map(int, src_block_ids))
             if valid_block_ids(ids, self._pool.num_blocks):
                 try:
-                    text = header.text if type(header) is EncodedHeader else header_json(header)
+                    text = header_json(header)
                 except (TypeError, ValueError):
                     text = None  # `_outgoing` says what is wrong
                 with self._mutex:  # (`send` runs on a prefill engine's thread)
