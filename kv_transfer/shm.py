@@ -37,7 +37,6 @@ import socket
 import tempfile
 import time
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,8 +48,9 @@ from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer import _cross_memory, _pull_ring, _shm_pull
 from tandem.kv_transfer._channel_transport import ChannelTransport
 from tandem.kv_transfer._hugepages import allocate_hugepage_pool
-from tandem.kv_transfer._shm_memory import Owned, Rows, as_rows, copy_rows, ring_fit
+from tandem.kv_transfer._shm_memory import Owned, Rows, as_rows, copy_rows
 from tandem.kv_transfer._shm_region import ShmRegion, is_region_name, new_endpoint_id
+from tandem.kv_transfer._shm_staging import StagedPages, StagingRing
 from tandem.kv_transfer._socket_channel import (
     Conn,
     FrameError,
@@ -61,13 +61,11 @@ from tandem.kv_transfer._socket_channel import (
     encode_frame,
     parse_dtype,
     parse_shape,
-    send_frame,
     valid_block_ids,
 )
 from tandem.kv_transfer.base import Message, header_json
 from tandem.kv_transfer.manifest import TransferError
 
-_ALIGN = 64
 log = logging.getLogger(__name__)
 
 
@@ -82,18 +80,14 @@ class _LinkState:
     target: _cross_memory.RemotePool | None = None  # a private pool, written by cross-memory
     pending_runs: list[tuple[int, int, int]] = field(default_factory=list)  # written at `_flush`
     pull: _shm_pull.PullWriter | None = None  # the pull path's ring, where the peer took it
-    ring: ShmRegion | None = None
-    ring_bytes: np.ndarray | None = None
-    outstanding: deque[tuple[int, int, int]] = field(default_factory=deque)  # seq, offset, size
-    next_seq: int = 0
+    staging: StagingRing = field(default_factory=StagingRing)
 
 
 @dataclass(eq=False)
 class _ConnState:
     """Receiver side of a connection: the peer's staging ring, mapped on first use."""
 
-    staging: ShmRegion | None = None
-    staging_bytes: np.ndarray | None = None
+    staging: StagedPages = field(default_factory=StagedPages)
     reader: _shm_pull.PullReader | None = None  # the pull path's reader, where offered
 
 
@@ -321,7 +315,7 @@ class ShmTransport(ChannelTransport):
         if state.peer_region is not None:
             state.peer_region.close()
         with self._cond:
-            ring, state.ring, state.ring_bytes = state.ring, None, None
+            ring, state.staging = state.staging.region, StagingRing()
             pull, state.pull = state.pull, None
             self._cond.notify_all()
         for region in (ring, pull.region if pull is not None else None):
@@ -330,9 +324,8 @@ class ShmTransport(ChannelTransport):
 
     def _release_conn(self, conn: Conn) -> None:
         state = conn.state
-        if isinstance(state, _ConnState) and state.staging is not None:
+        if isinstance(state, _ConnState):
             state.staging.close()
-            state.staging = state.staging_bytes = None
         if isinstance(state, _ConnState) and state.reader is not None:
             state.reader.stop()
             state.reader.region.close()
@@ -437,49 +430,38 @@ class ShmTransport(ChannelTransport):
     def _reserve(self, link: Link, nbytes: int) -> tuple[int, int, ShmRegion, np.ndarray]:
         """Room for `nbytes` in the link's staging ring: (seq, offset, ring, its bytes);
         waits for credits."""
-        state: _LinkState = link.state
-        size = -(-nbytes // _ALIGN) * _ALIGN
+        staging: StagingRing = link.state.staging
         deadline = time.monotonic() + self.timeout
         with self._cond:
             while True:
                 if link.failed or self._closed:
                     raise TransferError(f"link to {link.peer} is closed")
-                ring = state.ring
-                offset: int | None = None
-                if ring is None or ring.size < size:
-                    if not state.outstanding:  # (re)create it, large enough for this message
-                        if ring is not None:
-                            self._owned.drop(ring.name)
-                        ring = ShmRegion.create(
-                            self._region_name("s"), max(size, self.staging_bytes)
-                        )
-                        self._owned.regions[ring.name] = ring
-                        state.ring = ring
-                        state.ring_bytes = ring.tensor(torch.uint8, (ring.size,)).numpy()
-                        offset = 0
-                else:
-                    offset = ring_fit(state.outstanding, ring.size, size)
-                if offset is not None and ring is not None and state.ring_bytes is not None:
-                    seq = state.next_seq
-                    state.next_seq += 1
-                    state.outstanding.append((seq, offset, size))
-                    return seq, offset, ring, state.ring_bytes
+                placed = staging.place(
+                    nbytes, self.staging_bytes, self._new_staging_region, self._drop_region
+                )
+                if placed is not None:
+                    assert staging.region is not None and staging.data is not None
+                    return placed[0], placed[1], staging.region, staging.data
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TransferError(f"staging to {link.peer} timed out (peer not reading)")
                 self._cond.wait(remaining)
+
+    def _new_staging_region(self, size: int) -> ShmRegion:
+        region = ShmRegion.create(self._region_name("s"), size)
+        self._owned.regions[region.name] = region
+        return region
+
+    def _drop_region(self, region: ShmRegion) -> None:
+        self._owned.drop(region.name)
 
     def _back_frame(self, link: Link, frame: dict[str, Any]) -> None:
         seq = frame.get("seq")
         if frame.get("type") != "free" or not isinstance(seq, int):
             super()._back_frame(link, frame)
             return
-        state: _LinkState = link.state
         with self._cond:
-            for i, entry in enumerate(state.outstanding):
-                if entry[0] == seq:
-                    del state.outstanding[i]
-                    break
+            link.state.staging.free(seq)
             self._cond.notify_all()
 
     # ---------------------------------------------------------------- receiving
@@ -490,25 +472,6 @@ class ShmTransport(ChannelTransport):
         pages = frame.get("pages")
         if pages is None:
             return Message(conn.peer, header, None)
-        if not isinstance(pages, dict) or not is_region_name(pages.get("region")):
-            raise FrameError(f"bad staged pages {pages!r}")
-        offset, seq = pages.get("offset"), pages.get("seq")
-        if not isinstance(offset, int) or not isinstance(seq, int):
-            raise FrameError(f"bad staged pages {pages!r}")
-        dtype = parse_dtype(pages.get("dtype"))
-        shape = parse_shape(pages.get("shape"), 6)
-        state: _ConnState = conn.state
-        if state.staging is None or state.staging.name != pages["region"]:
-            if state.staging is not None:
-                state.staging.close()
-                state.staging = state.staging_bytes = None
-            state.staging = ShmRegion.attach(pages["region"], populate=True)
-            state.staging_bytes = state.staging.tensor(torch.uint8, (state.staging.size,)).numpy()
-        out = torch.empty(shape, dtype=dtype)
-        raw = as_rows(out.reshape(1, -1)).reshape(-1)
-        if state.staging_bytes is None or not 0 <= offset <= len(state.staging_bytes) - raw.size:
-            raise FrameError(f"staged pages {pages!r} lie outside the staging region")
-        np.copyto(raw, state.staging_bytes[offset : offset + raw.size])
-        send_frame(conn.sock, {"type": "free", "seq": seq})
+        out = conn.state.staging.take(pages, conn.sock)
         header["direct"] = False
         return Message(conn.peer, header, out)
