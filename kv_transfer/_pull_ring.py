@@ -40,17 +40,23 @@ class RecordRing:
             raise ValueError(f"a record ring needs 64 + 8n bytes, got {buffer.nbytes}")
         self._buf = buffer
         self.capacity = buffer.nbytes - CONTROL_BYTES
+        self._head: int | None = None  # the writer's own count (only it writes it)
+        self._tail_seen = 0  # the reader's count when the writer last looked
 
     # ---- writer
     def write(self, payload: bytes) -> bool:
         """Appends one record; False when it does not fit now (the reader has not caught up)."""
         buf, capacity, n = self._buf, self.capacity, len(payload)
         size = 8 + ((n + 7) & ~7)
-        head = _WORD.unpack_from(buf, _HEAD)[0]
+        head = self._head
+        if head is None:
+            head = self._head = _WORD.unpack_from(buf, _HEAD)[0]
         at = head % capacity
         skip = capacity - at if at + size > capacity else 0
-        if size > capacity or head + skip + size - _WORD.unpack_from(buf, _TAIL)[0] > capacity:
-            return False
+        if head + skip + size - self._tail_seen > capacity:  # look where the reader is now
+            self._tail_seen = _WORD.unpack_from(buf, _TAIL)[0]
+            if size > capacity or head + skip + size - self._tail_seen > capacity:
+                return False
         if skip:
             _WORD.pack_into(buf, CONTROL_BYTES + at, _WRAP)
             head += skip
@@ -58,7 +64,8 @@ class RecordRing:
         start = CONTROL_BYTES + at
         buf[start + 8 : start + 8 + n] = payload
         _WORD.pack_into(buf, start, n)
-        _WORD.pack_into(buf, _HEAD, head + size)  # publishes the record
+        self._head = head = head + size
+        _WORD.pack_into(buf, _HEAD, head)  # publishes the record
         return True
 
     @property

@@ -8,11 +8,14 @@ the sending process. A reader thread in the receiving process polls the ring, co
 straight from the sender's pool into its own with cross-memory attach (`process_vm_readv`), and
 hands the message on, in ring order.
 
-The reader polls every `POLL_S` while a stream of chunks is under way (it saw a chunk whose
-manifest says ``last: false`` within `STREAM_GAP_S`), and sleeps otherwise: polling takes the
-receiving process's GIL from its decode engine. A sender that writes to a sleeping reader's ring
-sends it a ``wake`` frame on the link's socket, so a stream costs the sender one system call, at
-its start, and a one-chunk transfer one. A link offers the ring in its hello
+The reader polls while a stream of chunks is under way (it saw a chunk whose manifest says
+``last: false`` within `STREAM_GAP_S`), every tenth of the time between the stream's chunks
+(`POLL_S` bounds it: a prefill step apart, the chunks need not be seen sooner), and sleeps
+otherwise: each look takes the receiving process's GIL from its decode engine, and a core from a
+prefill on a small host. A sender that writes a chunk to a sleeping reader's ring sends it a
+``wake`` frame on the link's socket, so a stream costs the sender one system call, at its
+start. Any other message (a request's last chunk, which commits it; a cancel) is not left
+waiting for a look: it always comes with a wake frame. A link offers the ring in its hello
 (`offer`); the receiver accepts it only if the kernel lets it read the sender's memory (the
 process at the other end of the socket, as the kernel reports it) and the CPU orders stores
 (`RecordRing` on x86-64).
@@ -23,15 +26,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import struct
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 
 from tandem.kernels.kv_cache import KVCachePool
-from tandem.kv_transfer import _cross_memory
+from tandem.kv_transfer import _chunk_records, _cross_memory
 from tandem.kv_transfer._pull_ring import RecordRing
 from tandem.kv_transfer._shm_region import ShmRegion, is_region_name
 from tandem.kv_transfer._socket_channel import (
@@ -43,7 +47,7 @@ from tandem.kv_transfer._socket_channel import (
     shutdown_and_close,
     valid_block_ids,
 )
-from tandem.kv_transfer.base import Message
+from tandem.kv_transfer.base import EncodedHeader, Message, header_json
 from tandem.kv_transfer.manifest import TransferError
 
 log = logging.getLogger(__name__)
@@ -51,13 +55,16 @@ log = logging.getLogger(__name__)
 RING_BYTES = 1 << 20
 """Each link's record ring: thousands of records (a header and two id lists, a few hundred
 bytes each), in /dev/shm, which containers often keep small (64 MiB by default in Docker)."""
-POLL_S = 0.001
-"""How often a reader looks at its ring while a stream is under way."""
+POLL_S = (0.001, 0.02)
+"""How often a reader looks at its ring while a stream is under way: a tenth of the time
+between the stream's last two chunks, within these bounds."""
 STREAM_GAP_S = 2.0
 """A stream with no chunk for this long is not waited for by polling any more."""
 BURST_S = 0.002
 """After a record, a reader looks again at once for this long before it sleeps (records sent
 back to back then cost no wake each)."""
+MAX_LAYOUTS = 64
+"""Layouts one link announces for compact records (a sender has one; beyond these, JSON)."""
 IDLE_CHECK_S = 0.05
 """How often a sleeping reader looks anyway (in case a wake frame crossed its going to sleep)."""
 
@@ -118,32 +125,59 @@ class PullWriter:
         self.ring = ring_of(region)
         self.sock = sock
         self._lock = threading.Lock()
+        self._layouts: dict[str, int] = {}  # layout JSON -> its index on this link
 
-    def write(self, src_block_ids: tuple[int, ...], header_json: str) -> bool:
-        """Appends a message; False when the ring is full (the reader is behind).
-        `TransferError` for a message larger than the whole ring."""
-        ids = ",".join(map(str, src_block_ids))
-        record = f'{{"src":[{ids}],"header":{header_json}}}'.encode()
-        if not self.ring.write(record):
-            if len(record) + 8 > self.ring.capacity:
+    def write(self, src_block_ids: Sequence[int], header: dict[str, Any]) -> bool:
+        """Appends a message; False when the ring is full (the reader is behind). A plain chunk
+        goes as a compact record, anything else as JSON. `TransferError` for a message larger
+        than the whole ring; TypeError or ValueError for a header that is not JSON."""
+        # (Runs on a prefill engine's thread right after a forward pass: every line is slow.)
+        layout = header.plain_chunk_layout if type(header) is EncodedHeader else None
+        if layout is not None:
+            index = self._layouts.get(layout)
+            if index is None and len(self._layouts) < MAX_LAYOUTS:
+                # (no wake: the chunk's record, right after, wakes the reader if need be)
+                if not self._append(_chunk_records.layout_record(layout), wake="never"):
+                    return False
+                index = self._layouts[layout] = len(self._layouts)
+            if index is not None:
+                try:
+                    record = _chunk_records.chunk_record(index, header["manifest"], src_block_ids)
+                except struct.error:  # a field out of range: JSON below
+                    pass
+                else:
+                    return self._append(record, wake="asleep")
+        return self.write_text(src_block_ids, header_json(header))
+
+    def write_text(self, src_block_ids: Sequence[int], header_json: str) -> bool:
+        """`write` of a header's JSON text."""
+        ids = ",".join(map(str, map(int, src_block_ids)))
+        return self._append(f'{{"src":[{ids}],"header":{header_json}}}'.encode())
+
+    def _append(self, record: bytes, wake: Literal["always", "asleep", "never"] = "always") -> bool:
+        """Appends `record`, then wakes the reader: always (a message that must not wait for
+        the reader's next look), if it is asleep, or never."""
+        ring = self.ring
+        if not ring.write(record):
+            if len(record) + 8 > ring.capacity:
                 raise TransferError(f"a header of {len(record)} bytes exceeds the pull ring")
             return False
         with self._lock:  # (an atomic operation: the record is visible before the flag is read)
-            if self.ring.reader_asleep:
-                # (a peer that is gone: the link's watcher reports it through `poll`)
-                with contextlib.suppress(OSError):
-                    send_frame(self.sock, '{"type":"wake"}')
+            woken = wake == "always" or (wake == "asleep" and ring.reader_asleep)
+        if woken:  # (a peer that is gone: the link's watcher reports it through `poll`)
+            with contextlib.suppress(OSError):
+                send_frame(self.sock, '{"type":"wake"}')
         return True
 
     def write_waiting(self, item: Outgoing, timeout: float, failed: Callable[[], bool]) -> None:
         """`write`, waiting for room up to `timeout` seconds (the sender thread's way)."""
         deadline = time.monotonic() + timeout
-        while not self.write(item.src_block_ids, item.header_json):
+        while not self.write_text(item.src_block_ids, item.header_json):
             if failed():
                 raise TransferError("link closed while its ring was full")
             if time.monotonic() > deadline:
                 raise TransferError("the peer is not reading its ring (full)")
-            time.sleep(POLL_S)
+            time.sleep(POLL_S[0])
 
 
 class PullReader:
@@ -171,6 +205,9 @@ class PullReader:
         self._stopped = False
         self._lock = threading.Lock()  # one drainer at a time
         self._streams: dict[str, float] = {}  # request id -> when its last chunk so far came
+        self._layouts: list[dict[str, Any]] = []  # announced for compact records, in order
+        self._poll_s = POLL_S[1]  # while a stream is under way (until its chunks are timed)
+        self._last_chunk_at = 0.0  # when the last chunk of a stream under way came
 
     def wake(self) -> None:
         with self._lock:
@@ -194,7 +231,7 @@ class PullReader:
                     for rid in [r for r, at in streams.items() if now - at > STREAM_GAP_S]:
                         del streams[rid]
                 if streams:
-                    time.sleep(POLL_S)
+                    time.sleep(self._poll_s)
                     continue
                 if now - last < BURST_S:  # messages back to back: the next one is near
                     time.sleep(0)
@@ -213,30 +250,33 @@ class PullReader:
         streams = self._streams
         records = self.ring.read()
         runs: list[tuple[int, int, int]] = []
-        messages = [self._message(record, runs) for record in records]
+        messages = [m for record in records if (m := self._message(record, runs)) is not None]
         if runs:  # every page of the batch in one system call
             _cross_memory.read(self.source.pid, runs)
         for message in messages:
             manifest = message.header.get("manifest")
             if isinstance(manifest, dict) and isinstance(manifest.get("request_id"), str):
                 if manifest.get("last") is False:
-                    streams[manifest["request_id"]] = time.monotonic()
+                    now = streams[manifest["request_id"]] = time.monotonic()
+                    gap, self._last_chunk_at = now - self._last_chunk_at, now
+                    if gap < STREAM_GAP_S:
+                        self._poll_s = min(max(gap / 10, POLL_S[0]), POLL_S[1])
                 else:
                     streams.pop(manifest["request_id"], None)
             self.deliver(message)
         return len(records)
 
-    def _message(self, record: bytes, runs: list[tuple[int, int, int]]) -> Message:
-        """The message of a ring record; adds the copies its pages need to `runs`."""
-        try:
-            obj = json.loads(record)
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise FrameError(f"ring record is not JSON: {exc}") from None
-        src, header = obj.get("src") if isinstance(obj, dict) else None, None
-        if isinstance(obj, dict) and isinstance(obj.get("header"), dict):
-            header = obj["header"]
-        if header is None or not isinstance(src, list) or not set(map(type, src)) <= {int}:
-            raise FrameError("bad ring record")
+    def _message(self, record: bytes, runs: list[tuple[int, int, int]]) -> Message | None:
+        """The message of a ring record (None for a layout record); adds the copies its pages
+        need to `runs`."""
+        kind = record[0] if record else None
+        if kind == _chunk_records.LAYOUT:
+            self._layouts.append(_chunk_records.parse_layout(record))
+            return None
+        if kind == _chunk_records.CHUNK:
+            header, src = _chunk_records.parse_chunk(record, self._layouts)
+        else:
+            header, src = _json_record(record)
         if not src:
             return Message(self.peer, header, None)
         if not valid_block_ids(src, self.source.num_blocks):
@@ -257,3 +297,17 @@ class PullReader:
         runs += source.runs(pages.data_ptr(), range(len(src)), src)
         header["direct"] = False
         return Message(self.peer, header, pages)
+
+
+def _json_record(record: bytes) -> tuple[dict[str, Any], list[int]]:
+    """The header and source block ids of a JSON ring record."""
+    try:
+        obj = json.loads(record)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FrameError(f"ring record is not JSON: {exc}") from None
+    src, header = obj.get("src") if isinstance(obj, dict) else None, None
+    if isinstance(obj, dict) and isinstance(obj.get("header"), dict):
+        header = obj["header"]
+    if header is None or not isinstance(src, list) or not set(map(type, src)) <= {int}:
+        raise FrameError("bad ring record")
+    return header, src

@@ -27,7 +27,7 @@ import contextlib
 import json
 import queue
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -55,15 +55,38 @@ def drain_inbox(inbox: queue.Queue[Message], timeout: float = 0.0) -> list[Messa
 
 
 class EncodedHeader(dict[str, Any]):
-    """A header that comes with its JSON text, written once by a caller on a hot path (the
-    prefill engine's thread, `PagesHeaderWriter`). Transports that send JSON send `text` instead
-    of encoding the dict again, and need not copy it: it is not changed after `send`."""
+    """A header that comes with its JSON text, written by a caller on a hot path (the prefill
+    engine's thread, `PagesHeaderWriter`). Transports that send JSON send `text` instead of
+    encoding the dict again, and need not copy it: it is not changed after `send`.
 
-    __slots__ = ("text",)
+    `text` may be given as a function of the header, called on first use: a transport that
+    sends the header another way never pays for it. `plain_chunk_layout` is the layout's JSON
+    text when the header is a chunk of pages other than a request's last, with no checksum (the
+    writer sets it): its manifest's request id, chunk index, token count and block ids say all
+    of it, which the shm transport's pull path sends as a compact record (`_chunk_records`)."""
 
-    def __init__(self, header: dict[str, Any], text: str) -> None:
+    __slots__ = ("_text", "_write_text", "plain_chunk_layout")
+
+    def __init__(
+        self,
+        header: dict[str, Any],
+        text: str | Callable[[EncodedHeader], str],
+        plain_chunk_layout: str | None = None,
+    ) -> None:
         super().__init__(header)
-        self.text = text
+        if isinstance(text, str):
+            self._text: str | None = text
+            self._write_text: Callable[[EncodedHeader], str] | None = None
+        else:
+            self._text, self._write_text = None, text
+        self.plain_chunk_layout = plain_chunk_layout
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            assert self._write_text is not None
+            self._text = self._write_text(self)
+        return self._text
 
 
 def header_json(header: dict[str, Any]) -> str:

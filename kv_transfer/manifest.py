@@ -98,10 +98,11 @@ class PagesHeaderWriter:
     """Writes the header of a chunk of pages (``{"type": "pages", "request_id", "manifest"[,
     "finished"]}``, the manifest a `ChunkManifest` as JSON) together with its JSON text.
 
-    This runs on a prefill engine's thread between steps, once per chunk: building the text from
-    pieces (the layout's JSON written once, integer lists by `str`) costs a third of what
-    `json.dumps` does right after a forward pass has evicted the CPU caches (measured ~35 against
-    ~100 us for a 16-block chunk), and the transports send the text as it is.
+    This runs on a prefill engine's thread between steps, once per chunk, right after a forward
+    pass has evicted the CPU caches. The text is written on first use, from pieces (the layout's
+    JSON written once, integer lists by `str`): a third of what `json.dumps` costs there
+    (measured ~35 against ~100 us for a 16-block chunk), and nothing for the chunks that the shm
+    transport's pull path sends as compact records (`EncodedHeader.plain_chunk_layout`).
     """
 
     PREFIXES = 256
@@ -141,12 +142,14 @@ class PagesHeaderWriter:
         finished: bool | None = None,
     ) -> EncodedHeader:
         src, dst, first = list(src_block_ids), list(dst_block_ids), list(first_token_ids)
+        if not set(map(type, src + dst + first)) <= {int}:  # (then `str` of a list is its JSON)
+            raise TypeError(f"block and token ids must be ints, got {src!r} {dst!r} {first!r}")
         manifest: dict[str, Any] = {
             "request_id": request_id,
             "layout": self._layout_dict,
-            "chunk_index": chunk_index,
+            "chunk_index": int(chunk_index),
             "last": last,
-            "num_tokens": num_tokens,
+            "num_tokens": int(num_tokens),
             "src_block_ids": src,
             "dst_block_ids": dst,
             "checksum": checksum,
@@ -154,36 +157,37 @@ class PagesHeaderWriter:
             "sampler_state": sampler_state,
         }
         header: dict[str, Any] = {"type": "pages", "request_id": request_id, "manifest": manifest}
+        if finished is not None:
+            header["finished"] = finished
+        plain = not last and checksum is None and not first and sampler_state is None
+        return EncodedHeader(header, self._text, self._layout_text if plain else None)
+
+    def _text(self, header: EncodedHeader) -> str:
+        """The JSON text of a header `write` made, from pieces (on first use)."""
+        m = header["manifest"]
+        checksum, sampler_state = m["checksum"], m["sampler_state"]
         parts = [
-            self._prefix(request_id),
-            str(int(chunk_index)),
-            ',"last":true' if last else ',"last":false',
+            self._prefix(m["request_id"]),
+            str(m["chunk_index"]),
+            ',"last":true' if m["last"] else ',"last":false',
             ',"num_tokens":',
-            str(int(num_tokens)),
+            str(m["num_tokens"]),
             ',"src_block_ids":',
-            _int_list(src),
+            str(m["src_block_ids"]),
             ',"dst_block_ids":',
-            _int_list(dst),
+            str(m["dst_block_ids"]),
             ',"checksum":',
             "null" if checksum is None else encode_basestring_ascii(checksum),
             ',"first_token_ids":',
-            _int_list(first),
+            str(m["first_token_ids"]),
             ',"sampler_state":',
             "null" if sampler_state is None else encode_basestring_ascii(sampler_state),
             "}",
         ]
-        if finished is not None:
-            header["finished"] = finished
-            parts.append(',"finished":true' if finished else ',"finished":false')
+        if "finished" in header:
+            parts.append(',"finished":true' if header["finished"] else ',"finished":false')
         parts.append("}")
-        return EncodedHeader(header, "".join(parts))
-
-
-def _int_list(values: list[int]) -> str:
-    """JSON of a list of ints (`str` of a list of plain ints is exactly that)."""
-    if not set(map(type, values)) <= {int}:  # (no generator: this runs on a hot path)
-        raise TypeError(f"block and token ids must be ints, got {values!r}")
-    return str(values)
+        return "".join(parts)
 
 
 def pages_checksum(pages: torch.Tensor) -> str:

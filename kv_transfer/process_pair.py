@@ -109,6 +109,7 @@ def prefill_main(
     threads: int,
     chunk_blocks: int,
     checksums: bool,
+    hand_off: bool = True,
 ) -> None:
     from tandem.engine.sampling_params import SamplingParams
     from tandem.kv_transfer.manifest import KVLayout
@@ -123,7 +124,7 @@ def prefill_main(
         send_only=True,
         max_num_batched_tokens=16 * chunk_blocks,
     )
-    sender = KVSender(engine, transport, checksums=checksums, ack_timeout_s=10)
+    sender = KVSender(engine, transport, checksums=checksums, ack_timeout_s=10, hand_off=hand_off)
     conn.send(("ready", transport.address))
     # The engine thread's wall time minus its CPU time in steps: time it was runnable but did
     # not run (waiting for the GIL held by another thread of this process, or preempted).
@@ -165,6 +166,7 @@ def prefill_main(
             for event in events:
                 conn.send(("event", _stamped(event, send_work_s=sender.send_work_s)))
     finally:
+        sender.close()
         transport.close()
 
 
@@ -181,6 +183,7 @@ class PDProcesses:
         checksums: bool = True,
         lease_s: float = 10.0,
         stall_timeout_s: float = 3.0,
+        hand_off: bool = True,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.decode_conn, d_child = ctx.Pipe()
@@ -193,7 +196,7 @@ class PDProcesses:
         )
         self.prefill = ctx.Process(
             target=prefill_main,
-            args=(p_child, model, transport, opts, threads, chunk_blocks, checksums),
+            args=(p_child, model, transport, opts, threads, chunk_blocks, checksums, hand_off),
             daemon=True,
         )
         self.decode.start()

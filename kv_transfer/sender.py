@@ -16,12 +16,14 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.base import KVTransport, Message
+from tandem.kv_transfer.chunk_publisher import ChunkPublisher, QueuedChunk
 from tandem.kv_transfer.events import TransferEvent
 from tandem.kv_transfer.manifest import (
     KVLayout,
@@ -58,6 +60,7 @@ class KVSender:
         ack_timeout_s: float = 10.0,
         checksums: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        hand_off: bool = False,
     ) -> None:
         self.engine = engine
         self.transport = transport
@@ -65,6 +68,8 @@ class KVSender:
         self.checksums = checksums
         self.clock = clock
         self.layout = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
+        self._block_size = engine.config.block_size
+        self._block_bytes = engine.kv_pool.bytes_per_block
         self.outgoing: dict[str, _Outgoing] = {}
         self._events: list[TransferEvent] = []  # ended outside a poll, reported by the next
         self.num_chunks_sent = 0
@@ -74,10 +79,20 @@ class KVSender:
         self.num_transfers_done = 0  # requests whose pages all arrived ("sent")
         self.num_transfers_failed = 0  # ended by an error or a timeout (not a cancel)
         transport.register_pool(engine.kv_pool)
+        # hand_off: chunks other than a request's last are sent from a thread of their own
+        # (`ChunkPublisher`); the engine's thread only pins and notes them.
+        self._publisher = ChunkPublisher(transport, self._header) if hand_off else None
+
+    def close(self) -> None:
+        """Stops the publishing thread (if any); the transport is the caller's to close."""
+        if self._publisher is not None:
+            self._publisher.close()
 
     def _stop_and_tell(self, request_id: str, peer: str, kind: str) -> None:
         """Drops the request's pages still queued in the transport, then sends `kind`
         ("cancel": we stopped; "cancelled": we confirm the receiver's stop) to `peer`."""
+        if self._publisher is not None:
+            self._publisher.drop(request_id)
         self.transport.cancel(request_id)
         try:
             self.transport.send(peer, {"type": kind, "request_id": request_id})
@@ -204,6 +219,10 @@ class KVSender:
         return self.poll()
 
     def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
+        if self._publisher is not None:
+            for rid, error in self._publisher.failures():
+                if (out := self.outgoing.get(rid)) is not None:
+                    self._events.append(self._close(out, "failed", error))
         events, self._events = self._events, []
         if events:
             timeout = 0.0
@@ -229,7 +248,7 @@ class KVSender:
             self.send_work_s += time.perf_counter() - start
 
     def _send_chunk(self, out: _Outgoing) -> None:
-        req, bs, grant = out.request, self.engine.config.block_size, out.grant
+        req, bs, grant = out.request, self._block_size, out.grant
         assert grant is not None, "streams only once the reservation is known"
         if out.finished:
             end, last = math.ceil(req.num_prompt_tokens / bs), True
@@ -241,34 +260,52 @@ class KVSender:
         offset = out.next_block - grant.num_hit_blocks
         dst = grant.dst_block_ids[offset : offset + len(blocks)]
         self.engine.block_manager.pin(blocks)
-        header = self._headers.write(
-            req.request_id,
-            out.next_chunk,
-            last=last,
-            num_tokens=min(end * bs, req.num_prompt_tokens) if last else end * bs,
-            src_block_ids=blocks,
-            dst_block_ids=dst,
-            checksum=pages_checksum(self.engine.kv_pool.export_blocks(blocks))
-            if self.checksums and blocks
-            else None,
-            first_token_ids=req.output_token_ids if last else (),
-            sampler_state=encode_state(req.generator.get_state())
-            if last and req.generator
-            else None,
-            finished=self.first_token_ends(out) if last else None,
-        )
-        out.unacked[out.next_chunk] = blocks  # (a failed send releases them with the request)
+        index = out.next_chunk
+        num_tokens = min(end * bs, req.num_prompt_tokens) if last else end * bs
+        out.unacked[index] = blocks  # (a failed send releases them with the request)
         out.next_chunk += 1
         out.next_block = end
         out.last_sent = last
         out.deadline = self.clock() + self.ack_timeout_s
-        try:
-            self.transport.send(grant.address, header, blocks)
-        except TransferError as exc:  # e.g. an address the transport cannot reach
-            self._events.append(self._close(out, "failed", f"could not send the pages: {exc}"))
-            return
+        chunk = QueuedChunk(grant.address, req.request_id, index, num_tokens, blocks, dst)
+        publisher = self._publisher
+        if publisher is not None and not last:
+            publisher.add(chunk)
+        else:
+            if publisher is not None:  # (the last chunk goes after the queued ones)
+                publisher.flush()
+            try:
+                header = self._header(chunk, out if last else None)
+                self.transport.send(grant.address, header, blocks)
+            except TransferError as exc:  # e.g. an address the transport cannot reach
+                self._events.append(self._close(out, "failed", f"could not send the pages: {exc}"))
+                return
         self.num_chunks_sent += 1
-        self.num_bytes_sent += len(blocks) * self.engine.kv_pool.bytes_per_block
+        self.num_bytes_sent += len(blocks) * self._block_bytes
+
+    def _header(self, chunk: QueuedChunk, last_of: _Outgoing | None = None) -> dict[str, Any]:
+        """A chunk's header; the last one's (`last_of` its request) carries the first token
+        and the sampler state."""
+        req = last_of.request if last_of is not None else None
+        return self._headers.write(
+            chunk.request_id,
+            chunk.chunk_index,
+            last=req is not None,
+            num_tokens=chunk.num_tokens,
+            src_block_ids=chunk.src_block_ids,
+            dst_block_ids=chunk.dst_block_ids,
+            checksum=self._checksum(chunk.src_block_ids),
+            first_token_ids=req.output_token_ids if req is not None else (),
+            sampler_state=encode_state(req.generator.get_state())
+            if req is not None and req.generator
+            else None,
+            finished=self.first_token_ends(last_of) if last_of is not None else None,
+        )
+
+    def _checksum(self, blocks: list[int]) -> str | None:
+        if not self.checksums or not blocks:
+            return None
+        return pages_checksum(self.engine.kv_pool.export_blocks(blocks))
 
     def _handle(self, message: Message) -> TransferEvent | None:
         header = message.header
@@ -300,6 +337,8 @@ class KVSender:
         """Unpins everything in flight and gives the request's blocks back to the engine."""
         rid = out.request.request_id
         del self.outgoing[rid]
+        if self._publisher is not None:  # (none of its chunks may be sent once unpinned)
+            self._publisher.drop(rid)
         for blocks in out.unacked.values():
             self.engine.block_manager.unpin(blocks)
         if rid in self.engine.requests:

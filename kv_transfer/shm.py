@@ -63,7 +63,7 @@ from tandem.kv_transfer._socket_channel import (
     parse_shape,
     valid_block_ids,
 )
-from tandem.kv_transfer.base import Message, header_json
+from tandem.kv_transfer.base import Message
 from tandem.kv_transfer.manifest import TransferError
 
 log = logging.getLogger(__name__)
@@ -342,22 +342,20 @@ class ShmTransport(ChannelTransport):
         if pull is not None and self._pool is not None:
             # As `_outgoing` checks, but touching less: this runs on a prefill engine's thread
             # after every step, right after a forward pass evicted the CPU caches.
-            ids = tuple(map(int, src_block_ids))
+            ids = src_block_ids if type(src_block_ids) is list else list(map(int, src_block_ids))
             if valid_block_ids(ids, self._pool.num_blocks):
-                try:
-                    text = header_json(header)
-                except (TypeError, ValueError):
-                    text = None  # `_outgoing` says what is wrong
                 with self._mutex:  # (`send` runs on a prefill engine's thread)
                     if (
                         link.state.pull is pull  # type: ignore[union-attr]
                         and not self._closed
                         and self._busy_peer != peer
                         and not self._queues.get(peer)
-                        and text is not None
-                        and pull.write(ids, text)
                     ):
-                        return
+                        try:
+                            if pull.write(ids, header):
+                                return
+                        except (TypeError, ValueError):
+                            pass  # not JSON: `_outgoing` says what is wrong
         self._enqueue(self._outgoing(peer, header, src_block_ids))
 
     def _transmit(self, link: Link, item: Outgoing) -> bytes | None:

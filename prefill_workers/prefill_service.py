@@ -55,7 +55,10 @@ class PrefillService(WorkerLoop):
         super().__init__(name, on_stats)
         self.engine = engine
         self.transport = transport
-        self.sender = KVSender(engine, transport, ack_timeout_s=ack_timeout_s, checksums=checksums)
+        # Chunks leave from a thread of their own, off the first token's path (`ChunkPublisher`).
+        self.sender = KVSender(
+            engine, transport, ack_timeout_s=ack_timeout_s, checksums=checksums, hand_off=True
+        )
         self._pending: dict[str, _Pending] = {}
         self.num_cancelled = 0
         self.num_failed = 0
@@ -244,4 +247,5 @@ class PrefillService(WorkerLoop):
 
     def close(self) -> None:
         self.stop()
+        self.sender.close()
         self.transport.close()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -29,7 +30,13 @@ class Clock:
 class Pair:
     """A prefill engine + sender and a decode engine + receiver joined by fake transports."""
 
-    def __init__(self, model: str, decode_model: str | None = None, chunk_blocks: int = 8) -> None:
+    def __init__(
+        self,
+        model: str,
+        decode_model: str | None = None,
+        chunk_blocks: int = 8,
+        hand_off: bool = False,
+    ) -> None:
         self.clock = Clock()
         hub = LocalHub(TOKEN)
         self.prefill = LLM(
@@ -38,7 +45,9 @@ class Pair:
         self.decode = LLM(model=decode_model or model, num_kv_blocks=256).engine
         self.p_transport = FakeTransport(TOKEN, hub=hub)
         self.d_transport = FakeTransport(TOKEN, hub=hub)
-        self.sender = KVSender(self.prefill, self.p_transport, ack_timeout_s=5, clock=self.clock)
+        self.sender = KVSender(
+            self.prefill, self.p_transport, ack_timeout_s=5, clock=self.clock, hand_off=hand_off
+        )
         self.receiver = KVReceiver(
             self.decode, self.d_transport, lease_s=5, stall_timeout_s=5, clock=self.clock
         )
@@ -56,6 +65,16 @@ class Pair:
             idle = not self.sender.outgoing and not self.receiver.reservations
             if idle and not self.receiver.held:
                 break
+        return self.events
+
+    def pump_until(self, rid: str, kind: str, timeout: float = 30.0) -> list[TransferEvent]:
+        """`pump`, until `rid` has an event of `kind` (chunks may leave from another thread)."""
+        deadline = time.monotonic() + timeout
+        while not any(e.request_id == rid and e.kind == kind for e in self.events):
+            assert time.monotonic() < deadline, f"{rid}: no {kind!r} in {timeout}s"
+            self.events += self.sender.step()
+            self.events += self.receiver.poll()
+            self.events += self.sender.poll(timeout=0.002)
         return self.events
 
     def decode_all(self) -> dict[str, list[int]]:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from typing import Any
 
 from tandem import LLM, SamplingParams
@@ -185,3 +187,55 @@ def test_seeded_sampling_continues_exactly(model: str, colocated: LLM) -> None:
     first = next(e.token_ids for e in events if e.kind == "first_token")
     assert list(first) + pair.decode_all()["s"] == expect(colocated, prompt, params)
     pair.idle()
+
+
+def test_handed_off_chunks_stream_in_order_and_decode_exactly(model: str, colocated: LLM) -> None:
+    """With `hand_off` (as prefill workers run), chunks other than the last leave from the
+    publishing thread, in order, and the last from the engine's thread after all of them."""
+    pair = Pair(model, hand_off=True)
+    sent: list[tuple[int, bool, str]] = []
+    original = pair.p_transport.deliver
+
+    def spy(peer: str, message: Any) -> None:
+        if message.header.get("type") == "pages":
+            manifest = message.header["manifest"]
+            thread = threading.current_thread().name
+            sent.append((manifest["chunk_index"], manifest["last"], thread))
+        original(peer, message)
+
+    pair.p_transport.deliver = spy  # type: ignore[method-assign]
+    prompt = prompt_of(16 * 41 + 5)
+    try:
+        pair.start("a", prompt)
+        events = pair.pump_until("a", "sent")
+        first = next(e.token_ids for e in events if e.kind == "first_token")
+        assert list(first) + pair.decode_all()["a"] == expect(colocated, prompt)
+        assert [index for index, _, _ in sent] == list(range(len(sent))) and len(sent) >= 5
+        assert sent[-1][1:] == (True, "MainThread") and not any(last for _, last, _ in sent[:-1])
+        assert "kv-chunk-publisher" in {thread for _, _, thread in sent[:-1]}
+        pair.idle()
+    finally:
+        pair.sender.close()
+
+
+def test_a_cancel_sends_no_handed_off_chunk_after_it(model: str) -> None:
+    pair = Pair(model, hand_off=True)
+    try:
+        pair.start("b", prompt_of(16 * 60))
+        for _ in range(3):
+            pair.events += pair.sender.step()
+        deadline = time.monotonic() + 10
+        while not any(h.get("type") == "pages" for h in pair.p_transport.sent):
+            assert time.monotonic() < deadline, "no chunk left the publishing thread"
+            time.sleep(0.005)
+        pair.events += pair.sender.step()  # (one more chunk, likely still queued)
+        assert pair.sender.cancel("b")
+        events = pair.pump_until("b", "cancelled")
+        time.sleep(0.1)  # (a chunk the publisher still held would have gone by now)
+        kinds = [h.get("type") for h in pair.p_transport.sent if h.get("request_id") == "b"]
+        assert kinds.count("cancel") == 1 and kinds[0] == "pages"
+        assert "pages" not in kinds[kinds.index("cancel") :]
+        assert [e.kind for e in events if e.request_id == "b"][-1] == "cancelled"
+        pair.idle()
+    finally:
+        pair.sender.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from tandem.kernels.kv_cache import KVCachePool
-from tandem.kv_transfer import _cross_memory, _pull_ring
-from tandem.kv_transfer.manifest import TransferError
+from tandem.kv_transfer import _chunk_records, _cross_memory, _pull_ring
+from tandem.kv_transfer.manifest import KVLayout, PagesHeaderWriter, TransferError
 from tandem.kv_transfer.registry import create_transport
 from tandem.kv_transfer.shm import ShmTransport
 from tests import transport_harness as h
@@ -32,6 +33,12 @@ PULL = {"pull": True}
 needs_pull = pytest.mark.skipif(
     not (_cross_memory.available() and _pull_ring.supported()), reason="no pull path here"
 )
+LAYOUT = KVLayout(
+    namespace="ns", block_size=16, num_layers=2, num_kv_heads=4, head_dim=64, dtype="float32"
+)
+"""The layout of the test pool, for chunk headers."""
+COMPACT = {"request_id": "x", "chunk_index": 0, "num_tokens": 16, "dst_block_ids": [2]}
+"""A plain chunk's manifest fields, for compact ring records."""
 POOL_KINDS = [
     pytest.param(REGION, id="region"),
     pytest.param(PRIVATE, id="private", marks=needs_cross_memory),
@@ -278,8 +285,9 @@ def test_the_pull_path_is_taken_and_a_sleeping_reader_is_woken(
 
 @needs_pull
 def test_a_stream_is_polled_and_costs_the_sender_one_wake(monkeypatch: pytest.MonkeyPatch) -> None:
-    """While chunks with ``last: false`` keep coming the reader polls, so only the first chunk
-    of a stream (and the first message after it) makes the sender write a wake frame."""
+    """While a stream's chunks keep coming the reader polls, so only its first chunk makes the
+    sender write a wake frame. A message that is not a plain chunk (the last chunk, which
+    commits the request; anything after) always comes with one: it must not wait for a look."""
     from tandem.kv_transfer import _shm_pull
 
     wakes: list[str] = []
@@ -291,26 +299,84 @@ def test_a_stream_is_polled_and_costs_the_sender_one_wake(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(_shm_pull, "send_frame", counting)
     monkeypatch.setattr(_shm_pull, "IDLE_CHECK_S", 30.0)  # (no periodic look: only wakes)
+    writer = PagesHeaderWriter(LAYOUT)
     with pull_link() as (sender, receiver, _, _):
         time.sleep(0.1)  # the reader has nothing under way: asleep
         before = len(wakes)
         for chunk in range(4):
-            manifest = {"request_id": "s", "dst_block_ids": [chunk], "last": chunk == 3}
-            sender.send(receiver.address, {"request_id": "s", "manifest": manifest}, [chunk])
+            last = chunk == 3
+            header = writer.write(
+                "s",
+                chunk,
+                last=last,
+                num_tokens=16 * (chunk + 1),
+                src_block_ids=[chunk],
+                dst_block_ids=[chunk],
+                first_token_ids=[1] if last else (),
+            )
+            start = time.monotonic()
+            sender.send(receiver.address, header, [chunk])
             assert len(h.collect(receiver, 1, 5.0)) == 1
+            assert time.monotonic() - start < 0.5
             time.sleep(0.02)
-        assert len(wakes) == before + 1
+            assert len(wakes) == before + (1 if chunk < 3 else 2)
         time.sleep(0.1)
         sender.send(receiver.address, {"type": "after"})
         assert len(h.collect(receiver, 1, 5.0)) == 1
-        assert len(wakes) == before + 2
+        assert len(wakes) == before + 3
+
+
+@needs_pull
+def test_plain_chunks_travel_as_compact_records() -> None:
+    """A stream's chunks from `PagesHeaderWriter` go as compact records (the layout announced
+    once per link), so the sender never writes their JSON text; the receiver gets the header
+    that text would have said, and the pages byte-exact. The last chunk goes as JSON."""
+    writer = PagesHeaderWriter(LAYOUT)
+    chunks = [([10, 11], [4, 5], False), ([3], [9], False), ([20, 21, 22], [30, 31, 40], True)]
+    with pull_link() as (sender, receiver, pool, target):
+        pull = sender._links[receiver.address].state.pull
+        sent = []
+        for index, (src, dst, last) in enumerate(chunks):
+            header = writer.write(
+                "r\u00e9q",
+                index,
+                last=last,
+                num_tokens=16 * (index + 1),
+                src_block_ids=src,
+                dst_block_ids=dst,
+                first_token_ids=[7] if last else (),
+            )
+            sender.send(receiver.address, header, src)
+            sent.append(header)
+        got = h.collect(receiver, 3, 10.0)
+        assert [header._text is None for header in sent] == [True, True, False]
+        for message, header in zip(got, sent, strict=True):
+            assert message.header == {**json.loads(header.text), "direct": True}
+        assert list(pull._layouts.values()) == [0]  # one layout record, announced once
+        digests, source = h.block_digests(target), h.block_digests(pool)
+        for src, dst, _ in chunks:
+            assert [digests[d] for d in dst] == [source[s] for s in src]
 
 
 @needs_pull
 @pytest.mark.parametrize(
     "record",
-    [b"not json", b'{"src":[1],"header":3}', b'{"src":[999],"header":{"request_id":"x"}}'],
-    ids=["not-json", "no-header", "block-outside-the-pool"],
+    [
+        b"not json",
+        b'{"src":[1],"header":3}',
+        b'{"src":[999],"header":{"request_id":"x"}}',
+        b"C\x00\x01",
+        _chunk_records.chunk_record(7, COMPACT, (1,)),
+        _chunk_records.layout_record("{}") + b"\xff",
+    ],
+    ids=[
+        "not-json",
+        "no-header",
+        "block-outside-the-pool",
+        "short-chunk",
+        "unannounced-layout",
+        "bad-layout",
+    ],
 )
 def test_a_bad_ring_record_ends_the_connection(record: bytes) -> None:
     """The receiver trusts nothing in the ring: a record it cannot read, or one naming blocks

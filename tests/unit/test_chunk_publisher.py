@@ -1,0 +1,131 @@
+"""`ChunkPublisher`: a prefill's chunks leave from a thread of their own, in order; `flush` and
+`drop` on the engine's thread see a chunk being sent through; failures come back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tandem.kv_transfer import chunk_publisher
+from tandem.kv_transfer.chunk_publisher import ChunkPublisher, QueuedChunk
+from tandem.kv_transfer.manifest import TransferError
+
+
+class Recorder:
+    """Stands for a transport: records (request id, chunk index, sending thread)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int, str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.refuse: set[str] = set()
+
+    def send(self, peer: str, header: dict[str, Any], src_block_ids: Any = ()) -> None:
+        self.gate.wait(10.0)
+        if header["request_id"] in self.refuse:
+            raise TransferError("peer gone")
+        self.sent.append((header["request_id"], header["chunk"], threading.current_thread().name))
+
+
+def chunk(rid: str, index: int) -> QueuedChunk:
+    return QueuedChunk("fake:d", rid, index, 16 * (index + 1), [index], [index])
+
+
+def header(c: QueuedChunk) -> dict[str, object]:
+    return {"request_id": c.request_id, "chunk": c.chunk_index}
+
+
+def publisher_for(transport: Recorder) -> ChunkPublisher:
+    return ChunkPublisher(transport, header)  # type: ignore[arg-type]
+
+
+def wait_for(condition: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_chunks_leave_in_order_from_the_publishing_thread() -> None:
+    transport = Recorder()
+    publisher = publisher_for(transport)
+    try:
+        for index in range(5):
+            publisher.add(chunk("a", index))
+            time.sleep(0.01)
+        wait_for(lambda: len(transport.sent) == 5)
+        assert [(rid, i) for rid, i, _ in transport.sent] == [("a", i) for i in range(5)]
+        assert {thread for _, _, thread in transport.sent} == {"kv-chunk-publisher"}
+    finally:
+        publisher.close()
+
+
+def test_flush_sends_what_is_queued_now_after_a_chunk_being_sent() -> None:
+    transport = Recorder()
+    transport.gate.clear()  # the thread is stuck sending chunk 0
+    publisher = publisher_for(transport)
+    try:
+        publisher.add(chunk("a", 0))
+        time.sleep(0.05)
+        publisher.add(chunk("a", 1))
+        publisher.add(chunk("a", 2))
+        threading.Timer(0.1, transport.gate.set).start()
+        publisher.flush()  # waits for chunk 0, then sends 1 and 2 on this thread
+        assert [i for _, i, _ in transport.sent] == [0, 1, 2]
+        assert transport.sent[0][2] == "kv-chunk-publisher"
+        assert {thread for _, _, thread in transport.sent[1:]} == {"MainThread"}
+    finally:
+        publisher.close()
+
+
+def test_drop_forgets_a_requests_queued_chunks_only() -> None:
+    transport = Recorder()
+    transport.gate.clear()
+    publisher = publisher_for(transport)
+    try:
+        publisher.add(chunk("a", 0))
+        time.sleep(0.05)  # chunk a0 is being sent
+        publisher.add(chunk("a", 1))
+        publisher.add(chunk("b", 0))
+        threading.Timer(0.1, transport.gate.set).start()
+        assert publisher.drop("a") == 1  # a1; a0 was already under way
+        wait_for(lambda: len(transport.sent) == 2)
+        time.sleep(0.05)
+        assert [(rid, i) for rid, i, _ in transport.sent] == [("a", 0), ("b", 0)]
+    finally:
+        publisher.close()
+
+
+def test_a_failed_send_is_reported_and_the_thread_goes_on() -> None:
+    transport = Recorder()
+    transport.refuse = {"bad"}
+    publisher = publisher_for(transport)
+    try:
+        publisher.add(chunk("bad", 0))
+        publisher.add(chunk("good", 0))
+        wait_for(lambda: len(transport.sent) == 1)
+        assert publisher.failures() == [("bad", "could not send the pages: peer gone")]
+        assert publisher.failures() == []
+    finally:
+        publisher.close()
+
+
+def test_a_quiet_publisher_sleeps_and_the_next_chunk_wakes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(chunk_publisher, "STREAM_GAP_S", 0.05)
+    transport = Recorder()
+    publisher = publisher_for(transport)
+    try:
+        publisher.add(chunk("a", 0))
+        wait_for(lambda: publisher._asleep)
+        start = time.monotonic()
+        publisher.add(chunk("b", 0))
+        wait_for(lambda: len(transport.sent) == 2)
+        assert time.monotonic() - start < 1.0
+    finally:
+        publisher.close()
+    assert not publisher._thread.is_alive()
