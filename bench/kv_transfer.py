@@ -11,7 +11,9 @@ hides behind prefill compute.
    the client before the last chunk goes). Separate runs differ by far more than a transfer
    here, so the difference is taken in the same run: the time the prefill's engine thread
    spent handing pages over, plus how much longer it stalled (wall minus CPU time in its
-   steps: waiting for the GIL or a core) than in the same prefill with nothing sent. The hop
+   steps: waiting for the GIL or a core) than in the same prefill with nothing sent. The
+   prefill sends as its workers do: chunks other than the last leave from a publishing thread
+   (`KVSender(hand_off=True)`), whose use of the GIL shows up as that stall. The hop
    from the first token to the commit on decode is reported too (`hidden_share_until_commit`).
 
 Usage: python bench/kv_transfer.py [--quick]. Progress on stderr; a JSON summary is the last

@@ -5,7 +5,8 @@ record per message (its header and which of its blocks hold the pages) without a
 waking any thread, and the receiving process's reader polls the ring and copies the pages itself.
 
 Layout: a 64-byte control block of little-endian uint64 words (0: bytes written in all, 1: bytes
-consumed in all, 2: the reader is asleep), then the data area. A record is an 8-byte length and
+consumed in all, 2: the reader's state, `AWAKE`, `ASLEEP` or `POLLING_SLOWLY`), then the data
+area. A record is an 8-byte length and
 its payload, padded to 8 bytes; a length of `_WRAP` means "continue at the start of the data
 area". The writer stores the payload before the count that publishes it, and the reader reads
 the count before the payload, which orders them on total-store-order CPUs (x86-64): `supported()`
@@ -21,7 +22,9 @@ import struct
 
 CONTROL_BYTES = 64
 _WRAP = (1 << 32) - 1
-_HEAD, _TAIL, _ASLEEP = 0, 8, 16
+_HEAD, _TAIL, _STATE = 0, 8, 16
+AWAKE, ASLEEP, POLLING_SLOWLY = 0, 1, 2
+"""The reader's states: looking often, waiting to be woken, looking now and then (a stream)."""
 _WORD = struct.Struct("<Q")
 
 
@@ -69,9 +72,9 @@ class RecordRing:
         return True
 
     @property
-    def reader_asleep(self) -> bool:
-        """The reader stopped polling and waits to be woken."""
-        return bool(self._buf[_ASLEEP])
+    def reader_state(self) -> int:
+        """`AWAKE`, `ASLEEP` or `POLLING_SLOWLY`, as the reader last set it."""
+        return self._buf[_STATE]
 
     # ---- reader
     def read(self) -> list[bytes]:
@@ -95,5 +98,5 @@ class RecordRing:
     def has_records(self) -> bool:
         return _WORD.unpack_from(self._buf, _HEAD)[0] > _WORD.unpack_from(self._buf, _TAIL)[0]
 
-    def set_asleep(self, asleep: bool) -> None:
-        self._buf[_ASLEEP] = 1 if asleep else 0
+    def set_state(self, state: int) -> None:
+        self._buf[_STATE] = state

@@ -15,7 +15,8 @@ otherwise: each look takes the receiving process's GIL from its decode engine, a
 prefill on a small host. A sender that writes a chunk to a sleeping reader's ring sends it a
 ``wake`` frame on the link's socket, so a stream costs the sender one system call, at its
 start. Any other message (a request's last chunk, which commits it; a cancel) is not left
-waiting for a look: it always comes with a wake frame. A link offers the ring in its hello
+waiting for a slow look either: it comes with a wake frame unless the reader looks often
+(`RecordRing.reader_state`). A link offers the ring in its hello
 (`offer`); the receiver accepts it only if the kernel lets it read the sender's memory (the
 process at the other end of the socket, as the kernel reports it) and the CPU orders stores
 (`RecordRing` on x86-64).
@@ -36,7 +37,7 @@ import torch
 
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer import _chunk_records, _cross_memory
-from tandem.kv_transfer._pull_ring import RecordRing
+from tandem.kv_transfer._pull_ring import ASLEEP, AWAKE, POLLING_SLOWLY, RecordRing
 from tandem.kv_transfer._shm_region import ShmRegion, is_region_name
 from tandem.kv_transfer._socket_channel import (
     Conn,
@@ -137,7 +138,7 @@ class PullWriter:
             index = self._layouts.get(layout)
             if index is None and len(self._layouts) < MAX_LAYOUTS:
                 # (no wake: the chunk's record, right after, wakes the reader if need be)
-                if not self._append(_chunk_records.layout_record(layout), wake="never"):
+                if not self._append(_chunk_records.layout_record(layout), "never"):
                     return False
                 index = self._layouts[layout] = len(self._layouts)
             if index is not None:
@@ -146,24 +147,28 @@ class PullWriter:
                 except struct.error:  # a field out of range: JSON below
                     pass
                 else:
-                    return self._append(record, wake="asleep")
+                    return self._append(record, "asleep")
         return self.write_text(src_block_ids, header_json(header))
 
     def write_text(self, src_block_ids: Sequence[int], header_json: str) -> bool:
         """`write` of a header's JSON text."""
         ids = ",".join(map(str, map(int, src_block_ids)))
-        return self._append(f'{{"src":[{ids}],"header":{header_json}}}'.encode())
+        return self._append(f'{{"src":[{ids}],"header":{header_json}}}'.encode(), "waiting")
 
-    def _append(self, record: bytes, wake: Literal["always", "asleep", "never"] = "always") -> bool:
-        """Appends `record`, then wakes the reader: always (a message that must not wait for
-        the reader's next look), if it is asleep, or never."""
+    def _append(self, record: bytes, wake: Literal["waiting", "asleep", "never"]) -> bool:
+        """Appends `record`, then wakes the reader: if it is not looking often ("waiting": a
+        message that must not wait for a slow look), if it is asleep (a stream's chunk: the
+        reader looks at its ring while a stream is under way), or never."""
         ring = self.ring
         if not ring.write(record):
             if len(record) + 8 > ring.capacity:
                 raise TransferError(f"a header of {len(record)} bytes exceeds the pull ring")
             return False
-        with self._lock:  # (an atomic operation: the record is visible before the flag is read)
-            woken = wake == "always" or (wake == "asleep" and ring.reader_asleep)
+        with self._lock:  # (an atomic operation: the record is visible before the state is read)
+            state = ring.reader_state
+        woken = wake != "never" and (
+            state == ASLEEP or (state == POLLING_SLOWLY and wake == "waiting")
+        )
         if woken:  # (a peer that is gone: the link's watcher reports it through `poll`)
             with contextlib.suppress(OSError):
                 send_frame(self.sock, '{"type":"wake"}')
@@ -231,19 +236,27 @@ class PullReader:
                     for rid in [r for r, at in streams.items() if now - at > STREAM_GAP_S]:
                         del streams[rid]
                 if streams:
-                    time.sleep(self._poll_s)
+                    self._pause(self._poll_s)
                     continue
                 if now - last < BURST_S:  # messages back to back: the next one is near
                     time.sleep(0)
                     continue
-                self.ring.set_asleep(True)
-                self._wake.clear()  # (a lock: orders the store above before the load below)
-                if not self.ring.has_records() and not self._stopped:
-                    self._wake.wait(IDLE_CHECK_S)
-                self.ring.set_asleep(False)
+                self._pause(IDLE_CHECK_S, ASLEEP)
         except Exception as exc:  # a bad record or a copy that failed ends the connection
             if not self._stopped:
                 self.fail(exc)
+
+    def _pause(self, seconds: float, state: int = POLLING_SLOWLY) -> None:
+        """Waits up to `seconds` for a wake, having told writers it does (`state`), unless a
+        record came meanwhile. A pause of one `POLL_S` step sleeps, and writers are not told."""
+        if state != ASLEEP and seconds <= POLL_S[0]:
+            time.sleep(seconds)
+            return
+        self.ring.set_state(state)
+        self._wake.clear()  # (a lock: orders the store above before the load below)
+        if not self.ring.has_records() and not self._stopped:
+            self._wake.wait(seconds)
+        self.ring.set_state(AWAKE)
 
     def _drain(self) -> int:
         """Delivers what the ring holds; notes which streams are under way (hold `_lock`)."""

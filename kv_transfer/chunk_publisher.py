@@ -8,9 +8,9 @@ notes the chunk (`KVSender`'s bookkeeping) and appends it here; this thread writ
 and calls `send` while the engine computes the next chunk (torch releases the GIL in its ops).
 
 The thread does not need waking for every chunk, which would cost the engine's thread a system
-call each time: while chunks keep coming it looks every tenth of a step (`POLL_S`), and it
+call each time: while chunks keep coming it looks every quarter of a step (`POLL_S`), and it
 sleeps after a quiet `STREAM_GAP_S` (the next chunk then wakes it, once). A chunk therefore
-leaves within a tenth of a step after its step.
+leaves within a quarter of a step after its step, long before the step after it ends.
 
 Ordering: chunks of one request leave in order. Whatever the engine's thread sends itself to a
 peer (a request's last chunk, a cancel) must not overtake chunks still queued here: it calls
@@ -33,8 +33,10 @@ from tandem.kv_transfer.manifest import TransferError
 
 log = logging.getLogger(__name__)
 
-POLL_S = (0.001, 0.02)
-"""How often the thread looks for chunks while a stream is under way."""
+POLL_S = (0.001, 0.01, 0.05)
+"""How often the thread looks for chunks while a stream is under way: a quarter of the time
+between the last two chunks (a prefill step) within the first and last of these bounds; the
+middle one until two chunks were timed. Each look takes the GIL."""
 STREAM_GAP_S = 2.0
 """With no chunk for this long, the thread sleeps until the next one wakes it."""
 
@@ -114,7 +116,11 @@ class ChunkPublisher:
         while queue and (count is None or count > 0):
             chunk = queue[0]
             try:
-                self.transport.send(chunk.peer, self.write_header(chunk), chunk.src_block_ids)
+                header = self.write_header(chunk)
+                # Drop the GIL between the two halves of the work: an engine thread that wants
+                # it back (a torch op ended) waits for half of it at most.
+                time.sleep(0)
+                self.transport.send(chunk.peer, header, chunk.src_block_ids)
             except Exception as exc:  # (a bug too: the request fails, the thread goes on)
                 if not isinstance(exc, TransferError):
                     log.exception("sending a chunk of %s failed", chunk.request_id)
@@ -123,13 +129,13 @@ class ChunkPublisher:
             count = None if count is None else count - 1
 
     def _run(self) -> None:
-        low, high = POLL_S
-        poll_s, seen = high, 0.0  # the last chunk's `add` time this thread saw
+        low, poll_s, high = POLL_S
+        seen = 0.0  # the last chunk's `add` time this thread saw
         while not self._closed:
             last = self._last_add
             if last != seen:
                 if 0 < last - seen < STREAM_GAP_S:
-                    poll_s = min(max((last - seen) / 10, low), high)
+                    poll_s = min(max((last - seen) / 4, low), high)
                 seen = last
             while self._queue:  # one at a time: `flush` and `drop` may cut in between
                 with self._lock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.kv_transfer._pull_ring import CONTROL_BYTES, RecordRing
+from tandem.kv_transfer._pull_ring import ASLEEP, AWAKE, CONTROL_BYTES, POLLING_SLOWLY, RecordRing
 
 
 def ring(data_bytes: int) -> RecordRing:
@@ -41,13 +41,12 @@ def test_a_record_larger_than_the_ring_is_refused() -> None:
     assert r.read() == [b"q" * 56]
 
 
-def test_the_asleep_flag() -> None:
+def test_the_reader_state() -> None:
     r = ring(64)
-    assert not r.reader_asleep
-    r.set_asleep(True)
-    assert r.reader_asleep
-    r.set_asleep(False)
-    assert not r.reader_asleep
+    assert r.reader_state == AWAKE
+    for state in (ASLEEP, POLLING_SLOWLY, AWAKE):
+        r.set_state(state)
+        assert r.reader_state == state
 
 
 def test_a_buffer_of_the_wrong_size_is_refused() -> None:

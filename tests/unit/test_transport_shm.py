@@ -319,7 +319,7 @@ def test_a_stream_is_polled_and_costs_the_sender_one_wake(monkeypatch: pytest.Mo
             assert len(h.collect(receiver, 1, 5.0)) == 1
             assert time.monotonic() - start < 0.5
             time.sleep(0.02)
-            assert len(wakes) == before + (1 if chunk < 3 else 2)
+            assert len(wakes) == before + (1 if chunk < 3 else 2), chunk
         time.sleep(0.1)
         sender.send(receiver.address, {"type": "after"})
         assert len(h.collect(receiver, 1, 5.0)) == 1
