@@ -287,6 +287,14 @@ class KVSender:
         """A chunk's header; the last one's (`last_of` its request) carries the first token
         and the sampler state."""
         req = last_of.request if last_of is not None else None
+        if req is None and not self.checksums:
+            return self._headers.plain_chunk(
+                chunk.request_id,
+                chunk.chunk_index,
+                chunk.num_tokens,
+                chunk.src_block_ids,
+                chunk.dst_block_ids,
+            )
         return self._headers.write(
             chunk.request_id,
             chunk.chunk_index,

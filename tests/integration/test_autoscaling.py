@@ -30,7 +30,9 @@ SCALING = {
 }
 BURST = 12  # concurrent streams: ~3 replicas' worth, capped at max_replicas=2
 KEEPERS = 4  # concurrent streams after the burst: one replica's worth (2 per replica at first)
-BURST_TOKENS, KEEPER_TOKENS = 48, 256
+BURST_TOKENS, KEEPER_TOKENS = 48, 512
+"""Keepers' streams are long, so a replica that had one when Serve chose to remove it still has
+it when its drain starts (with 256 the removed replica once drained with nothing in flight)."""
 PHASE_TIMEOUT_S = 90.0
 
 

@@ -63,38 +63,40 @@ def test_chunks_leave_in_order_from_the_publishing_thread() -> None:
         publisher.close()
 
 
-def test_flush_sends_what_is_queued_now_after_a_chunk_being_sent() -> None:
+def test_flush_and_drop_act_on_the_calling_thread() -> None:
+    """With the thread stopped (so nothing races them): `drop` forgets one request's queued
+    chunks, `flush` sends the rest, in order, on the calling thread."""
     transport = Recorder()
-    transport.gate.clear()  # the thread is stuck sending chunk 0
     publisher = publisher_for(transport)
-    try:
-        publisher.add(chunk("a", 0))
-        time.sleep(0.05)
-        publisher.add(chunk("a", 1))
-        publisher.add(chunk("a", 2))
-        threading.Timer(0.1, transport.gate.set).start()
-        publisher.flush()  # waits for chunk 0, then sends 1 and 2 on this thread
-        assert [i for _, i, _ in transport.sent] == [0, 1, 2]
-        assert transport.sent[0][2] == "kv-chunk-publisher"
-        assert {thread for _, _, thread in transport.sent[1:]} == {"MainThread"}
-    finally:
-        publisher.close()
+    publisher.close()
+    for c in (chunk("a", 0), chunk("b", 0), chunk("a", 1), chunk("b", 1)):
+        publisher.add(c)
+    assert publisher.drop("a") == 2
+    publisher.flush()
+    assert transport.sent == [("b", 0, "MainThread"), ("b", 1, "MainThread")]
 
 
-def test_drop_forgets_a_requests_queued_chunks_only() -> None:
+def test_flush_and_drop_wait_for_the_chunk_being_sent() -> None:
+    """The thread is stuck sending a0: `drop` returns only once that send is done (the
+    caller unpins after it), and forgets what is still queued of the request; `flush` then
+    leaves every other chunk sent, each once, in order."""
     transport = Recorder()
     transport.gate.clear()
     publisher = publisher_for(transport)
     try:
         publisher.add(chunk("a", 0))
-        time.sleep(0.05)  # chunk a0 is being sent
+        wait_for(publisher._lock.locked)  # a0 is being sent
         publisher.add(chunk("a", 1))
         publisher.add(chunk("b", 0))
+        publisher.add(chunk("b", 1))
         threading.Timer(0.1, transport.gate.set).start()
-        assert publisher.drop("a") == 1  # a1; a0 was already under way
-        wait_for(lambda: len(transport.sent) == 2)
-        time.sleep(0.05)
-        assert [(rid, i) for rid, i, _ in transport.sent] == [("a", 0), ("b", 0)]
+        dropped = publisher.drop("a")
+        assert ("a", 0) in [(rid, i) for rid, i, _ in transport.sent]
+        publisher.flush()
+        sent = [(rid, i) for rid, i, _ in transport.sent]
+        # (the thread may send a1 between a0 and the drop: locks are not fair)
+        assert sent in ([("a", 0), ("b", 0), ("b", 1)], [("a", 0), ("a", 1), ("b", 0), ("b", 1)])
+        assert dropped == (1 if ("a", 1) not in sent else 0)
     finally:
         publisher.close()
 

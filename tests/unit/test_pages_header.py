@@ -82,3 +82,16 @@ def test_interleaved_streams_each_get_their_own_text() -> None:
             )  # fmt: skip
             assert json.loads(header.text) == header
             assert header["request_id"] == rid and header["manifest"]["chunk_index"] == chunk
+
+
+def test_a_plain_chunk_is_what_write_makes_of_it() -> None:
+    writer = PagesHeaderWriter(LAYOUT)
+    plain = writer.plain_chunk('r"1', 4, 80, [7, 8], [9, 10])
+    full = writer.write(
+        'r"1', 4, last=False, num_tokens=80, src_block_ids=[7, 8], dst_block_ids=[9, 10]
+    )
+    assert plain == full and plain.text == full.text
+    assert plain.plain_chunk_layout == full.plain_chunk_layout is not None
+    bad = writer.plain_chunk("r", 0, 16, [np.int64(1)], [2])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="must be ints"):
+        header_json(bad)
