@@ -50,10 +50,10 @@ TRANSPORTS = ("shm", "torch", "ucx")
 
 
 def throughput_table(
-    sizes: list[str], rounds: int, quiet_s: float
+    sizes: list[str], rounds: int, quiet_s: float, transports: tuple[str, ...] = TRANSPORTS
 ) -> dict[str, dict[str, float | None]]:
     table: dict[str, dict[str, float | None]] = {}
-    for name in ("memcpy", *TRANSPORTS):
+    for name in ("memcpy", *transports):
         table[name] = {}
         for label in sizes:
             chunk = SIZES[label]
@@ -74,7 +74,7 @@ def throughput_table(
 
 def ratios(table: dict[str, dict[str, float | None]]) -> dict[str, dict[str, float | None]]:
     out: dict[str, dict[str, float | None]] = {}
-    for name in TRANSPORTS:
+    for name in [n for n in table if n != "memcpy"]:
         out[name] = {}
         for label, gbs in table.get(name, {}).items():
             base = table["memcpy"].get(label)
@@ -83,7 +83,13 @@ def ratios(table: dict[str, dict[str, float | None]]) -> dict[str, dict[str, flo
 
 
 def hidden_share(
-    model_dir: Path, transport: str, gbs: float, threads: int, chunk_blocks: int, rounds: int = 3
+    model_dir: Path,
+    transport: str,
+    gbs: float,
+    threads: int,
+    chunk_blocks: int,
+    rounds: int = 3,
+    hand_off: bool = True,
 ) -> dict[str, Any]:
     """Medians over `rounds` distinct 2,048-token prompts (no prefix hits). The processes stamp
     their own events (`time.perf_counter()`, one clock on a machine), so the hop from the
@@ -109,7 +115,12 @@ def hidden_share(
     kv_bytes = llm.engine.kv_pool.bytes_per_block * -(-2048 // 16)
     del llm
     pd = PDProcesses(
-        str(model_dir), transport, chunk_blocks=chunk_blocks, threads=threads, checksums=False
+        str(model_dir),
+        transport,
+        chunk_blocks=chunk_blocks,
+        threads=threads,
+        checksums=False,
+        hand_off=hand_off,
     )
     first, committed, send_work, stall_pd, stall_alone = [], [], [], [], []
     greedy = {"temperature": 0.0, "max_tokens": 2, "ignore_eos": True}
@@ -157,6 +168,7 @@ def hidden_share(
         "prompt_tokens": 2048,
         "kv_mib": round(kv_bytes / 2**20, 2),
         "chunk_blocks": chunk_blocks,
+        "hand_off": hand_off,
         "torch_threads": threads,
         "rounds": rounds,
         "transfer_ms": round(transfer_s * 1e3, 3),
@@ -220,6 +232,17 @@ def main() -> None:
     )
     parser.add_argument("--hidden-rounds", type=int, default=3, help="2,048-token prompts")
     parser.add_argument(
+        "--inline-send",
+        action="store_true",
+        help="part 2: the prefill's engine thread sends every chunk itself (no publishing "
+        "thread, as before session 10), for an A/B",
+    )
+    parser.add_argument(
+        "--transports",
+        default=",".join(TRANSPORTS),
+        help="comma-separated transports to measure (default: all installed)",
+    )
+    parser.add_argument(
         "--chunk-blocks", type=int, default=16, help="prefill chunk in blocks of 16 tokens"
     )
     parser.add_argument(
@@ -228,17 +251,27 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=Path(".tandem/bench-models"))
     args = parser.parse_args()
     sizes = ["1M", "16M"] if args.quick else list(SIZES)
-    table = throughput_table(sizes, 1 if args.quick else args.rounds, args.wait_quiet)
+    transports = tuple(n.strip() for n in args.transports.split(",") if n.strip())
+    unknown = sorted(set(transports) - set(TRANSPORTS))
+    if unknown:
+        parser.error(f"unknown transports {unknown}; choose from {', '.join(TRANSPORTS)}")
+    table = throughput_table(sizes, 1 if args.quick else args.rounds, args.wait_quiet, transports)
     rel = ratios(table)
     model_dir = ensure_checkpoint(args.cache_dir, ModelShape(max_position=4096))  # 2,048 tokens fit
     hidden: dict[str, Any] = {}
-    for name in TRANSPORTS:
+    for name in transports:
         # The transport's best rate at >= 1 MiB: the shortest transfer, so the hidden share
         # is not flattered by a slow figure.
         rates = [v for k, v in table.get(name, {}).items() if v and SIZES[k] >= 1 << 20]
         if rates:
             hidden[name] = hidden_share(
-                model_dir, name, max(rates), args.threads, args.chunk_blocks, args.hidden_rounds
+                model_dir,
+                name,
+                max(rates),
+                args.threads,
+                args.chunk_blocks,
+                args.hidden_rounds,
+                hand_off=not args.inline_send,
             )
     summary = {
         "bench": "kv_transfer",
