@@ -2,8 +2,8 @@
 
 A prefill engine streams a request's pages as a chunk after every step, and every chunk but the
 last says the same things: which request, its index, how many tokens are complete, and which
-blocks go where. Writing that as JSON on the engine's thread right after a forward pass costs
-tens of microseconds (every line of Python runs with cold caches), so a header that
+blocks go where. Writing that as JSON on a prefill's hot path (cold caches) costs tens of
+microseconds, so a header that
 `PagesHeaderWriter` marks as such a plain chunk (`EncodedHeader.plain_chunk_layout`) travels as
 one `struct` record instead, and the receiving side rebuilds exactly the header its JSON text
 would have given. The layout's JSON, the same for every chunk of a sender, goes once per link in

@@ -10,8 +10,8 @@ area. A record is an 8-byte length and
 its payload, padded to 8 bytes; a length of `_WRAP` means "continue at the start of the data
 area". The writer stores the payload before the count that publishes it, and the reader reads
 the count before the payload, which orders them on total-store-order CPUs (x86-64): `supported()`
-says whether this is one. The writer runs on a prefill engine's thread right after a forward
-pass, when every line of Python is slow (cold caches), so it touches little: a memoryview and
+says whether this is one. The writer runs once per chunk on a prefill's hot path, where every
+line of Python is slow (cold caches), so it touches little: a memoryview and
 `struct`, no numpy.
 """
 

@@ -132,7 +132,7 @@ class PullWriter:
         """Appends a message; False when the ring is full (the reader is behind). A plain chunk
         goes as a compact record, anything else as JSON. `TransferError` for a message larger
         than the whole ring; TypeError or ValueError for a header that is not JSON."""
-        # (Runs on a prefill engine's thread right after a forward pass: every line is slow.)
+        # (Runs once per chunk on a prefill's publishing or engine thread: every line is slow.)
         layout = header.plain_chunk_layout if type(header) is EncodedHeader else None
         if layout is not None:
             index = self._layouts.get(layout)

@@ -183,7 +183,7 @@ def consecutive_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, 
 
 def valid_block_ids(ids: Sequence[int], num_blocks: int) -> bool:
     """All ids are in `[0, num_blocks)` and none repeats."""
-    # Builtins only, no generator: this runs on a prefill engine's thread for every chunk.
+    # Builtins only, no generator: this runs on a prefill's hot path for every chunk.
     return not ids or (min(ids) >= 0 and max(ids) < num_blocks and len(set(ids)) == len(ids))
 
 

@@ -340,11 +340,11 @@ class ShmTransport(ChannelTransport):
         link = self._links.get(peer)
         pull = link.state.pull if link is not None and type(link.state) is _LinkState else None
         if pull is not None and self._pool is not None:
-            # As `_outgoing` checks, but touching less: this runs on a prefill engine's thread
-            # after every step, right after a forward pass evicted the CPU caches.
+            # As `_outgoing` checks, but touching less: this runs on a prefill's hot path
+            # after every step, where the CPU caches are cold.
             ids = src_block_ids if type(src_block_ids) is list else list(map(int, src_block_ids))
             if valid_block_ids(ids, self._pool.num_blocks):
-                with self._mutex:  # (`send` runs on a prefill engine's thread)
+                with self._mutex:  # (against the sender thread)
                     if (
                         link.state.pull is pull  # type: ignore[union-attr]
                         and not self._closed
