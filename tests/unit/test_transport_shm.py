@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,8 +10,7 @@ import pytest
 import torch
 
 from tandem.kernels.kv_cache import KVCachePool
-from tandem.kv_transfer import _chunk_records, _cross_memory, _pull_ring
-from tandem.kv_transfer.manifest import KVLayout, PagesHeaderWriter, TransferError
+from tandem.kv_transfer import _cross_memory, _pull_ring
 from tandem.kv_transfer.registry import create_transport
 from tandem.kv_transfer.shm import ShmTransport
 from tests import transport_harness as h
@@ -33,39 +29,11 @@ PULL = {"pull": True}
 needs_pull = pytest.mark.skipif(
     not (_cross_memory.available() and _pull_ring.supported()), reason="no pull path here"
 )
-LAYOUT = KVLayout(
-    namespace="ns", block_size=16, num_layers=2, num_kv_heads=4, head_dim=64, dtype="float32"
-)
-"""The layout of the test pool, for chunk headers."""
-COMPACT = {"request_id": "x", "chunk_index": 0, "num_tokens": 16, "dst_block_ids": [2]}
-"""A plain chunk's manifest fields, for compact ring records."""
 POOL_KINDS = [
     pytest.param(REGION, id="region"),
     pytest.param(PRIVATE, id="private", marks=needs_cross_memory),
     pytest.param(PULL, id="pull", marks=needs_pull),
 ]
-
-
-@contextlib.contextmanager
-def pull_link() -> Iterator[tuple[ShmTransport, ShmTransport, KVCachePool, KVCachePool]]:
-    """A sender with a send-only pool and a receiver, the pull link between them open (one
-    message went through); yields (sender, receiver, the sender's pool, the receiver's)."""
-    sender = create_transport("shm", h.TOKEN)
-    receiver = create_transport("shm", h.TOKEN)
-    assert isinstance(sender, ShmTransport) and isinstance(receiver, ShmTransport)
-    try:
-        pool = sender.allocate_pool(**h.POOL, send_only=True)
-        h.fill_pool(pool, 5)
-        sender.register_pool(pool)
-        target = receiver.allocate_pool(**h.POOL)
-        receiver.register_pool(target)
-        sender.send(receiver.address, {"request_id": "first"})
-        assert len(h.collect(receiver, 1, 10.0)) == 1
-        assert sender._links[receiver.address].state.pull is not None
-        yield sender, receiver, pool, target
-    finally:
-        sender.close()
-        receiver.close()
 
 
 @pytest.fixture(scope="module")
@@ -255,164 +223,3 @@ def test_workers_keep_only_the_decode_pool_in_shared_memory(
         assert engine.kv_pool.num_blocks == 16
     finally:
         transport.close()
-
-
-@needs_pull
-def test_the_pull_path_is_taken_and_a_sleeping_reader_is_woken(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A send-only pool offers its ring; records reach a reader that went to sleep through the
-    link's wake frame (its own periodic look is set far beyond the wait here)."""
-    from tandem.kv_transfer import _shm_pull
-
-    monkeypatch.setattr(_shm_pull, "IDLE_CHECK_S", 30.0)
-    with pull_link() as (sender, receiver, pool, target):
-        sender.send(receiver.address, h.manifest_header("a", [4, 5]), [10, 11])
-        (first,) = h.collect(receiver, 1, 10.0)
-        assert first.header["direct"] is True and first.pages is None
-        assert [n for n in h.shm_entries(sender.endpoint_id) if n.endswith("-r0")]
-        for n, (src, dst) in enumerate([([3], [9]), ([20, 21, 22], [30, 31, 40])]):
-            time.sleep(0.3)  # the reader is asleep by now
-            start = time.monotonic()
-            sender.send(receiver.address, h.manifest_header(f"b{n}", dst), src)
-            (got,) = h.collect(receiver, 1, 5.0)
-            assert got.header["request_id"] == f"b{n}" and time.monotonic() - start < 1.0
-        digests, sent = h.block_digests(target), h.block_digests(pool)
-        for src, dst in [([10, 11], [4, 5]), ([3], [9]), ([20, 21, 22], [30, 31, 40])]:
-            assert [digests[d] for d in dst] == [sent[s] for s in src]
-    assert h.shm_entries(sender.endpoint_id) == []
-
-
-@needs_pull
-def test_a_stream_is_polled_and_costs_the_sender_one_wake(monkeypatch: pytest.MonkeyPatch) -> None:
-    """While a stream's chunks keep coming the reader polls, so only its first chunk makes the
-    sender write a wake frame. A message that is not a plain chunk (the last chunk, which
-    commits the request; anything after) always comes with one: it must not wait for a look."""
-    from tandem.kv_transfer import _shm_pull
-
-    wakes: list[str] = []
-    real_send_frame = _shm_pull.send_frame
-
-    def counting(sock: Any, payload: Any) -> None:
-        wakes.append(str(payload))
-        real_send_frame(sock, payload)
-
-    monkeypatch.setattr(_shm_pull, "send_frame", counting)
-    monkeypatch.setattr(_shm_pull, "IDLE_CHECK_S", 30.0)  # (no periodic look: only wakes)
-    writer = PagesHeaderWriter(LAYOUT)
-    with pull_link() as (sender, receiver, _, _):
-        time.sleep(0.1)  # the reader has nothing under way: asleep
-        before = len(wakes)
-        for chunk in range(4):
-            last = chunk == 3
-            header = writer.write(
-                "s",
-                chunk,
-                last=last,
-                num_tokens=16 * (chunk + 1),
-                src_block_ids=[chunk],
-                dst_block_ids=[chunk],
-                first_token_ids=[1] if last else (),
-            )
-            start = time.monotonic()
-            sender.send(receiver.address, header, [chunk])
-            assert len(h.collect(receiver, 1, 5.0)) == 1
-            assert time.monotonic() - start < 0.5
-            time.sleep(0.02)
-            assert len(wakes) == before + (1 if chunk < 3 else 2), chunk
-        time.sleep(0.1)
-        sender.send(receiver.address, {"type": "after"})
-        assert len(h.collect(receiver, 1, 5.0)) == 1
-        assert len(wakes) == before + 3
-
-
-@needs_pull
-def test_plain_chunks_travel_as_compact_records() -> None:
-    """A stream's chunks from `PagesHeaderWriter` go as compact records (the layout announced
-    once per link), so the sender never writes their JSON text; the receiver gets the header
-    that text would have said, and the pages byte-exact. The last chunk goes as JSON."""
-    writer = PagesHeaderWriter(LAYOUT)
-    chunks = [([10, 11], [4, 5], False), ([3], [9], False), ([20, 21, 22], [30, 31, 40], True)]
-    with pull_link() as (sender, receiver, pool, target):
-        pull = sender._links[receiver.address].state.pull
-        sent = []
-        for index, (src, dst, last) in enumerate(chunks):
-            header = writer.write(
-                "r\u00e9q",
-                index,
-                last=last,
-                num_tokens=16 * (index + 1),
-                src_block_ids=src,
-                dst_block_ids=dst,
-                first_token_ids=[7] if last else (),
-            )
-            sender.send(receiver.address, header, src)
-            sent.append(header)
-        got = h.collect(receiver, 3, 10.0)
-        assert [header._text is None for header in sent] == [True, True, False]
-        for message, header in zip(got, sent, strict=True):
-            assert message.header == {**json.loads(header.text), "direct": True}
-        assert list(pull._layouts.values()) == [0]  # one layout record, announced once
-        digests, source = h.block_digests(target), h.block_digests(pool)
-        for src, dst, _ in chunks:
-            assert [digests[d] for d in dst] == [source[s] for s in src]
-
-
-@needs_pull
-@pytest.mark.parametrize(
-    "record",
-    [
-        b"not json",
-        b'{"src":[1],"header":3}',
-        b'{"src":[999],"header":{"request_id":"x"}}',
-        b"C\x00\x01",
-        _chunk_records.chunk_record(7, COMPACT, (1,)),
-        _chunk_records.layout_record("{}") + b"\xff",
-    ],
-    ids=[
-        "not-json",
-        "no-header",
-        "block-outside-the-pool",
-        "short-chunk",
-        "unannounced-layout",
-        "bad-layout",
-    ],
-)
-def test_a_bad_ring_record_ends_the_connection(record: bytes) -> None:
-    """The receiver trusts nothing in the ring: a record it cannot read, or one naming blocks
-    outside the sender's pool, ends the connection (the sender hears of it), never a copy."""
-    with pull_link() as (sender, receiver, _, target):
-        before = h.block_digests(target)
-        pull = sender._links[receiver.address].state.pull
-        assert pull is not None and pull.ring.write(record)
-        sender.send(receiver.address, {"request_id": "wake"})  # (wakes the reader if asleep)
-        errors = [m.header for m in h.collect(sender, 1, 10.0)]
-        assert errors and errors[0]["type"] == "transport_error"
-        # ("wake" itself may arrive, over a new link, if the reader failed before it was sent)
-        later = h.collect(receiver, 1, 0.3)
-        assert [m.header["request_id"] for m in later] in ([], ["wake"])
-        assert h.block_digests(target) == before
-
-
-@needs_pull
-def test_a_header_larger_than_the_pull_ring_is_refused_at_send() -> None:
-    with pull_link() as (sender, receiver, _, _):
-        with pytest.raises(TransferError, match="exceeds the pull ring"):
-            sender.send(receiver.address, {"request_id": "big", "blob": "x" * (2 << 20)})
-        sender.send(receiver.address, {"request_id": "after"}, [1])
-        (got,) = h.collect(receiver, 1, 10.0)
-        assert got.header["request_id"] == "after"
-
-
-@needs_pull
-def test_a_receiver_gone_is_reported_by_poll_not_raised_by_send() -> None:
-    """`send` never raises for a broken link (a prefill engine's thread calls it): a receiver
-    that went away is reported through the sender's `poll`."""
-    with pull_link() as (sender, receiver, _, _):
-        time.sleep(0.1)  # the reader is asleep: the next record needs a wake frame
-        receiver.close()
-        for n in range(5):  # the socket may still look open for the first of these
-            sender.send(receiver.address, {"request_id": f"late{n}"}, [n])
-            time.sleep(0.05)
-        errors = [m.header for m in h.collect(sender, 1, 10.0)]
-        assert errors and errors[0]["type"] == "transport_error"
