@@ -47,8 +47,8 @@ import torch
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer import _cross_memory, _pull_ring, _shm_pull
 from tandem.kv_transfer._channel_transport import ChannelTransport
-from tandem.kv_transfer._hugepages import allocate_hugepage_pool
 from tandem.kv_transfer._shm_memory import Owned, Rows, as_rows, copy_rows
+from tandem.kv_transfer._shm_pools import PoolKinds
 from tandem.kv_transfer._shm_region import ShmRegion, is_region_name, new_endpoint_id
 from tandem.kv_transfer._shm_staging import StagedPages, StagingRing
 from tandem.kv_transfer._socket_channel import (
@@ -132,9 +132,7 @@ class ShmTransport(ChannelTransport):
         `allocate_pool(send_only=True)` (a prefill worker's); True, for any CPU pool; False, never.
         """
         self._offered_ring: ShmRegion | None = None
-        self._send_pools: set[int] = set()  # data_ptr of pools allocated send_only
-        self._pool_regions: dict[int, str] = {}  # data_ptr of an allocated pool -> region name
-        self._private_pools: set[int] = set()  # data_ptr of pools peers write by cross-memory
+        self._pools = PoolKinds(self._owned, self._region_name)
         self._announce: dict[str, Any] | None = None
         self._pool_rows: Rows = None
         self._start()
@@ -166,44 +164,17 @@ class ShmTransport(ChannelTransport):
         """
         if self._closed:
             raise TransferError("transport is closed")
-        if send_only or self.cross_memory:
-            pool = allocate_hugepage_pool(
-                num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype
-            )
-            pools = self._send_pools if send_only else self._private_pools
-            pools.add(pool.tensor.data_ptr())
-            return pool
-        nbytes = KVCachePool.bytes_for(
-            num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype
+        shape = (num_blocks, num_layers, block_size, num_kv_heads, head_dim)
+        return self._pools.allocate(
+            shape, dtype, send_only=send_only, cross_memory=self.cross_memory
         )
-        region = ShmRegion.create(self._region_name("p"), nbytes)
-        self._owned.regions[region.name] = region
-        shape = KVCachePool.shape_for(num_blocks, num_layers, block_size, num_kv_heads, head_dim)
-        tensor = region.tensor(dtype, shape)
-        tensor.view(torch.uint8).reshape(-1).numpy().fill(0)  # touch every page once, now
-        pool = KVCachePool(
-            num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype, tensor=tensor
-        )
-        self._pool_regions[tensor.data_ptr()] = region.name
-        return pool
 
     def register_pool(self, pool: KVCachePool) -> None:
         """Sends read from `pool`; peers that connect later write straight into it when it came
         from `allocate_pool` (otherwise they stage). Register before publishing the address."""
         super().register_pool(pool)
         self._pool_rows = as_rows(pool.tensor)
-        ptr = pool.tensor.data_ptr()
-        geometry = {
-            "num_blocks": pool.num_blocks,
-            "block_shape": list(pool.block_shape),
-            "dtype": dtype_name(pool.dtype),
-        }
-        if ptr in self._private_pools:
-            self._announce = {"pid": os.getpid(), "address": ptr, **geometry}
-        elif ptr in self._pool_regions and pool.device.type == "cpu":
-            self._announce = {"region": self._pool_regions[ptr], **geometry}
-        else:
-            self._announce = None
+        self._announce = self._pools.announcement(pool)
 
     def _region_name(self, kind: str) -> str:
         return f"tandem-kv-{self.endpoint_id}-{kind}{next(self._names)}"
@@ -243,7 +214,7 @@ class ShmTransport(ChannelTransport):
         if self.pull is False or not _pull_ring.supported():
             return False
         pool = self._pool
-        if self.pull is None and (pool is None or pool.tensor.data_ptr() not in self._send_pools):
+        if self.pull is None and not self._pools.is_send_only(pool):
             return False
         return _shm_pull.can_pull_from(pool)
 
