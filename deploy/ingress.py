@@ -58,7 +58,7 @@ DEFAULT_INGRESS = Ingress.proxy
 """What `tandem serve`, the overhead bench and the integration tests use unless told: Serve's
 proxy. HAProxy is about 7 ms faster to the first token over HTTP here (`docs/benchmarks.md`),
 but behind it a waiting stream must write SSE comments for a client's leaving to be noticed
-(`tandem.router.openai_api.KEEPALIVE_S`), and clients that parse every SSE line as JSON (as
+(`tandem.router.sse_keepalive.KEEPALIVE_S`), and clients that parse every SSE line as JSON (as
 `vllm bench serve`'s does) fail on those."""
 
 

@@ -30,7 +30,6 @@ from tandem.router.admission import AdmissionConfig
 from tandem.router.api_keys import APIKeyMiddleware, key_digest
 from tandem.router.errors import APIError
 from tandem.router.openai_api import (
-    KEEPALIVE_S,
     create_chat_completion,
     create_completion,
     error_response,
@@ -42,6 +41,7 @@ from tandem.router.pd_orchestrator import PDOrchestrator
 from tandem.router.route_planner import DecodeRoutingConfig, RoutePlanner
 from tandem.router.routing_policy import RoutingConfig
 from tandem.router.serving import Serving
+from tandem.router.sse_keepalive import KEEPALIVE_S
 from tandem.router.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from tandem.router.worker_directory import WorkerDirectory
 

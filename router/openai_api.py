@@ -3,44 +3,46 @@
 Streams follow OpenAI: `data: {chunk}` events, an optional usage chunk with empty `choices`
 (`stream_options.include_usage`), then `data: [DONE]`. An error after the stream started is
 sent as one `data: {"error": ...}` event before `[DONE]`. Every response carries the request's
-stage timings: the `x-tandem-timings` header (non-streaming) and a `tandem_timings` field.
-
-Behind Ray's HAProxy ingress (`Serving.sse_keepalive_s` set) a stream that waits (a long
-prefill, a queue) writes an SSE comment (`: keep-alive`) every `KEEPALIVE_S`: HAProxy notices a
-client that left only when the response writes, and without them a client leaving during
-prefill was seen at the first token, the prefill running to its end. Behind Serve's proxy, which
-passes a disconnect on at once, no comment is written: clients that parse every line as JSON
-(as `vllm bench serve`'s does) would fail on one.
+stage timings: the `x-tandem-timings` header (non-streaming) and a `tandem_timings` field (of
+the first choice, when there are several). Behind Ray's HAProxy ingress a stream that waits
+writes SSE comments (`sse_keepalive`). Several choices (a batch of prompts, `n` > 1) are
+requests of their own, run together (`multi_choice`); one choice takes the direct way.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any, Literal
+from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray.exceptions import TaskCancelledError
 from starlette.types import Receive, Scope, Send
 
+from tandem.router import multi_choice
 from tandem.router.errors import APIError
+from tandem.router.openai_format import (
+    Kind,
+    ResponseHead,
+    chunk,
+    event,
+    full_body,
+    merged_usage,
+    usage_event,
+)
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
 from tandem.router.serving import Serving
+from tandem.router.sse_keepalive import KEEPALIVE, paced
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["completion", "chat"]
-
-KEEPALIVE_S = 0.25
-"""Behind HAProxy, a waiting stream writes an SSE comment this often (seconds)."""
-KEEPALIVE = ": keep-alive\n\n"
+DONE = "data: [DONE]\n\n"
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -81,178 +83,152 @@ def error_response(exc: APIError) -> JSONResponse:
 
 
 async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
-    timings = RequestTimings()
+    arrival = time.time()
     body.check_supported()
-    req = await serving.prepare(
-        f"cmpl-{uuid.uuid4().hex}",
-        body.model,
-        body.single_prompt(),
-        body.max_tokens,
-        body.sampling_dict(),
-        timings,
-        deadline_ms=body.deadline_ms,
-        priority=body.priority,
-        user=body.user,
-    )
-    return await _respond(serving, req, "completion", body.stream, body.stream_options)
+    prompts = body.prompts()
+    multi_choice.check_count(len(prompts), body.n)
+    response_id, fields = f"cmpl-{uuid.uuid4().hex}", body.sampling_dict()
+
+    async def prepare(index: int, request_id: str) -> Prepared:
+        try:
+            return await serving.prepare(
+                request_id,
+                body.model,
+                prompts[index // body.n],
+                body.max_tokens,
+                multi_choice.sample_fields(fields, index % body.n),
+                RequestTimings(arrival),
+                deadline_ms=body.deadline_ms,
+                priority=body.priority,
+                user=body.user,
+            )
+        except APIError as exc:
+            if len(prompts) > 1:  # say which prompt of the batch
+                exc.message = f"prompt {index // body.n}: {exc.message}"
+            raise
+
+    count = len(prompts) * body.n
+    return await _serve(serving, response_id, count, body.n, prepare, "completion", body)
 
 
 async def create_chat_completion(serving: Serving, body: ChatCompletionRequest) -> Any:
-    timings = RequestTimings()
+    arrival = time.time()
     body.check_supported()
-    max_tokens = body.requested_max_tokens()
-    req = await serving.prepare(
-        f"chatcmpl-{uuid.uuid4().hex}",
-        body.model,
-        body.template_messages(),
-        max_tokens,
-        body.sampling_dict(),
-        timings,
-        deadline_ms=body.deadline_ms,
-        priority=body.priority,
-        user=body.user,
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-    )
-    return await _respond(serving, req, "chat", body.stream, body.stream_options)
+    multi_choice.check_count(1, body.n)
+    response_id, fields = f"chatcmpl-{uuid.uuid4().hex}", body.sampling_dict()
+    messages, max_tokens = body.template_messages(), body.requested_max_tokens()
 
-
-async def _respond(
-    serving: Serving, req: Prepared, kind: Kind, stream: bool, options: Any
-) -> JSONResponse | StreamingResponse:
-    if stream:
-        include_usage = bool(options and options.include_usage)
-        return ClosingStreamingResponse(
-            _sse(serving, req, kind, include_usage),
-            media_type="text/event-stream",
-            on_close=lambda: serving.abandon(req),  # (nothing to do once `run` started)
+    def prepare(index: int, request_id: str) -> Awaitable[Prepared]:
+        return serving.prepare(
+            request_id,
+            body.model,
+            messages,
+            max_tokens,
+            multi_choice.sample_fields(fields, index),
+            RequestTimings(arrival),
+            deadline_ms=body.deadline_ms,
+            priority=body.priority,
+            user=body.user,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
         )
-    async with contextlib.aclosing(serving.run(req)) as items:
-        async for _ in items:
-            pass
-    body = _full_body(serving.model_name, req, kind)
-    timings = req.timings.stages_ms()
-    return JSONResponse(
-        body, headers={"x-tandem-timings": json.dumps(timings, separators=(",", ":"))}
+
+    return await _serve(serving, response_id, body.n, body.n, prepare, "chat", body)
+
+
+async def _serve(
+    serving: Serving,
+    response_id: str,
+    count: int,
+    n: int,
+    prepare: Callable[[int, str], Awaitable[Prepared]],
+    kind: Kind,
+    body: CompletionRequest | ChatCompletionRequest,
+) -> JSONResponse | StreamingResponse:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if count == 1:
+        req = await prepare(0, response_id)
+        head = ResponseHead.of(req, serving.model_name, kind)
+        if body.stream:
+            return ClosingStreamingResponse(
+                _sse(serving, req, kind, include_usage),
+                media_type="text/event-stream",
+                on_close=lambda: serving.abandon(req),  # (nothing to do once `run` started)
+            )
+        async with contextlib.aclosing(serving.run(req)) as items:
+            async for _ in items:
+                pass
+        return _json(full_body(head, [req], req.usage()))
+    reqs = await multi_choice.prepare_all(
+        serving, count, lambda i: prepare(i, f"{response_id}-{i}")
     )
+    head = ResponseHead.of(reqs[0], serving.model_name, kind, response_id)
+    if body.stream:
+        return ClosingStreamingResponse(
+            _sse_choices(serving, head, reqs, n, include_usage),
+            media_type="text/event-stream",
+            on_close=lambda: multi_choice.abandon_all(serving, reqs),
+        )
+    await multi_choice.run_all(serving, reqs)
+    return _json(full_body(head, reqs, merged_usage(reqs, n)))
 
 
-def _full_body(model: str, req: Prepared, kind: Kind) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": req.finish_reason, "logprobs": None}
-    choice["stop_reason"] = req.stop_reason
-    if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": req.text}
-    else:
-        choice["text"] = req.text
-    return {
-        "id": req.request_id,
-        "object": "chat.completion" if kind == "chat" else "text_completion",
-        "created": int(req.timings.arrival),
-        "model": model,
-        "choices": [choice],
-        "usage": req.usage(),
-        "tandem_timings": req.timings.stages_ms(),
-    }
-
-
-def _chunk(
-    model: str, req: Prepared, kind: Kind, text: str | None, finish: str | None, role: bool = False
-) -> str:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-    if kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant"} if role else {}
-        if text is not None:
-            delta["content"] = text
-        choice["delta"] = delta
-    else:
-        choice["text"] = text or ""
-    if finish is not None:
-        choice["stop_reason"] = req.stop_reason
-    data: dict[str, Any] = {
-        "id": req.request_id,
-        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-        "created": int(req.timings.arrival),
-        "model": model,
-        "choices": [choice],
-    }
-    if finish is not None:
-        data["tandem_timings"] = req.timings.stages_ms()
-    return _event(data)
-
-
-def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+def _json(body: dict[str, Any]) -> JSONResponse:
+    timings = json.dumps(body["tandem_timings"], separators=(",", ":"))
+    return JSONResponse(body, headers={"x-tandem-timings": timings})
 
 
 async def _sse(
     serving: Serving, req: Prepared, kind: Kind, include_usage: bool
 ) -> AsyncGenerator[str, None]:
-    model = serving.model_name
+    """One choice's stream."""
+    head = ResponseHead.of(req, serving.model_name, kind)
     try:
         if kind == "chat":
-            yield _chunk(model, req, kind, "", None, role=True)
+            yield chunk(head, req, "", None, role=True)
         every_s = serving.sse_keepalive_s
         run = serving.run(req)
-        paced = run if every_s is None else _paced(run, every_s)
-        async with contextlib.aclosing(paced) as items:
+        items = run if every_s is None else paced(run, every_s)
+        async with contextlib.aclosing(items):
             async for item in items:
                 if item is None:
                     yield KEEPALIVE
                     continue
                 finish = item.get("finish_reason")
                 if item["text"] or finish is not None:
-                    yield _chunk(model, req, kind, item["text"] or None, finish)
+                    yield chunk(head, req, item["text"] or None, finish)
         if include_usage:
-            yield _event(
-                {
-                    "id": req.request_id,
-                    "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                    "created": int(req.timings.arrival),
-                    "model": model,
-                    "choices": [],
-                    "usage": req.usage(),
-                }
-            )
+            yield usage_event(head, req.usage())
     except APIError as exc:
-        yield _event(exc.body())
-    yield "data: [DONE]\n\n"
+        yield event(exc.body())
+    yield DONE
 
 
-async def _paced(
-    items: AsyncGenerator[dict[str, Any], None], every_s: float
-) -> AsyncGenerator[dict[str, Any] | None, None]:
-    """`items`, and None whenever `every_s` pass without one. One task drives `items` from
-    start to end (its timeouts stay bound to it); closing this cancels that task."""
-    queue: asyncio.Queue[tuple[dict[str, Any] | None, BaseException | None]] = asyncio.Queue()
-
-    async def drive() -> None:
-        try:
-            async with contextlib.aclosing(items):
-                async for item in items:
-                    queue.put_nowait((item, None))
-        except Exception as exc:  # (APIError, ...) raised where the caller reads
-            queue.put_nowait((None, exc))
-            return
-        queue.put_nowait((None, None))
-
-    driver = asyncio.create_task(drive())
+async def _sse_choices(
+    serving: Serving, head: ResponseHead, reqs: list[Prepared], n: int, include_usage: bool
+) -> AsyncGenerator[str, None]:
+    """Several choices' streams in one, each chunk naming its choice's index."""
     try:
-        while True:
-            try:
-                async with asyncio.timeout(every_s):
-                    item, error = await queue.get()
-            except TimeoutError:
-                yield None
-                continue
-            if error is not None:
-                raise error
-            if item is None:
-                return
-            yield item
-    finally:
-        driver.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await driver
+        if head.kind == "chat":
+            for index, req in enumerate(reqs):
+                yield chunk(head, req, "", None, index=index, role=True)
+        every_s = serving.sse_keepalive_s
+        both = multi_choice.merged(serving, reqs)
+        items = both if every_s is None else paced(both, every_s)
+        async with contextlib.aclosing(items):
+            async for entry in items:
+                if entry is None:
+                    yield KEEPALIVE
+                    continue
+                index, item = entry
+                finish = item.get("finish_reason")
+                if item["text"] or finish is not None:
+                    yield chunk(head, reqs[index], item["text"] or None, finish, index=index)
+        if include_usage:
+            yield usage_event(head, merged_usage(reqs, n))
+    except APIError as exc:
+        yield event(exc.body())
+    yield DONE
 
 
 def model_card(model: str, max_model_len: int) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """OpenAI-compatible request schemas (completions and chat) and what they mean for the engine.
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do; known fields are
-type-checked. Features tandem does not implement (n > 1, logprobs, echo, penalties, JSON mode,
-function calling, ...) are refused with a 400 that names the field rather than silently ignored.
+type-checked. Features tandem does not implement (logprobs, echo, penalties, JSON mode, function
+calling, ...) are refused with a 400 that names the field rather than silently ignored. Several
+choices (`n` > 1, a batch of prompts) run as requests of their own (`multi_choice`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    n: int = 1
+    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -47,8 +48,6 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = 1.0  # vLLM's extension
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise bad_request(f"n={self.n} is not supported (only n=1)", "n", "unsupported")
         if self.logprobs not in (None, False, 0):
             raise bad_request("logprobs are not supported", "logprobs", "unsupported")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -89,17 +88,19 @@ class CompletionRequest(_SamplingFields):
             raise bad_request("echo is not supported", "echo", "unsupported")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
-        if self.best_of not in (None, 1):
-            raise bad_request("best_of > 1 is not supported", "best_of", "unsupported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(
+                f"best_of={self.best_of} is not supported (only best_of = n, no ranking)",
+                "best_of",
+                "unsupported",
+            )
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (a batch of several prompts is refused)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or each of a batch (texts or token id lists)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise bad_request("a batch of several prompts is not supported", "prompt")
-            return prompt[0]
-        return prompt  # type: ignore[return-value]
+            return list(prompt)
+        return [prompt]  # type: ignore[list-item]
 
 
 class ContentPart(BaseModel):

@@ -117,7 +117,7 @@ class PDOrchestrator:
                 await self._move(plan, "decode")
                 _open_decode(plan, request_id, prompt_token_ids, params, priority)
         except BaseException:
-            await _to_completion(_close_calls(call.futures(), plan.decode_stream))
+            await to_completion(_close_calls(call.futures(), plan.decode_stream))
             raise
         plan.grant = first["grant"]
         call.grant_task = asyncio.ensure_future(
@@ -131,7 +131,7 @@ class PDOrchestrator:
         call = plan.prefill_call
         pending = set() if call is None else call.futures()
         try:
-            await _to_completion(_close_calls(pending, plan.decode_stream))
+            await to_completion(_close_calls(pending, plan.decode_stream))
         finally:
             plan.release()
 
@@ -263,7 +263,7 @@ class PDOrchestrator:
             if plan.prefill_call is not None:  # (its task and early may be done: no matter)
                 pending |= plan.prefill_call.futures()
             try:
-                await _to_completion(_close_calls(pending, stream))
+                await to_completion(_close_calls(pending, stream))
             finally:
                 plan.release()
 
@@ -271,7 +271,7 @@ class PDOrchestrator:
 _cleanups: set[asyncio.Future[None]] = set()  # strong references while they run
 
 
-async def _to_completion(cleanup: Awaitable[None]) -> None:
+async def to_completion(cleanup: Awaitable[None]) -> None:
     """Runs `cleanup` to its end in its own task. When the HTTP server cancels a request
     (anyio cancel scopes), every later await of that request is cancelled too, so a clean-up
     awaited inline could stop half-way and leave the call running on its worker."""

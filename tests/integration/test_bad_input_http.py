@@ -56,7 +56,16 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("prompt missing", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
     ("empty prompt", "/v1/completions", {**OK, "prompt": ""}, 400, "prompt"),
     ("token id outside vocab", "/v1/completions", {**OK, "prompt": [1, 2, 999999]}, 400, "prompt"),
-    ("n > 1", "/v1/completions", {**OK, "n": 2}, 400, "n"),
+    ("n zero", "/v1/completions", {**OK, "n": 0}, 400, "n"),
+    ("too many choices", "/v1/completions", {**OK, "prompt": ["hi"] * 65, "n": 2}, 400, "prompt"),
+    ("best_of beyond n", "/v1/completions", {**OK, "n": 2, "best_of": 3}, 400, "best_of"),
+    (
+        "one prompt of a batch too long",
+        "/v1/completions",
+        {**OK, "prompt": ["hi", "word " * 3000]},
+        413,
+        "prompt",
+    ),
     ("seed beyond 64 bits", "/v1/completions", {**OK, "seed": 2**70}, 400, "seed"),
     ("min_tokens > max_tokens", "/v1/completions", {**OK, "min_tokens": 9}, 400, None),
     (

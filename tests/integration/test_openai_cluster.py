@@ -197,6 +197,14 @@ def test_32_concurrent_streams_are_exact(base_url: str, expected: list[Any]) -> 
 
 
 def test_client_disconnect_cancels_and_frees_blocks(base_url: str, cluster: Cluster) -> None:
+    _disconnect_mid_stream(base_url, cluster, n=1)
+
+
+def test_client_disconnect_cancels_every_choice(base_url: str, cluster: Cluster) -> None:
+    _disconnect_mid_stream(base_url, cluster, n=3)
+
+
+def _disconnect_mid_stream(base_url: str, cluster: Cluster, n: int) -> None:
     replicas = int(cluster.config["decode"]["replicas"])
     before = {
         w["worker_id"]: w["num_cancelled"]
@@ -210,10 +218,11 @@ def test_client_disconnect_cancels_and_frees_blocks(base_url: str, cluster: Clus
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "n": n,
     }
     with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=60) as resp:
         lines = resp.iter_lines()
-        got = [next(lines) for _ in range(6)]
+        got = [next(lines) for _ in range(6 * n)]
         assert any(line.startswith(b"data: {") for line in got)
     # Reports arrive within ~0.1 s, and right after a redeploy the registry may still list a
     # draining replica: count cancels per worker id, over every report seen, then wait for idle.
@@ -224,13 +233,49 @@ def test_client_disconnect_cancels_and_frees_blocks(base_url: str, cluster: Clus
         for w in after:
             if w["role"] == "decode":
                 seen[w["worker_id"]] = max(seen.get(w["worker_id"], 0), w["num_cancelled"])
-        gained = sum(max(0, n - before.get(wid, 0)) for wid, n in seen.items())
-        if gained >= 1 or time.monotonic() > deadline:
+        gained = sum(max(0, c - before.get(wid, 0)) for wid, c in seen.items())
+        if gained >= n or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert gained == 1, (before, seen, after)
+    assert gained == n, (before, seen, after)
     # the cluster still answers exactly afterwards
     out = client(base_url).completions.create(
         model="tiny", prompt="hello", max_tokens=4, temperature=0
     )
     assert out.usage is not None and out.usage.completion_tokens == 4
+
+
+def test_a_batch_of_prompts_with_n_choices_each(base_url: str, expected: list[Any]) -> None:
+    """Choice i is sample i % n of prompt i // n; each is exact (greedy), and usage counts
+    each prompt once."""
+    c = client(base_url)
+    extra = {"ignore_eos": True}
+    out = c.completions.create(
+        model="tiny",
+        prompt=PROMPTS[:3],
+        n=2,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body=extra,
+    )
+    assert [ch.index for ch in out.choices] == list(range(6))
+    assert [ch.text for ch in out.choices] == [expected[i // 2].text for i in range(6)]
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected[:3])
+    assert out.usage.completion_tokens == 6 * MAX_TOKENS
+    stream = c.completions.create(
+        model="tiny",
+        prompt=[PROMPTS[4], PROMPTS[14]],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
+    texts = ["", ""]
+    chunks = list(stream)
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+    assert texts == [expected[4].text, expected[14].text]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2 * MAX_TOKENS

@@ -1,0 +1,112 @@
+"""OpenAI response bodies and SSE events for completions and chat, one or several choices.
+
+A response has one id and one `created` time for all its choices; choice `index` i is the i-th
+request of the response (`prompt_index * n + sample_index`, as OpenAI and vLLM number them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tandem.router.prepared import Prepared
+
+Kind = Literal["completion", "chat"]
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    """What every body and chunk of one response repeats."""
+
+    response_id: str
+    created: int
+    model: str
+    kind: Kind
+
+    @classmethod
+    def of(
+        cls, req: Prepared, model: str, kind: Kind, response_id: str | None = None
+    ) -> ResponseHead:
+        return cls(response_id or req.request_id, int(req.timings.arrival), model, kind)
+
+    def fields(self, chunk: bool) -> dict[str, Any]:
+        if self.kind == "chat":
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
+
+
+def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -> dict[str, Any]:
+    """A non-streaming response: one choice per request, in order."""
+    choices = []
+    for index, req in enumerate(reqs):
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": req.finish_reason,
+            "logprobs": None,
+        }
+        choice["stop_reason"] = req.stop_reason
+        if head.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": req.text}
+        else:
+            choice["text"] = req.text
+        choices.append(choice)
+    return {
+        **head.fields(chunk=False),
+        "choices": choices,
+        "usage": usage,
+        "tandem_timings": reqs[0].timings.stages_ms(),
+    }
+
+
+def chunk(
+    head: ResponseHead,
+    req: Prepared,
+    text: str | None,
+    finish: str | None,
+    *,
+    index: int = 0,
+    role: bool = False,
+) -> str:
+    """One SSE event with one choice's text (chat: a delta, with the role on the first)."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None}
+    if head.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    if finish is not None:
+        choice["stop_reason"] = req.stop_reason
+    data: dict[str, Any] = {**head.fields(chunk=True), "choices": [choice]}
+    if finish is not None:
+        data["tandem_timings"] = req.timings.stages_ms()
+    return event(data)
+
+
+def usage_event(head: ResponseHead, usage: dict[str, Any]) -> str:
+    """The last data event of a stream with `stream_options.include_usage`: no choices."""
+    return event({**head.fields(chunk=True), "choices": [], "usage": usage})
+
+
+def event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def merged_usage(reqs: list[Prepared], n: int) -> dict[str, Any]:
+    """Usage of a response whose requests are `n` samples of each prompt in turn: each
+    prompt's tokens count once (as OpenAI counts them for n > 1), every completion token
+    counts, and so does every transferred block."""
+    firsts = reqs[::n]
+    prompt = sum(len(r.prompt_token_ids) for r in firsts)
+    completion = sum(r.completion_tokens for r in reqs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in firsts)},
+        "kv_transferred_blocks": sum(r.num_transferred_blocks for r in reqs),
+    }
