@@ -50,11 +50,15 @@ class _Stream:
 
 
 def _merge(item: dict[str, Any], nxt: dict[str, Any]) -> dict[str, Any]:
-    return {
+    """Two queued token items as one (the later one's fields, both items' tokens)."""
+    merged = {
         **nxt,
         "token_ids": item["token_ids"] + nxt["token_ids"],
         "text": item["text"] + nxt["text"],
     }
+    if "logprobs" in item or "logprobs" in nxt:
+        merged["logprobs"] = item.get("logprobs", []) + nxt.get("logprobs", [])
+    return merged
 
 
 def _error(code: str, message: str) -> dict[str, Any]:
@@ -191,7 +195,10 @@ class DecodeService(WorkerLoop):
                     self.engine.tokenizer, req.prompt_token_ids, req.output_token_ids
                 )
             text = self.engine.output_processor.text_delta(req, finished=False)
-            stream.put({"type": "tokens", "token_ids": list(event.token_ids), "text": text})
+            item = {"type": "tokens", "token_ids": list(event.token_ids), "text": text}
+            if event.logprobs is not None:
+                item["logprobs"] = event.logprobs
+            stream.put(item)
         elif event.kind == "finished_early":
             del self._streams[event.request_id]
             stream.put(self._finish_early(event, stream))
@@ -222,6 +229,7 @@ class DecodeService(WorkerLoop):
                 "".join(o.text_delta for o in outputs),
                 True,
                 last.finish_reason or "stop",
+                event.logprobs,
             ),
             req.stop_reason,
             stream,
@@ -249,6 +257,8 @@ class DecodeService(WorkerLoop):
             "token_ids": output.new_token_ids,
             "text": output.text_delta,
         }
+        if output.logprobs is not None:
+            item["logprobs"] = output.logprobs
         if output.finished:
             now = time.time()
             committed = stream.committed_at or now

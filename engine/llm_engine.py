@@ -17,6 +17,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.errors import InvalidRequestError, PromptTooLongError, TandemError
 from tandem.engine.kv_blocks import KVBlocks
+from tandem.engine.logprobs import raw_rows, rows_wanting_logprobs, token_logprobs
 from tandem.engine.model import CausalLM
 from tandem.engine.model_config import ModelSpec, load_model_spec
 from tandem.engine.model_runner import ModelRunner
@@ -230,12 +231,33 @@ class LLMEngine:
         self.scheduler.advance(out)
         if not to_sample:
             return []
+        rows = rows_wanting_logprobs(to_sample)
+        raw = raw_rows(logits, rows)
         tokens = sample(logits, to_sample)
         outputs = self.output_processor.process(to_sample, tokens)
+        if raw is not None:
+            self._add_logprobs(raw, rows, to_sample, tokens, outputs)
         for req, result in zip(to_sample, outputs, strict=True):
             if result.finished:
                 self._finish(req)
         return outputs
+
+    @staticmethod
+    def _add_logprobs(
+        raw: torch.Tensor,
+        rows: list[int],
+        requests: list[Request],
+        tokens: list[int],
+        outputs: list[StepOutput],
+    ) -> None:
+        picked = [requests[i] for i in rows]
+        entries = token_logprobs(
+            raw, [tokens[i] for i in rows], [r.params.logprobs or 0 for r in picked]
+        )
+        for i, req, entry in zip(rows, picked, entries, strict=True):
+            assert req.logprobs is not None
+            req.logprobs.append(entry)
+            outputs[i] = outputs[i]._replace(logprobs=[entry])
 
     def _finish(self, req: Request) -> None:
         req.set_status(RequestStatus.FINISHED)
@@ -258,6 +280,7 @@ class LLMEngine:
             stop_reason=req.stop_reason,
             num_cached_tokens=req.num_prefix_hit_tokens,
             finished=req.is_finished,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
         )
 
     # ---- KV hand-off between engines (prefill -> decode) -------------------------------------------

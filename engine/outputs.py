@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+"""A generated token's log-probability, and its request's `logprobs` most likely tokens as
+(token id, log-probability), most likely first. As JSON: `[lp, [[id, lp], ...]]`."""
+
 
 class StepOutput(NamedTuple):
     """One request's progress in one engine step (a streamed token event)."""
@@ -14,6 +18,7 @@ class StepOutput(NamedTuple):
     text_delta: str
     finished: bool
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asks
 
 
 @dataclass
@@ -29,3 +34,4 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     finished: bool = True
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when asked

@@ -12,6 +12,7 @@ from enum import IntEnum
 import torch
 
 from tandem.engine.output_text import OutputText
+from tandem.engine.outputs import TokenLogprob
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -65,6 +66,7 @@ class Request:
         "keep_kv",
         "error",
         "priority",
+        "logprobs",
     )
 
     def __init__(
@@ -107,6 +109,8 @@ class Request:
         self.error: str | None = None
         self.priority = priority
         """Lower runs earlier among waiting requests (vLLM's convention); ties keep arrival order."""
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        """One entry per output token when `params.logprobs` asks (`outputs.TokenLogprob`)."""
 
     def set_status(self, status: RequestStatus, now: float | None = None) -> None:
         self.status = status

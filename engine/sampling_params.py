@@ -8,6 +8,8 @@ from tandem.engine.errors import InvalidRequestError, summarize_validation
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """The seeds a `torch.Generator` takes (a signed or unsigned 64-bit integer)."""
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask log-probabilities of, per token (vLLM's default)."""
 
 
 class SamplingParams(BaseModel):
@@ -16,6 +18,9 @@ class SamplingParams(BaseModel):
     `temperature == 0` means greedy. `seed` makes sampling reproducible for this request whatever
     else shares the batch. `stop` strings are cut from the returned text; `stop_token_ids` and the
     model's EOS end generation (EOS unless `ignore_eos`), never before `min_tokens` tokens.
+    `logprobs` (None: none) returns, for each generated token, its log-probability and those of
+    the `logprobs` most likely tokens, under the model's distribution (its logits before
+    temperature, top-k, top-p and `min_tokens`, as vLLM returns them).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -29,6 +34,7 @@ class SamplingParams(BaseModel):
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def __init__(self, **data: object) -> None:
         try:

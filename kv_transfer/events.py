@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
+from tandem.engine.outputs import TokenLogprob
+
 EventKind = Literal["first_token", "sent", "committed", "finished_early", "failed", "cancelled"]
 
 
@@ -11,9 +13,12 @@ class TransferEvent(NamedTuple):
     """`first_token`: prefill sampled the first token(s) (`token_ids`); `sent`: every chunk was
     acknowledged and the prefill side let go of the pages; `committed`: the request runs in the
     decode engine; `finished_early`: the first token already ended the request; `failed` /
-    `cancelled`: the transfer ended without a commit and every block was released."""
+    `cancelled`: the transfer ended without a commit and every block was released.
+    `logprobs`: of `token_ids`, when the request asks for them (`first_token`, `committed`,
+    `finished_early`)."""
 
     kind: EventKind
     request_id: str
     token_ids: tuple[int, ...] = ()
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None

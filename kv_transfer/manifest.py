@@ -17,6 +17,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.engine.errors import TandemError
+from tandem.engine.outputs import TokenLogprob
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer.base import EncodedHeader
 
@@ -140,6 +141,7 @@ class PagesHeaderWriter:
         first_token_ids: Sequence[int] = (),
         sampler_state: str | None = None,
         finished: bool | None = None,
+        first_token_logprobs: Sequence[TokenLogprob] | None = None,
     ) -> EncodedHeader:
         src, dst, first = list(src_block_ids), list(dst_block_ids), list(first_token_ids)
         if not set(map(type, src + dst + first)) <= {int}:  # (then `str` of a list is its JSON)
@@ -152,6 +154,11 @@ class PagesHeaderWriter:
             header.plain_chunk_layout = None
         if finished is not None:
             header["finished"] = finished
+        if first_token_logprobs is not None:  # (outside the manifest: not about the pages)
+            header["first_token_logprobs"] = [
+                [lp, [list(t) for t in top]] for lp, top in first_token_logprobs
+            ]
+            header.plain_chunk_layout = None
         return header
 
     def plain_chunk(
@@ -208,6 +215,8 @@ class PagesHeaderWriter:
         ]
         if "finished" in header:
             parts.append(',"finished":true' if header["finished"] else ',"finished":false')
+        if "first_token_logprobs" in header:
+            parts += (',"first_token_logprobs":', json.dumps(header["first_token_logprobs"]))
         parts.append("}")
         return "".join(parts)
 

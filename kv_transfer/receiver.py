@@ -32,6 +32,8 @@ from pydantic import ValidationError
 from tandem.engine.hashing import hash_full_blocks
 from tandem.engine.kv_io import NoFreeBlocksError, commit_request
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.logprobs import parse_entries
+from tandem.engine.outputs import TokenLogprob
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.base import KVTransport, Message
 from tandem.kv_transfer.events import TransferEvent
@@ -255,6 +257,11 @@ class KVReceiver:
             if pages_checksum(pages) != manifest.checksum:
                 return f"chunk {manifest.chunk_index} failed its checksum"
         if manifest.last:
+            if (
+                res.params.logprobs is not None
+                and self._first_logprobs(res, manifest, message.header) is None
+            ):
+                return "the last chunk's first_token_logprobs are missing or malformed"
             if res.next_block + len(expected) != len(res.block_table):
                 return "last chunk arrived before all reserved blocks were filled"
             if manifest.num_tokens != len(res.prompt_token_ids):
@@ -266,11 +273,13 @@ class KVReceiver:
     ) -> TransferEvent:
         del self.reservations[res.request_id]
         assert res.peer is not None
+        first = tuple(manifest.first_token_ids)
+        logprobs = self._first_logprobs(res, manifest, header)
         if header.get("finished"):
             self.engine.block_manager.free(res.block_table)
             self._ack(res, manifest.chunk_index)
-            return TransferEvent("finished_early", res.request_id, tuple(manifest.first_token_ids))
-        commit_request(
+            return TransferEvent("finished_early", res.request_id, first, logprobs=logprobs)
+        req = commit_request(
             self.engine,
             res.request_id,
             res.prompt_token_ids,
@@ -280,8 +289,23 @@ class KVReceiver:
             num_hit_blocks=res.num_hit_blocks,
             sampler_state=decode_state(manifest.sampler_state),
         )
+        if logprobs is not None:
+            req.logprobs = list(logprobs)
         self._ack(res, manifest.chunk_index)
-        return TransferEvent("committed", res.request_id, tuple(manifest.first_token_ids))
+        return TransferEvent("committed", res.request_id, first, logprobs=logprobs)
+
+    @staticmethod
+    def _first_logprobs(
+        res: _Reservation, manifest: ChunkManifest, header: dict[str, Any]
+    ) -> list[TokenLogprob] | None:
+        """The first tokens' logprobs the last chunk carries (None: not asked, or malformed)."""
+        if res.params.logprobs is None:
+            return None
+        return parse_entries(
+            header.get("first_token_logprobs"),
+            len(manifest.first_token_ids),
+            res.params.logprobs,
+        )
 
     def _expire(self) -> list[TransferEvent]:
         now = self.clock()

@@ -308,6 +308,7 @@ class KVSender:
             if req is not None and req.generator
             else None,
             finished=self.first_token_ends(last_of) if last_of is not None else None,
+            first_token_logprobs=req.logprobs if req is not None else None,
         )
 
     def _checksum(self, blocks: list[int]) -> str | None:

@@ -211,7 +211,10 @@ class PrefillService(WorkerLoop):
         text = OutputText.after(
             self.engine.tokenizer, out.request.prompt_token_ids, event.token_ids
         )
-        return {"token_ids": list(event.token_ids), "text": text.text}
+        item: dict[str, Any] = {"token_ids": list(event.token_ids), "text": text.text}
+        if out.request.logprobs is not None:
+            item["logprobs"] = out.request.logprobs[: len(event.token_ids)]
+        return item
 
     def stats(self) -> dict[str, Any]:
         bm = self.engine.block_manager

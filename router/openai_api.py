@@ -34,6 +34,7 @@ from tandem.router.openai_format import (
     merged_usage,
     usage_event,
 )
+from tandem.router.openai_logprobs import text_length
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
@@ -146,12 +147,13 @@ async def _serve(
     body: CompletionRequest | ChatCompletionRequest,
 ) -> JSONResponse | StreamingResponse:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    token_text = serving.token_text
     if count == 1:
         req = await prepare(0, response_id)
-        head = ResponseHead.of(req, serving.model_name, kind)
+        head = ResponseHead.of(req, serving.model_name, kind, token_text=token_text)
         if body.stream:
             return ClosingStreamingResponse(
-                _sse(serving, req, kind, include_usage),
+                _sse(serving, req, kind, include_usage, head),
                 media_type="text/event-stream",
                 on_close=lambda: serving.abandon(req),  # (nothing to do once `run` started)
             )
@@ -162,7 +164,7 @@ async def _serve(
     reqs = await multi_choice.prepare_all(
         serving, count, lambda i: prepare(i, f"{response_id}-{i}")
     )
-    head = ResponseHead.of(reqs[0], serving.model_name, kind, response_id)
+    head = ResponseHead.of(reqs[0], serving.model_name, kind, response_id, token_text)
     if body.stream:
         return ClosingStreamingResponse(
             _sse_choices(serving, head, reqs, n, include_usage),
@@ -179,10 +181,15 @@ def _json(body: dict[str, Any]) -> JSONResponse:
 
 
 async def _sse(
-    serving: Serving, req: Prepared, kind: Kind, include_usage: bool
+    serving: Serving,
+    req: Prepared,
+    kind: Kind,
+    include_usage: bool,
+    head: ResponseHead | None = None,
 ) -> AsyncGenerator[str, None]:
     """One choice's stream."""
-    head = ResponseHead.of(req, serving.model_name, kind)
+    head = head or ResponseHead.of(req, serving.model_name, kind)
+    offsets = _Offsets(head)
     try:
         if kind == "chat":
             yield chunk(head, req, "", None, role=True)
@@ -195,8 +202,8 @@ async def _sse(
                     yield KEEPALIVE
                     continue
                 finish = item.get("finish_reason")
-                if item["text"] or finish is not None:
-                    yield chunk(head, req, item["text"] or None, finish)
+                if item["text"] or finish is not None or offsets.has_logprobs(item):
+                    yield chunk(head, req, item["text"] or None, finish, **offsets.take(0, item))
         if include_usage:
             yield usage_event(head, req.usage())
     except APIError as exc:
@@ -208,6 +215,7 @@ async def _sse_choices(
     serving: Serving, head: ResponseHead, reqs: list[Prepared], n: int, include_usage: bool
 ) -> AsyncGenerator[str, None]:
     """Several choices' streams in one, each chunk naming its choice's index."""
+    offsets = _Offsets(head)
     try:
         if head.kind == "chat":
             for index, req in enumerate(reqs):
@@ -222,13 +230,34 @@ async def _sse_choices(
                     continue
                 index, item = entry
                 finish = item.get("finish_reason")
-                if item["text"] or finish is not None:
-                    yield chunk(head, reqs[index], item["text"] or None, finish, index=index)
+                if item["text"] or finish is not None or offsets.has_logprobs(item):
+                    text = item["text"] or None
+                    logprobs = offsets.take(index, item)
+                    yield chunk(head, reqs[index], text, finish, index=index, **logprobs)
         if include_usage:
             yield usage_event(head, merged_usage(reqs, n))
     except APIError as exc:
         yield event(exc.body())
     yield DONE
+
+
+class _Offsets:
+    """A stream's logprobs per chunk, and where each choice's `text_offset` has got to."""
+
+    def __init__(self, head: ResponseHead) -> None:
+        self.token_text = head.token_text
+        self.offsets: dict[int, int] = {}
+
+    def has_logprobs(self, item: dict[str, Any]) -> bool:
+        return self.token_text is not None and bool(item.get("logprobs"))
+
+    def take(self, index: int, item: dict[str, Any]) -> dict[str, Any]:
+        """`chunk`'s logprob arguments for `item`, moving the choice's offset past it."""
+        if self.token_text is None or item.get("logprobs") is None:
+            return {}
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + text_length(item["token_ids"], self.token_text)
+        return {"token_ids": item["token_ids"], "logprobs": item["logprobs"], "text_offset": offset}
 
 
 def model_card(model: str, max_model_len: int) -> dict[str, Any]:

@@ -7,9 +7,11 @@ request of the response (`prompt_index * n + sample_index`, as OpenAI and vLLM n
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tandem.router.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
 from tandem.router.prepared import Prepared
 
 Kind = Literal["completion", "chat"]
@@ -23,12 +25,29 @@ class ResponseHead:
     created: int
     model: str
     kind: Kind
+    token_text: TokenText | None = None  # names tokens in logprobs (None: none asked)
 
     @classmethod
     def of(
-        cls, req: Prepared, model: str, kind: Kind, response_id: str | None = None
+        cls,
+        req: Prepared,
+        model: str,
+        kind: Kind,
+        response_id: str | None = None,
+        token_text: TokenText | None = None,
     ) -> ResponseHead:
-        return cls(response_id or req.request_id, int(req.timings.arrival), model, kind)
+        names = token_text if req.params.logprobs is not None else None
+        return cls(response_id or req.request_id, int(req.timings.arrival), model, kind, names)
+
+    def logprobs(
+        self, token_ids: Sequence[int], entries: Sequence[Any] | None, text_offset: int = 0
+    ) -> dict[str, Any] | None:
+        """A choice's `logprobs` for these tokens (None when the request asked for none)."""
+        if entries is None or self.token_text is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(token_ids, entries, self.token_text)
+        return completion_logprobs(token_ids, entries, self.token_text, text_offset)
 
     def fields(self, chunk: bool) -> dict[str, Any]:
         if self.kind == "chat":
@@ -45,7 +64,7 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
         choice: dict[str, Any] = {
             "index": index,
             "finish_reason": req.finish_reason,
-            "logprobs": None,
+            "logprobs": head.logprobs(req.token_ids, req.logprobs),
         }
         choice["stop_reason"] = req.stop_reason
         if head.kind == "chat":
@@ -69,9 +88,18 @@ def chunk(
     *,
     index: int = 0,
     role: bool = False,
+    token_ids: Sequence[int] = (),
+    logprobs: Sequence[Any] | None = None,
+    text_offset: int = 0,
 ) -> str:
-    """One SSE event with one choice's text (chat: a delta, with the role on the first)."""
-    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None}
+    """One SSE event with one choice's text (chat: a delta, with the role on the first), and
+    the logprobs of the tokens it carries when asked (completions' offsets from
+    `text_offset`)."""
+    choice: dict[str, Any] = {
+        "index": index,
+        "finish_reason": finish,
+        "logprobs": head.logprobs(token_ids, logprobs, text_offset),
+    }
     if head.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:

@@ -1,9 +1,10 @@
 """OpenAI-compatible request schemas (completions and chat) and what they mean for the engine.
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do; known fields are
-type-checked. Features tandem does not implement (logprobs, echo, penalties, JSON mode, function
-calling, ...) are refused with a 400 that names the field rather than silently ignored. Several
-choices (`n` > 1, a batch of prompts) run as requests of their own (`multi_choice`).
+type-checked. Features tandem does not implement (echo, penalties, JSON mode, function calling,
+...) are refused with a 400 that names the field rather than silently ignored. Several choices
+(`n` > 1, a batch of prompts) run as requests of their own (`multi_choice`). Log-probabilities:
+`logprobs` (0-20 alternatives) for completions, `logprobs` and `top_logprobs` for chat.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.engine.sampling_params import SEED_MAX, SEED_MIN
+from tandem.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from tandem.router.errors import bad_request
 
 
@@ -41,15 +42,12 @@ class _SamplingFields(BaseModel):
         None, gt=0, description="time-to-first-token deadline; refused with 429 if unmeetable"
     )
     priority: int | None = Field(None, description="lower runs earlier (default: the tenant's)")
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float = 1.0  # vLLM's extension
 
     def check_supported(self) -> None:
-        if self.logprobs not in (None, False, 0):
-            raise bad_request("logprobs are not supported", "logprobs", "unsupported")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported", name, "unsupported")
@@ -72,12 +70,19 @@ class _SamplingFields(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
+        if (logprobs := self.num_logprobs()) is not None:
+            params["logprobs"] = logprobs
         return params
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to return log-probabilities of (None: no logprobs)."""
+        return None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -94,6 +99,9 @@ class CompletionRequest(_SamplingFields):
                 "best_of",
                 "unsupported",
             )
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or each of a batch (texts or token id lists)."""
@@ -138,12 +146,19 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check_supported(self) -> None:
         super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise bad_request(

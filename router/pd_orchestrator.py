@@ -198,11 +198,14 @@ class PDOrchestrator:
                         first_out = True
                         streamed = early.result()
                         timings.mark("first_token")
-                        yield {
+                        first_item = {
                             "type": "tokens",
                             "token_ids": streamed["token_ids"],
                             "text": streamed["text"],
                         }
+                        if streamed.get("logprobs") is not None:
+                            first_item["logprobs"] = streamed["logprobs"]
+                        yield first_item
                 if prefill_task is not None and prefill_task in done:
                     pending.discard(prefill_task)
                     outcome = prefill_task.result()

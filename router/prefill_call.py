@@ -98,4 +98,7 @@ def without_streamed(item: dict[str, Any], streamed: dict[str, Any]) -> dict[str
             type="internal_error",
             code="first_token_mismatch",
         )
-    return {**item, "token_ids": item["token_ids"][len(ids) :], "text": item["text"][len(text) :]}
+    rest = {**item, "token_ids": item["token_ids"][len(ids) :], "text": item["text"][len(text) :]}
+    if item.get("logprobs") is not None:
+        rest["logprobs"] = item["logprobs"][len(ids) :]
+    return rest

@@ -38,6 +38,7 @@ class Prepared:
     resumed_tokens: int = 0  # generated tokens the current attempt takes as part of its prompt
     resumed_text: OutputText | None = None  # the text of a resumed request, detokenized here
     stopped_here: bool = False  # the router found a stop string the new attempt's worker missed
+    logprobs: list[Any] | None = None  # per token of `token_ids` when asked (`TokenLogprob`s)
 
     @property
     def resumable(self) -> bool:
@@ -104,6 +105,8 @@ class Prepared:
             counting = len(self.token_ids) + n >= params.min_tokens
             if params.stop and (stop := text.find_stop(params.stop, counting=counting)) is not None:
                 item.update(token_ids=tokens[:n], finish_reason="stop", stop_reason=stop)
+                if item.get("logprobs") is not None:
+                    item["logprobs"] = item["logprobs"][:n]
                 self.stopped_here = True
                 break
         finished = item.get("finish_reason") is not None

@@ -61,6 +61,10 @@ class Serving:
             )
         return self._limits
 
+    def token_text(self, token_id: int) -> str:
+        """A token's own text, as logprobs name it (special tokens kept)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
             raise APIError(
@@ -261,6 +265,10 @@ class Serving:
             req.retext(item)
         req.completion_tokens += len(item["token_ids"])
         req.token_ids.extend(item["token_ids"])
+        if req.params.logprobs is not None:
+            if req.logprobs is None:
+                req.logprobs = []
+            req.logprobs.extend(item.get("logprobs") or ())
         req.text += item["text"]
         if item.get("finish_reason") is None:
             return None

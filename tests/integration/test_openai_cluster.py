@@ -279,3 +279,55 @@ def test_a_batch_of_prompts_with_n_choices_each(base_url: str, expected: list[An
             texts[choice.index] += choice.text
     assert texts == [expected[4].text, expected[14].text]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2 * MAX_TOKENS
+
+
+def test_logprobs_through_the_cluster_equal_the_colocated_engine_s(
+    base_url: str, reference: LLM
+) -> None:
+    """Completions (streamed and not) and chat: each token's logprob and alternatives as the
+    in-process engine computes them; the first token's come from the prefill worker."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    want = reference.generate([PROMPTS[6]], params, use_tqdm=False)[0]
+    assert want.logprobs is not None
+    want_lps = [lp for lp, _ in want.logprobs]
+    tok = reference.engine.tokenizer
+    c = client(base_url)
+    extra = {"ignore_eos": True}
+    out = c.completions.create(
+        model="tiny",
+        prompt=PROMPTS[6],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=2,
+        extra_body=extra,
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
+    assert lp.token_logprobs == pytest.approx(want_lps, abs=1e-4)
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in want.token_ids]
+    assert lp.top_logprobs is not None and all(2 <= len(t) <= 3 for t in lp.top_logprobs)
+    stream = c.completions.create(
+        model="tiny",
+        prompt=PROMPTS[6],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=2,
+        stream=True,
+        extra_body=extra,
+    )
+    streamed: list[float] = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.token_logprobs or []
+    assert streamed == pytest.approx(want_lps, abs=1e-4)
+    chat = c.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPTS[6]}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content is not None and len(content) == chat.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)

@@ -1,0 +1,62 @@
+"""Log-probabilities in OpenAI's two shapes: completions' (`tokens`, `token_logprobs`,
+`top_logprobs`, `text_offset`) and chat's (`content`: one entry per token with its
+`top_logprobs`). Entries come from the workers as `[logprob, [[token id, logprob], ...]]`
+(`engine.outputs.TokenLogprob`); a token is named by its own text (the tokenizer's decode of
+that token alone, special tokens kept), as vLLM names them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+TokenText = Callable[[int], str]
+
+
+def completion_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[Any],
+    token_text: TokenText,
+    text_offset: int = 0,
+) -> dict[str, Any]:
+    """Completions' shape. `top_logprobs` holds the alternatives and the sampled token (so up
+    to `logprobs + 1` of them, as OpenAI documents); `text_offset` counts from `text_offset`."""
+    tokens, offsets, tops = [], [], []
+    for token_id, (logprob, top) in zip(token_ids, entries, strict=False):
+        text = token_text(token_id)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        alternatives = {token_text(t): lp for t, lp in top}
+        alternatives.setdefault(text, logprob)
+        tops.append(alternatives)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [logprob for logprob, _ in entries[: len(tokens)]],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], entries: Sequence[Any], token_text: TokenText
+) -> dict[str, Any]:
+    """Chat's shape: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
+    content = []
+    for token_id, (logprob, top) in zip(token_ids, entries, strict=False):
+        content.append(
+            {
+                **_token(token_text(token_id), logprob),
+                "top_logprobs": [_token(token_text(t), lp) for t, lp in top],
+            }
+        )
+    return {"content": content}
+
+
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def text_length(token_ids: Sequence[int], token_text: TokenText) -> int:
+    """How far completions' `text_offset` moves over these tokens."""
+    return sum(len(token_text(t)) for t in token_ids)
