@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens.
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens, penalties.
 
 Greedy rows are an argmax over the batch. Other rows are sampled one by one when they carry a
 seed (their own `torch.Generator`, so their tokens do not depend on what else is in the batch)
@@ -11,12 +11,14 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.engine.penalties import apply_penalties
 from tandem.engine.request import Request
 
 
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
     """One token per row of `logits` (fp32, (B, vocab)); row i belongs to requests[i]."""
     _suppress_stops_before_min_tokens(logits, requests)
+    apply_penalties(logits, requests)
     tokens = greedy_argmax(logits).tolist()
     if all(r.params.greedy for r in requests):
         return tokens

@@ -20,7 +20,10 @@ class SamplingParams(BaseModel):
     model's EOS end generation (EOS unless `ignore_eos`), never before `min_tokens` tokens.
     `logprobs` (None: none) returns, for each generated token, its log-probability and those of
     the `logprobs` most likely tokens, under the model's distribution (its logits before
-    temperature, top-k, top-p and `min_tokens`, as vLLM returns them).
+    temperature, top-k, top-p and `min_tokens`, as vLLM returns them). The penalties are
+    transformers' `repetition_penalty` (prompt and output) and OpenAI's `presence_penalty` and
+    `frequency_penalty` (output only); see `penalties.py`. `logit_bias` adds to the logits of
+    the given token ids (OpenAI's, -100 to 100) before sampling.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -35,6 +38,10 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[int, float] | None = None
 
     def __init__(self, **data: object) -> None:
         try:
@@ -56,6 +63,17 @@ class SamplingParams(BaseModel):
     def _stop_not_empty(cls, value: list[str] | None) -> list[str] | None:
         if value is not None and any(s == "" for s in value):
             raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value is not None:
+            bad = {t: b for t, b in value.items() if t < 0 or not -100.0 <= b <= 100.0}
+            if bad:
+                raise ValueError(
+                    f"logit_bias needs token ids >= 0 and biases in [-100, 100]: {bad}"
+                )
         return value
 
     @field_validator("top_p")

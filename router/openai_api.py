@@ -92,7 +92,7 @@ async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
 
     async def prepare(index: int, request_id: str) -> Prepared:
         try:
-            return await serving.prepare(
+            req = await serving.prepare(
                 request_id,
                 body.model,
                 prompts[index // body.n],
@@ -107,6 +107,10 @@ async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
             if len(prompts) > 1:  # say which prompt of the batch
                 exc.message = f"prompt {index // body.n}: {exc.message}"
             raise
+        if body.echo:
+            prompt = prompts[index // body.n]
+            req.echo = prompt if isinstance(prompt, str) else serving.prompt_text(prompt)
+        return req
 
     count = len(prompts) * body.n
     return await _serve(serving, response_id, count, body.n, prepare, "completion", body)
@@ -193,6 +197,8 @@ async def _sse(
     try:
         if kind == "chat":
             yield chunk(head, req, "", None, role=True)
+        elif req.echo:
+            yield chunk(head, req, req.echo, None)
         every_s = serving.sse_keepalive_s
         run = serving.run(req)
         items = run if every_s is None else paced(run, every_s)
@@ -217,9 +223,11 @@ async def _sse_choices(
     """Several choices' streams in one, each chunk naming its choice's index."""
     offsets = _Offsets(head)
     try:
-        if head.kind == "chat":
-            for index, req in enumerate(reqs):
+        for index, req in enumerate(reqs):
+            if head.kind == "chat":
                 yield chunk(head, req, "", None, index=index, role=True)
+            elif req.echo:
+                yield chunk(head, req, req.echo, None, index=index)
         every_s = serving.sse_keepalive_s
         both = multi_choice.merged(serving, reqs)
         items = both if every_s is None else paced(both, every_s)

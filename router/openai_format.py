@@ -70,7 +70,7 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
         if head.kind == "chat":
             choice["message"] = {"role": "assistant", "content": req.text}
         else:
-            choice["text"] = req.text
+            choice["text"] = (req.echo or "") + req.text
         choices.append(choice)
     return {
         **head.fields(chunk=False),

@@ -1,7 +1,7 @@
 """OpenAI-compatible request schemas (completions and chat) and what they mean for the engine.
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do; known fields are
-type-checked. Features tandem does not implement (echo, penalties, JSON mode, function calling,
+type-checked. Features tandem does not implement (prompt logprobs, JSON mode, function calling,
 ...) are refused with a 400 that names the field rather than silently ignored. Several choices
 (`n` > 1, a batch of prompts) run as requests of their own (`multi_choice`). Log-probabilities:
 `logprobs` (0-20 alternatives) for completions, `logprobs` and `top_logprobs` for chat.
@@ -42,21 +42,12 @@ class _SamplingFields(BaseModel):
         None, gt=0, description="time-to-first-token deadline; refused with 429 if unmeetable"
     )
     priority: int | None = Field(None, description="lower runs earlier (default: the tenant's)")
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    repetition_penalty: float = 1.0  # vLLM's extension
+    repetition_penalty: float | None = None  # vLLM's extension
 
     def check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported", name, "unsupported")
-        if self.repetition_penalty != 1.0:
-            raise bad_request(
-                "repetition_penalty is not supported", "repetition_penalty", "unsupported"
-            )
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options needs stream=true", "stream_options")
 
@@ -66,13 +57,29 @@ class _SamplingFields(BaseModel):
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
         }
-        for name in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"):
+        names = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
+        penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+        for name in names + penalties:
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
         if (logprobs := self.num_logprobs()) is not None:
             params["logprobs"] = logprobs
+        if self.logit_bias:
+            params["logit_bias"] = self.token_bias()
         return params
+
+    def token_bias(self) -> dict[int, float]:
+        """`logit_bias` with its keys as token ids (OpenAI sends them as strings)."""
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise bad_request(
+                    f"logit_bias keys are token ids, got {key!r}", "logit_bias"
+                ) from None
+        return bias
 
     def num_logprobs(self) -> int | None:
         """Alternatives per token to return log-probabilities of (None: no logprobs)."""
@@ -89,8 +96,10 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo", "unsupported")
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs is not supported (no prompt logprobs)", "echo", "unsupported"
+            )
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
         if self.best_of is not None and self.best_of != self.n:

@@ -39,13 +39,18 @@ class Prepared:
     resumed_text: OutputText | None = None  # the text of a resumed request, detokenized here
     stopped_here: bool = False  # the router found a stop string the new attempt's worker missed
     logprobs: list[Any] | None = None  # per token of `token_ids` when asked (`TokenLogprob`s)
+    echo: str | None = None  # the prompt's text, for a completion that echoes it
 
     @property
     def resumable(self) -> bool:
         """Whether a new attempt from the tokens streamed so far gives what the lost one would
         have: greedy decoding does, and unseeded sampling has no one answer to keep. A seeded
-        sampler's state died with its worker."""
-        return self.params.temperature == 0 or self.params.seed is None
+        sampler's state died with its worker, and presence and frequency penalties count the
+        output, which a new attempt would take for prompt."""
+        p = self.params
+        if p.presence_penalty or p.frequency_penalty:
+            return False
+        return p.temperature == 0 or p.seed is None
 
     def attempt_prompt(self) -> list[int]:
         """What the current attempt prefills: the prompt, and the tokens streamed before its

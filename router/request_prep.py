@@ -71,6 +71,8 @@ def sampling_params(
             "max_tokens",
             "context_length_exceeded",
         )
+    if fields.get("logit_bias"):
+        check_token_ids(list(fields["logit_bias"]), limits.vocab_size, "logit_bias")
     try:
         return SamplingParams(**{**fields, "max_tokens": max_tokens})
     except InvalidRequestError as exc:

@@ -61,6 +61,10 @@ class Serving:
             )
         return self._limits
 
+    def prompt_text(self, token_ids: list[int]) -> str:
+        """The text of a prompt given as token ids (for `echo`)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def token_text(self, token_id: int) -> str:
         """A token's own text, as logprobs name it (special tokens kept)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

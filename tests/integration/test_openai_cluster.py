@@ -331,3 +331,53 @@ def test_logprobs_through_the_cluster_equal_the_colocated_engine_s(
     content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
     assert content is not None and len(content) == chat.usage.completion_tokens  # type: ignore[union-attr]
     assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
+
+
+def test_echo_penalties_and_logit_bias(base_url: str, reference: LLM, expected: list[Any]) -> None:
+    """`echo` puts the prompt's text before the completion (token id prompts too, streamed or
+    not); penalties and `logit_bias` give the colocated engine's tokens."""
+    c = client(base_url)
+    extra = {"ignore_eos": True}
+    out = c.completions.create(
+        model="tiny",
+        prompt=PROMPTS[2],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        echo=True,
+        extra_body=extra,
+    )
+    assert out.choices[0].text == PROMPTS[2] + expected[2].text
+    ids = expected[3].prompt_token_ids
+    stream = c.completions.create(
+        model="tiny",
+        prompt=ids,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        echo=True,
+        stream=True,
+        extra_body=extra,
+    )
+    texts = [ch.choices[0].text for ch in stream if ch.choices]
+    prompt_text = reference.engine.tokenizer.decode(ids, skip_special_tokens=False)
+    assert texts[0] == prompt_text and "".join(texts[1:]) == expected[3].text
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+        presence_penalty=0.8,
+        frequency_penalty=0.3,
+        repetition_penalty=1.3,
+        logit_bias={7: 2.5},
+    )
+    want = reference.generate([PROMPTS[5]], params, use_tqdm=False)[0]
+    got = c.completions.create(
+        model="tiny",
+        prompt=PROMPTS[5],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        presence_penalty=0.8,
+        frequency_penalty=0.3,
+        logit_bias={"7": 2.5},
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
+    )
+    assert got.choices[0].text == want.text and want.text != expected[5].text

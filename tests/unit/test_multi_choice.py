@@ -14,7 +14,7 @@ import pytest
 from tandem.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from tandem.router import multi_choice, openai_api
 from tandem.router.errors import APIError
-from tandem.router.openai_format import ResponseHead, merged_usage
+from tandem.router.openai_format import ResponseHead, full_body, merged_usage
 from tandem.router.openai_protocol import CompletionRequest
 from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
@@ -251,3 +251,21 @@ def test_batch_prompts_and_the_choice_limit() -> None:
     with pytest.raises(APIError):
         CompletionRequest(model="m", prompt="a", n=2, best_of=3).check_supported()
     CompletionRequest(model="m", prompt="a", n=2, best_of=2).check_supported()
+
+
+def test_echoed_prompts_open_each_choice_s_stream_and_body() -> None:
+    serving = FakeServing()
+
+    async def main() -> tuple[list[str], dict[str, Any]]:
+        reqs = await multi_choice.prepare_all(serving, 2, serving.prepare)  # type: ignore[arg-type]
+        for i, req in enumerate(reqs):
+            req.echo = f"prompt{i}:"
+        head = ResponseHead("cmpl-x", 0, "tiny", "completion")
+        gen = openai_api._sse_choices(serving, head, reqs, 1, False)  # type: ignore[arg-type]
+        events = [event async for event in gen]
+        return events, full_body(head, reqs, merged_usage(reqs, 1))
+
+    events, body = asyncio.run(main())
+    data = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert [d["choices"][0]["text"] for d in data[:2]] == ["prompt0:", "prompt1:"]
+    assert [c["text"] for c in body["choices"]] == ["prompt0:<0><1><2>", "prompt1:<10><11><12>"]

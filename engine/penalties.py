@@ -1,0 +1,57 @@
+"""Logit bias, repetition, presence and frequency penalties on a batch's logits, before sampling.
+
+- `logit_bias` (OpenAI's): added to the logits of its token ids (ids beyond the vocabulary are
+  left out; the router refuses them).
+- `repetition_penalty` (transformers' and vLLM's): the logit of every token seen in the prompt or
+  the output so far is divided by the penalty when positive and multiplied when negative.
+- `presence_penalty` and `frequency_penalty` (OpenAI's): from the logit of every token the
+  output holds, subtract `presence_penalty` once and `frequency_penalty` per occurrence.
+
+They change the distribution that is sampled (greedy too), not the logprobs a request gets back,
+which are of the model's own logits (`logprobs`). Rows of requests without penalties are
+left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tandem.engine.request import Request
+
+
+def has_penalties(req: Request) -> bool:
+    p = req.params
+    return (
+        p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or bool(p.logit_bias)
+    )
+
+
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Penalizes, in place, the rows of `logits` (fp32, (B, vocab)) whose requests ask."""
+    vocab = logits.shape[-1]
+    for i, req in enumerate(requests):
+        if not has_penalties(req):
+            continue
+        p, row = req.params, logits[i]
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if t < vocab]
+            row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted({t for t in req.token_ids if t < vocab}), dtype=torch.long)
+            scores = row[seen]
+            penalized = torch.where(
+                scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty
+            )
+            row[seen] = penalized
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            output = [t for t in req.output_token_ids if t < vocab]
+            if not output:
+                continue
+            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)
+            counts = counts.to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)

@@ -1,0 +1,120 @@
+"""Penalties: `repetition_penalty` gives transformers' greedy tokens; presence and frequency
+penalties follow OpenAI's rule against a step-by-step reference on transformers' logits; through
+a transfer (prefill in one engine, decode in another) the tokens are the colocated engine's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.engine.errors import InvalidRequestError
+from tests.hf_reference import hf_last_logits, load_hf_model, random_prompts
+from tests.kv_protocol_pair import Pair, colocated, model, prompt_of  # noqa: F401 - fixtures
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoint: Any) -> dict[str, Any]:
+    path = tiny_checkpoint(arch="llama", seed=6)
+    return {"path": path, "hf": load_hf_model(path), "llm": LLM(model=str(path), num_kv_blocks=256)}
+
+
+def test_repetition_penalty_equals_transformers_greedy(setup: dict[str, Any]) -> None:
+    prompts = random_prompts(4, 512, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8)
+    outs = setup["llm"].generate(prompts, params)
+    plain = setup["llm"].generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outs, strict=True):
+            ids = torch.tensor([prompt])
+            ref = (
+                setup["hf"]
+                .generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=12,
+                    repetition_penalty=1.8,
+                )[0, len(prompt) :]
+                .tolist()
+            )
+            assert out.token_ids == ref
+    assert [o.token_ids for o in outs] != [o.token_ids for o in plain]  # it did something
+
+
+def _openai_reference(
+    hf: Any, prompt: list[int], steps: int, presence: float, frequency: float
+) -> list[int]:
+    out: list[int] = []
+    for _ in range(steps):
+        logits = hf_last_logits(hf, prompt + out).clone()
+        for token in set(out):
+            logits[token] -= presence + frequency * out.count(token)
+        out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("presence", "frequency"), [(1.5, 0.0), (0.0, 0.7), (0.4, 0.9), (-1.0, 0.0)]
+)
+def test_presence_and_frequency_penalties_follow_openai_s_rule(
+    setup: dict[str, Any], presence: float, frequency: float
+) -> None:
+    prompt = random_prompts(1, 512, seed=11)[0]
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=10,
+        ignore_eos=True,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        logprobs=0,
+    )
+    out = setup["llm"].generate([prompt], params)[0]
+    assert out.token_ids == _openai_reference(setup["hf"], prompt, 10, presence, frequency)
+    plain = _openai_reference(setup["hf"], prompt, 10, 0.0, 0.0)
+    assert out.token_ids != plain  # (the prompt's greedy output repeats tokens)
+    # logprobs stay those of the model's own logits
+    assert out.logprobs is not None
+    first = torch.log_softmax(hf_last_logits(setup["hf"], prompt), dim=-1)
+    assert out.logprobs[0][0] == pytest.approx(float(first[out.token_ids[0]]), abs=1e-4)
+
+
+def test_penalties_are_bounded() -> None:
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0}):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+
+
+def test_penalties_continue_exactly_across_a_transfer(model: str, colocated: LLM) -> None:  # noqa: F811
+    params = SamplingParams(
+        temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.5
+    )
+    prompt = prompt_of(16 * 4 + 7, start=5)
+    pair = Pair(model)
+    pair.start("p", prompt, params)
+    events = pair.pump()
+    first = next(e.token_ids for e in events if e.kind == "first_token")
+    want = colocated.generate([prompt], params)[0].token_ids
+    assert list(first) + pair.decode_all()["p"] == want
+    plain = params.model_copy(update={"repetition_penalty": 1.0, "frequency_penalty": 0.0})
+    assert colocated.generate([prompt], plain)[0].token_ids != want
+    pair.idle()
+
+
+def test_logit_bias_steers_greedy_decoding(setup: dict[str, Any]) -> None:
+    prompt = random_prompts(1, 512, seed=12)[0]
+    forced = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={77: 100.0})
+    assert setup["llm"].generate([prompt], forced)[0].token_ids == [77, 77, 77, 77]
+    plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = setup["llm"].generate([prompt], plain)[0].token_ids[0]
+    banned = SamplingParams(temperature=0, max_tokens=1, logit_bias={first: -100.0}, logprobs=0)
+    out = setup["llm"].generate([prompt], banned)[0]
+    assert out.token_ids[0] != first
+    ref = torch.log_softmax(hf_last_logits(setup["hf"], prompt), dim=-1)
+    assert out.token_ids[0] == int(ref.topk(2).indices[1])  # the runner-up
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(logit_bias={1: 150.0})
