@@ -231,9 +231,10 @@ class LLMEngine:
         self.scheduler.advance(out)
         if not to_sample:
             return []
-        rows = rows_wanting_logprobs(to_sample)
+        extra = [i for i, r in enumerate(to_sample) if r.sampling_extras]
+        rows = rows_wanting_logprobs(to_sample, extra)
         raw = raw_rows(logits, rows)
-        tokens = sample(logits, to_sample)
+        tokens = sample(logits, to_sample, extra)
         outputs = self.output_processor.process(to_sample, tokens)
         if raw is not None:
             self._add_logprobs(raw, rows, to_sample, tokens, outputs)

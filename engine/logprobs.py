@@ -17,8 +17,9 @@ from tandem.engine.request import Request
 LOGPROB_FLOOR = -9999.0
 
 
-def rows_wanting_logprobs(requests: Sequence[Request]) -> list[int]:
-    return [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+def rows_wanting_logprobs(requests: Sequence[Request], rows: Sequence[int]) -> list[int]:
+    """Those of `rows` whose requests ask for logprobs."""
+    return [i for i in rows if requests[i].params.logprobs is not None]
 
 
 def raw_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:

@@ -21,21 +21,12 @@ import torch
 from tandem.engine.request import Request
 
 
-def has_penalties(req: Request) -> bool:
-    p = req.params
-    return (
-        p.repetition_penalty != 1.0
-        or p.presence_penalty != 0.0
-        or p.frequency_penalty != 0.0
-        or bool(p.logit_bias)
-    )
-
-
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
-    """Penalizes, in place, the rows of `logits` (fp32, (B, vocab)) whose requests ask."""
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], rows: Sequence[int]) -> None:
+    """Penalizes, in place, those of `rows` of `logits` (fp32, (B, vocab)) whose requests ask."""
     vocab = logits.shape[-1]
-    for i, req in enumerate(requests):
-        if not has_penalties(req):
+    for i in rows:
+        req = requests[i]
+        if not req.params.adjusts_logits:
             continue
         p, row = req.params, logits[i]
         if p.logit_bias:

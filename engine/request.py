@@ -67,6 +67,7 @@ class Request:
         "error",
         "priority",
         "logprobs",
+        "sampling_extras",
     )
 
     def __init__(
@@ -111,6 +112,9 @@ class Request:
         """Lower runs earlier among waiting requests (vLLM's convention); ties keep arrival order."""
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         """One entry per output token when `params.logprobs` asks (`outputs.TokenLogprob`)."""
+        self.sampling_extras = params.logprobs is not None or params.adjusts_logits
+        """Logprobs, penalties or a logit bias: the sampler looks at this request's row (one
+        flag, so that a batch without any costs one attribute read a request)."""
 
     def set_status(self, status: RequestStatus, now: float | None = None) -> None:
         self.status = status

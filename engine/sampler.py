@@ -15,10 +15,14 @@ from tandem.engine.penalties import apply_penalties
 from tandem.engine.request import Request
 
 
-def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-    """One token per row of `logits` (fp32, (B, vocab)); row i belongs to requests[i]."""
+def sample(
+    logits: torch.Tensor, requests: Sequence[Request], extra_rows: Sequence[int] = ()
+) -> list[int]:
+    """One token per row of `logits` (fp32, (B, vocab)); row i belongs to requests[i].
+    `extra_rows`: the rows of requests with `sampling_extras` (penalties are looked for there)."""
     _suppress_stops_before_min_tokens(logits, requests)
-    apply_penalties(logits, requests)
+    if extra_rows:
+        apply_penalties(logits, requests, extra_rows)
     tokens = greedy_argmax(logits).tolist()
     if all(r.params.greedy for r in requests):
         return tokens

@@ -106,5 +106,15 @@ class SamplingParams(BaseModel):
         return self
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias change this request's logits before sampling."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+        )
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
