@@ -36,14 +36,27 @@ _STATUS_CODES = {
 
 def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
     fields: dict[str, Any] = {"ignore_eos": options.ignore_eos, "min_tokens": options.min_tokens}
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    optional = ("temperature", "top_p", "top_k", "seed", "logprobs")
+    penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    for name in optional + penalties:
         if options.HasField(name):
             fields[name] = getattr(options, name)
+    if options.logit_bias:
+        fields["logit_bias"] = dict(options.logit_bias)
     if options.stop:
         fields["stop"] = list(options.stop)
     if options.stop_token_ids:
         fields["stop_token_ids"] = list(options.stop_token_ids)
     return fields
+
+
+def _logprobs(entries: list[Any] | None) -> list[generation_pb2.TokenLogprob]:
+    return [
+        generation_pb2.TokenLogprob(
+            logprob=lp, top=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top]
+        )
+        for lp, top in entries or ()
+    ]
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -97,6 +110,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         text=item["text"],
                         finish_reason=finish,
                         usage=usage,
+                        logprobs=_logprobs(item.get("logprobs")),
                     )
         except APIError as exc:
             code = _STATUS_CODES.get(exc.status, grpc.StatusCode.UNAVAILABLE)

@@ -96,3 +96,43 @@ def test_generate_refuses_bad_input(channel: grpc.Channel) -> None:
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(request, timeout=30))
         assert info.value.code() == code
+
+
+def test_generate_with_penalties_bias_and_logprobs(channel: grpc.Channel, cluster: Cluster) -> None:
+    llm = LLM(model=str(cluster.model), num_kv_blocks=256)
+    prompt = "penalties and logprobs over grpc"
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=10,
+        ignore_eos=True,
+        presence_penalty=0.5,
+        repetition_penalty=1.4,
+        logit_bias={9: 3.0},
+        logprobs=2,
+    )
+    exp = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert exp.logprobs is not None
+    options = generation_pb2.SamplingOptions(
+        temperature=0,
+        max_tokens=10,
+        ignore_eos=True,
+        presence_penalty=0.5,
+        repetition_penalty=1.4,
+        logit_bias={9: 3.0},
+        logprobs=2,
+    )
+    replies = list(stub_generate(channel, prompt, options))
+    assert [t for r in replies for t in r.token_ids] == exp.token_ids
+    got = [e for r in replies for e in r.logprobs]
+    assert len(got) == len(exp.logprobs) == 10
+    for entry, (lp, top) in zip(got, exp.logprobs, strict=True):
+        assert entry.logprob == pytest.approx(lp, abs=1e-4)
+        assert [t.token_id for t in entry.top] == [t for t, _ in top]
+
+
+def stub_generate(
+    channel: grpc.Channel, prompt: str, options: generation_pb2.SamplingOptions
+) -> list[generation_pb2.GenerateResponse]:
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    request = generation_pb2.GenerateRequest(model="tiny", prompt=prompt, sampling=options)
+    return list(stub.Generate(request, timeout=60))
