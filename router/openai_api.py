@@ -151,13 +151,14 @@ async def _serve(
     body: CompletionRequest | ChatCompletionRequest,
 ) -> JSONResponse | StreamingResponse:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     token_text = serving.token_text
     if count == 1:
         req = await prepare(0, response_id)
         head = ResponseHead.of(req, serving.model_name, kind, token_text=token_text)
         if body.stream:
             return ClosingStreamingResponse(
-                _sse(serving, req, kind, include_usage, head),
+                _sse(serving, req, kind, include_usage, head, continuous),
                 media_type="text/event-stream",
                 on_close=lambda: serving.abandon(req),  # (nothing to do once `run` started)
             )
@@ -171,7 +172,7 @@ async def _serve(
     head = ResponseHead.of(reqs[0], serving.model_name, kind, response_id, token_text)
     if body.stream:
         return ClosingStreamingResponse(
-            _sse_choices(serving, head, reqs, n, include_usage),
+            _sse_choices(serving, head, reqs, n, include_usage, continuous),
             media_type="text/event-stream",
             on_close=lambda: multi_choice.abandon_all(serving, reqs),
         )
@@ -190,8 +191,9 @@ async def _sse(
     kind: Kind,
     include_usage: bool,
     head: ResponseHead | None = None,
+    continuous: bool = False,
 ) -> AsyncGenerator[str, None]:
-    """One choice's stream."""
+    """One choice's stream (`continuous`: every chunk carries the usage so far)."""
     head = head or ResponseHead.of(req, serving.model_name, kind)
     offsets = _Offsets(head)
     try:
@@ -209,7 +211,9 @@ async def _sse(
                     continue
                 finish = item.get("finish_reason")
                 if item["text"] or finish is not None or offsets.has_logprobs(item):
-                    yield chunk(head, req, item["text"] or None, finish, **offsets.take(0, item))
+                    usage = req.usage() if continuous else None
+                    text = item["text"] or None
+                    yield chunk(head, req, text, finish, usage=usage, **offsets.take(0, item))
         if include_usage:
             yield usage_event(head, req.usage())
     except APIError as exc:
@@ -218,10 +222,16 @@ async def _sse(
 
 
 async def _sse_choices(
-    serving: Serving, head: ResponseHead, reqs: list[Prepared], n: int, include_usage: bool
+    serving: Serving,
+    head: ResponseHead,
+    reqs: list[Prepared],
+    n: int,
+    include_usage: bool,
+    continuous: bool = False,
 ) -> AsyncGenerator[str, None]:
     """Several choices' streams in one, each chunk naming its choice's index."""
     offsets = _Offsets(head)
+    emitted = 0  # completion tokens sent so far, all choices
     try:
         for index, req in enumerate(reqs):
             if head.kind == "chat":
@@ -237,16 +247,25 @@ async def _sse_choices(
                     yield KEEPALIVE
                     continue
                 index, item = entry
+                emitted += len(item["token_ids"])
                 finish = item.get("finish_reason")
                 if item["text"] or finish is not None or offsets.has_logprobs(item):
                     text = item["text"] or None
                     logprobs = offsets.take(index, item)
-                    yield chunk(head, reqs[index], text, finish, index=index, **logprobs)
+                    usage = _so_far(merged_usage(reqs, n), emitted) if continuous else None
+                    req = reqs[index]
+                    yield chunk(head, req, text, finish, index=index, usage=usage, **logprobs)
         if include_usage:
             yield usage_event(head, merged_usage(reqs, n))
     except APIError as exc:
         yield event(exc.body())
     yield DONE
+
+
+def _so_far(usage: dict[str, Any], completion_tokens: int) -> dict[str, Any]:
+    """`usage` counting the completion tokens sent so far (the choices may have run ahead)."""
+    total = usage["prompt_tokens"] + completion_tokens
+    return {**usage, "completion_tokens": completion_tokens, "total_tokens": total}
 
 
 class _Offsets:

@@ -91,6 +91,7 @@ def chunk(
     token_ids: Sequence[int] = (),
     logprobs: Sequence[Any] | None = None,
     text_offset: int = 0,
+    usage: dict[str, Any] | None = None,
 ) -> str:
     """One SSE event with one choice's text (chat: a delta, with the role on the first), and
     the logprobs of the tokens it carries when asked (completions' offsets from
@@ -112,6 +113,8 @@ def chunk(
     data: dict[str, Any] = {**head.fields(chunk=True), "choices": [choice]}
     if finish is not None:
         data["tandem_timings"] = req.timings.stages_ms()
+    if usage is not None:  # (vLLM's `stream_options.continuous_usage_stats`)
+        data["usage"] = usage
     return event(data)
 
 

@@ -269,3 +269,18 @@ def test_echoed_prompts_open_each_choice_s_stream_and_body() -> None:
     data = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert [d["choices"][0]["text"] for d in data[:2]] == ["prompt0:", "prompt1:"]
     assert [c["text"] for c in body["choices"]] == ["prompt0:<0><1><2>", "prompt1:<10><11><12>"]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk() -> None:
+    serving = FakeServing()
+
+    async def main() -> list[str]:
+        reqs = await multi_choice.prepare_all(serving, 2, serving.prepare)  # type: ignore[arg-type]
+        head = ResponseHead("cmpl-x", 0, "tiny", "completion")
+        gen = openai_api._sse_choices(serving, head, reqs, 1, False, True)  # type: ignore[arg-type]
+        return [event async for event in gen]
+
+    data = [json.loads(e.removeprefix("data: ")) for e in asyncio.run(main())[:-1]]
+    completions = [d["usage"]["completion_tokens"] for d in data]
+    assert completions == list(range(1, 7))  # one token a chunk, both choices
+    assert {d["usage"]["prompt_tokens"] for d in data} == {6}
