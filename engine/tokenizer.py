@@ -149,11 +149,13 @@ class Tokenizer:
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Render ``messages`` with the tokenizer's chat template and return the token ids.
 
         `continue_final_message` leaves the last (assistant) message open, for the model to go
-        on with it. transformers raises ValueError if the tokenizer has no chat template.
+        on with it; `template_kwargs` are more variables for the template (e.g. Qwen3's
+        `enable_thinking`). transformers raises ValueError if the tokenizer has no chat template.
         """
         out = self._hf.apply_chat_template(
             messages,
@@ -161,6 +163,7 @@ class Tokenizer:
             continue_final_message=continue_final_message,
             tokenize=True,
             return_dict=False,
+            **(template_kwargs or {}),
         )
         return [int(i) for i in out]
 

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tandem.router.errors import APIError
 from tandem.router.openai_api import error_response
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/ping", "/metrics")
 
 
 def key_digest(key: str) -> str:

@@ -199,6 +199,8 @@ class Router:
         return {"version": __version__}
 
     @api.get("/health")
+    @api.get("/ping")  # (vLLM's and SageMaker's name for it)
+    @api.post("/ping")
     async def health(self) -> JSONResponse:
         """200 when at least one worker of each role in use is reachable, else 503."""
         live = {role: len(self.directory.live(role)) for role in self.roles}

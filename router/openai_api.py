@@ -136,6 +136,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest) 
             user=body.user,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs,
         )
 
     return await _serve(serving, response_id, body.n, body.n, prepare, "chat", body)

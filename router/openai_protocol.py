@@ -155,6 +155,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
@@ -184,6 +185,7 @@ class ChatCompletionRequest(_SamplingFields):
         check_template_options(
             self.messages, self.add_generation_prompt, self.continue_final_message
         )
+        check_template_kwargs(self.chat_template_kwargs)
         if self.tool_choice not in (None, "none"):
             raise bad_request(
                 f"tool_choice {self.tool_choice!r} is not supported", "tool_choice", "unsupported"
@@ -203,6 +205,21 @@ class ChatCompletionRequest(_SamplingFields):
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Chat messages as the chat template takes them."""
     return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "tokenize", "return_dict", "add_generation_prompt",
+     "continue_final_message", "chat_template", "tools", "documents"}
+)  # fmt: skip
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """`chat_template_kwargs` may set the template's own variables, not the call's options."""
+    clash = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+    if clash:
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs"
+        )
 
 
 def check_template_options(

@@ -84,6 +84,7 @@ class Serving:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The token ids of chat `messages` through the chat template (400 if it fails)."""
         try:
@@ -91,6 +92,7 @@ class Serving:
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs,
             )
         except (ValueError, TypeError) as exc:
             raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
@@ -109,6 +111,7 @@ class Serving:
         user: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> Prepared:
         """`prompt` is text, token ids, or chat messages (rendered with the chat template, with
         the two template options of the chat API).
@@ -122,6 +125,7 @@ class Serving:
                     prompt,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
+                    template_kwargs=chat_template_kwargs,
                 )
             else:
                 token_ids = tokenize_prompt(self.tokenizer, prompt, limits.vocab_size)  # type: ignore[arg-type]

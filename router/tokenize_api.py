@@ -13,7 +13,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.router.errors import bad_request
-from tandem.router.openai_protocol import ChatMessage, check_template_options, template_messages
+from tandem.router.openai_protocol import (
+    ChatMessage,
+    check_template_kwargs,
+    check_template_options,
+    template_messages,
+)
 from tandem.router.request_prep import check_token_ids
 from tandem.router.serving import Serving
 
@@ -27,6 +32,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True  # for `prompt`
     add_generation_prompt: bool = True  # for `messages`
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -45,10 +51,12 @@ async def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:
         check_template_options(
             body.messages, body.add_generation_prompt, body.continue_final_message
         )
+        check_template_kwargs(body.chat_template_kwargs)
         tokens = serving.render_chat(
             template_messages(body.messages),
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
+            template_kwargs=body.chat_template_kwargs,
         )
     else:
         assert body.prompt is not None

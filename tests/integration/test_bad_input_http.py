@@ -102,6 +102,13 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ),
     ("chat tools", "/v1/chat/completions", {**CHAT, "tools": [TOOL]}, 400, "tools"),
     (
+        "chat_template_kwargs setting a call option",
+        "/v1/chat/completions",
+        {**CHAT, "chat_template_kwargs": {"tokenize": False}},
+        400,
+        "chat_template_kwargs",
+    ),
+    (
         "continue_final_message with a generation prompt",
         "/v1/chat/completions",
         {**CHAT, "continue_final_message": True},

@@ -84,6 +84,8 @@ def test_models_and_health(base_url: str) -> None:
     models = client(base_url).models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert requests.get(f"{base_url}/health", timeout=10).status_code == 200
+    assert requests.get(f"{base_url}/ping", timeout=10).status_code == 200
+    assert requests.post(f"{base_url}/ping", timeout=10).status_code == 200
 
 
 def test_completions_match_colocated_llm(base_url: str, expected: list[Any]) -> None:

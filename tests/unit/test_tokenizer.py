@@ -135,3 +135,20 @@ def test_digest(tok: Tokenizer, tiny_checkpoint: Callable[..., Path], tmp_path: 
     in_memory = Tokenizer(tok.hf)
     assert in_memory.digest() == Tokenizer(tok.hf).digest() != digest
     assert in_memory.eos_token_ids == frozenset({0})
+
+
+def test_chat_template_kwargs_reach_the_template(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """vLLM's `chat_template_kwargs` (e.g. Qwen3's `enable_thinking`) are template variables."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint(), path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] += "{% if enable_thinking %}{{ '<think>' }}{% endif %}"
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": "hi"}]
+    plain = tok.apply_chat_template(messages)
+    thinking = tok.apply_chat_template(messages, template_kwargs={"enable_thinking": True})
+    assert thinking[: len(plain)] == plain and tok.decode(thinking[len(plain) :]) == "<think>"
+    assert tok.apply_chat_template(messages, template_kwargs={"enable_thinking": False}) == plain
