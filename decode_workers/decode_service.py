@@ -273,6 +273,8 @@ class DecodeService(WorkerLoop):
             }
             if stream.local and stream.request is not None:
                 item["timings"].update(scheduling_stages(stream.request))
+                if stream.request.prompt_logprobs is not None:  # (prefilled here)
+                    item["prompt_logprobs"] = stream.request.prompt_logprobs
         return item
 
     def stats(self) -> dict[str, Any]:

@@ -106,6 +106,7 @@ def commit_request(
         request_id, prompt_token_ids, params, engine.eos_token_ids, output_text=output_text
     )
     req.token_ids.extend(output_token_ids)
+    req.prompt_logprobs = None  # (computed, if asked, where the prompt was)
     if req.generator is not None and sampler_state is not None:
         req.generator.set_state(sampler_state)
     req.block_table = block_table

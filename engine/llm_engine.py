@@ -17,7 +17,12 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.errors import InvalidRequestError, PromptTooLongError, TandemError
 from tandem.engine.kv_blocks import KVBlocks
-from tandem.engine.logprobs import raw_rows, rows_wanting_logprobs, token_logprobs
+from tandem.engine.logprobs import (
+    add_prompt_logprobs,
+    raw_rows,
+    rows_wanting_logprobs,
+    token_logprobs,
+)
 from tandem.engine.model import CausalLM
 from tandem.engine.model_config import ModelSpec, load_model_spec
 from tandem.engine.model_runner import ModelRunner
@@ -227,10 +232,13 @@ class LLMEngine:
         self.last_step_tokens = out.num_batched_tokens
         if out.is_empty:
             return []
-        logits, to_sample = self.runner.execute(out)
+        logits, to_sample, spans = self.runner.run(out)
         self.scheduler.advance(out)
+        if spans:
+            add_prompt_logprobs(logits, spans)
         if not to_sample:
             return []
+        logits = logits[: len(to_sample)]
         extra = [i for i, r in enumerate(to_sample) if r.sampling_extras]
         rows = rows_wanting_logprobs(to_sample, extra)
         raw = raw_rows(logits, rows)
@@ -282,6 +290,7 @@ class LLMEngine:
             num_cached_tokens=req.num_prefix_hit_tokens,
             finished=req.is_finished,
             logprobs=None if req.logprobs is None else list(req.logprobs),
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
         )
 
     # ---- KV hand-off between engines (prefill -> decode) -------------------------------------------

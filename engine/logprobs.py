@@ -8,11 +8,15 @@ before sampling, which changes `min_tokens` rows in place.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.engine.outputs import TokenLogprob
 from tandem.engine.request import Request
+
+if TYPE_CHECKING:
+    from tandem.engine.model_runner import PromptSpan
 
 LOGPROB_FLOOR = -9999.0
 
@@ -46,6 +50,21 @@ def token_logprobs(
         (lp, list(zip(ids[i][:count], values[i][:count], strict=True)))
         for i, (lp, count) in enumerate(zip(chosen, top_counts, strict=True))
     ]
+
+
+def add_prompt_logprobs(logits: torch.Tensor, spans: Sequence[PromptSpan]) -> None:
+    """Fills each span's prompt logprobs from its rows of the step's `logits`: position p's
+    row gives prompt token p + 1's logprob (kept from the first time it was computed)."""
+    for span in spans:
+        req = span.request
+        assert req.prompt_logprobs is not None
+        rows = logits[span.row : span.row + span.length]
+        nxt = req.prompt_token_ids[span.start + 1 : span.start + 1 + span.length]
+        k = req.params.prompt_logprobs or 0
+        entries = token_logprobs(rows, nxt, [k] * span.length)
+        for offset, entry in enumerate(entries, start=span.start + 1):
+            if req.prompt_logprobs[offset] is None:
+                req.prompt_logprobs[offset] = entry
 
 
 def parse_entries(value: object, count: int, top: int) -> list[TokenLogprob] | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -24,6 +24,17 @@ class Model(Protocol):
     ) -> torch.Tensor: ...
 
 
+class PromptSpan(NamedTuple):
+    """Positions `start` .. `start + length - 1` of `request`'s prompt whose logits (rows
+    `row` .. `row + length - 1` of the step's logits) give the logprobs of the prompt tokens
+    after them."""
+
+    request: Request
+    start: int
+    length: int
+    row: int
+
+
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor
@@ -31,6 +42,7 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sample_requests: list[Request]
+    prompt_spans: list[PromptSpan]
 
 
 class ModelRunner:
@@ -52,10 +64,15 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_rows: list[int] = []
         sample_requests: list[Request] = []
+        prompt_rows: list[tuple[Request, int, int, int]] = []  # (request, start, count, row)
         total = 0
         for req, n in out.scheduled:
             start = req.num_computed_tokens
             end = start + n
+            if req.prompt_logprobs is not None:  # positions whose next token is a prompt token
+                count = min(end, req.num_prompt_tokens - 1) - start
+                if count > 0:
+                    prompt_rows.append((req, start, count, total))
             table = req.block_table
             if n == 1:
                 input_ids.append(req.token_ids[start])
@@ -82,12 +99,18 @@ class ModelRunner:
             max_query_len=max(n for _, n in out.scheduled),
             max_context_len=max(context_lens),
         )
+        # Logits rows: the sampled ones first, then those of prompt logprobs.
+        spans = []
+        for req, start, count, first in prompt_rows:
+            spans.append(PromptSpan(req, start, count, len(logits_rows)))
+            logits_rows.extend(range(first, first + count))
         return ModelInputs(
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
             meta=meta,
             logits_indices=self._tensor(logits_rows),
             sample_requests=sample_requests,
+            prompt_spans=spans,
         )
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
@@ -97,9 +120,14 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """Runs one step; returns fp32 logits (one row per request to sample) and those requests."""
+        logits, requests, _ = self.run(out)
+        return logits[: len(requests)], requests
+
+    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request], list[PromptSpan]]:
+        """`execute`, and after the rows to sample those of the step's prompt-logprob spans."""
         inputs = self.prepare(out)
         logits = self.model(
             inputs.input_ids, inputs.positions, inputs.meta, self.kv_pool, inputs.logits_indices
         )
         # The sampler (per-request generators, stop checks) works on host tensors.
-        return logits.cpu(), inputs.sample_requests
+        return logits.cpu(), inputs.sample_requests, inputs.prompt_spans

@@ -35,3 +35,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = True
     logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first None)

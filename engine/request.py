@@ -68,6 +68,7 @@ class Request:
         "priority",
         "logprobs",
         "sampling_extras",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -112,6 +113,11 @@ class Request:
         """Lower runs earlier among waiting requests (vLLM's convention); ties keep arrival order."""
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         """One entry per output token when `params.logprobs` asks (`outputs.TokenLogprob`)."""
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        """Per prompt token when `params.prompt_logprobs` asks: None for the first (and for
+        those not computed yet), else its `TokenLogprob` given the tokens before it."""
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(prompt_token_ids)
         self.sampling_extras = params.logprobs is not None or params.adjusts_logits
         """Logprobs, penalties or a logit bias: the sampler looks at this request's row (one
         flag, so that a batch without any costs one attribute read a request)."""
@@ -135,6 +141,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked and not all computed yet (its prompt must be computed whole)."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) > 1 and any(lp is None for lp in lps[1:])
 
     @property
     def is_finished(self) -> bool:

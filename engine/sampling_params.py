@@ -20,7 +20,9 @@ class SamplingParams(BaseModel):
     model's EOS end generation (EOS unless `ignore_eos`), never before `min_tokens` tokens.
     `logprobs` (None: none) returns, for each generated token, its log-probability and those of
     the `logprobs` most likely tokens, under the model's distribution (its logits before
-    temperature, top-k, top-p and `min_tokens`, as vLLM returns them). The penalties are
+    temperature, top-k, top-p and `min_tokens`, as vLLM returns them). `prompt_logprobs` does the
+    same for each prompt token after the first (the request then computes its whole prompt:
+    no prefix-cache hits). The penalties are
     transformers' `repetition_penalty` (prompt and output) and OpenAI's `presence_penalty` and
     `frequency_penalty` (output only); see `penalties.py`. `logit_bias` adds to the logits of
     the given token ids (OpenAI's, -100 to 100) before sampling.
@@ -38,6 +40,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)

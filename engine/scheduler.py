@@ -22,6 +22,9 @@ from tandem.engine.block_manager import BlockManager
 from tandem.engine.hashing import hash_full_blocks
 from tandem.engine.request import Request, RequestStatus
 
+PROMPT_LOGPROBS_CHUNK = 256
+"""Most prompt tokens a step computes of a request whose prompt logprobs are asked."""
+
 
 @dataclass
 class SchedulerOutput:
@@ -109,6 +112,7 @@ class Scheduler:
                 continue
             n = min(remaining, budget)
             if not decode:
+                n = self._cap_for_prompt_logprobs(req, n)
                 if n < remaining and not self.enable_chunked_prefill:
                     continue
                 if bm.allocate(req.block_table, req.num_computed_tokens + n):
@@ -133,7 +137,7 @@ class Scheduler:
             req = self.waiting[0]
             hit_blocks = self._lookup_prefix(req)
             num_hit = len(hit_blocks) * self.block_size
-            n = min(req.num_tokens - num_hit, budget)
+            n = self._cap_for_prompt_logprobs(req, min(req.num_tokens - num_hit, budget))
             if not self.enable_chunked_prefill and n < req.num_tokens - num_hit:
                 oversized = req.num_tokens - num_hit > self.max_num_batched_tokens
                 prompt_in_step = any(k > 1 for _, k in out.scheduled)
@@ -158,9 +162,17 @@ class Scheduler:
             admitted += 1
         return max(budget, 0)
 
+    def _cap_for_prompt_logprobs(self, req: Request, n: int) -> int:
+        """A prompt whose logprobs are asked goes in chunks of at most PROMPT_LOGPROBS_CHUNK
+        tokens (each of its positions needs a vocabulary-wide row of logits)."""
+        if self.enable_chunked_prefill and req.wants_prompt_logprobs:
+            return min(n, PROMPT_LOGPROBS_CHUNK)
+        return n
+
     def _lookup_prefix(self, req: Request) -> list[int]:
-        """Cached full blocks of the request's tokens, leaving at least one token to compute."""
-        if not self.enable_prefix_caching:
+        """Cached full blocks of the request's tokens, leaving at least one token to compute
+        (none for a request whose prompt logprobs are still to compute)."""
+        if not self.enable_prefix_caching or req.wants_prompt_logprobs:
             return []
         req.set_status(RequestStatus.PREFIX_LOOKUP)
         self._extend_hashes(req, req.num_tokens)

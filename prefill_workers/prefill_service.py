@@ -37,6 +37,7 @@ class _Pending:
     first_token_ids: list[int] = field(default_factory=list)
     stages: dict[str, float] = field(default_factory=dict)  # queue_s, prefix_lookup_s
     first_token: asyncio.Future[dict[str, Any] | None] | None = None
+    prompt_logprobs: list[Any] | None = None  # when the request asks
 
 
 class PrefillService(WorkerLoop):
@@ -180,6 +181,8 @@ class PrefillService(WorkerLoop):
             pending.first_token_ids = list(event.token_ids)
             req = self.engine.requests.get(event.request_id)
             pending.stages = scheduling_stages(req) if req is not None else {}
+            if req is not None and req.prompt_logprobs is not None:
+                pending.prompt_logprobs = list(req.prompt_logprobs)
             if pending.first_token is not None:
                 resolve(pending.loop, pending.first_token, self._first_token_item(event))
             return
@@ -188,20 +191,19 @@ class PrefillService(WorkerLoop):
             resolve(pending.loop, pending.first_token, None)
         first = pending.first_token_at or now
         status = event.kind if event.kind in ("sent", "cancelled") else "failed"
-        resolve(
-            pending.loop,
-            pending.future,
-            {
-                "status": status,
-                "first_token_ids": pending.first_token_ids,
-                "error": event.error,
-                "timings": {
-                    **pending.stages,
-                    "prefill_s": first - pending.started - sum(pending.stages.values()),
-                    "transfer_tail_s": now - first,
-                },
+        outcome = {
+            "status": status,
+            "first_token_ids": pending.first_token_ids,
+            "error": event.error,
+            "timings": {
+                **pending.stages,
+                "prefill_s": first - pending.started - sum(pending.stages.values()),
+                "transfer_tail_s": now - first,
             },
-        )
+        }
+        if pending.prompt_logprobs is not None:
+            outcome["prompt_logprobs"] = pending.prompt_logprobs
+        resolve(pending.loop, pending.future, outcome)
 
     def _first_token_item(self, event: TransferEvent) -> dict[str, Any] | None:
         """The first token as decode will stream it, if it does not end the request."""

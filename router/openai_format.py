@@ -64,7 +64,7 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
         choice: dict[str, Any] = {
             "index": index,
             "finish_reason": req.finish_reason,
-            "logprobs": head.logprobs(req.token_ids, req.logprobs),
+            "logprobs": _choice_logprobs(head, req),
         }
         choice["stop_reason"] = req.stop_reason
         if head.kind == "chat":
@@ -78,6 +78,14 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
         "usage": usage,
         "tandem_timings": reqs[0].timings.stages_ms(),
     }
+
+
+def _choice_logprobs(head: ResponseHead, req: Prepared) -> dict[str, Any] | None:
+    """A whole choice's logprobs: with an echoed prompt's, those of its tokens first."""
+    if req.echo is not None and req.prompt_logprobs is not None:
+        entries = list(req.prompt_logprobs) + list(req.logprobs or ())
+        return head.logprobs(req.prompt_token_ids + req.token_ids, entries)
+    return head.logprobs(req.token_ids, req.logprobs)
 
 
 def chunk(

@@ -20,19 +20,29 @@ def completion_logprobs(
     text_offset: int = 0,
 ) -> dict[str, Any]:
     """Completions' shape. `top_logprobs` holds the alternatives and the sampled token (so up
-    to `logprobs + 1` of them, as OpenAI documents); `text_offset` counts from `text_offset`."""
-    tokens, offsets, tops = [], [], []
-    for token_id, (logprob, top) in zip(token_ids, entries, strict=False):
+    to `logprobs + 1` of them, as OpenAI documents); `text_offset` counts from `text_offset`.
+    An entry may be None (an echoed prompt's first token): null logprob and alternatives."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
         text = token_text(token_id)
         tokens.append(text)
         offsets.append(text_offset)
         text_offset += len(text)
+        if entry is None:
+            logprobs.append(None)
+            tops.append(None)
+            continue
+        logprob, top = entry
         alternatives = {token_text(t): lp for t, lp in top}
         alternatives.setdefault(text, logprob)
+        logprobs.append(logprob)
         tops.append(alternatives)
     return {
         "tokens": tokens,
-        "token_logprobs": [logprob for logprob, _ in entries[: len(tokens)]],
+        "token_logprobs": logprobs,
         "top_logprobs": tops,
         "text_offset": offsets,
     }

@@ -96,9 +96,9 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
+        if self.echo and self.logprobs is not None and self.stream:
             raise bad_request(
-                "echo with logprobs is not supported (no prompt logprobs)", "echo", "unsupported"
+                "echo with logprobs is not supported when streaming", "echo", "unsupported"
             )
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
@@ -111,6 +111,12 @@ class CompletionRequest(_SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def sampling_dict(self) -> dict[str, Any]:
+        params = super().sampling_dict()
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs too
+            params["prompt_logprobs"] = self.logprobs
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or each of a batch (texts or token id lists)."""

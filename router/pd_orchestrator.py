@@ -168,6 +168,7 @@ class PDOrchestrator:
         # item repeats it (`early` until then), so it is cut from that item.
         early: asyncio.Future[dict[str, Any]] | None = None
         streamed: dict[str, Any] | None = None
+        prompt_logprobs: list[Any] | None = None  # from the prefill worker's outcome
         first_out = False
         try:
             prefill_task: asyncio.Future[Any] | None = None
@@ -223,6 +224,7 @@ class PDOrchestrator:
                             "prefill_failed",
                         )
                     timings.worker.update(outcome.get("timings", {}))
+                    prompt_logprobs = outcome.get("prompt_logprobs", prompt_logprobs)
                 if next_item not in done:
                     continue
                 pending.discard(next_item)
@@ -252,10 +254,15 @@ class PDOrchestrator:
                 if item.get("finish_reason") is not None:
                     timings.mark("finished")
                     timings.worker.update(item.get("timings", {}))
-                    if prefill_task is not None and prefill_task in pending:  # timings only
+                    if prefill_task is not None and prefill_task in pending:  # timings, logprobs
+                        # (prompt logprobs come with the outcome: it is waited for longer)
+                        wait_s = 1.0 if "prompt_logprobs" not in params else 30.0
                         with contextlib.suppress(Exception, asyncio.TimeoutError):
-                            outcome = await asyncio.wait_for(asyncio.shield(prefill_task), 1.0)
+                            outcome = await asyncio.wait_for(asyncio.shield(prefill_task), wait_s)
                             timings.worker.update(outcome.get("timings", {}))
+                            prompt_logprobs = outcome.get("prompt_logprobs", prompt_logprobs)
+                    if prompt_logprobs is not None:
+                        item = {**item, "prompt_logprobs": prompt_logprobs}
                     yield item
                     return
                 if item["token_ids"] or item["text"]:

@@ -277,6 +277,9 @@ class Serving:
             if req.logprobs is None:
                 req.logprobs = []
             req.logprobs.extend(item.get("logprobs") or ())
+        if item.get("prompt_logprobs") is not None and req.prompt_logprobs is None:
+            # (a resumed attempt's prompt holds tokens generated before: the request's own)
+            req.prompt_logprobs = item["prompt_logprobs"][: len(req.prompt_token_ids)]
         req.text += item["text"]
         if item.get("finish_reason") is None:
             return None

@@ -383,3 +383,34 @@ def test_echo_penalties_and_logit_bias(base_url: str, reference: LLM, expected: 
         extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
     )
     assert got.choices[0].text == want.text and want.text != expected[5].text
+
+
+def test_echo_with_logprobs_scores_the_prompt(base_url: str, reference: LLM) -> None:
+    """lm-eval's loglikelihood request (echo, logprobs=1, max_tokens=1): the prompt's tokens
+    with their logprobs (the first null), then the completion's, as the in-process engine
+    computes them; twice, the second time with the prompt cached on the workers."""
+    prompt = "score this prompt token by token, as an evaluation harness does"
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1)
+    want = reference.generate([prompt], params, use_tqdm=False)[0]
+    assert want.prompt_logprobs is not None and want.logprobs is not None
+    want_lps = [None if e is None else e[0] for e in want.prompt_logprobs] + [want.logprobs[0][0]]
+    tok = reference.engine.tokenizer
+    for _ in range(2):
+        out = client(base_url).completions.create(
+            model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True
+        )
+        choice = out.choices[0]
+        assert choice.text == prompt + want.text
+        lp = choice.logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(want_lps[1:], abs=1e-4)
+        ids = want.prompt_token_ids + want.token_ids
+        assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids]
+        assert lp.text_offset is not None and lp.text_offset[-1] == len(prompt)
+    resp = requests.post(
+        f"{base_url}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "echo": True, "logprobs": 1, "stream": True},
+        timeout=30,
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"

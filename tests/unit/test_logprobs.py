@@ -80,3 +80,36 @@ def test_top_counts_differ_per_row() -> None:
     assert got[0][0] == pytest.approx(float(lp[0, 0]))
     assert [t for t, _ in got[0][1]] == [3, 2]
     assert got[1] == (pytest.approx(float(lp[1, 0])), [])
+
+
+def _hf_prompt_logprobs(hf: Any, prompt: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"max_num_batched_tokens": 16}, {"enable_chunked_prefill": False}],
+    ids=["whole", "chunks-of-16", "no-chunking"],
+)
+def test_prompt_logprobs_equal_transformers(setup: dict[str, Any], engine_args: Any) -> None:
+    """Each prompt token after the first: its logprob given those before it, and the most
+    likely alternatives; a prompt already in the prefix cache is computed again for them."""
+    llm = LLM(model=str(setup["path"]), num_kv_blocks=256, **engine_args)
+    prompts = random_prompts(3, 512, seed=21)
+    plain = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate(prompts, plain)  # now cached
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.num_cached_tokens == 0 and out.logprobs is None
+        lps = out.prompt_logprobs
+        assert lps is not None and len(lps) == len(prompt) and lps[0] is None
+        ref = _hf_prompt_logprobs(setup["hf"], prompt)
+        for p in range(1, len(prompt)):
+            entry = lps[p]
+            assert entry is not None
+            assert entry[0] == pytest.approx(float(ref[p - 1, prompt[p]]), abs=1e-4)
+            assert [t for t, _ in entry[1]] == ref[p - 1].topk(2).indices.tolist()
+        assert out.token_ids == setup["llm"].generate([prompt], plain)[0].token_ids
+    llm.engine.check_integrity()
