@@ -161,6 +161,17 @@ class ClusterConfig(BaseModel):
     lease_s: float = Field(30.0, gt=0)
     stall_timeout_s: float = Field(10.0, gt=0)
     ack_timeout_s: float = Field(10.0, gt=0)
+    checksums: bool = Field(
+        False,
+        description="Each chunk of KV pages carries an xxhash of its pages, checked on decode "
+        "(a failed check fails the request).",
+    )
+    chunk_publisher: bool = Field(
+        True,
+        description="Prefill workers hand a request's chunks (all but the last) to a thread of "
+        "their own, which sends them while the next chunk computes; false: the engine's thread "
+        "sends each chunk itself.",
+    )
     cache_dir: str = Field("~/.cache/tandem", description="Where the embedded tiny model lives.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -221,4 +232,6 @@ class ClusterConfig(BaseModel):
             stall_timeout_s=self.stall_timeout_s,
             ack_timeout_s=self.ack_timeout_s,
             drain_timeout_s=role_cfg.drain_timeout_s,
+            checksums=self.checksums,
+            hand_off=self.chunk_publisher,
         )

@@ -27,6 +27,7 @@ class WorkerSettings(BaseModel):
     ack_timeout_s: float = Field(10.0, gt=0)
     drain_timeout_s: float = Field(30.0, gt=0)
     checksums: bool = False
+    hand_off: bool = True  # prefill: chunks leave from a publishing thread (`ChunkPublisher`)
 
 
 def create_engine_and_transport(settings: WorkerSettings) -> tuple[Any, Any]:

@@ -43,6 +43,7 @@ class PrefillWorker(WorkerDeployment):
             transport,
             ack_timeout_s=cfg.ack_timeout_s,
             checksums=cfg.checksums,
+            hand_off=cfg.hand_off,
             name=self.worker_id,
             on_stats=on_stats,
         )

@@ -50,15 +50,17 @@ class PrefillService(WorkerLoop):
         *,
         ack_timeout_s: float = 10.0,
         checksums: bool = False,
+        hand_off: bool = True,
         name: str = "prefill",
         on_stats: Any = None,
     ) -> None:
         super().__init__(name, on_stats)
         self.engine = engine
         self.transport = transport
-        # Chunks leave from a thread of their own, off the first token's path (`ChunkPublisher`).
+        # Chunks leave from a thread of their own, off the first token's path (`ChunkPublisher`),
+        # unless `hand_off` is off.
         self.sender = KVSender(
-            engine, transport, ack_timeout_s=ack_timeout_s, checksums=checksums, hand_off=True
+            engine, transport, ack_timeout_s=ack_timeout_s, checksums=checksums, hand_off=hand_off
         )
         self._pending: dict[str, _Pending] = {}
         self.num_cancelled = 0

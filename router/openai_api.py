@@ -186,7 +186,7 @@ def _json(body: dict[str, Any]) -> JSONResponse:
     return JSONResponse(body, headers={"x-tandem-timings": timings})
 
 
-async def _sse(
+def _sse(
     serving: Serving,
     req: Prepared,
     kind: Kind,
@@ -196,33 +196,11 @@ async def _sse(
 ) -> AsyncGenerator[str, None]:
     """One choice's stream (`continuous`: every chunk carries the usage so far)."""
     head = head or ResponseHead.of(req, serving.model_name, kind)
-    offsets = _Offsets(head)
-    try:
-        if kind == "chat":
-            yield chunk(head, req, "", None, role=True)
-        elif req.echo:
-            yield chunk(head, req, req.echo, None)
-        every_s = serving.sse_keepalive_s
-        run = serving.run(req)
-        items = run if every_s is None else paced(run, every_s)
-        async with contextlib.aclosing(items):
-            async for item in items:
-                if item is None:
-                    yield KEEPALIVE
-                    continue
-                finish = item.get("finish_reason")
-                if item["text"] or finish is not None or offsets.has_logprobs(item):
-                    usage = req.usage() if continuous else None
-                    text = item["text"] or None
-                    yield chunk(head, req, text, finish, usage=usage, **offsets.take(0, item))
-        if include_usage:
-            yield usage_event(head, req.usage())
-    except APIError as exc:
-        yield event(exc.body())
-    yield DONE
+    items = _as_choice_zero(serving.run(req))
+    return _events(serving, head, [req], 1, include_usage, continuous, items)
 
 
-async def _sse_choices(
+def _sse_choices(
     serving: Serving,
     head: ResponseHead,
     reqs: list[Prepared],
@@ -231,8 +209,32 @@ async def _sse_choices(
     continuous: bool = False,
 ) -> AsyncGenerator[str, None]:
     """Several choices' streams in one, each chunk naming its choice's index."""
+    items = multi_choice.merged(serving, reqs)
+    return _events(serving, head, reqs, n, include_usage, continuous, items)
+
+
+async def _as_choice_zero(
+    items: AsyncGenerator[dict[str, Any], None],
+) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
+    async with contextlib.aclosing(items):
+        async for item in items:
+            yield 0, item
+
+
+async def _events(
+    serving: Serving,
+    head: ResponseHead,
+    reqs: list[Prepared],
+    n: int,
+    include_usage: bool,
+    continuous: bool,
+    choices: AsyncGenerator[tuple[int, dict[str, Any]], None],
+) -> AsyncGenerator[str, None]:
+    """The SSE events of `choices` ((choice index, token item) as they come): the chat role
+    or the echoed prompt first, a chunk per item with text, logprobs or an end, the usage,
+    `[DONE]`; an error as one error event before `[DONE]`."""
     offsets = _Offsets(head)
-    emitted = 0  # completion tokens sent so far, all choices
+    emitted = 0  # completion tokens sent so far, all choices (they may run ahead)
     try:
         for index, req in enumerate(reqs):
             if head.kind == "chat":
@@ -240,8 +242,7 @@ async def _sse_choices(
             elif req.echo:
                 yield chunk(head, req, req.echo, None, index=index)
         every_s = serving.sse_keepalive_s
-        both = multi_choice.merged(serving, reqs)
-        items = both if every_s is None else paced(both, every_s)
+        items = choices if every_s is None else paced(choices, every_s)
         async with contextlib.aclosing(items):
             async for entry in items:
                 if entry is None:

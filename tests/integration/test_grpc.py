@@ -101,26 +101,18 @@ def test_generate_refuses_bad_input(channel: grpc.Channel) -> None:
 def test_generate_with_penalties_bias_and_logprobs(channel: grpc.Channel, cluster: Cluster) -> None:
     llm = LLM(model=str(cluster.model), num_kv_blocks=256)
     prompt = "penalties and logprobs over grpc"
-    params = SamplingParams(
-        temperature=0,
-        max_tokens=10,
-        ignore_eos=True,
-        presence_penalty=0.5,
-        repetition_penalty=1.4,
-        logit_bias={9: 3.0},
-        logprobs=2,
-    )
-    exp = llm.generate([prompt], params, use_tqdm=False)[0]
+    fields = {
+        "temperature": 0,
+        "max_tokens": 10,
+        "ignore_eos": True,
+        "presence_penalty": 0.5,
+        "repetition_penalty": 1.4,
+        "logit_bias": {9: 3.0},
+        "logprobs": 2,
+    }
+    exp = llm.generate([prompt], SamplingParams(**fields), use_tqdm=False)[0]  # type: ignore[arg-type]
     assert exp.logprobs is not None
-    options = generation_pb2.SamplingOptions(
-        temperature=0,
-        max_tokens=10,
-        ignore_eos=True,
-        presence_penalty=0.5,
-        repetition_penalty=1.4,
-        logit_bias={9: 3.0},
-        logprobs=2,
-    )
+    options = generation_pb2.SamplingOptions(**fields)  # type: ignore[arg-type]
     replies = list(stub_generate(channel, prompt, options))
     assert [t for r in replies for t in r.token_ids] == exp.token_ids
     got = [e for r in replies for e in r.logprobs]

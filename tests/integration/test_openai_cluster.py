@@ -294,29 +294,21 @@ def test_logprobs_through_the_cluster_equal_the_colocated_engine_s(
     want_lps = [lp for lp, _ in want.logprobs]
     tok = reference.engine.tokenizer
     c = client(base_url)
-    extra = {"ignore_eos": True}
-    out = c.completions.create(
-        model="tiny",
-        prompt=PROMPTS[6],
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        logprobs=2,
-        extra_body=extra,
-    )
+    common: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": PROMPTS[6],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": 2,
+        "extra_body": {"ignore_eos": True},
+    }
+    out = c.completions.create(**common)
     lp = out.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
     assert lp.token_logprobs == pytest.approx(want_lps, abs=1e-4)
     assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in want.token_ids]
     assert lp.top_logprobs is not None and all(2 <= len(t) <= 3 for t in lp.top_logprobs)
-    stream = c.completions.create(
-        model="tiny",
-        prompt=PROMPTS[6],
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        logprobs=2,
-        stream=True,
-        extra_body=extra,
-    )
+    stream = c.completions.create(**common, stream=True)
     streamed: list[float] = []
     for chunk in stream:
         if chunk.choices and chunk.choices[0].logprobs is not None:

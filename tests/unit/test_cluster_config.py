@@ -74,3 +74,28 @@ def test_tandem_serve_names_a_bad_setting_in_one_line(
     assert res.exit_code == 2
     assert message in res.output
     assert "pydantic.dev" not in res.output and "input_value" not in res.output
+
+
+def test_checksums_and_the_chunk_publisher_reach_the_prefill_sender(
+    tiny_checkpoint: object,
+) -> None:
+    from tandem import LLM
+    from tandem.kv_transfer.fake import FakeTransport
+    from tandem.kv_transfer.local import LocalHub
+    from tandem.prefill_workers.prefill_service import PrefillService
+
+    default = ClusterConfig(auth_token="t").worker_settings("prefill", "/m", "reg")
+    assert (default.checksums, default.hand_off) == (False, True)
+    cfg = ClusterConfig.model_validate(
+        {"checksums": True, "chunk_publisher": False, "auth_token": "t"}
+    )
+    settings = cfg.worker_settings("prefill", "/m", "reg")
+    assert (settings.checksums, settings.hand_off) == (True, False)
+    engine = LLM(model=str(tiny_checkpoint()), num_kv_blocks=64).engine  # type: ignore[operator]
+    for hand_off in (True, False):
+        service = PrefillService(
+            engine, FakeTransport("t", hub=LocalHub("t")), checksums=True, hand_off=hand_off
+        )
+        assert service.sender.checksums is True
+        assert (service.sender._publisher is not None) is hand_off
+        service.sender.close()
