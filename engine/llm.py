@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -17,12 +17,19 @@ from tandem.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+Prompts = str | dict[str, Any] | Sequence[str] | Sequence[Sequence[int]] | Sequence[dict[str, Any]]
+"""One prompt or several: texts, token id lists, or vLLM's prompt dicts."""
+
 
 class LLM:
     """Loads a local Hugging Face checkpoint and generates for a batch of prompts.
 
     >>> llm = LLM(model="/path/to/checkpoint")
     >>> out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+    >>> out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=8))
+
+    Prompts are texts, token id lists, or vLLM's dicts (`{"prompt": ...}` or
+    `{"prompt_token_ids": [...]}`).
     """
 
     def __init__(
@@ -55,16 +62,47 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The engine's tokenizer (vLLM's name for it)."""
+        return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """`generate` for one conversation or a list of them, each rendered with the
+        checkpoint's chat template (as the chat completions API renders it)."""
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = cast(
+            "list[list[dict[str, str]]]", [messages] if one else [list(c) for c in messages]
+        )
+        prompts = [
+            self.engine.tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one `RequestOutput` per prompt, in input order."""
         prompt_list = _as_prompt_list(prompts)
-        param_list = _as_param_list(params, len(prompt_list))
+        param_list = _as_param_list(sampling_params, len(prompt_list))
         engine = self.engine
         requests: list[Request] = []
         try:
@@ -86,14 +124,21 @@ class LLM:
         return [engine.make_output(r, t) for r, t in zip(requests, texts, strict=True)]
 
 
-def _as_prompt_list(
-    prompts: str | Sequence[str] | Sequence[Sequence[int]],
-) -> list[str | list[int]]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: Prompts) -> list[str | list[int]]:
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]  # type: ignore[assignment]
     out: list[str | list[int]] = []
     for prompt in prompts:
-        if isinstance(prompt, str):
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            if "prompt_token_ids" in prompt:
+                out.append([int(t) for t in prompt["prompt_token_ids"]])
+            elif isinstance(prompt.get("prompt"), str):
+                out.append(prompt["prompt"])
+            else:
+                raise InvalidRequestError(
+                    "a dict prompt needs 'prompt' (text) or 'prompt_token_ids'"
+                )
+        elif isinstance(prompt, str):
             out.append(prompt)
         elif isinstance(prompt, int):
             raise InvalidRequestError(
