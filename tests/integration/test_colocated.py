@@ -48,3 +48,25 @@ def test_colocated_workers_without_chunked_prefill_match_the_engine(cluster: Clu
     usage = long_prompt.usage.model_dump() if long_prompt.usage else {}
     assert usage["prompt_tokens"] > 32  # over the step budget: prefilled whole, in one step
     assert usage["kv_transferred_blocks"] == 0
+    # Logprobs, and the prompt's with echo, from a worker that prefilled the request itself.
+    ref_lp = LLM(model=str(cluster.model), num_kv_blocks=512).generate(
+        [PROMPTS[2]],
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1, prompt_logprobs=1),
+        use_tqdm=False,
+    )[0]
+    assert ref_lp.logprobs is not None and ref_lp.prompt_logprobs is not None
+    scored = client.completions.create(
+        model="tiny",
+        prompt=PROMPTS[2],
+        max_tokens=3,
+        temperature=0,
+        logprobs=1,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
+    lp = scored.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None
+    want = [None] + [e[0] for e in ref_lp.prompt_logprobs[1:] if e is not None]
+    want += [e[0] for e in ref_lp.logprobs]
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
