@@ -16,6 +16,7 @@ from tandem.engine.checkpoint import build_namespace, model_revision
 from tandem.engine.config import EngineConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.errors import InvalidRequestError, PromptTooLongError, TandemError
+from tandem.engine.guided import GrammarBook
 from tandem.engine.kv_blocks import KVBlocks
 from tandem.engine.logprobs import (
     add_prompt_logprobs,
@@ -84,6 +85,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_pool)
         self.output_processor = OutputProcessor(self.max_model_len)
+        self.grammars = GrammarBook(self.tokenizer.hf, self.spec.vocab_size)
         self.requests: dict[str, Request] = {}
         self.last_step_tokens = 0  # tokens the last `step()` ran through the model
         self._ids = itertools.count()
@@ -176,9 +178,21 @@ class LLMEngine:
             keep_kv=keep_kv,
             priority=priority,
         )
+        self.attach_grammar(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def attach_grammar(self, req: Request) -> None:
+        """Gives a request with a JSON schema its grammar matcher, advanced past the output
+        it already has (a request that was prefilled elsewhere). InvalidRequestError for an
+        unusable schema, or an output the grammar does not allow."""
+        if req.params.json_schema is None:
+            return
+        req.matcher = self.grammars.matcher(req.params.json_schema)
+        for token in req.output_token_ids:
+            if not req.matcher.accept_token(token):
+                raise InvalidRequestError(f"token {token} does not follow the JSON schema")
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -243,6 +257,10 @@ class LLMEngine:
         rows = rows_wanting_logprobs(to_sample, extra)
         raw = raw_rows(logits, rows)
         tokens = sample(logits, to_sample, extra)
+        for i in extra:
+            matcher = to_sample[i].matcher
+            if matcher is not None and not matcher.accept_token(tokens[i]):
+                logger.error("request %s: its grammar refused a token it allowed", to_sample[i])
         outputs = self.output_processor.process(to_sample, tokens)
         if raw is not None:
             self._add_logprobs(raw, rows, to_sample, tokens, outputs)

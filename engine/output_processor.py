@@ -43,6 +43,8 @@ class OutputProcessor:
             req.output_text.add(token)
             if params.stop and self._find_stop_string(req, num_out >= params.min_tokens):
                 return "stop"
+        if req.matcher is not None and req.matcher.is_terminated():  # the JSON is complete
+            return "stop"
         if num_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None

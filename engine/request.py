@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from enum import IntEnum
+from typing import Any
 
 import torch
 
@@ -69,6 +70,7 @@ class Request:
         "logprobs",
         "sampling_extras",
         "prompt_logprobs",
+        "matcher",
     )
 
     def __init__(
@@ -118,6 +120,8 @@ class Request:
         those not computed yet), else its `TokenLogprob` given the tokens before it."""
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(prompt_token_ids)
+        self.matcher: Any = None
+        """The grammar matcher of a request with `params.json_schema` (`guided.py`)."""
         self.sampling_extras = params.logprobs is not None or params.adjusts_logits
         """Logprobs, penalties or a logit bias: the sampler looks at this request's row (one
         flag, so that a batch without any costs one attribute read a request)."""

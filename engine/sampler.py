@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.engine.guided import mask_disallowed
 from tandem.engine.penalties import apply_penalties
 from tandem.engine.request import Request
 
@@ -23,6 +24,7 @@ def sample(
     _suppress_stops_before_min_tokens(logits, requests)
     if extra_rows:
         apply_penalties(logits, requests, extra_rows)
+        mask_disallowed(logits, requests, extra_rows)
     tokens = greedy_argmax(logits).tolist()
     if all(r.params.greedy for r in requests):
         return tokens

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tandem.engine.errors import InvalidRequestError, summarize_validation
@@ -25,7 +27,8 @@ class SamplingParams(BaseModel):
     no prefix-cache hits). The penalties are
     transformers' `repetition_penalty` (prompt and output) and OpenAI's `presence_penalty` and
     `frequency_penalty` (output only); see `penalties.py`. `logit_bias` adds to the logits of
-    the given token ids (OpenAI's, -100 to 100) before sampling.
+    the given token ids (OpenAI's, -100 to 100) before sampling. `json_schema` constrains the
+    output to JSON that follows it (`guided.py`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -45,6 +48,7 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     logit_bias: dict[int, float] | None = None
+    json_schema: dict[str, Any] | None = None
 
     def __init__(self, **data: object) -> None:
         try:
@@ -110,12 +114,13 @@ class SamplingParams(BaseModel):
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties or a logit bias change this request's logits before sampling."""
+        """Penalties, a logit bias or a grammar change this request's logits before sampling."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
+            or self.json_schema is not None
         )
 
     @property

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
+from tandem.engine.errors import InvalidRequestError
 from tandem.engine.hashing import hash_full_blocks
 from tandem.engine.kv_io import NoFreeBlocksError, commit_request
 from tandem.engine.llm_engine import LLMEngine
@@ -262,6 +263,10 @@ class KVReceiver:
                 and self._first_logprobs(res, manifest, message.header) is None
             ):
                 return "the last chunk's first_token_logprobs are missing or malformed"
+            if res.params.json_schema is not None:
+                problem = self._check_grammar(res.params.json_schema, manifest.first_token_ids)
+                if problem:
+                    return problem
             if res.next_block + len(expected) != len(res.block_table):
                 return "last chunk arrived before all reserved blocks were filled"
             if manifest.num_tokens != len(res.prompt_token_ids):
@@ -293,6 +298,16 @@ class KVReceiver:
             req.logprobs = list(logprobs)
         self._ack(res, manifest.chunk_index)
         return TransferEvent("committed", res.request_id, first, logprobs=logprobs)
+
+    def _check_grammar(self, schema: dict[str, Any], tokens: list[int]) -> str | None:
+        """Why the first tokens cannot start output that follows `schema` (None: they can)."""
+        try:
+            matcher = self.engine.grammars.matcher(schema)
+        except InvalidRequestError as exc:
+            return str(exc)
+        if not all(matcher.accept_token(t) for t in tokens):
+            return f"the first tokens {tokens} do not follow the request's JSON schema"
+        return None
 
     @staticmethod
     def _first_logprobs(

@@ -1,10 +1,11 @@
 """OpenAI-compatible request schemas (completions and chat) and what they mean for the engine.
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do; known fields are
-type-checked. Features tandem does not implement (prompt logprobs, JSON mode, function calling,
-...) are refused with a 400 that names the field rather than silently ignored. Several choices
-(`n` > 1, a batch of prompts) run as requests of their own (`multi_choice`). Log-probabilities:
-`logprobs` (0-20 alternatives) for completions, `logprobs` and `top_logprobs` for chat.
+type-checked. Features tandem does not implement (function calling, ...) are refused with a
+400 that names the field rather than silently ignored. Several choices (`n` > 1, a batch of
+prompts) run as requests of their own (`multi_choice`). Log-probabilities: `logprobs` (0-20
+alternatives) for completions, `logprobs` and `top_logprobs` for chat. `response_format`
+(`json_object`, `json_schema`) becomes the engine's `json_schema`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.guided import check_schema
 from tandem.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from tandem.router.errors import bad_request
 
@@ -46,6 +49,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = None  # vLLM's extension
+    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -67,7 +71,37 @@ class _SamplingFields(BaseModel):
             params["logprobs"] = logprobs
         if self.logit_bias:
             params["logit_bias"] = self.token_bias()
+        if (schema := self.output_schema()) is not None:
+            params["json_schema"] = schema
         return params
+
+    def output_schema(self) -> dict[str, Any] | None:
+        """The JSON schema `response_format` asks the output to follow (None: free text).
+        JSON mode is the schema of any object. 400 for another format or an unusable schema."""
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind != "json_schema":
+            raise bad_request(
+                f"response_format {kind!r} is not supported (text, json_object, json_schema)",
+                "response_format",
+                "unsupported",
+            )
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format json_schema needs json_schema.schema (an object)",
+                "response_format",
+            )
+        try:
+            check_schema(schema)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), "response_format") from None
+        return schema
 
     def token_bias(self) -> dict[int, float]:
         """`logit_bias` with its keys as token ids (OpenAI sends them as strings)."""
@@ -164,7 +198,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -175,13 +208,6 @@ class ChatCompletionRequest(_SamplingFields):
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise bad_request(
-                f"response_format {kind!r} is not supported (only 'text')",
-                "response_format",
-                "unsupported",
-            )
         if self.tools and self.tool_choice != "none":
             raise bad_request(
                 "tools (function calling) are not supported; send tool_choice='none' or no tools",

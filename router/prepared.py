@@ -49,8 +49,8 @@ class Prepared:
         sampler's state died with its worker, and presence and frequency penalties count the
         output, which a new attempt would take for prompt."""
         p = self.params
-        if p.presence_penalty or p.frequency_penalty:
-            return False
+        if p.presence_penalty or p.frequency_penalty or p.json_schema is not None:
+            return False  # (nor a grammar's state)
         return p.temperature == 0 or p.seed is None
 
     def attempt_prompt(self) -> list[int]:

@@ -7,6 +7,7 @@ It runs inside the router replica, on the replica's event loop, and goes through
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -15,6 +16,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.guided import check_schema
 from tandem.router.api_keys import check_api_key
 from tandem.router.errors import APIError, bad_request
 from tandem.router.grpc import generation_pb2, generation_pb2_grpc
@@ -43,6 +46,8 @@ def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
             fields[name] = getattr(options, name)
     if options.logit_bias:
         fields["logit_bias"] = dict(options.logit_bias)
+    if options.json_schema:
+        fields["json_schema"] = _schema(options.json_schema)
     if options.stop:
         fields["stop"] = list(options.stop)
     if options.stop_token_ids:
@@ -57,6 +62,21 @@ def _logprobs(entries: list[Any] | None) -> list[generation_pb2.TokenLogprob]:
         )
         for lp, top in entries or ()
     ]
+
+
+def _schema(text: str) -> dict[str, Any]:
+    """A JSON schema given as text (400 unless it is a usable one)."""
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        raise bad_request("json_schema is not JSON", "json_schema") from None
+    if not isinstance(schema, dict):
+        raise bad_request("json_schema must be a JSON object", "json_schema")
+    try:
+        check_schema(schema)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), "json_schema") from None
+    return schema
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -128,3 +129,17 @@ def stub_generate(
     stub = generation_pb2_grpc.GenerationStub(channel)
     request = generation_pb2.GenerateRequest(model="tiny", prompt=prompt, sampling=options)
     return list(stub.Generate(request, timeout=60))
+
+
+def test_generate_follows_a_json_schema(channel: grpc.Channel, cluster: Cluster) -> None:
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    options = generation_pb2.SamplingOptions(
+        temperature=0, max_tokens=20, json_schema=json.dumps(schema)
+    )
+    replies = stub_generate(channel, "pick", options)
+    assert json.loads("".join(r.text for r in replies)) in ("yes", "no")
+    assert replies[-1].finish_reason == "stop"
+    bad = generation_pb2.SamplingOptions(max_tokens=2, json_schema="{not json")
+    with pytest.raises(grpc.RpcError) as info:
+        stub_generate(channel, "pick", bad)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

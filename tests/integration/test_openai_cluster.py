@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -406,3 +407,41 @@ def test_echo_with_logprobs_scores_the_prompt(base_url: str, reference: LLM) -> 
         timeout=30,
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
+
+
+def test_structured_output_through_the_cluster(base_url: str, reference: LLM) -> None:
+    """`response_format`: JSON mode and a JSON schema, as the in-process engine gives them."""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    c = client(base_url)
+    messages = [{"role": "user", "content": "answer in JSON"}]
+    rendered = reference.engine.tokenizer.apply_chat_template(messages)
+    for fmt, want_schema in (
+        ({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}, schema),
+        ({"type": "json_object"}, {"type": "object"}),
+    ):
+        params = SamplingParams(temperature=0, max_tokens=48, json_schema=want_schema)
+        want = reference.generate([rendered], params, use_tqdm=False)[0]
+        out = c.chat.completions.create(
+            model="tiny",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=48,
+            temperature=0,
+            response_format=fmt,  # type: ignore[arg-type]
+        )
+        assert out.choices[0].message.content == want.text
+        assert out.choices[0].finish_reason == want.finish_reason
+        if want.finish_reason == "stop":
+            assert isinstance(json.loads(want.text), dict)
+    out = c.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=48,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},  # type: ignore[arg-type]
+    )
+    assert json.loads(out.choices[0].message.content or "")["answer"] in ("yes", "no")
