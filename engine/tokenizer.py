@@ -146,16 +146,18 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render ``messages`` with the tokenizer's chat template and return the token ids.
 
         `continue_final_message` leaves the last (assistant) message open, for the model to go
         on with it; `template_kwargs` are more variables for the template (e.g. Qwen3's
-        `enable_thinking`). transformers raises ValueError if the tokenizer has no chat template.
+        `enable_thinking`); `tools` are function specs for templates that present them.
+        transformers raises ValueError if the tokenizer has no chat template.
         """
         out = self._hf.apply_chat_template(
             messages,
@@ -163,6 +165,7 @@ class Tokenizer:
             continue_final_message=continue_final_message,
             tokenize=True,
             return_dict=False,
+            tools=tools,
             **(template_kwargs or {}),
         )
         return [int(i) for i in out]

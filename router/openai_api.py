@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -40,6 +41,7 @@ from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
 from tandem.router.serving import Serving
 from tandem.router.sse_keepalive import KEEPALIVE, paced
+from tandem.router.tool_calls import template_tools, tool_call
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +139,11 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest) 
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.chat_template_kwargs,
+            tools=tools,
         )
 
+    forced = body.forced_tools()
+    tools = template_tools(forced) if forced is not None else None
     return await _serve(serving, response_id, body.n, body.n, prepare, "chat", body)
 
 
@@ -154,9 +159,11 @@ async def _serve(
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     token_text = serving.token_text
+    tool_mode = isinstance(body, ChatCompletionRequest) and body.forced_tools() is not None
     if count == 1:
         req = await prepare(0, response_id)
         head = ResponseHead.of(req, serving.model_name, kind, token_text=token_text)
+        head = replace(head, tool_calls=tool_mode)
         if body.stream:
             return ClosingStreamingResponse(
                 _sse(serving, req, kind, include_usage, head, continuous),
@@ -171,6 +178,7 @@ async def _serve(
         serving, count, lambda i: prepare(i, f"{response_id}-{i}")
     )
     head = ResponseHead.of(reqs[0], serving.model_name, kind, response_id, token_text)
+    head = replace(head, tool_calls=tool_mode)
     if body.stream:
         return ClosingStreamingResponse(
             _sse_choices(serving, head, reqs, n, include_usage, continuous),
@@ -251,6 +259,10 @@ async def _events(
                 index, item = entry
                 emitted += len(item["token_ids"])
                 finish = item.get("finish_reason")
+                if head.tool_calls:  # the call goes whole, once its JSON is complete
+                    if finish is not None:
+                        yield _tool_call_chunk(head, reqs[index], index, finish)
+                    continue
                 if item["text"] or finish is not None or offsets.has_logprobs(item):
                     text = item["text"] or None
                     logprobs = offsets.take(index, item)
@@ -262,6 +274,13 @@ async def _events(
     except APIError as exc:
         yield event(exc.body())
     yield DONE
+
+
+def _tool_call_chunk(head: ResponseHead, req: Prepared, index: int, finish: str) -> str:
+    call = tool_call(req.text)
+    if call is None:  # (cut short, e.g. by max_tokens: the text as it is)
+        return chunk(head, req, req.text, finish, index=index)
+    return chunk(head, req, None, "tool_calls", index=index, tool_calls=[call])
 
 
 def _so_far(usage: dict[str, Any], completion_tokens: int) -> dict[str, Any]:

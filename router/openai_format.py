@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from tandem.router.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
 from tandem.router.prepared import Prepared
+from tandem.router.tool_calls import tool_call
 
 Kind = Literal["completion", "chat"]
 
@@ -26,6 +27,7 @@ class ResponseHead:
     model: str
     kind: Kind
     token_text: TokenText | None = None  # names tokens in logprobs (None: none asked)
+    tool_calls: bool = False  # chat whose output is a forced tool call (`tool_calls`)
 
     @classmethod
     def of(
@@ -67,7 +69,11 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
             "logprobs": _choice_logprobs(head, req),
         }
         choice["stop_reason"] = req.stop_reason
-        if head.kind == "chat":
+        call = tool_call(req.text) if head.tool_calls else None
+        if call is not None:
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+            choice["finish_reason"] = "tool_calls"
+        elif head.kind == "chat":
             choice["message"] = {"role": "assistant", "content": req.text}
         else:
             choice["text"] = (req.echo or "") + req.text
@@ -100,6 +106,7 @@ def chunk(
     logprobs: Sequence[Any] | None = None,
     text_offset: int = 0,
     usage: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> str:
     """One SSE event with one choice's text (chat: a delta, with the role on the first), and
     the logprobs of the tokens it carries when asked (completions' offsets from
@@ -113,6 +120,8 @@ def chunk(
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls is not None:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
         choice["delta"] = delta
     else:
         choice["text"] = text or ""

@@ -18,6 +18,7 @@ from tandem.engine.errors import InvalidRequestError
 from tandem.engine.guided import check_schema
 from tandem.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from tandem.router.errors import bad_request
+from tandem.router.tool_calls import ToolSpec, call_schema, forced_tools
 
 
 class StreamOptions(BaseModel):
@@ -198,30 +199,35 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
+    tools: list[ToolSpec] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def forced_tools(self) -> list[ToolSpec] | None:
+        """The tools the reply must call one of (`tool_calls`), or None."""
+        return forced_tools(self.tools, self.tool_choice)
+
+    def output_schema(self) -> dict[str, Any] | None:
+        forced = self.forced_tools()
+        if forced is None:
+            return super().output_schema()
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request(
+                "response_format and a forced tool_choice exclude each other", "response_format"
+            )
+        return call_schema(forced)
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        if self.tools and self.tool_choice != "none":
-            raise bad_request(
-                "tools (function calling) are not supported; send tool_choice='none' or no tools",
-                "tools",
-                "unsupported",
-            )
+        self.forced_tools()
         check_template_options(
             self.messages, self.add_generation_prompt, self.continue_final_message
         )
         check_template_kwargs(self.chat_template_kwargs)
-        if self.tool_choice not in (None, "none"):
-            raise bad_request(
-                f"tool_choice {self.tool_choice!r} is not supported", "tool_choice", "unsupported"
-            )
 
     def requested_max_tokens(self) -> int | None:
         return (
@@ -230,13 +236,24 @@ class ChatCompletionRequest(_SamplingFields):
             else self.max_tokens
         )
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Chat messages as the chat template takes them."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as the chat template takes them: role and text, and for a function-calling
+    conversation an assistant's `tool_calls` and a tool message's `tool_call_id` and `name`."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        extra = m.model_extra or {}
+        for key in ("tool_calls", "tool_call_id"):
+            if extra.get(key) is not None:
+                message[key] = extra[key]
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
 
 
 RESERVED_TEMPLATE_KWARGS = frozenset(

@@ -80,11 +80,12 @@ class Serving:
 
     def render_chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The token ids of chat `messages` through the chat template (400 if it fails)."""
         try:
@@ -93,6 +94,7 @@ class Serving:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 template_kwargs=template_kwargs,
+                tools=tools,
             )
         except (ValueError, TypeError) as exc:
             raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
@@ -101,7 +103,7 @@ class Serving:
         self,
         request_id: str,
         model: str | None,
-        prompt: str | list[int] | list[dict[str, str]],
+        prompt: str | list[int] | list[dict[str, Any]],
         max_tokens: int | None,
         fields: dict[str, Any],
         timings: RequestTimings,
@@ -112,6 +114,7 @@ class Serving:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Prepared:
         """`prompt` is text, token ids, or chat messages (rendered with the chat template, with
         the two template options of the chat API).
@@ -126,6 +129,7 @@ class Serving:
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
                     template_kwargs=chat_template_kwargs,
+                    tools=tools,
                 )
             else:
                 token_ids = tokenize_prompt(self.tokenizer, prompt, limits.vocab_size)  # type: ignore[arg-type]

@@ -114,7 +114,14 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         400,
         "response_format",
     ),
-    ("chat tools", "/v1/chat/completions", {**CHAT, "tools": [TOOL]}, 400, "tools"),
+    ("chat tools, auto", "/v1/chat/completions", {**CHAT, "tools": [TOOL]}, 400, "tool_choice"),
+    (
+        "tool_choice naming an unknown function",
+        "/v1/chat/completions",
+        {**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "zz"}}},
+        400,
+        "tool_choice",
+    ),
     (
         "chat_template_kwargs setting a call option",
         "/v1/chat/completions",

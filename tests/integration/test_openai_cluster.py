@@ -445,3 +445,69 @@ def test_structured_output_through_the_cluster(base_url: str, reference: LLM) ->
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},  # type: ignore[arg-type]
     )
     assert json.loads(out.choices[0].message.content or "")["answer"] in ("yes", "no")
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "the weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "noop",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+    },
+]
+
+
+def test_forced_tool_calls(base_url: str) -> None:
+    """tool_choice naming a function, or "required": the reply is a `tool_calls` entry whose
+    arguments follow the function's parameters; streamed, it comes whole in one delta."""
+    c = client(base_url)
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = c.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice=named,
+        max_tokens=64,  # type: ignore[arg-type]
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls is not None and len(calls) == 1 and calls[0].id.startswith("call_")
+    assert calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Oslo")  # type: ignore[union-attr]
+    stream = c.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        max_tokens=64,
+        stream=True,
+    )
+    deltas = [ch.choices[0] for ch in stream if ch.choices]
+    calls_streamed = [d.delta.tool_calls for d in deltas if d.delta.tool_calls]
+    assert len(calls_streamed) == 1 and deltas[-1].finish_reason == "tool_calls", deltas[-3:]
+    call = calls_streamed[0][0]
+    assert call.function is not None and call.function.name in ("get_weather", "noop")
+    assert isinstance(json.loads(call.function.arguments or ""), dict)
+    # A conversation that goes on after the call: the tool's answer goes to the template.
+    follow = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"},
+    ]
+    again = c.chat.completions.create(model="tiny", messages=follow, max_tokens=4)  # type: ignore[arg-type]
+    assert again.choices[0].finish_reason in ("length", "stop")
