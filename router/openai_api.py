@@ -41,7 +41,7 @@ from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
 from tandem.router.serving import Serving
 from tandem.router.sse_keepalive import KEEPALIVE, paced
-from tandem.router.tool_calls import template_tools, tool_call
+from tandem.router.tool_calls import template_tools
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,8 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest) 
         )
 
     forced = body.forced_tools()
-    tools = template_tools(forced) if forced is not None else None
+    shown = forced if forced is not None else body.tools if body.reply_parser() else None
+    tools = template_tools(shown) if shown else None
     return await _serve(serving, response_id, body.n, body.n, prepare, "chat", body)
 
 
@@ -159,11 +160,11 @@ async def _serve(
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     token_text = serving.token_text
-    tool_mode = isinstance(body, ChatCompletionRequest) and body.forced_tools() is not None
+    read_calls = body.reply_parser() if isinstance(body, ChatCompletionRequest) else None
     if count == 1:
         req = await prepare(0, response_id)
         head = ResponseHead.of(req, serving.model_name, kind, token_text=token_text)
-        head = replace(head, tool_calls=tool_mode)
+        head = replace(head, read_calls=read_calls)
         if body.stream:
             return ClosingStreamingResponse(
                 _sse(serving, req, kind, include_usage, head, continuous),
@@ -178,7 +179,7 @@ async def _serve(
         serving, count, lambda i: prepare(i, f"{response_id}-{i}")
     )
     head = ResponseHead.of(reqs[0], serving.model_name, kind, response_id, token_text)
-    head = replace(head, tool_calls=tool_mode)
+    head = replace(head, read_calls=read_calls)
     if body.stream:
         return ClosingStreamingResponse(
             _sse_choices(serving, head, reqs, n, include_usage, continuous),
@@ -259,9 +260,9 @@ async def _events(
                 index, item = entry
                 emitted += len(item["token_ids"])
                 finish = item.get("finish_reason")
-                if head.tool_calls:  # the call goes whole, once its JSON is complete
+                if head.read_calls:  # the reply goes whole, once its calls can be read
                     if finish is not None:
-                        yield _tool_call_chunk(head, reqs[index], index, finish)
+                        yield from_reply(head, reqs[index], index, finish)
                     continue
                 if item["text"] or finish is not None or offsets.has_logprobs(item):
                     text = item["text"] or None
@@ -276,11 +277,13 @@ async def _events(
     yield DONE
 
 
-def _tool_call_chunk(head: ResponseHead, req: Prepared, index: int, finish: str) -> str:
-    call = tool_call(req.text)
-    if call is None:  # (cut short, e.g. by max_tokens: the text as it is)
-        return chunk(head, req, req.text, finish, index=index)
-    return chunk(head, req, None, "tool_calls", index=index, tool_calls=[call])
+def from_reply(head: ResponseHead, req: Prepared, index: int, finish: str) -> str:
+    """The one chunk of a reply to a chat with tools: its content and its calls."""
+    assert head.read_calls is not None
+    content, calls = head.read_calls(req.text)
+    if not calls:  # (no call, or one cut short by max_tokens: the text as it is)
+        return chunk(head, req, content, finish, index=index)
+    return chunk(head, req, content, "tool_calls", index=index, tool_calls=calls)
 
 
 def _so_far(usage: dict[str, Any], completion_tokens: int) -> dict[str, Any]:

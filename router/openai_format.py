@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from tandem.router.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
 from tandem.router.prepared import Prepared
-from tandem.router.tool_calls import tool_call
+from tandem.router.tool_calls import ReplyParser
 
 Kind = Literal["completion", "chat"]
 
@@ -27,7 +27,7 @@ class ResponseHead:
     model: str
     kind: Kind
     token_text: TokenText | None = None  # names tokens in logprobs (None: none asked)
-    tool_calls: bool = False  # chat whose output is a forced tool call (`tool_calls`)
+    read_calls: ReplyParser | None = None  # chat with tools: how its replies' calls are read
 
     @classmethod
     def of(
@@ -69,9 +69,9 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
             "logprobs": _choice_logprobs(head, req),
         }
         choice["stop_reason"] = req.stop_reason
-        call = tool_call(req.text) if head.tool_calls else None
-        if call is not None:
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+        content, calls = head.read_calls(req.text) if head.read_calls else (req.text, [])
+        if calls:
+            choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
             choice["finish_reason"] = "tool_calls"
         elif head.kind == "chat":
             choice["message"] = {"role": "assistant", "content": req.text}

@@ -18,7 +18,13 @@ from tandem.engine.errors import InvalidRequestError
 from tandem.engine.guided import check_schema
 from tandem.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from tandem.router.errors import bad_request
-from tandem.router.tool_calls import ToolSpec, call_schema, forced_tools
+from tandem.router.tool_calls import (
+    ReplyParser,
+    ToolSpec,
+    call_schema,
+    forced_tools,
+    reply_parser,
+)
 
 
 class StreamOptions(BaseModel):
@@ -208,6 +214,10 @@ class ChatCompletionRequest(_SamplingFields):
     def forced_tools(self) -> list[ToolSpec] | None:
         """The tools the reply must call one of (`tool_calls`), or None."""
         return forced_tools(self.tools, self.tool_choice)
+
+    def reply_parser(self) -> ReplyParser | None:
+        """How the reply's tool calls are read (None: no tools in play)."""
+        return reply_parser(self.tools, self.tool_choice)
 
     def output_schema(self) -> dict[str, Any] | None:
         forced = self.forced_tools()

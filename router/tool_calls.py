@@ -1,17 +1,22 @@
-"""Function calling when the caller forces it: `tool_choice` "required" or a named function.
+"""Function calling: the tools go to the chat template, and the reply's calls come back as
+OpenAI's `tool_calls` (finish reason "tool_calls").
 
-The output is constrained (structured output, `engine/guided.py`) to one JSON object
-`{"name": <a tool's name>, "arguments": <that tool's parameters>}`, and answered as OpenAI's
-`tool_calls` (finish reason "tool_calls"). The tools also go to the chat template, so the model
-sees them as its template presents them. `tool_choice` "auto" (the model decides whether to
-call, in its own format) needs a parser per model family and is refused; "none", or no tools,
-is plain chat.
+- `tool_choice` "required" or a named function: the output is constrained (structured output,
+  `engine/guided.py`) to one JSON object `{"name": <a tool's name>, "arguments": <that tool's
+  parameters>}`.
+- "auto" (OpenAI's default with tools): the model decides. Its calls are read in the Hermes
+  format, `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, which Qwen2.5, Qwen3 and
+  Hermes chat templates teach their models; text outside the tags is the message's content. A
+  model that writes calls in another format gets its text back as content.
+- "none", or no tools: plain chat.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,14 +44,10 @@ def forced_tools(tools: list[ToolSpec] | None, tool_choice: Any) -> list[ToolSpe
     cannot be served."""
     if tool_choice == "none":
         return None
-    if tool_choice is None:
-        if tools:
-            raise _auto()
+    if tool_choice in (None, "auto"):
         return None
     if not tools:
         raise bad_request(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
-    if tool_choice == "auto":
-        raise _auto()
     if tool_choice == "required":
         return tools
     name = _named(tool_choice)
@@ -65,15 +66,6 @@ def _named(tool_choice: Any) -> str:
         f"tool_choice {tool_choice!r} is not one of none, required, or "
         '{"type": "function", "function": {"name": ...}}',
         "tool_choice",
-    )
-
-
-def _auto() -> Exception:
-    return bad_request(
-        "tool_choice 'auto' (the default with tools) is not supported: send 'required', a "
-        "named function, or 'none'",
-        "tool_choice",
-        "unsupported",
     )
 
 
@@ -97,6 +89,40 @@ def call_schema(tools: list[ToolSpec]) -> dict[str, Any]:
 def template_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
     """The tools as chat templates take them (transformers' `tools=`)."""
     return [t.model_dump(exclude_none=True) for t in tools]
+
+
+ReplyParser = Callable[[str], tuple[str | None, list[dict[str, Any]]]]
+"""A reply's text -> (its content, its `tool_calls`)."""
+
+
+def reply_parser(tools: list[ToolSpec] | None, tool_choice: Any) -> ReplyParser | None:
+    """How to read the reply's calls (None: plain text)."""
+    if not tools or tool_choice == "none":
+        return None
+    if tool_choice in (None, "auto"):
+        return hermes_calls
+    return forced_call
+
+
+def forced_call(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """A constrained reply: one call (or, cut short, its text as content)."""
+    call = tool_call(text)
+    return (None, [call]) if call is not None else (text, [])
+
+
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def hermes_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Calls written as `<tool_call>{json}</tool_call>` (the last may miss its closing tag);
+    the text around them is the content (None when there is none)."""
+    if "<tool_call>" not in text:
+        return text, []
+    calls = [c for m in HERMES_CALL.finditer(text) if (c := tool_call(m.group(1))) is not None]
+    if not calls:
+        return text, []
+    content = HERMES_CALL.sub("", text).strip()
+    return content or None, calls
 
 
 def tool_call(text: str) -> dict[str, Any] | None:

@@ -114,7 +114,6 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         400,
         "response_format",
     ),
-    ("chat tools, auto", "/v1/chat/completions", {**CHAT, "tools": [TOOL]}, 400, "tool_choice"),
     (
         "tool_choice naming an unknown function",
         "/v1/chat/completions",

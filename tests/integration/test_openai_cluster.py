@@ -511,3 +511,7 @@ def test_forced_tool_calls(base_url: str) -> None:
     ]
     again = c.chat.completions.create(model="tiny", messages=follow, max_tokens=4)  # type: ignore[arg-type]
     assert again.choices[0].finish_reason in ("length", "stop")
+    # "auto" (the default with tools): the tiny model writes no call, so its text is the content
+    auto = c.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=6)  # type: ignore[arg-type]
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content
+    assert auto.choices[0].finish_reason == "length"

@@ -1,5 +1,6 @@
-"""Forced function calling (`router/tool_calls.py`): which tools a tool_choice forces, the
-schema of one call, and the `tool_calls` entry a complete call becomes."""
+"""Function calling (`router/tool_calls.py`): which tools a tool_choice forces, the schema of
+one call, the `tool_calls` entry a complete call becomes, and calls read from a free reply in
+the Hermes format (`tool_choice` "auto")."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import json
 import pytest
 
 from tandem.router.errors import APIError
-from tandem.router.tool_calls import ToolSpec, call_schema, forced_tools, tool_call
+from tandem.router.tool_calls import (
+    ToolSpec,
+    call_schema,
+    forced_call,
+    forced_tools,
+    hermes_calls,
+    reply_parser,
+    tool_call,
+)
 
 TOOLS = [
     ToolSpec.model_validate(
@@ -20,12 +29,14 @@ TOOLS = [
 
 def test_which_tools_a_choice_forces() -> None:
     assert forced_tools(None, None) is None and forced_tools(TOOLS, "none") is None
+    assert forced_tools(TOOLS, None) is None and forced_tools(TOOLS, "auto") is None
     assert forced_tools(TOOLS, "required") == TOOLS
     named = {"type": "function", "function": {"name": "b"}}
     assert forced_tools(TOOLS, named) == TOOLS[1:]
+    assert reply_parser(TOOLS, None) is hermes_calls and reply_parser(TOOLS, "auto") is hermes_calls
+    assert reply_parser(TOOLS, named) is forced_call and reply_parser(TOOLS, "none") is None
+    assert reply_parser(None, None) is None
     for tools, choice, param in (
-        (TOOLS, None, "tool_choice"),  # OpenAI's default with tools is "auto"
-        (TOOLS, "auto", "tool_choice"),
         (None, "required", "tool_choice"),
         (TOOLS, {"type": "function", "function": {"name": "zz"}}, "tool_choice"),
         (TOOLS, {"type": "code"}, "tool_choice"),
@@ -49,3 +60,23 @@ def test_a_complete_call_becomes_a_tool_calls_entry() -> None:
     assert call["function"]["name"] == "a" and json.loads(call["function"]["arguments"]) == {"x": 1}
     assert tool_call('{"name":"a","argu') is None  # cut short
     assert tool_call('{"x": 1}') is None
+
+
+def test_calls_read_from_a_free_reply_in_the_hermes_format() -> None:
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "a", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": {}}'  # the last one unclosed (the model stopped)
+    )
+    content, calls = hermes_calls(text)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("a", {"city": "Oslo"}),
+        ("b", {}),
+    ]
+    assert hermes_calls("no calls here") == ("no calls here", [])
+    assert hermes_calls("<tool_call>{not json</tool_call>") == (
+        "<tool_call>{not json</tool_call>",
+        [],
+    )
+    only, calls = hermes_calls('<tool_call>{"name": "a", "arguments": {}}</tool_call>')
+    assert only is None and len(calls) == 1
