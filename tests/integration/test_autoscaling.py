@@ -30,9 +30,11 @@ SCALING = {
 }
 BURST = 12  # concurrent streams: ~3 replicas' worth, capped at max_replicas=2
 KEEPERS = 4  # concurrent streams after the burst: one replica's worth (2 per replica at first)
-BURST_TOKENS, KEEPER_TOKENS = 48, 512
+BURST_TOKENS, KEEPER_TOKENS = 48, 1800
 """Keepers' streams are long, so a replica that had one when Serve chose to remove it still has
-it when its drain starts (with 256 the removed replica once drained with nothing in flight)."""
+it when its drain starts. Serve marks the replica as stopping (the router then sends it nothing
+new) a couple of seconds before it calls the drain: 512-token streams (~1.5 s here) had all
+ended by then in one CI run, and 256-token ones in another."""
 PHASE_TIMEOUT_S = 90.0
 
 
