@@ -8,7 +8,7 @@ their chained hashes. Import reuses whatever full blocks the receiving engine al
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -95,6 +95,7 @@ def commit_request(
     num_hit_blocks: int = 0,
     sampler_state: torch.Tensor | None = None,
     stream_text: bool = False,
+    matcher: Any = None,
 ) -> Request:
     """Turns blocks that hold the prompt's KV (already referenced by `block_table`) into a
     running request that continues after `output_token_ids`. The request owns the blocks now."""
@@ -107,7 +108,7 @@ def commit_request(
     )
     req.token_ids.extend(output_token_ids)
     req.prompt_logprobs = None  # (computed, if asked, where the prompt was)
-    engine.attach_grammar(req)
+    engine.attach_grammar(req, matcher)
     if req.generator is not None and sampler_state is not None:
         req.generator.set_state(sampler_state)
     req.block_table = block_table

@@ -7,6 +7,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -183,11 +184,14 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
-    def attach_grammar(self, req: Request) -> None:
+    def attach_grammar(self, req: Request, matcher: Any = None) -> None:
         """Gives a request with a JSON schema its grammar matcher, advanced past the output
-        it already has (a request that was prefilled elsewhere). InvalidRequestError for an
-        unusable schema, or an output the grammar does not allow."""
+        it already has (a request that was prefilled elsewhere; `matcher`: one already past
+        it). InvalidRequestError for an unusable schema, or an output the grammar refuses."""
         if req.params.json_schema is None:
+            return
+        if matcher is not None:
+            req.matcher = matcher
             return
         req.matcher = self.grammars.matcher(req.params.json_schema)
         for token in req.output_token_ids:

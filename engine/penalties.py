@@ -21,22 +21,12 @@ import torch
 from tandem.engine.request import Request
 
 
-def _penalized(req: Request) -> bool:
-    p = req.params
-    return (
-        p.repetition_penalty != 1.0
-        or p.presence_penalty != 0.0
-        or p.frequency_penalty != 0.0
-        or bool(p.logit_bias)
-    )
-
-
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], rows: Sequence[int]) -> None:
     """Penalizes, in place, those of `rows` of `logits` (fp32, (B, vocab)) whose requests ask."""
     vocab = logits.shape[-1]
     for i in rows:
         req = requests[i]
-        if not _penalized(req):
+        if not req.params.penalized:
             continue
         p, row = req.params, logits[i]
         if p.logit_bias:

@@ -113,15 +113,19 @@ class SamplingParams(BaseModel):
         return self
 
     @property
-    def adjusts_logits(self) -> bool:
-        """Penalties, a logit bias or a grammar change this request's logits before sampling."""
+    def penalized(self) -> bool:
+        """Penalties or a logit bias add to this request's logits before sampling."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
-            or self.json_schema is not None
         )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties, a logit bias or a grammar change this request's logits before sampling."""
+        return self.penalized or self.json_schema is not None
 
     @property
     def greedy(self) -> bool:

@@ -81,6 +81,7 @@ class _Reservation:
     next_block: int
     next_chunk: int = 0
     peer: str | None = None
+    matcher: Any = None  # a JSON-schema request's grammar, past the first tokens (checked)
 
 
 class KVReceiver:
@@ -264,7 +265,7 @@ class KVReceiver:
             ):
                 return "the last chunk's first_token_logprobs are missing or malformed"
             if res.params.json_schema is not None:
-                problem = self._check_grammar(res.params.json_schema, manifest.first_token_ids)
+                problem = self._check_grammar(res, manifest.first_token_ids)
                 if problem:
                     return problem
             if res.next_block + len(expected) != len(res.block_table):
@@ -293,20 +294,24 @@ class KVReceiver:
             res.block_table,
             num_hit_blocks=res.num_hit_blocks,
             sampler_state=decode_state(manifest.sampler_state),
+            matcher=res.matcher,
         )
         if logprobs is not None:
             req.logprobs = list(logprobs)
         self._ack(res, manifest.chunk_index)
         return TransferEvent("committed", res.request_id, first, logprobs=logprobs)
 
-    def _check_grammar(self, schema: dict[str, Any], tokens: list[int]) -> str | None:
-        """Why the first tokens cannot start output that follows `schema` (None: they can)."""
+    def _check_grammar(self, res: _Reservation, tokens: list[int]) -> str | None:
+        """Why the first tokens cannot start output that follows the request's JSON schema
+        (None: they can; the matcher, past them, is kept for the commit)."""
+        assert res.params.json_schema is not None
         try:
-            matcher = self.engine.grammars.matcher(schema)
+            matcher = self.engine.grammars.matcher(res.params.json_schema)
         except InvalidRequestError as exc:
             return str(exc)
         if not all(matcher.accept_token(t) for t in tokens):
             return f"the first tokens {tokens} do not follow the request's JSON schema"
+        res.matcher = matcher
         return None
 
     @staticmethod

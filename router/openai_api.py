@@ -17,7 +17,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -41,7 +40,7 @@ from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
 from tandem.router.serving import Serving
 from tandem.router.sse_keepalive import KEEPALIVE, paced
-from tandem.router.tool_calls import template_tools
+from tandem.router.tool_calls import ReplyParser, template_tools
 
 logger = logging.getLogger(__name__)
 
@@ -142,10 +141,11 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest) 
             tools=tools,
         )
 
+    read_calls = body.reply_parser()
     forced = body.forced_tools()
-    shown = forced if forced is not None else body.tools if body.reply_parser() else None
+    shown = forced if forced is not None else body.tools if read_calls else None
     tools = template_tools(shown) if shown else None
-    return await _serve(serving, response_id, body.n, body.n, prepare, "chat", body)
+    return await _serve(serving, response_id, body.n, body.n, prepare, "chat", body, read_calls)
 
 
 async def _serve(
@@ -156,15 +156,14 @@ async def _serve(
     prepare: Callable[[int, str], Awaitable[Prepared]],
     kind: Kind,
     body: CompletionRequest | ChatCompletionRequest,
+    read_calls: ReplyParser | None = None,
 ) -> JSONResponse | StreamingResponse:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     token_text = serving.token_text
-    read_calls = body.reply_parser() if isinstance(body, ChatCompletionRequest) else None
     if count == 1:
         req = await prepare(0, response_id)
-        head = ResponseHead.of(req, serving.model_name, kind, token_text=token_text)
-        head = replace(head, read_calls=read_calls)
+        head = ResponseHead.of(req, serving.model_name, kind, None, token_text, read_calls)
         if body.stream:
             return ClosingStreamingResponse(
                 _sse(serving, req, kind, include_usage, head, continuous),
@@ -178,8 +177,7 @@ async def _serve(
     reqs = await multi_choice.prepare_all(
         serving, count, lambda i: prepare(i, f"{response_id}-{i}")
     )
-    head = ResponseHead.of(reqs[0], serving.model_name, kind, response_id, token_text)
-    head = replace(head, read_calls=read_calls)
+    head = ResponseHead.of(reqs[0], serving.model_name, kind, response_id, token_text, read_calls)
     if body.stream:
         return ClosingStreamingResponse(
             _sse_choices(serving, head, reqs, n, include_usage, continuous),

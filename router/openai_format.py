@@ -37,9 +37,12 @@ class ResponseHead:
         kind: Kind,
         response_id: str | None = None,
         token_text: TokenText | None = None,
+        read_calls: ReplyParser | None = None,
     ) -> ResponseHead:
         names = token_text if req.params.logprobs is not None else None
-        return cls(response_id or req.request_id, int(req.timings.arrival), model, kind, names)
+        return cls(
+            response_id or req.request_id, int(req.timings.arrival), model, kind, names, read_calls
+        )
 
     def logprobs(
         self, token_ids: Sequence[int], entries: Sequence[Any] | None, text_offset: int = 0
