@@ -1,0 +1,53 @@
+"""What the OpenAI end-to-end modules share: prompts, the colocated reference, the deployments
+(1 prefill + 1 decode and 2 + 2) and a client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from tandem import LLM
+from tandem.engine.sampling_params import SamplingParams
+from tests.integration.conftest import Cluster
+
+WORDS = [
+    "prefill",
+    "decode",
+    "router",
+    "cache",
+    "block",
+    "token",
+    "stream",
+    "lease",
+    "chunk",
+    "page",
+]
+PROMPTS = [
+    "hello",
+    "The quick brown fox",
+    "tandem serves prefill and decode on separate workers",
+    "a b c d e f g",
+    *(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(8 + 9 * i)) for i in range(10)),
+    "ünïcödé ça 語 界 ñ",
+    "end.",
+]
+MAX_TOKENS = 12
+
+
+def make_reference(cluster: Cluster) -> LLM:
+    return LLM(model=str(cluster.model), num_kv_blocks=512)
+
+
+def make_expected(reference: LLM) -> list[Any]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return reference.generate(PROMPTS, params, use_tqdm=False)
+
+
+def deploy_by_param(request: pytest.FixtureRequest, cluster: Cluster) -> str:
+    return cluster.deploy_pd(int(request.param[0]))
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
