@@ -37,6 +37,10 @@ class _Link:
     seq: int = 0
     spare: torch.Tensor | None = None  # a staging buffer to reuse
 
+    def settled(self) -> bool:
+        """No send of this link's is still in UCX's hands."""
+        return all(r.completed for out in self.inflight for r in out.requests)
+
 
 @dataclass
 class _Rx:
