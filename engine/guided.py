@@ -1,12 +1,13 @@
-"""Structured output: JSON, or JSON that follows a schema, with xgrammar.
+"""Structured output with xgrammar: JSON (following a schema), a regular expression, a choice
+of strings, or an EBNF grammar.
 
-A request with `SamplingParams.json_schema` gets a grammar matcher (OpenAI's JSON mode is the
-schema `{"type": "object"}`). Before each of its tokens is
-sampled, the tokens the grammar does not allow at that point are masked out of its logits
-(greedy and sampling alike, after penalties); the sampled token then advances the matcher. When
-the grammar is complete only a stop token is allowed, and once the matcher accepts it the
-request ends ("stop", also with `ignore_eos`). The logprobs a request gets back stay those of
-the model's own logits.
+A request whose `SamplingParams.structure` is set (one of `json_schema`, `regex`, `choice`,
+`grammar`; OpenAI's JSON mode is the schema `{"type": "object"}`) gets a grammar matcher. Before
+each of its tokens is sampled, the tokens the grammar does not allow at that point are masked
+out of its logits (greedy and sampling alike, after penalties); the sampled token then advances
+the matcher. When the grammar is complete only a stop token is allowed, and once the matcher
+accepts it the request ends ("stop", also with `ignore_eos`). The logprobs a request gets back
+stay those of the model's own logits.
 
 Across a transfer the matcher is not sent: the decode engine builds its own and feeds it the
 first token(s) the prefill sampled (`LLMEngine.attach_grammar`).
@@ -28,17 +29,44 @@ if TYPE_CHECKING:
 
 def check_schema(schema: dict[str, Any]) -> None:
     """InvalidRequestError when xgrammar cannot turn `schema` into a grammar."""
+    check_structure(("json_schema", schema))
+
+
+def check_structure(structure: tuple[str, Any]) -> None:
+    """InvalidRequestError when xgrammar cannot turn `structure` (`SamplingParams.structure`)
+    into a grammar: a bad schema, regular expression or EBNF text."""
     import xgrammar
 
+    kind, value = structure
     try:
-        xgrammar.Grammar.from_json_schema(json.dumps(schema))
+        if kind == "json_schema":
+            xgrammar.Grammar.from_json_schema(json.dumps(value))
+        elif kind == "regex":
+            xgrammar.Grammar.from_regex(value)
+        else:
+            xgrammar.Grammar.from_ebnf(_ebnf(kind, value))
     except (RuntimeError, ValueError, TypeError) as exc:
-        raise InvalidRequestError(f"unusable JSON schema: {_first_line(exc)}") from None
+        raise InvalidRequestError(f"unusable {_NAMES[kind]}: {_first_line(exc)}") from None
+
+
+_NAMES = {
+    "json_schema": "JSON schema",
+    "regex": "regular expression",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+
+
+def _ebnf(kind: str, value: Any) -> str:
+    """EBNF text of a `choice` (its strings as alternatives) or a `grammar`."""
+    if kind == "choice":  # (JSON string literals are EBNF ones, escapes included)
+        return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+    return str(value)
 
 
 class GrammarBook:
     """One engine's grammars: its tokenizer's vocabulary as xgrammar sees it (built on first
-    use) and the grammars compiled so far, by schema."""
+    use) and the grammars compiled so far, by kind and text."""
 
     CACHE = 256
 
@@ -46,10 +74,11 @@ class GrammarBook:
         self._tokenizer = hf_tokenizer
         self._vocab_size = vocab_size
         self._compiler: Any = None
-        self._compiled: dict[str, Any] = {}
+        self._compiled: dict[tuple[str, str], Any] = {}
 
-    def matcher(self, schema: dict[str, Any]) -> Any:
-        """A fresh matcher for `schema` (InvalidRequestError for an unusable one)."""
+    def matcher(self, structure: tuple[str, Any]) -> Any:
+        """A fresh matcher for `structure` (`SamplingParams.structure`; InvalidRequestError
+        for an unusable one)."""
         import xgrammar
 
         if self._compiler is None:
@@ -57,19 +86,27 @@ class GrammarBook:
                 self._tokenizer, vocab_size=self._vocab_size
             )
             self._compiler = xgrammar.GrammarCompiler(info)
-        key = json.dumps(schema, sort_keys=True)
-        compiled = self._compiled.get(key)
+        kind, value = structure
+        text = json.dumps(value, sort_keys=True) if kind == "json_schema" else _ebnf(kind, value)
+        compiled = self._compiled.get((kind, text))
         if compiled is None:
             try:
-                # Compact JSON (`{"a": 1}`-style separators, no free whitespace): a model
-                # that likes spaces cannot pad its answer until max_tokens.
-                compiled = self._compiler.compile_json_schema(key, any_whitespace=False)
+                compiled = self._compile(kind, text)
             except (RuntimeError, ValueError) as exc:
-                raise InvalidRequestError(f"unusable JSON schema: {_first_line(exc)}") from None
+                raise InvalidRequestError(f"unusable {_NAMES[kind]}: {_first_line(exc)}") from None
             if len(self._compiled) >= self.CACHE:
                 self._compiled.clear()
-            self._compiled[key] = compiled
+            self._compiled[(kind, text)] = compiled
         return xgrammar.GrammarMatcher(compiled)
+
+    def _compile(self, kind: str, text: str) -> Any:
+        if kind == "json_schema":
+            # Compact JSON (`{"a": 1}`-style separators, no free whitespace): a model that
+            # likes spaces cannot pad its answer until max_tokens.
+            return self._compiler.compile_json_schema(text, any_whitespace=False)
+        if kind == "regex":
+            return self._compiler.compile_regex(text)
+        return self._compiler.compile_grammar(text)
 
 
 def mask_disallowed(logits: torch.Tensor, requests: Sequence[Request], rows: Sequence[int]) -> None:

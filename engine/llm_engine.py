@@ -185,18 +185,21 @@ class LLMEngine:
         return req
 
     def attach_grammar(self, req: Request, matcher: Any = None) -> None:
-        """Gives a request with a JSON schema its grammar matcher, advanced past the output
-        it already has (a request that was prefilled elsewhere; `matcher`: one already past
-        it). InvalidRequestError for an unusable schema, or an output the grammar refuses."""
-        if req.params.json_schema is None:
+        """Gives a request with structured output its grammar matcher, advanced past the
+        output it already has (a request that was prefilled elsewhere; `matcher`: one already
+        past it). InvalidRequestError for an unusable grammar, or an output it refuses."""
+        structure = req.params.structure
+        if structure is None:
             return
         if matcher is not None:
             req.matcher = matcher
             return
-        req.matcher = self.grammars.matcher(req.params.json_schema)
+        req.matcher = self.grammars.matcher(structure)
         for token in req.output_token_ids:
             if not req.matcher.accept_token(token):
-                raise InvalidRequestError(f"token {token} does not follow the JSON schema")
+                raise InvalidRequestError(
+                    f"token {token} does not follow the request's {structure[0]}"
+                )
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -121,7 +121,7 @@ class Request:
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(prompt_token_ids)
         self.matcher: Any = None
-        """The grammar matcher of a request with `params.json_schema` (`guided.py`)."""
+        """The grammar matcher of a request with structured output (`guided.py`)."""
         self.sampling_extras = params.logprobs is not None or params.adjusts_logits
         """Logprobs, penalties or a logit bias: the sampler looks at this request's row (one
         flag, so that a batch without any costs one attribute read a request)."""

@@ -12,6 +12,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """The seeds a `torch.Generator` takes (a signed or unsigned 64-bit integer)."""
 MAX_LOGPROBS = 20
 """Most alternatives a request may ask log-probabilities of, per token (vLLM's default)."""
+STRUCTURE_KINDS = ("json_schema", "regex", "choice", "grammar")
+"""The fields that constrain the output's structure; a request sets at most one."""
 
 
 class SamplingParams(BaseModel):
@@ -27,8 +29,10 @@ class SamplingParams(BaseModel):
     no prefix-cache hits). The penalties are
     transformers' `repetition_penalty` (prompt and output) and OpenAI's `presence_penalty` and
     `frequency_penalty` (output only); see `penalties.py`. `logit_bias` adds to the logits of
-    the given token ids (OpenAI's, -100 to 100) before sampling. `json_schema` constrains the
-    output to JSON that follows it (`guided.py`).
+    the given token ids (OpenAI's, -100 to 100) before sampling. Structured output (`guided.py`),
+    at most one of: `json_schema` (JSON that follows it), `regex` (text the regular expression
+    matches whole), `choice` (exactly one of these strings), `grammar` (text of an EBNF grammar,
+    xgrammar's dialect, whose start rule is `root`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -49,6 +53,9 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     logit_bias: dict[int, float] | None = None
     json_schema: dict[str, Any] | None = None
+    regex: str | None = Field(None, min_length=1)
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, min_length=1)
 
     def __init__(self, **data: object) -> None:
         try:
@@ -104,6 +111,20 @@ class SamplingParams(BaseModel):
             raise ValueError(f"max_tokens must be >= 1, got {value}")
         return value
 
+    @field_validator("choice")
+    @classmethod
+    def _choices_not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(c == "" for c in value):
+            raise ValueError("choice strings must be non-empty")
+        return value
+
+    @model_validator(mode="after")
+    def _one_structure(self) -> SamplingParams:
+        given = [k for k in STRUCTURE_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of {', '.join(STRUCTURE_KINDS)} may be set: {given}")
+        return self
+
     @model_validator(mode="after")
     def _min_tokens_within_max(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
@@ -125,7 +146,17 @@ class SamplingParams(BaseModel):
     @property
     def adjusts_logits(self) -> bool:
         """Penalties, a logit bias or a grammar change this request's logits before sampling."""
-        return self.penalized or self.json_schema is not None
+        return self.penalized or self.structure is not None
+
+    @property
+    def structure(self) -> tuple[str, Any] | None:
+        """The structured output asked for, as (kind, value): one of `STRUCTURE_KINDS` and that
+        field's value; None for free text."""
+        for kind in STRUCTURE_KINDS:
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return None
 
     @property
     def greedy(self) -> bool:

@@ -264,7 +264,7 @@ class KVReceiver:
                 and self._first_logprobs(res, manifest, message.header) is None
             ):
                 return "the last chunk's first_token_logprobs are missing or malformed"
-            if res.params.json_schema is not None:
+            if res.params.structure is not None:
                 problem = self._check_grammar(res, manifest.first_token_ids)
                 if problem:
                     return problem
@@ -302,15 +302,16 @@ class KVReceiver:
         return TransferEvent("committed", res.request_id, first, logprobs=logprobs)
 
     def _check_grammar(self, res: _Reservation, tokens: list[int]) -> str | None:
-        """Why the first tokens cannot start output that follows the request's JSON schema
+        """Why the first tokens cannot start output that follows the request's structure
         (None: they can; the matcher, past them, is kept for the commit)."""
-        assert res.params.json_schema is not None
+        structure = res.params.structure
+        assert structure is not None
         try:
-            matcher = self.engine.grammars.matcher(res.params.json_schema)
+            matcher = self.engine.grammars.matcher(structure)
         except InvalidRequestError as exc:
             return str(exc)
         if not all(matcher.accept_token(t) for t in tokens):
-            return f"the first tokens {tokens} do not follow the request's JSON schema"
+            return f"the first tokens {tokens} do not follow the request's {structure[0]}"
         res.matcher = matcher
         return None
 

@@ -5,7 +5,8 @@ type-checked. Features tandem does not implement (function calling, ...) are ref
 400 that names the field rather than silently ignored. Several choices (`n` > 1, a batch of
 prompts) run as requests of their own (`multi_choice`). Log-probabilities: `logprobs` (0-20
 alternatives) for completions, `logprobs` and `top_logprobs` for chat. `response_format`
-(`json_object`, `json_schema`) becomes the engine's `json_schema`.
+(`json_object`, `json_schema`) and vLLM's `structured_outputs` and `guided_*` fields become the
+engine's structured output (`structured_output.py`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.engine.errors import InvalidRequestError
-from tandem.engine.guided import check_schema
 from tandem.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from tandem.router.errors import bad_request
+from tandem.router.structured_output import (
+    Structure,
+    StructuredOutputs,
+    from_guided_fields,
+    from_response_format,
+    from_structured_outputs,
+    one_structure,
+)
 from tandem.router.tool_calls import (
     ReplyParser,
     ToolSpec,
@@ -57,6 +64,11 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = None  # vLLM's extension
     response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -78,37 +90,24 @@ class _SamplingFields(BaseModel):
             params["logprobs"] = logprobs
         if self.logit_bias:
             params["logit_bias"] = self.token_bias()
-        if (schema := self.output_schema()) is not None:
-            params["json_schema"] = schema
+        if (structure := self.output_structure()) is not None:
+            params[structure[0]] = structure[1]
         return params
 
-    def output_schema(self) -> dict[str, Any] | None:
-        """The JSON schema `response_format` asks the output to follow (None: free text).
-        JSON mode is the schema of any object. 400 for another format or an unusable schema."""
-        fmt = self.response_format or {}
-        kind = fmt.get("type", "text")
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return {"type": "object"}
-        if kind != "json_schema":
-            raise bad_request(
-                f"response_format {kind!r} is not supported (text, json_object, json_schema)",
-                "response_format",
-                "unsupported",
-            )
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise bad_request(
-                "response_format json_schema needs json_schema.schema (an object)",
-                "response_format",
-            )
-        try:
-            check_schema(schema)
-        except InvalidRequestError as exc:
-            raise bad_request(str(exc), "response_format") from None
-        return schema
+    def structure_sources(self) -> list[tuple[str, Structure]]:
+        """(field, structure) for each field of the request that constrains the output."""
+        found: list[tuple[str, Structure]] = []
+        if (fmt := from_response_format(self.response_format)) is not None:
+            found.append(("response_format", fmt))
+        if self.structured_outputs is not None:
+            found += from_structured_outputs(self.structured_outputs)
+        guided = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        return found + from_guided_fields({name: getattr(self, name) for name in guided})
+
+    def output_structure(self) -> Structure | None:
+        """The structured output asked for, as the engine's (kind, value); None: free text.
+        400 for an unsupported format, two constraining fields, or an unusable one."""
+        return one_structure(self.structure_sources())
 
     def token_bias(self) -> dict[int, float]:
         """`logit_bias` with its keys as token ids (OpenAI sends them as strings)."""
@@ -219,15 +218,14 @@ class ChatCompletionRequest(_SamplingFields):
         """How the reply's tool calls are read (None: no tools in play)."""
         return reply_parser(self.tools, self.tool_choice)
 
-    def output_schema(self) -> dict[str, Any] | None:
+    def output_structure(self) -> Structure | None:
         forced = self.forced_tools()
         if forced is None:
-            return super().output_schema()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request(
-                "response_format and a forced tool_choice exclude each other", "response_format"
-            )
-        return call_schema(forced)
+            return super().output_structure()
+        if sources := self.structure_sources():
+            field = sources[0][0]
+            raise bad_request(f"{field} and a forced tool_choice exclude each other", field)
+        return "json_schema", call_schema(forced)
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -49,7 +49,7 @@ class Prepared:
         sampler's state died with its worker, and presence and frequency penalties count the
         output, which a new attempt would take for prompt."""
         p = self.params
-        if p.presence_penalty or p.frequency_penalty or p.json_schema is not None:
+        if p.presence_penalty or p.frequency_penalty or p.structure is not None:
             return False  # (nor a grammar's state)
         return p.temperature == 0 or p.seed is None
 

@@ -115,6 +115,27 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         "response_format",
     ),
     (
+        "unusable guided_regex",
+        "/v1/completions",
+        {**OK, "guided_regex": "(unclosed"},
+        400,
+        "guided_regex",
+    ),
+    (
+        "two structured output fields",
+        "/v1/chat/completions",
+        {**CHAT, "guided_choice": ["a"], "structured_outputs": {"regex": "b"}},
+        400,
+        "guided_choice",
+    ),
+    (
+        "guided_choice of the wrong type",
+        "/v1/completions",
+        {**OK, "guided_choice": "abc"},
+        400,
+        "guided_choice",
+    ),
+    (
         "tool_choice naming an unknown function",
         "/v1/chat/completions",
         {**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "zz"}}},

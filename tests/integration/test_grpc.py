@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import grpc
@@ -143,3 +144,25 @@ def test_generate_follows_a_json_schema(channel: grpc.Channel, cluster: Cluster)
     with pytest.raises(grpc.RpcError) as info:
         stub_generate(channel, "pick", bad)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_generate_follows_a_regex_a_choice_or_a_grammar(
+    channel: grpc.Channel, cluster: Cluster
+) -> None:
+    checks = [
+        ({"regex": "[0-9]{2}:[0-9]{2}"}, lambda t: re.fullmatch("[0-9]{2}:[0-9]{2}", t)),
+        ({"choice": ["up", "down", "left"]}, lambda t: t in ("up", "down", "left")),
+        ({"grammar": 'root ::= "<" [a-c]+ ">"'}, lambda t: re.fullmatch("<[a-c]+>", t)),
+    ]
+    for fields, check in checks:
+        options = generation_pb2.SamplingOptions(temperature=0, max_tokens=20, **fields)
+        replies = stub_generate(channel, "pick", options)
+        text = "".join(r.text for r in replies)
+        assert check(text) and replies[-1].finish_reason == "stop", (fields, text)
+    for bad in (
+        generation_pb2.SamplingOptions(max_tokens=2, regex="(unclosed"),
+        generation_pb2.SamplingOptions(max_tokens=2, regex="a", choice=["b"]),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            stub_generate(channel, "pick", bad)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

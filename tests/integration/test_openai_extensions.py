@@ -239,6 +239,35 @@ def test_structured_output_through_the_cluster(base_url: str, reference: LLM) ->
     assert json.loads(out.choices[0].message.content or "")["answer"] in ("yes", "no")
 
 
+def test_vllm_structured_output_fields_through_the_cluster(base_url: str, reference: LLM) -> None:
+    """vLLM's `guided_choice`, `guided_regex` and `structured_outputs` (regex, grammar), as
+    the in-process engine gives them; streamed too."""
+    c = client(base_url)
+    prompt = PROMPTS[1]
+    cases: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        ({"guided_choice": ["red", "green", "blue sky"]}, {"choice": ["red", "green", "blue sky"]}),
+        ({"guided_regex": "[0-9]{3}-[a-c]{2}"}, {"regex": "[0-9]{3}-[a-c]{2}"}),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+        (
+            {"structured_outputs": {"grammar": 'root ::= "(" [0-9] ("," [0-9])? ")"'}},
+            {"grammar": 'root ::= "(" [0-9] ("," [0-9])? ")"'},
+        ),
+    ]
+    for body, engine_fields in cases:
+        params = SamplingParams(temperature=0, max_tokens=24, **engine_fields)
+        want = reference.generate([prompt], params, use_tqdm=False)[0]
+        assert want.finish_reason == "stop"
+        out = c.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body=body
+        )
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (want.text, "stop")
+        stream = c.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body=body, stream=True
+        )
+        assert "".join(ch.choices[0].text for ch in stream if ch.choices) == want.text
+    assert want.text.startswith("(")  # (the last case: the grammar's shape)
+
+
 TOOLS = [
     {
         "type": "function",

@@ -1,9 +1,11 @@
-"""Structured output (`SamplingParams.json_schema`, xgrammar): what comes out follows the
-schema and ends when it is complete; across a transfer it is the colocated engine's output."""
+"""Structured output (`SamplingParams.json_schema`, `regex`, `choice`, `grammar`; xgrammar): what
+comes out follows the constraint and ends when it is complete; across a transfer it is the
+colocated engine's output."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -62,11 +64,62 @@ def test_an_unusable_schema_is_refused(llm: LLM) -> None:
         llm.generate(["x"], SamplingParams(json_schema={"type": 5}))
 
 
+CHOICES = ["red", "green", "blue sky", 'say "hi"\n', "中文"]
+DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
+GRAMMAR = 'root ::= "(" item ("," item)? ")"\nitem ::= [a-c] | [0-9] [0-9]?'
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_regex_choice_and_grammar_outputs_match_them_whole(llm: LLM, temperature: float) -> None:
+    prompts = ["pick one", "a b c", "tandem", "0 1 2 3"]
+    grammar = re.compile(r"\(([a-c]|[0-9]{1,2})(,([a-c]|[0-9]{1,2}))?\)")
+    cases: list[tuple[dict[str, Any], Any]] = [
+        ({"regex": DATE}, lambda t: re.fullmatch(DATE, t)),
+        ({"choice": CHOICES}, lambda t: t in CHOICES),
+        ({"grammar": GRAMMAR}, grammar.fullmatch),
+    ]
+    for fields, check in cases:
+        params = SamplingParams(
+            temperature=temperature, seed=5, max_tokens=30, ignore_eos=True, **fields
+        )
+        outs = llm.generate(prompts, params)
+        for out in outs:
+            assert check(out.text) and out.finish_reason == "stop", (fields, out.text)
+    picked = {
+        o.text
+        for o in llm.generate(
+            prompts * 4, SamplingParams(temperature=1.0, max_tokens=30, choice=CHOICES)
+        )
+    }
+    assert len(picked) > 1  # sampling picks among the choices, not always the first
+
+
+def test_unusable_or_conflicting_structures_are_refused(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match="regular expression"):
+        llm.generate(["x"], SamplingParams(regex="(unclosed"))
+    with pytest.raises(InvalidRequestError, match="grammar"):
+        llm.generate(["x"], SamplingParams(grammar="root ::= missing_rule"))
+    with pytest.raises(InvalidRequestError, match="at most one of"):
+        SamplingParams(regex="a+", choice=["a"])
+    with pytest.raises(InvalidRequestError, match="choice"):
+        SamplingParams(choice=["a", ""])
+    with pytest.raises(InvalidRequestError, match="choice"):
+        SamplingParams(choice=[])
+    assert SamplingParams(choice=["a"]).structure == ("choice", ["a"])
+    assert SamplingParams().structure is None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"json_schema": RECORD}, {"regex": DATE}, {"choice": CHOICES}],
+    ids=["json_schema", "regex", "choice"],
+)
 def test_structured_output_continues_exactly_across_a_transfer(
     model: str,  # noqa: F811
     colocated: LLM,  # noqa: F811
+    fields: dict[str, Any],
 ) -> None:
-    params = SamplingParams(temperature=0, max_tokens=40, json_schema=RECORD, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **fields)
     prompt = prompt_of(16 * 3 + 4, start=11)
     pair = Pair(model)
     pair.start("j", prompt, params)
@@ -75,5 +128,6 @@ def test_structured_output_continues_exactly_across_a_transfer(
     tokens = list(first) + pair.decode_all()["j"]
     want = colocated.generate([prompt], params)[0]
     assert tokens == want.token_ids and want.finish_reason == "stop"
-    assert _is_record(json.loads(want.text))
+    if "json_schema" in fields:
+        assert _is_record(json.loads(want.text))
     pair.idle()

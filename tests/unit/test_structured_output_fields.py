@@ -1,0 +1,98 @@
+"""Which structured output an OpenAI-style request asks for (`router/structured_output.py`):
+OpenAI's `response_format`, vLLM's `structured_outputs` and `guided_*` fields, one at a time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tandem.router.errors import APIError
+from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def _completion(**fields: Any) -> dict[str, Any]:
+    return CompletionRequest(model="m", prompt="p", **fields).sampling_dict()
+
+
+@pytest.mark.parametrize(
+    ("fields", "want"),
+    [
+        ({}, {}),
+        ({"response_format": {"type": "text"}}, {}),
+        ({"response_format": {"type": "json_object"}}, {"json_schema": {"type": "object"}}),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+            {"json_schema": SCHEMA},
+        ),
+        ({"guided_json": SCHEMA}, {"json_schema": SCHEMA}),
+        ({"guided_json": '{"type": "string"}'}, {"json_schema": {"type": "string"}}),
+        ({"guided_regex": "[ab]+"}, {"regex": "[ab]+"}),
+        ({"guided_choice": ["x", "y"]}, {"choice": ["x", "y"]}),
+        ({"guided_grammar": 'root ::= "z"'}, {"grammar": 'root ::= "z"'}),
+        ({"structured_outputs": {"json": SCHEMA}}, {"json_schema": SCHEMA}),
+        ({"structured_outputs": {"json_object": True}}, {"json_schema": {"type": "object"}}),
+        ({"structured_outputs": {"regex": "a|b"}}, {"regex": "a|b"}),
+        ({"structured_outputs": {"choice": ["p", "q"]}}, {"choice": ["p", "q"]}),
+        ({"structured_outputs": {"grammar": 'root ::= "y"'}}, {"grammar": 'root ::= "y"'}),
+        ({"structured_outputs": {"regex": None, "choice": ["p"]}}, {"choice": ["p"]}),
+    ],
+)
+def test_each_field_becomes_the_engines_structure(
+    fields: dict[str, Any], want: dict[str, Any]
+) -> None:
+    got = _completion(**fields)
+    kinds = ("json_schema", "regex", "choice", "grammar")
+    assert {k: v for k, v in got.items() if k in kinds} == want
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one field"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs.regex",
+            "response_format, structured_outputs.regex",
+        ),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice", ""),
+        ({"guided_regex": "(unclosed"}, "guided_regex", "unusable regular expression"),
+        ({"guided_grammar": "root ::= nothing"}, "guided_grammar", "unusable grammar"),
+        ({"guided_json": {"type": 5}}, "guided_json", "unusable JSON schema"),
+        ({"guided_json": "{not json"}, "guided_json", "not JSON"),
+        ({"guided_json": "[1]"}, "guided_json", "must be a JSON schema"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"guided_choice": ["a", ""]}, "guided_choice", "non-empty strings"),
+        ({"guided_regex": ""}, "guided_regex", "non-empty string"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", ""),
+        ({"response_format": {"type": "yaml"}}, "response_format", "not supported"),
+    ],
+)
+def test_bad_or_conflicting_fields_are_a_400_naming_the_field(
+    fields: dict[str, Any], param: str, message: str
+) -> None:
+    with pytest.raises(APIError) as caught:
+        _completion(**fields)
+    assert caught.value.status == 400 and caught.value.param == param
+    assert message in caught.value.message
+
+
+def test_a_forced_tool_excludes_other_structures() -> None:
+    def chat(**fields: Any) -> dict[str, Any]:
+        request = ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "hi"}], **fields
+        )
+        return request.sampling_dict()
+
+    forced = chat(tools=[TOOL], tool_choice="required")["json_schema"]
+    assert forced["properties"]["name"] == {"const": "f"}
+    with pytest.raises(APIError) as caught:
+        chat(tools=[TOOL], tool_choice="required", guided_regex="a")
+    assert caught.value.param == "guided_regex" and "forced tool_choice" in caught.value.message
+    assert chat(tools=[TOOL], guided_choice=["a", "b"])["choice"] == ["a", "b"]  # auto: allowed
