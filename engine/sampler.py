@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens, penalties.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, min_tokens,
+penalties.
 
 Greedy rows are an argmax over the batch. Other rows are sampled one by one when they carry a
 seed (their own `torch.Generator`, so their tokens do not depend on what else is in the batch)
@@ -95,6 +96,9 @@ def _greedy_argmax_vocab_major(logits_t: torch.Tensor) -> torch.Tensor:
 def _probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
     scaled = logits / temps[:, None]
+    min_ps = [r.params.min_p for r in requests]
+    if any(p > 0.0 for p in min_ps):
+        scaled = _apply_min_p(scaled, torch.tensor(min_ps, dtype=logits.dtype))
     top_ks = [r.params.top_k for r in requests]
     if any(k > 0 for k in top_ks):
         scaled = _apply_top_k(scaled, top_ks)
@@ -102,6 +106,14 @@ def _probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     if any(p < 1.0 for p in top_ps):
         scaled = _apply_top_p(scaled, torch.tensor(top_ps, dtype=logits.dtype))
     return torch.softmax(scaled, dim=-1)
+
+
+def _apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Drops the tokens less likely than min_p times the most likely one (after temperature,
+    as vLLM and transformers' MinPLogitsWarper do)."""
+    probs = logits.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_ps[:, None]
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

@@ -19,7 +19,8 @@ STRUCTURE_KINDS = ("json_schema", "regex", "choice", "grammar")
 class SamplingParams(BaseModel):
     """How to pick tokens and when to stop.
 
-    `temperature == 0` means greedy. `seed` makes sampling reproducible for this request whatever
+    `temperature == 0` means greedy. Sampling applies temperature, then `min_p` (drops tokens
+    less likely than `min_p` times the most likely; 0 disables), `top_k`, `top_p`. `seed` makes sampling reproducible for this request whatever
     else shares the batch. `stop` strings are cut from the returned text; `stop_token_ids` and the
     model's EOS end generation (EOS unless `ignore_eos`), never before `min_tokens` tokens.
     `logprobs` (None: none) returns, for each generated token, its log-probability and those of
@@ -40,6 +41,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     max_tokens: int = 16
     min_tokens: int = Field(0, ge=0)

@@ -46,6 +46,7 @@ class _SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extension
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -80,7 +81,7 @@ class _SamplingFields(BaseModel):
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
         }
-        names = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
+        names = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids")
         penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
         for name in names + penalties:
             value = getattr(self, name)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#tandem/router/grpc/generation.proto\x12\ttandem.v1\"\x85\x05\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).tandem.v1.SamplingOptions.LogitBiasEntry\x12\x13\n\x0bjson_schema\x18\x0f \x01(\t\x12\r\n\x05regex\x18\x10 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x11 \x03(\t\x12\x0f\n\x07grammar\x18\x12 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\xe8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x18\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\x08priority\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04user\x18\x08 \x01(\tB\x0e\n\x0c_deadline_msB\x0b\n\t_priority\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"C\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\"\n\x03top\x18\x02 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob2S\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#tandem/router/grpc/generation.proto\x12\ttandem.v1\"\xa3\x05\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).tandem.v1.SamplingOptions.LogitBiasEntry\x12\x13\n\x0bjson_schema\x18\x0f \x01(\t\x12\r\n\x05regex\x18\x10 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x11 \x03(\t\x12\x0f\n\x07grammar\x18\x12 \x01(\t\x12\x12\n\x05min_p\x18\x13 \x01(\x02H\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x08\n\x06_min_p\"\xe8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x18\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\x08priority\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04user\x18\x08 \x01(\tB\x0e\n\x0c_deadline_msB\x0b\n\t_priority\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"C\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\"\n\x03top\x18\x02 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob2S\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGOPTIONS']._serialized_start=51
-  _globals['_SAMPLINGOPTIONS']._serialized_end=696
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=509
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=557
-  _globals['_GENERATEREQUEST']._serialized_start=699
-  _globals['_GENERATEREQUEST']._serialized_end=931
-  _globals['_USAGE']._serialized_start=933
-  _globals['_USAGE']._serialized_end=1013
-  _globals['_TOPLOGPROB']._serialized_start=1015
-  _globals['_TOPLOGPROB']._serialized_end=1062
-  _globals['_TOKENLOGPROB']._serialized_start=1064
-  _globals['_TOKENLOGPROB']._serialized_end=1131
-  _globals['_GENERATERESPONSE']._serialized_start=1134
-  _globals['_GENERATERESPONSE']._serialized_end=1304
-  _globals['_GENERATION']._serialized_start=1306
-  _globals['_GENERATION']._serialized_end=1389
+  _globals['_SAMPLINGOPTIONS']._serialized_end=726
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=529
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=577
+  _globals['_GENERATEREQUEST']._serialized_start=729
+  _globals['_GENERATEREQUEST']._serialized_end=961
+  _globals['_USAGE']._serialized_start=963
+  _globals['_USAGE']._serialized_end=1043
+  _globals['_TOPLOGPROB']._serialized_start=1045
+  _globals['_TOPLOGPROB']._serialized_end=1092
+  _globals['_TOKENLOGPROB']._serialized_start=1094
+  _globals['_TOKENLOGPROB']._serialized_end=1161
+  _globals['_GENERATERESPONSE']._serialized_start=1164
+  _globals['_GENERATERESPONSE']._serialized_end=1334
+  _globals['_GENERATION']._serialized_start=1336
+  _globals['_GENERATION']._serialized_end=1419
 # @@protoc_insertion_point(module_scope)

@@ -38,7 +38,7 @@ _STATUS_CODES = {
 
 def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
     fields: dict[str, Any] = {"ignore_eos": options.ignore_eos, "min_tokens": options.min_tokens}
-    optional = ("temperature", "top_p", "top_k", "seed", "logprobs")
+    optional = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
     penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
     for name in optional + penalties:
         if options.HasField(name):

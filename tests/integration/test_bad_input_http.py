@@ -52,6 +52,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("temperature out of range", "/v1/completions", {**OK, "temperature": -1}, 400, "temperature"),
     ("top_p out of range", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p"),
     ("top_k zero", "/v1/completions", {**OK, "top_k": 0}, 400, None),
+    ("min_p out of range", "/v1/completions", {**OK, "min_p": 1.5}, 400, "min_p"),
     ("prompt wrong type", "/v1/completions", {**OK, "prompt": {"text": "hi"}}, 400, None),
     ("prompt missing", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
     ("empty prompt", "/v1/completions", {**OK, "prompt": ""}, 400, "prompt"),

@@ -145,3 +145,37 @@ def test_stream_deltas_concatenate_to_final_text(llm: LLM) -> None:
         == engine.make_output(req).text
         == engine.tokenizer.decode(req.output_token_ids)
     )
+
+
+def test_min_p_keeps_the_tokens_transformers_keeps() -> None:
+    """After temperature, min_p drops what transformers' MinPLogitsWarper drops, row by row."""
+    import torch
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    from tandem.engine.request import Request
+    from tandem.engine.sampler import _probabilities
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 500, generator=gen) * 3
+    settings = [(0.7, 0.1), (1.3, 0.3), (1.0, 0.0)]
+    requests = [
+        Request(f"r{i}", [1], SamplingParams(temperature=t, min_p=p), frozenset())
+        for i, (t, p) in enumerate(settings)
+    ]
+    probs = _probabilities(logits.clone(), requests)
+    for i, (t, p) in enumerate(settings):
+        scaled = logits[i : i + 1] / t
+        kept = scaled if p == 0 else MinPLogitsWarper(p)(None, scaled)  # type: ignore[arg-type]
+        want = torch.softmax(kept, dim=-1)[0]
+        assert torch.equal(probs[i] > 0, want > 0)
+        assert torch.allclose(probs[i], want, atol=1e-6)
+    assert 1 < int((probs[0] > 0).sum()) < 500 and int((probs[2] > 0).sum()) == 500
+
+
+def test_min_p_one_samples_the_greedy_tokens(llm: LLM) -> None:
+    prompts = random_prompts(3, 512, seed=4, max_len=40)
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    sampled = llm.generate(
+        prompts, SamplingParams(temperature=1.0, min_p=1.0, max_tokens=12, ignore_eos=True)
+    )
+    assert [o.token_ids for o in sampled] == [o.token_ids for o in greedy]
