@@ -52,7 +52,8 @@ class OutputProcessor:
     @staticmethod
     def _find_stop_string(req: Request, counting: bool) -> bool:
         assert req.output_text is not None and req.params.stop
-        stop = req.output_text.find_stop(req.params.stop, counting=counting)
+        keep = req.params.include_stop_str_in_output
+        stop = req.output_text.find_stop(req.params.stop, counting=counting, keep=keep)
         if stop is None:
             return False
         req.stop_reason = stop

@@ -39,9 +39,12 @@ class OutputText:
         self.text = self.text[:length]
         self.emitted_len = min(self.emitted_len, length)
 
-    def find_stop(self, stops: Sequence[str], *, counting: bool = True) -> str | None:
+    def find_stop(
+        self, stops: Sequence[str], *, counting: bool = True, keep: bool = False
+    ) -> str | None:
         """The stop string that occurs first in the text not searched yet (with enough of the
-        searched text before it for one to span the boundary); the text is cut just before it.
+        searched text before it for one to span the boundary); the text is cut just before it
+        (`keep`: just after it).
         Not `counting` (before `min_tokens` are out): the text so far is marked searched, so
         a stop string written there does not count later either."""
         text = self.text
@@ -58,7 +61,7 @@ class OutputText:
         self.checked_len = len(text)
         if best is None:
             return None
-        self.truncate(best[0])
+        self.truncate(best[0] + (len(best[1]) if keep else 0))
         return best[1]
 
     def delta(self, stops: Sequence[str] | None, *, finished: bool, cut: bool = False) -> str:

@@ -20,9 +20,10 @@ class SamplingParams(BaseModel):
     """How to pick tokens and when to stop.
 
     `temperature == 0` means greedy. Sampling applies temperature, then `min_p` (drops tokens
-    less likely than `min_p` times the most likely; 0 disables), `top_k`, `top_p`. `seed` makes sampling reproducible for this request whatever
-    else shares the batch. `stop` strings are cut from the returned text; `stop_token_ids` and the
-    model's EOS end generation (EOS unless `ignore_eos`), never before `min_tokens` tokens.
+    less likely than `min_p` times the most likely; 0 disables), `top_k`, `top_p`. `seed` makes
+    sampling reproducible for this request whatever else shares the batch. `stop` strings are
+    cut from the returned text (kept, and what follows cut, with `include_stop_str_in_output`);
+    `stop_token_ids` and the model's EOS end generation (EOS unless `ignore_eos`), never before `min_tokens` tokens.
     `logprobs` (None: none) returns, for each generated token, its log-probability and those of
     the `logprobs` most likely tokens, under the model's distribution (its logits before
     temperature, top-k, top-p and `min_tokens`, as vLLM returns them). `prompt_logprobs` does the
@@ -47,6 +48,7 @@ class SamplingParams(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

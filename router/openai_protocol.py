@@ -50,6 +50,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     n: int = Field(1, ge=1)
@@ -80,6 +81,7 @@ class _SamplingFields(BaseModel):
         params: dict[str, Any] = {
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }
         names = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids")
         penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")

@@ -109,7 +109,11 @@ class Prepared:
         for n, token in enumerate(tokens, start=1):
             text.add(token)
             counting = len(self.token_ids) + n >= params.min_tokens
-            if params.stop and (stop := text.find_stop(params.stop, counting=counting)) is not None:
+            keep = params.include_stop_str_in_output
+            stop = (
+                text.find_stop(params.stop, counting=counting, keep=keep) if params.stop else None
+            )
+            if stop is not None:
                 item.update(token_ids=tokens[:n], finish_reason="stop", stop_reason=stop)
                 if item.get("logprobs") is not None:
                     item["logprobs"] = item["logprobs"][:n]

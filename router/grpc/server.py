@@ -37,7 +37,11 @@ _STATUS_CODES = {
 
 
 def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
-    fields: dict[str, Any] = {"ignore_eos": options.ignore_eos, "min_tokens": options.min_tokens}
+    fields: dict[str, Any] = {
+        "ignore_eos": options.ignore_eos,
+        "min_tokens": options.min_tokens,
+        "include_stop_str_in_output": options.include_stop_str_in_output,
+    }
     optional = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
     penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
     for name in optional + penalties:

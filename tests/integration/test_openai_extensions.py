@@ -268,6 +268,23 @@ def test_vllm_structured_output_fields_through_the_cluster(base_url: str, refere
     assert want.text.startswith("(")  # (the last case: the grammar's shape)
 
 
+def test_stop_string_kept_with_include_stop_str_in_output(
+    base_url: str, expected: list[Any]
+) -> None:
+    """vLLM's `include_stop_str_in_output`: the text ends with the stop string, streamed or not."""
+    c = client(base_url)
+    full = expected[2].text
+    stop = full[len(full) // 3 : len(full) // 3 + 4]
+    want = full[: full.find(stop) + len(stop)]
+    body = {"include_stop_str_in_output": True, "ignore_eos": True}
+    kwargs: dict[str, Any] = {"model": "tiny", "prompt": PROMPTS[2], "temperature": 0}
+    kwargs.update(max_tokens=MAX_TOKENS, stop=[stop], extra_body=body)
+    out = c.completions.create(**kwargs)
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (want, "stop")
+    stream = c.completions.create(stream=True, **kwargs)
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == want
+
+
 TOOLS = [
     {
         "type": "function",

@@ -65,6 +65,18 @@ def test_stop_string_cuts_text_across_token_boundaries(llm: LLM) -> None:
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.token_ids == full.token_ids[: len(out.token_ids)]
     assert len(out.token_ids) < len(full.token_ids)
+    kept = llm.generate(
+        [prompt],
+        SamplingParams(
+            temperature=0,
+            max_tokens=40,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        ),
+    )[0]
+    assert kept.text == text[: first + len(stop)] and kept.token_ids == out.token_ids
+    assert kept.finish_reason == "stop" and kept.stop_reason == stop
 
 
 def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
