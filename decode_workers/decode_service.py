@@ -16,7 +16,6 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.engine_stats import engine_queue_stats, scheduling_stages
 from tandem.engine.kv_io import NoFreeBlocksError
 from tandem.engine.llm_engine import LLMEngine
@@ -192,7 +191,10 @@ class DecodeService(WorkerLoop):
             stream.request = req
             if req.output_text is None:
                 req.output_text = OutputText.after(
-                    self.engine.tokenizer, req.prompt_token_ids, req.output_token_ids
+                    self.engine.tokenizer,
+                    req.prompt_token_ids,
+                    req.output_token_ids,
+                    skip_special_tokens=req.params.skip_special_tokens,
                 )
             text = self.engine.output_processor.text_delta(req, finished=False)
             item = {"type": "tokens", "token_ids": list(event.token_ids), "text": text}
@@ -214,8 +216,10 @@ class DecodeService(WorkerLoop):
             stream.prompt_token_ids,
             stream.params,
             self.engine.eos_token_ids,
-            output_text=OutputText(
-                IncrementalDetokenizer(self.engine.tokenizer, stream.prompt_token_ids)
+            output_text=OutputText.after(
+                self.engine.tokenizer,
+                stream.prompt_token_ids,
+                skip_special_tokens=stream.params.skip_special_tokens,
             ),
         )
         outputs = self.engine.output_processor.process(

@@ -102,7 +102,12 @@ def commit_request(
     bs = engine.config.block_size
     output_text = None
     if stream_text or params.stop:
-        output_text = OutputText.after(engine.tokenizer, prompt_token_ids, output_token_ids)
+        output_text = OutputText.after(
+            engine.tokenizer,
+            prompt_token_ids,
+            output_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+        )
     req = Request(
         request_id, prompt_token_ids, params, engine.eos_token_ids, output_text=output_text
     )

@@ -15,7 +15,6 @@ from tandem.engine import kv_io
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.checkpoint import build_namespace, model_revision
 from tandem.engine.config import EngineConfig
-from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.errors import InvalidRequestError, PromptTooLongError, TandemError
 from tandem.engine.guided import GrammarBook
 from tandem.engine.kv_blocks import KVBlocks
@@ -168,7 +167,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         output_text = None
         if stream_text or params.stop:
-            output_text = OutputText(IncrementalDetokenizer(self.tokenizer, token_ids))
+            skip = params.skip_special_tokens
+            output_text = OutputText.after(self.tokenizer, token_ids, skip_special_tokens=skip)
         req = Request(
             request_id,
             token_ids,
@@ -303,7 +303,7 @@ class LLMEngine:
         if req.output_text is not None:
             text = req.output_text.text
         else:
-            text = self.tokenizer.decode(req.output_token_ids)
+            text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
         return RequestOutput(
             request_id=req.request_id,
             prompt=prompt,

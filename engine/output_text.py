@@ -21,10 +21,19 @@ class OutputText:
 
     @classmethod
     def after(
-        cls, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], token_ids: Sequence[int] = ()
+        cls,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
     ) -> OutputText:
-        """The text of `token_ids` generated after the prompt (nothing streamed yet)."""
-        text = cls(IncrementalDetokenizer(tokenizer, prompt_token_ids))
+        """The text of `token_ids` generated after the prompt (nothing streamed yet); special
+        tokens (EOS, chat markers) write nothing unless `skip_special_tokens` is False."""
+        detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
+        )
+        text = cls(detokenizer)
         for token in token_ids:
             text.add(token)
         return text

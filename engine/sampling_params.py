@@ -23,7 +23,8 @@ class SamplingParams(BaseModel):
     less likely than `min_p` times the most likely; 0 disables), `top_k`, `top_p`. `seed` makes
     sampling reproducible for this request whatever else shares the batch. `stop` strings are
     cut from the returned text (kept, and what follows cut, with `include_stop_str_in_output`);
-    `stop_token_ids` and the model's EOS end generation (EOS unless `ignore_eos`), never before `min_tokens` tokens.
+    Special tokens (EOS, chat markers) add nothing to the text unless `skip_special_tokens` is
+    False. `stop_token_ids` and the model's EOS end generation (EOS unless `ignore_eos`), never before `min_tokens` tokens.
     `logprobs` (None: none) returns, for each generated token, its log-probability and those of
     the `logprobs` most likely tokens, under the model's distribution (its logits before
     temperature, top-k, top-p and `min_tokens`, as vLLM returns them). `prompt_logprobs` does the
@@ -49,6 +50,7 @@ class SamplingParams(BaseModel):
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

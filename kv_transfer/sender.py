@@ -189,7 +189,10 @@ class KVSender:
         if not params.stop or params.min_tokens > 1 or not out.request.output_token_ids:
             return False
         text = OutputText.after(
-            self.engine.tokenizer, out.request.prompt_token_ids, out.request.output_token_ids
+            self.engine.tokenizer,
+            out.request.prompt_token_ids,
+            out.request.output_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
         ).text
         return any(stop in text for stop in params.stop)
 

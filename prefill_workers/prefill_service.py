@@ -213,7 +213,10 @@ class PrefillService(WorkerLoop):
         if out is None or out.params.stop or self.sender.first_token_ends(out):
             return None
         text = OutputText.after(
-            self.engine.tokenizer, out.request.prompt_token_ids, event.token_ids
+            self.engine.tokenizer,
+            out.request.prompt_token_ids,
+            event.token_ids,
+            skip_special_tokens=out.params.skip_special_tokens,
         )
         item: dict[str, Any] = {"token_ids": list(event.token_ids), "text": text.text}
         if out.request.logprobs is not None:

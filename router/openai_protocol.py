@@ -51,6 +51,7 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False  # vLLM's
+    skip_special_tokens: bool = True  # vLLM's
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     n: int = Field(1, ge=1)
@@ -82,6 +83,7 @@ class _SamplingFields(BaseModel):
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
         }
         names = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids")
         penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")

@@ -42,7 +42,7 @@ def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
         "min_tokens": options.min_tokens,
         "include_stop_str_in_output": options.include_stop_str_in_output,
     }
-    optional = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
+    optional = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "skip_special_tokens")
     penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
     for name in optional + penalties:
         if options.HasField(name):

@@ -285,6 +285,22 @@ def test_stop_string_kept_with_include_stop_str_in_output(
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == want
 
 
+def test_special_tokens_in_the_text_only_when_not_skipped(base_url: str, reference: LLM) -> None:
+    """vLLM's `skip_special_tokens`: EOS (forced by a bias, generated past with `ignore_eos`)
+    writes nothing by default and its own text with False; streamed or not."""
+    hf = reference.engine.tokenizer.hf
+    c = client(base_url)
+    body = {"ignore_eos": True}
+    kwargs: dict[str, Any] = {"model": "tiny", "prompt": PROMPTS[0], "temperature": 0}
+    kwargs.update(max_tokens=3, logit_bias={str(hf.eos_token_id): 100})
+    assert c.completions.create(extra_body=body, **kwargs).choices[0].text == ""
+    body["skip_special_tokens"] = False
+    out = c.completions.create(extra_body=body, **kwargs)
+    assert out.choices[0].text == hf.eos_token * 3
+    stream = c.completions.create(stream=True, extra_body=body, **kwargs)
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == hf.eos_token * 3
+
+
 TOOLS = [
     {
         "type": "function",

@@ -191,3 +191,17 @@ def test_min_p_one_samples_the_greedy_tokens(llm: LLM) -> None:
         prompts, SamplingParams(temperature=1.0, min_p=1.0, max_tokens=12, ignore_eos=True)
     )
     assert [o.token_ids for o in sampled] == [o.token_ids for o in greedy]
+
+
+def test_special_tokens_write_text_only_when_not_skipped(llm: LLM) -> None:
+    """vLLM's `skip_special_tokens` (default True): EOS, forced here by a logit bias and
+    generated past with `ignore_eos`, adds nothing to the text unless it is False."""
+    eos = llm.tokenizer.hf.eos_token_id
+    eos_text = llm.tokenizer.hf.eos_token
+    base = {"temperature": 0, "max_tokens": 3, "ignore_eos": True, "logit_bias": {eos: 100.0}}
+    skipped, kept = llm.generate(
+        [[5, 6, 7]] * 2,
+        [SamplingParams(**base), SamplingParams(**base, skip_special_tokens=False)],
+    )
+    assert skipped.token_ids == kept.token_ids == [eos] * 3
+    assert skipped.text == "" and kept.text == eos_text * 3
