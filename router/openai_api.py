@@ -40,7 +40,7 @@ from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
 from tandem.router.serving import Serving
 from tandem.router.sse_keepalive import KEEPALIVE, paced
-from tandem.router.tool_calls import ReplyParser, template_tools
+from tandem.router.tool_calls import CallStream, ReplyParser, streams_content, template_tools
 
 logger = logging.getLogger(__name__)
 
@@ -239,8 +239,11 @@ async def _events(
 ) -> AsyncGenerator[str, None]:
     """The SSE events of `choices` ((choice index, token item) as they come): the chat role
     or the echoed prompt first, a chunk per item with text, logprobs or an end, the usage,
-    `[DONE]`; an error as one error event before `[DONE]`."""
+    `[DONE]`; an error as one error event before `[DONE]`. With tools, "auto": the content
+    before a call as it comes, the calls with the end (`CallStream`); a forced call: one
+    chunk at the end."""
     offsets = _Offsets(head)
+    call_streams: dict[int, CallStream] | None = {} if streams_content(head.read_calls) else None
     emitted = 0  # completion tokens sent so far, all choices (they may run ahead)
     try:
         for index, req in enumerate(reqs):
@@ -258,7 +261,15 @@ async def _events(
                 index, item = entry
                 emitted += len(item["token_ids"])
                 finish = item.get("finish_reason")
-                if head.read_calls:  # the reply goes whole, once its calls can be read
+                calls: list[dict[str, Any]] | None = None
+                if call_streams is not None:  # content as it comes, the calls at the end
+                    stream = call_streams.setdefault(index, CallStream())
+                    item = {**item, "text": stream.feed(item["text"])}
+                    if finish is not None:
+                        rest, calls = stream.finish()
+                        item["text"] += rest or ""
+                        finish = "tool_calls" if calls else finish
+                elif head.read_calls:  # a forced call goes whole, once it can be read
                     if finish is not None:
                         yield from_reply(head, reqs[index], index, finish)
                     continue
@@ -267,7 +278,16 @@ async def _events(
                     logprobs = offsets.take(index, item)
                     usage = _so_far(merged_usage(reqs, n), emitted) if continuous else None
                     req = reqs[index]
-                    yield chunk(head, req, text, finish, index=index, usage=usage, **logprobs)
+                    yield chunk(
+                        head,
+                        req,
+                        text,
+                        finish,
+                        index=index,
+                        usage=usage,
+                        tool_calls=calls or None,
+                        **logprobs,
+                    )
         if include_usage:
             yield usage_event(head, merged_usage(reqs, n))
     except APIError as exc:

@@ -7,7 +7,9 @@ OpenAI's `tool_calls` (finish reason "tool_calls").
 - "auto" (OpenAI's default with tools): the model decides. Its calls are read in the Hermes
   format, `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, which Qwen2.5, Qwen3 and
   Hermes chat templates teach their models; text outside the tags is the message's content. A
-  model that writes calls in another format gets its text back as content.
+  model that writes calls in another format gets its text back as content. Streamed, the
+  content goes out as it comes until a call may begin (`CallStream`); the calls follow in the
+  last chunk.
 - "none", or no tools: plain chat.
 """
 
@@ -142,3 +144,48 @@ def tool_call(text: str) -> dict[str, Any] | None:
             "arguments": json.dumps(call["arguments"], separators=(",", ":")),
         },
     }
+
+
+CALL_TAG = "<tool_call>"
+
+
+def streams_content(parser: ReplyParser | None) -> bool:
+    """Whether a streamed reply read by `parser` can send its content as it comes (the
+    Hermes format: the content is the text around the calls); a forced call goes whole."""
+    return parser is hermes_calls
+
+
+class CallStream:
+    """One streamed reply in the Hermes format: `feed` gives the text that can go out now,
+    the content before the first `<tool_call>`, holding back a tail that may begin one;
+    `finish` reads what was held back into (the rest of the content, the calls)."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._in_call = False
+
+    def feed(self, text: str) -> str:
+        self._held += text
+        if self._in_call:
+            return ""
+        start = self._held.find(CALL_TAG)
+        if start >= 0:
+            self._in_call = True
+        else:  # the longest tail that could be the start of the tag stays
+            start = len(self._held) - _tag_prefix_len(self._held)
+        out, self._held = self._held[:start], self._held[start:]
+        return out
+
+    def finish(self) -> tuple[str | None, list[dict[str, Any]]]:
+        held, self._held = self._held, ""
+        if not self._in_call:
+            return held or None, []
+        return hermes_calls(held)
+
+
+def _tag_prefix_len(text: str) -> int:
+    """Length of the longest end of `text` that is a proper prefix of `CALL_TAG`."""
+    for n in range(min(len(text), len(CALL_TAG) - 1), 0, -1):
+        if CALL_TAG.startswith(text[-n:]):
+            return n
+    return 0

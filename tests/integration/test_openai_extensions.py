@@ -327,7 +327,8 @@ TOOLS = [
 
 def test_forced_tool_calls(base_url: str) -> None:
     """tool_choice naming a function, or "required": the reply is a `tool_calls` entry whose
-    arguments follow the function's parameters; streamed, it comes whole in one delta."""
+    arguments follow the function's parameters; streamed, it comes whole in one delta (the
+    "auto" reply's content streams: see the last test)."""
     c = client(base_url)
     messages = [{"role": "user", "content": "weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -369,3 +370,30 @@ def test_forced_tool_calls(base_url: str) -> None:
     auto = c.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=6)  # type: ignore[arg-type]
     assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content
     assert auto.choices[0].finish_reason == "length"
+
+
+def test_auto_tool_calls_stream_the_content_before_the_call(base_url: str) -> None:
+    """ "auto": a reply in the Hermes format (written here by a grammar, as a tool-trained
+    model would) streams its content as it comes, then its call in the last chunk."""
+    c = client(base_url)
+    call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    reply = f"Checking. <tool_call>{json.dumps(call)}</tool_call>"
+    kwargs: dict[str, Any] = {"model": "tiny", "tools": TOOLS, "temperature": 0}
+    kwargs.update(messages=[{"role": "user", "content": "weather in Oslo?"}], max_tokens=160)
+    kwargs["extra_body"] = {"structured_outputs": {"grammar": f"root ::= {json.dumps(reply)}"}}
+    out = c.chat.completions.create(**kwargs)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls" and message.content == "Checking."
+    assert message.tool_calls is not None
+    got = [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls]  # type: ignore[union-attr]
+    assert got == [("get_weather", {"city": "Oslo"})]
+    deltas = [
+        ch.choices[0] for ch in c.chat.completions.create(stream=True, **kwargs) if ch.choices
+    ]
+    contents = [d.delta.content for d in deltas if d.delta.content]
+    assert "".join(contents) == "Checking. " and len(contents) > 1  # as it came
+    streamed = [d.delta.tool_calls for d in deltas if d.delta.tool_calls]
+    assert len(streamed) == 1 and deltas[-1].finish_reason == "tool_calls"
+    function = streamed[0][0].function
+    assert function is not None and function.name == "get_weather"
+    assert json.loads(function.arguments or "") == {"city": "Oslo"}
