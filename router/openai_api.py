@@ -101,6 +101,7 @@ async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
                 multi_choice.sample_fields(fields, index % body.n),
                 RequestTimings(arrival),
                 deadline_ms=body.deadline_ms,
+                truncate_prompt_tokens=body.truncate_prompt_tokens,
                 priority=body.priority,
                 user=body.user,
             )
@@ -133,6 +134,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest) 
             multi_choice.sample_fields(fields, index),
             RequestTimings(arrival),
             deadline_ms=body.deadline_ms,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
             priority=body.priority,
             user=body.user,
             add_generation_prompt=body.add_generation_prompt,

@@ -51,6 +51,7 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False  # vLLM's
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the last k tokens
     skip_special_tokens: bool = True  # vLLM's
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)

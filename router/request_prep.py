@@ -33,6 +33,21 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int], vocab_size: i
     return token_ids
 
 
+def truncated(
+    token_ids: list[int], keep: int, max_tokens: int | None, limits: ModelLimits
+) -> list[int]:
+    """The last `keep` prompt tokens (vLLM's `truncate_prompt_tokens`, left truncation); -1:
+    as many as fit in the context next to `max_tokens` (at least one generated token)."""
+    if keep == -1:
+        keep = limits.max_model_len - max(1, max_tokens or 1)
+    if keep < 1:
+        raise bad_request(
+            "truncate_prompt_tokens must be -1 or at least 1 (and max_tokens leave room)",
+            "truncate_prompt_tokens",
+        )
+    return token_ids[-keep:]
+
+
 def check_token_ids(
     token_ids: list[int], vocab_size: int, param: str, what: str = "token ids"
 ) -> None:

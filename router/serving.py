@@ -14,7 +14,7 @@ from tandem.engine.tokenizer import Tokenizer
 from tandem.router.errors import APIError, WorkerLost, bad_request
 from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
 from tandem.router.prepared import Prepared
-from tandem.router.request_prep import ModelLimits, sampling_params, tokenize_prompt
+from tandem.router.request_prep import ModelLimits, sampling_params, tokenize_prompt, truncated
 from tandem.router.route_planner import RoutePlan, RoutePlanner
 
 logger = logging.getLogger("tandem.router")
@@ -115,9 +115,11 @@ class Serving:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> Prepared:
         """`prompt` is text, token ids, or chat messages (rendered with the chat template, with
-        the two template options of the chat API).
+        the two template options of the chat API). `truncate_prompt_tokens` keeps the prompt's
+        last that many tokens (-1: as many as the context holds next to `max_tokens`).
         Also routes and admits the request: a 429 here means nothing was started."""
         self.metrics.arrived(user, timings.arrival)
         with self._counting_refusals():
@@ -133,6 +135,8 @@ class Serving:
                 )
             else:
                 token_ids = tokenize_prompt(self.tokenizer, prompt, limits.vocab_size)  # type: ignore[arg-type]
+            if truncate_prompt_tokens is not None:
+                token_ids = truncated(token_ids, truncate_prompt_tokens, max_tokens, limits)
             timings.mark("tokenized")
             params = sampling_params(len(token_ids), max_tokens, fields, limits)
             admission = self.planner.admission

@@ -53,6 +53,13 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("top_p out of range", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p"),
     ("top_k zero", "/v1/completions", {**OK, "top_k": 0}, 400, None),
     ("min_p out of range", "/v1/completions", {**OK, "min_p": 1.5}, 400, "min_p"),
+    (
+        "truncate_prompt_tokens zero",
+        "/v1/completions",
+        {**OK, "truncate_prompt_tokens": 0},
+        400,
+        "truncate_prompt_tokens",
+    ),
     ("prompt wrong type", "/v1/completions", {**OK, "prompt": {"text": "hi"}}, 400, None),
     ("prompt missing", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
     ("empty prompt", "/v1/completions", {**OK, "prompt": ""}, 400, "prompt"),

@@ -301,6 +301,31 @@ def test_special_tokens_in_the_text_only_when_not_skipped(base_url: str, referen
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == hf.eos_token * 3
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(base_url: str, reference: LLM) -> None:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens are the prompt (usage counts
+    them), as the engine continues them; -1 keeps what fits next to max_tokens."""
+    ids = reference.engine.tokenizer.encode(PROMPTS[3])
+    assert len(ids) > 6
+    want = reference.generate(
+        [ids[-6:]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
+    c = client(base_url)
+    body = {"truncate_prompt_tokens": 6, "ignore_eos": True}
+    out = c.completions.create(
+        model="tiny", prompt=PROMPTS[3], max_tokens=8, temperature=0, extra_body=body
+    )
+    assert out.choices[0].text == want.text
+    assert out.usage is not None and out.usage.prompt_tokens == 6
+    whole = c.completions.create(
+        model="tiny",
+        prompt=PROMPTS[3],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"truncate_prompt_tokens": -1},
+    )
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
+
+
 TOOLS = [
     {
         "type": "function",
