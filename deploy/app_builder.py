@@ -78,6 +78,7 @@ def build_app(config: ClusterConfig) -> Application:
         "host": config.host,
         "grpc_port": config.grpc_port,
         "request_timeout_s": config.router.request_timeout_s,
+        "tool_call_parser": config.router.tool_call_parser,
         "log_level": config.log_level,
         "routing": config.routing.model_dump(mode="json"),
         "decode_routing": config.decode_routing.model_dump(mode="json"),

@@ -90,6 +90,12 @@ class RouterConfig(BaseModel):
         "on the nodes that advertise it.",
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may take.")
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto",
+        description="How a model writes tool calls in a free reply (tool_choice auto): hermes "
+        '(<tool_call>{...}</tool_call>, Qwen), llama3_json ({"name", "parameters"}), '
+        "mistral ([TOOL_CALLS]...), or auto: the one the chat template teaches (else hermes).",
+    )
 
     def ray_actor_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"num_cpus": self.num_cpus}

@@ -43,6 +43,7 @@ from tandem.router.routing_policy import RoutingConfig
 from tandem.router.serving import Serving
 from tandem.router.sse_keepalive import KEEPALIVE_S
 from tandem.router.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from tandem.router.tool_parsers import pick_tool_parser
 from tandem.router.worker_directory import WorkerDirectory
 
 logger = logging.getLogger("tandem.router")
@@ -148,6 +149,9 @@ class Router:
             # Behind Ray's HAProxy ingress (tandem serve --ingress haproxy, the chart's
             # serve.ingress: haproxy) a client's leaving is noticed only when a stream writes.
             sse_keepalive_s=KEEPALIVE_S if os.environ.get(HAPROXY_FLAG) == "1" else None,
+            tool_parser=pick_tool_parser(
+                settings.get("tool_call_parser", "auto"), tokenizer.hf.chat_template
+            ),
         )
         self.registry_name: str = settings["registry_name"]
         self._grpc_server: Any = None

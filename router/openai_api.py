@@ -40,7 +40,8 @@ from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
 from tandem.router.serving import Serving
 from tandem.router.sse_keepalive import KEEPALIVE, paced
-from tandem.router.tool_calls import CallStream, ReplyParser, streams_content, template_tools
+from tandem.router.tool_calls import CallStream, ReplyParser, template_tools
+from tandem.router.tool_parsers import ToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,9 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest) 
             tools=tools,
         )
 
-    read_calls = body.reply_parser()
+    read_calls = body.reply_parser(serving.tool_parser)
+    if isinstance(read_calls, ToolParser) and read_calls.keeps_specials:
+        fields["skip_special_tokens"] = False  # (its call marker is a special token)
     forced = body.forced_tools()
     shown = forced if forced is not None else body.tools if read_calls else None
     tools = template_tools(shown) if shown else None
@@ -245,7 +248,8 @@ async def _events(
     before a call as it comes, the calls with the end (`CallStream`); a forced call: one
     chunk at the end."""
     offsets = _Offsets(head)
-    call_streams: dict[int, CallStream] | None = {} if streams_content(head.read_calls) else None
+    parser = head.read_calls if isinstance(head.read_calls, ToolParser) else None
+    call_streams: dict[int, CallStream] = {}
     emitted = 0  # completion tokens sent so far, all choices (they may run ahead)
     try:
         for index, req in enumerate(reqs):
@@ -264,8 +268,8 @@ async def _events(
                 emitted += len(item["token_ids"])
                 finish = item.get("finish_reason")
                 calls: list[dict[str, Any]] | None = None
-                if call_streams is not None:  # content as it comes, the calls at the end
-                    stream = call_streams.setdefault(index, CallStream())
+                if parser is not None:  # a free reply: content as it comes, the calls at the end
+                    stream = call_streams.setdefault(index, CallStream(parser))
                     item = {**item, "text": stream.feed(item["text"])}
                     if finish is not None:
                         rest, calls = stream.finish()

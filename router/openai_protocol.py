@@ -32,6 +32,7 @@ from tandem.router.tool_calls import (
     forced_tools,
     reply_parser,
 )
+from tandem.router.tool_parsers import ToolParser
 
 
 class StreamOptions(BaseModel):
@@ -220,9 +221,9 @@ class ChatCompletionRequest(_SamplingFields):
         """The tools the reply must call one of (`tool_calls`), or None."""
         return forced_tools(self.tools, self.tool_choice)
 
-    def reply_parser(self) -> ReplyParser | None:
+    def reply_parser(self, parser: ToolParser | None = None) -> ReplyParser | None:
         """How the reply's tool calls are read (None: no tools in play)."""
-        return reply_parser(self.tools, self.tool_choice)
+        return reply_parser(self.tools, self.tool_choice, parser)
 
     def output_structure(self) -> Structure | None:
         forced = self.forced_tools()

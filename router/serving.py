@@ -16,6 +16,7 @@ from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
 from tandem.router.prepared import Prepared
 from tandem.router.request_prep import ModelLimits, sampling_params, tokenize_prompt, truncated
 from tandem.router.route_planner import RoutePlan, RoutePlanner
+from tandem.router.tool_parsers import HermesParser, ToolParser
 
 logger = logging.getLogger("tandem.router")
 
@@ -38,8 +39,11 @@ class Serving:
         metrics: RouterMetrics | None = None,
         slo: dict[str, float | None] | None = None,
         sse_keepalive_s: float | None = None,
+        tool_parser: ToolParser | None = None,
     ) -> None:
         self.sse_keepalive_s = sse_keepalive_s
+        self.tool_parser = tool_parser or HermesParser()
+        """How free replies to chats with tools write their calls (`tool_parsers.py`)."""
         """How often a waiting SSE stream writes a comment (None: never; see `openai_api`)."""
         self.metrics = metrics or RouterMetrics(model_name, "router")
         slo = slo or {}

@@ -4,26 +4,24 @@ OpenAI's `tool_calls` (finish reason "tool_calls").
 - `tool_choice` "required" or a named function: the output is constrained (structured output,
   `engine/guided.py`) to one JSON object `{"name": <a tool's name>, "arguments": <that tool's
   parameters>}`.
-- "auto" (OpenAI's default with tools): the model decides. Its calls are read in the Hermes
-  format, `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, which Qwen2.5, Qwen3 and
-  Hermes chat templates teach their models; text outside the tags is the message's content. A
-  model that writes calls in another format gets its text back as content. Streamed, the
-  content goes out as it comes until a call may begin (`CallStream`); the calls follow in the
-  last chunk.
+- "auto" (OpenAI's default with tools): the model decides. Its calls are read in its family's
+  format (`tool_parsers.py`: Hermes' `<tool_call>{...}</tool_call>`, Llama 3's JSON, Mistral's
+  `[TOOL_CALLS]`); the text outside them is the message's content, and a reply whose calls do
+  not parse is all content. Streamed, the content goes out as it comes until a call may begin
+  (`CallStream`); the calls follow in the last chunk.
 - "none", or no tools: plain chat.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.router.errors import bad_request
+from tandem.router.tool_parsers import HermesParser, ToolParser, call_entry
 
 
 class FunctionSpec(BaseModel):
@@ -94,15 +92,18 @@ def template_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
 
 
 ReplyParser = Callable[[str], tuple[str | None, list[dict[str, Any]]]]
-"""A reply's text -> (its content, its `tool_calls`)."""
+"""A reply's text -> (its content, its `tool_calls`): a `ToolParser`, or `forced_call`."""
 
 
-def reply_parser(tools: list[ToolSpec] | None, tool_choice: Any) -> ReplyParser | None:
-    """How to read the reply's calls (None: plain text)."""
+def reply_parser(
+    tools: list[ToolSpec] | None, tool_choice: Any, parser: ToolParser | None = None
+) -> ReplyParser | None:
+    """How to read the reply's calls (None: plain text); "auto" reads them with `parser`
+    (Hermes' format when not given)."""
     if not tools or tool_choice == "none":
         return None
     if tool_choice in (None, "auto"):
-        return hermes_calls
+        return parser or HermesParser()
     return forced_call
 
 
@@ -110,21 +111,6 @@ def forced_call(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """A constrained reply: one call (or, cut short, its text as content)."""
     call = tool_call(text)
     return (None, [call]) if call is not None else (text, [])
-
-
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-
-def hermes_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Calls written as `<tool_call>{json}</tool_call>` (the last may miss its closing tag);
-    the text around them is the content (None when there is none)."""
-    if "<tool_call>" not in text:
-        return text, []
-    calls = [c for m in HERMES_CALL.finditer(text) if (c := tool_call(m.group(1))) is not None]
-    if not calls:
-        return text, []
-    content = HERMES_CALL.sub("", text).strip()
-    return content or None, calls
 
 
 def tool_call(text: str) -> dict[str, Any] | None:
@@ -136,56 +122,40 @@ def tool_call(text: str) -> dict[str, Any] | None:
         return None
     if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
         return None
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {
-            "name": call["name"],
-            "arguments": json.dumps(call["arguments"], separators=(",", ":")),
-        },
-    }
-
-
-CALL_TAG = "<tool_call>"
+    return call_entry(call["name"], call["arguments"])
 
 
 def streams_content(parser: ReplyParser | None) -> bool:
-    """Whether a streamed reply read by `parser` can send its content as it comes (the
-    Hermes format: the content is the text around the calls); a forced call goes whole."""
-    return parser is hermes_calls
+    """Whether a streamed reply read by `parser` can send its content as it comes (a free
+    reply); a forced call goes whole."""
+    return isinstance(parser, ToolParser)
 
 
 class CallStream:
-    """One streamed reply in the Hermes format: `feed` gives the text that can go out now,
-    the content before the first `<tool_call>`, holding back a tail that may begin one;
-    `finish` reads what was held back into (the rest of the content, the calls)."""
+    """One streamed free reply: `feed` gives the text that can go out now, the content before
+    the first call, holding back a tail that may begin one; `finish` reads what was held back
+    into (the rest of the content, the calls)."""
 
-    def __init__(self) -> None:
-        self._held = ""
-        self._in_call = False
+    def __init__(self, parser: ToolParser) -> None:
+        self._parser = parser
+        self._text = ""  # the reply so far
+        self._sent = 0  # how much of it went out as content
+        self._call: int | None = None  # where the first call begins, once seen
 
     def feed(self, text: str) -> str:
-        self._held += text
-        if self._in_call:
-            return ""
-        start = self._held.find(CALL_TAG)
-        if start >= 0:
-            self._in_call = True
-        else:  # the longest tail that could be the start of the tag stays
-            start = len(self._held) - _tag_prefix_len(self._held)
-        out, self._held = self._held[:start], self._held[start:]
+        self._text += text
+        if self._call is None:
+            self._call = self._parser.call_start(self._text)
+        if self._call is not None:
+            end = self._call
+        else:
+            end = len(self._text) - self._parser.undecided_tail(self._text)
+        end = max(end, self._sent)
+        out, self._sent = self._text[self._sent : end], end
         return out
 
     def finish(self) -> tuple[str | None, list[dict[str, Any]]]:
-        held, self._held = self._held, ""
-        if not self._in_call:
+        held, self._sent = self._text[self._sent :], len(self._text)
+        if self._call is None:
             return held or None, []
-        return hermes_calls(held)
-
-
-def _tag_prefix_len(text: str) -> int:
-    """Length of the longest end of `text` that is a proper prefix of `CALL_TAG`."""
-    for n in range(min(len(text), len(CALL_TAG) - 1), 0, -1):
-        if CALL_TAG.startswith(text[-n:]):
-            return n
-    return 0
+        return self._parser.parse(held)

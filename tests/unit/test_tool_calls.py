@@ -15,11 +15,11 @@ from tandem.router.tool_calls import (
     call_schema,
     forced_call,
     forced_tools,
-    hermes_calls,
     reply_parser,
     streams_content,
     tool_call,
 )
+from tandem.router.tool_parsers import HermesParser, MistralParser
 
 TOOLS = [
     ToolSpec.model_validate(
@@ -35,7 +35,10 @@ def test_which_tools_a_choice_forces() -> None:
     assert forced_tools(TOOLS, "required") == TOOLS
     named = {"type": "function", "function": {"name": "b"}}
     assert forced_tools(TOOLS, named) == TOOLS[1:]
-    assert reply_parser(TOOLS, None) is hermes_calls and reply_parser(TOOLS, "auto") is hermes_calls
+    assert isinstance(reply_parser(TOOLS, None), HermesParser)
+    assert isinstance(reply_parser(TOOLS, "auto"), HermesParser)
+    mistral = MistralParser()
+    assert reply_parser(TOOLS, "auto", mistral) is mistral
     assert reply_parser(TOOLS, named) is forced_call and reply_parser(TOOLS, "none") is None
     assert reply_parser(None, None) is None
     for tools, choice, param in (
@@ -64,6 +67,9 @@ def test_a_complete_call_becomes_a_tool_calls_entry() -> None:
     assert tool_call('{"x": 1}') is None
 
 
+hermes_calls = HermesParser()
+
+
 def test_calls_read_from_a_free_reply_in_the_hermes_format() -> None:
     text = (
         'Let me check.\n<tool_call>\n{"name": "a", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
@@ -89,7 +95,7 @@ CALL = '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>'
 
 def _streamed(text: str, piece: int) -> tuple[list[str], str | None, list[dict[str, object]]]:
     """What a `CallStream` sends of `text` fed in pieces of `piece` characters."""
-    stream = CallStream()
+    stream = CallStream(HermesParser())
     sent = [stream.feed(text[i : i + piece]) for i in range(0, len(text), piece)]
     rest, calls = stream.finish()
     return sent, rest, calls

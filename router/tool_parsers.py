@@ -1,0 +1,223 @@
+"""How a free reply's tool calls are written, per model family (`tool_choice` "auto").
+
+- `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, anywhere in the reply,
+  the text around the tags being the content (Qwen2.5, Qwen3, Hermes templates).
+- `llama3_json`: the reply *is* the call(s): `{"name": ..., "parameters": {...}}` (or
+  `"arguments"`), several separated by `;`, optionally after `<|python_tag|>` (Llama 3.1-3.3).
+- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` objects, or (newer
+  tokenizers) `[TOOL_CALLS]name[ARGS]{...}` per call; the text before it is the content.
+  `[TOOL_CALLS]` is a special token, so the text must keep special tokens (`keeps_specials`).
+
+`pick_tool_parser("auto", chat_template)` chooses by what the chat template teaches the model
+(its call markers), falling back to `hermes`. A parser reads a finished reply (`parse`) and, for
+streaming, says where in a reply so far a call begins (`call_start`) and how much of its end
+must be held back because it may begin one (`undecided_tail`): the content before a call
+streams as it comes (`tool_calls.CallStream`). A reply whose calls do not parse is content.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+Calls = list[dict[str, Any]]
+
+
+def call_entry(name: Any, arguments: Any) -> dict[str, Any] | None:
+    """OpenAI's `tool_calls` entry (None unless `name` is a string and `arguments` an object
+    or the JSON text of one)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        return None
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, separators=(",", ":"))},
+    }
+
+
+def _objects(text: str, separators: str = "") -> list[Any] | None:
+    """The JSON values `text` is made of, back to back (whitespace and `separators` between
+    them); None unless all of it parses."""
+    decoder, at = json.JSONDecoder(), 0
+    values: list[Any] = []
+    skip = " \t\r\n" + separators
+    while True:
+        while at < len(text) and text[at] in skip:
+            at += 1
+        if at == len(text):
+            return values
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+class ToolParser(ABC):
+    """Reads a model family's tool calls from its reply text."""
+
+    name: ClassVar[str]
+    keeps_specials: ClassVar[bool] = False
+    """The call markers are special tokens: the reply's text must keep them."""
+
+    def __call__(self, text: str) -> tuple[str | None, Calls]:
+        return self.parse(text)
+
+    @abstractmethod
+    def parse(self, text: str) -> tuple[str | None, Calls]:
+        """(content, calls) of a finished reply; (text, []) when it holds no call that parses."""
+
+    @abstractmethod
+    def call_start(self, text: str) -> int | None:
+        """Where in the reply so far a call begins (None: none yet)."""
+
+    @abstractmethod
+    def undecided_tail(self, text: str) -> int:
+        """How many characters at the end of a reply so far with no call may still begin one."""
+
+
+def _tail_prefix_len(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class MarkerParser(ToolParser):
+    """Calls after a marker anywhere in the reply (the text before it is content)."""
+
+    marker: ClassVar[str]
+
+    def call_start(self, text: str) -> int | None:
+        start = text.find(self.marker)
+        return start if start >= 0 else None
+
+    def undecided_tail(self, text: str) -> int:
+        return _tail_prefix_len(text, self.marker)
+
+
+class HermesParser(MarkerParser):
+    name = "hermes"
+    marker = "<tool_call>"
+    closing = "</tool_call>"
+
+    def parse(self, text: str) -> tuple[str | None, Calls]:
+        pieces, calls, rest = [], [], text
+        while (start := rest.find(self.marker)) >= 0:
+            pieces.append(rest[:start])
+            body = rest[start + len(self.marker) :]
+            end = body.find(self.closing)
+            inside, rest = (body, "") if end < 0 else (body[:end], body[end + len(self.closing) :])
+            found = _objects(inside)
+            if found is None or len(found) != 1 or not isinstance(found[0], dict):
+                return text, []  # (the last may miss its closing tag: the model stopped)
+            call = call_entry(found[0].get("name"), found[0].get("arguments"))
+            if call is None:
+                return text, []
+            calls.append(call)
+        if not calls:
+            return text, []
+        content = "".join([*pieces, rest]).strip()
+        return content or None, calls
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    tag = "<|python_tag|>"
+
+    def parse(self, text: str) -> tuple[str | None, Calls]:
+        body = text.strip()
+        body = body[len(self.tag) :] if body.startswith(self.tag) else body
+        if not body.startswith("{"):
+            return text, []
+        found = _objects(body, ";")
+        calls = []
+        for value in found or [None]:
+            if not isinstance(value, dict):
+                return text, []
+            arguments = value.get("parameters", value.get("arguments"))
+            call = call_entry(value.get("name"), arguments)
+            if call is None:
+                return text, []
+            calls.append(call)
+        return None, calls
+
+    def call_start(self, text: str) -> int | None:
+        head = text.lstrip()
+        if head.startswith("{") or head.startswith(self.tag):
+            return len(text) - len(head)
+        return None
+
+    def undecided_tail(self, text: str) -> int:
+        head = text.lstrip()  # (a call can only open the reply)
+        return len(text) if self.tag.startswith(head) else 0
+
+
+class MistralParser(MarkerParser):
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+    keeps_specials = True
+
+    def parse(self, text: str) -> tuple[str | None, Calls]:
+        start = text.find(self.marker)
+        if start < 0:
+            return text, []
+        calls: Calls = []
+        for part in text[start:].split(self.marker)[1:]:
+            made = self._calls(part)
+            if made is None:
+                return text, []
+            calls += made
+        content = text[:start].strip()
+        return content or None, calls
+
+    @staticmethod
+    def _calls(part: str) -> Calls | None:
+        """The calls after one marker: `name[ARGS]{...}`, or a JSON list of calls."""
+        if "[ARGS]" in part:
+            name, _, arguments = part.partition("[ARGS]")
+            found = _objects(arguments)
+            if found is None or len(found) != 1:
+                return None
+            pairs = [(name.strip(), found[0])]
+        else:
+            found = _objects(part)
+            listed = found[0] if found is not None and len(found) == 1 else None
+            if not isinstance(listed, list) or not listed:
+                return None
+            if not all(isinstance(v, dict) for v in listed):
+                return None
+            pairs = [(v.get("name"), v.get("arguments")) for v in listed]
+        made = [call_entry(name, arguments) for name, arguments in pairs]
+        return None if any(c is None for c in made) else [c for c in made if c is not None]
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)
+}
+TOOL_CALL_PARSERS = ("auto", *PARSERS)
+
+
+def pick_tool_parser(name: str, chat_template: str | None) -> ToolParser:
+    """The parser `name`, or for "auto" the one whose call markers the chat template writes
+    (hermes when it writes none of them)."""
+    if name != "auto":
+        if name not in PARSERS:
+            raise ValueError(f"unknown tool call parser {name!r}: one of {TOOL_CALL_PARSERS}")
+        return PARSERS[name]()
+    template = chat_template or ""
+    if MistralParser.marker in template:
+        return MistralParser()
+    if HermesParser.marker not in template and (
+        Llama3JsonParser.tag in template or "<|start_header_id|>" in template
+    ):
+        return Llama3JsonParser()
+    return HermesParser()
