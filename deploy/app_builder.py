@@ -20,6 +20,24 @@ logger = logging.getLogger("tandem.deploy")
 SHUTDOWN_MARGIN_S = 10.0  # Serve's wait loop and the replica's own close, after the drain
 
 
+def chat_template_text(value: str | None) -> str | None:
+    """A chat template given as a file's path or as its text: the text, checked to be Jinja
+    (ValueError naming the problem otherwise). Read here, where the config is, so that a
+    router on another node gets the text."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if "\n" not in value and len(value) < 4096 and path.is_file():
+        value = path.read_text()
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template is not a Jinja template: {exc}") from None
+    return value
+
+
 def resolve_model(config: ClusterConfig) -> str:
     """The checkpoint to serve: `config.model`, or the embedded tiny model (built once)."""
     if config.model:
@@ -79,6 +97,7 @@ def build_app(config: ClusterConfig) -> Application:
         "grpc_port": config.grpc_port,
         "request_timeout_s": config.router.request_timeout_s,
         "tool_call_parser": config.router.tool_call_parser,
+        "chat_template": chat_template_text(config.chat_template),
         "log_level": config.log_level,
         "routing": config.routing.model_dump(mode="json"),
         "decode_routing": config.decode_routing.model_dump(mode="json"),

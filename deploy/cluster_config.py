@@ -122,6 +122,11 @@ class ClusterConfig(BaseModel):
     served_model_name: str | None = Field(
         None, description="Model name clients send (default: the checkpoint folder's name)."
     )
+    chat_template: str | None = Field(
+        None,
+        description="Jinja chat template for the chat API, instead of the checkpoint's: the "
+        "path of a file that holds it, or its text (as vLLM's --chat-template).",
+    )
     app_name: str = "tandem"
     mode: Literal["pd", "colocated"] = Field(
         "pd",

@@ -125,6 +125,13 @@ def serve(
             case_sensitive=False,
         ),
     ] = DEFAULT_INGRESS,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(
+            help="Jinja chat template for the chat API instead of the checkpoint's: a file's "
+            "path, or the template's text."
+        ),
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -152,6 +159,7 @@ def serve(
         "port": port,
         "grpc_port": grpc_port,
         "api_key": api_key,
+        "chat_template": chat_template,
         "cache_dir": os.environ.get("TANDEM_CACHE_DIR"),
     }
     try:

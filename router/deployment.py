@@ -113,6 +113,8 @@ class Router:
         )
         api.state.api_key_digest = self.api_key_digest  # (one router replica per process)
         tokenizer = Tokenizer.from_pretrained(settings["model"])
+        if settings.get("chat_template"):  # the config's, instead of the checkpoint's
+            tokenizer.hf.chat_template = settings["chat_template"]
         self.directory = WorkerDirectory(
             get_registry(settings["registry_name"]), settings["auth_token"]
         )
