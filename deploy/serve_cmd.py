@@ -22,8 +22,13 @@ logger = logging.getLogger("tandem.deploy")
 
 
 def _config(
-    config_file: Path | None, overrides: dict[str, Any], role_overrides: dict[str, int | None]
+    config_file: Path | None,
+    overrides: dict[str, Any],
+    role_overrides: dict[str, int | None],
+    nested: dict[tuple[str, str], Any] | None = None,
 ) -> Any:
+    """The cluster config: the file's, then the flags that were given (`overrides` at the
+    top level, replicas per role, `nested` as (section, field): value)."""
     from tandem.deploy.cluster_config import ClusterConfig
 
     data: dict[str, Any] = {}
@@ -38,6 +43,9 @@ def _config(
     for role, replicas in role_overrides.items():
         if replicas is not None:
             data[role] = {**(data.get(role) or {}), "replicas": replicas}
+    for (section, field), value in (nested or {}).items():
+        if value is not None:
+            data[section] = {**(data.get(section) or {}), field: value}
     return ClusterConfig.model_validate(data)
 
 
@@ -125,6 +133,21 @@ def serve(
             case_sensitive=False,
         ),
     ] = DEFAULT_INGRESS,
+    served_model_name: Annotated[
+        str | None,
+        typer.Option(help="Model name clients send (default: the checkpoint folder's name)."),
+    ] = None,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(min=2, help="Longest prompt + output in tokens (default: the model's)."),
+    ] = None,
+    tool_call_parser: Annotated[
+        str | None,
+        typer.Option(
+            help="How the model writes tool calls (tool_choice auto): hermes, llama3_json, "
+            "mistral, or auto (default): the one its chat template teaches."
+        ),
+    ] = None,
     chat_template: Annotated[
         str | None,
         typer.Option(
@@ -160,10 +183,16 @@ def serve(
         "grpc_port": grpc_port,
         "api_key": api_key,
         "chat_template": chat_template,
+        "served_model_name": served_model_name,
         "cache_dir": os.environ.get("TANDEM_CACHE_DIR"),
     }
     try:
-        cfg = _config(config, overrides, {"prefill": prefill_replicas, "decode": decode_replicas})
+        roles = {"prefill": prefill_replicas, "decode": decode_replicas}
+        nested = {
+            ("engine", "max_model_len"): max_model_len,
+            ("router", "tool_call_parser"): tool_call_parser,
+        }
+        cfg = _config(config, overrides, roles, nested)
         from tandem.deploy.app_builder import build_app, registry_name, resolve_model
 
         typer.echo("[tandem] preparing the model ...")

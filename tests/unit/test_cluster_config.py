@@ -99,3 +99,24 @@ def test_checksums_and_the_chunk_publisher_reach_the_prefill_sender(
         assert service.sender.checksums is True
         assert (service.sender._publisher is not None) is hand_off
         service.sender.close()
+
+
+def test_tandem_serve_flags_land_in_the_config(tmp_path: Path) -> None:
+    """Flags override the config file, nested ones in their section (keeping its other
+    fields)."""
+    from tandem.deploy.serve_cmd import _config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("engine:\n  num_kv_blocks: 64\nrouter:\n  replicas: 2\n")
+    cfg = _config(
+        path,
+        {"served_model_name": "m", "chat_template": None},
+        {"prefill": 3, "decode": None},
+        {("engine", "max_model_len"): 512, ("router", "tool_call_parser"): "mistral"},
+    )
+    assert cfg.served_model_name == "m" and cfg.prefill.replicas == 3
+    assert cfg.engine == {"num_kv_blocks": 64, "max_model_len": 512}
+    assert (cfg.router.replicas, cfg.router.tool_call_parser) == (2, "mistral")
+    assert _config(path, {}, {}, {("engine", "max_model_len"): None}).engine == {
+        "num_kv_blocks": 64
+    }
