@@ -97,6 +97,7 @@ def build_app(config: ClusterConfig) -> Application:
         "grpc_port": config.grpc_port,
         "request_timeout_s": config.router.request_timeout_s,
         "tool_call_parser": config.router.tool_call_parser,
+        "reasoning_parser": config.router.reasoning_parser,
         "chat_template": chat_template_text(config.chat_template),
         "log_level": config.log_level,
         "routing": config.routing.model_dump(mode="json"),

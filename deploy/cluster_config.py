@@ -96,6 +96,11 @@ class RouterConfig(BaseModel):
         '(<tool_call>{...}</tool_call>, Qwen), llama3_json ({"name", "parameters"}), '
         "mistral ([TOOL_CALLS]...), or auto: the one the chat template teaches (else hermes).",
     )
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None,
+        description="Put a reasoning model's <think>...</think> in the chat reply's "
+        "reasoning_content, apart from its content: qwen3, deepseek_r1 (default: none).",
+    )
 
     def ray_actor_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"num_cpus": self.num_cpus}

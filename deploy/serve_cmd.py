@@ -148,6 +148,13 @@ def serve(
             "mistral, or auto (default): the one its chat template teaches."
         ),
     ] = None,
+    reasoning_parser: Annotated[
+        str | None,
+        typer.Option(
+            help="qwen3 or deepseek_r1: a chat reply's <think>...</think> goes to "
+            "reasoning_content, apart from its content (default: left in the content)."
+        ),
+    ] = None,
     chat_template: Annotated[
         str | None,
         typer.Option(
@@ -191,6 +198,7 @@ def serve(
         nested = {
             ("engine", "max_model_len"): max_model_len,
             ("router", "tool_call_parser"): tool_call_parser,
+            ("router", "reasoning_parser"): reasoning_parser,
         }
         cfg = _config(config, overrides, roles, nested)
         from tandem.deploy.app_builder import build_app, registry_name, resolve_model

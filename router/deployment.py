@@ -38,6 +38,7 @@ from tandem.router.openai_api import (
 )
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.router.pd_orchestrator import PDOrchestrator
+from tandem.router.reasoning import ReasoningParser
 from tandem.router.route_planner import DecodeRoutingConfig, RoutePlanner
 from tandem.router.routing_policy import RoutingConfig
 from tandem.router.serving import Serving
@@ -153,6 +154,11 @@ class Router:
             sse_keepalive_s=KEEPALIVE_S if os.environ.get(HAPROXY_FLAG) == "1" else None,
             tool_parser=pick_tool_parser(
                 settings.get("tool_call_parser", "auto"), tokenizer.hf.chat_template
+            ),
+            reasoning_parser=(
+                ReasoningParser(settings["reasoning_parser"])
+                if settings.get("reasoning_parser")
+                else None
             ),
         )
         self.registry_name: str = settings["registry_name"]

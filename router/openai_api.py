@@ -38,9 +38,10 @@ from tandem.router.openai_logprobs import text_length
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
+from tandem.router.reply_stream import ReplyStream
 from tandem.router.serving import Serving
 from tandem.router.sse_keepalive import KEEPALIVE, paced
-from tandem.router.tool_calls import CallStream, ReplyParser, template_tools
+from tandem.router.tool_calls import ReplyParser, template_tools
 from tandem.router.tool_parsers import ToolParser
 
 logger = logging.getLogger(__name__)
@@ -166,9 +167,12 @@ async def _serve(
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     token_text = serving.token_text
+    reasoning = serving.reasoning_parser if kind == "chat" else None
     if count == 1:
         req = await prepare(0, response_id)
-        head = ResponseHead.of(req, serving.model_name, kind, None, token_text, read_calls)
+        head = ResponseHead.of(
+            req, serving.model_name, kind, None, token_text, read_calls, reasoning
+        )
         if body.stream:
             return ClosingStreamingResponse(
                 _sse(serving, req, kind, include_usage, head, continuous),
@@ -182,7 +186,9 @@ async def _serve(
     reqs = await multi_choice.prepare_all(
         serving, count, lambda i: prepare(i, f"{response_id}-{i}")
     )
-    head = ResponseHead.of(reqs[0], serving.model_name, kind, response_id, token_text, read_calls)
+    head = ResponseHead.of(
+        reqs[0], serving.model_name, kind, response_id, token_text, read_calls, reasoning
+    )
     if body.stream:
         return ClosingStreamingResponse(
             _sse_choices(serving, head, reqs, n, include_usage, continuous),
@@ -244,12 +250,13 @@ async def _events(
 ) -> AsyncGenerator[str, None]:
     """The SSE events of `choices` ((choice index, token item) as they come): the chat role
     or the echoed prompt first, a chunk per item with text, logprobs or an end, the usage,
-    `[DONE]`; an error as one error event before `[DONE]`. With tools, "auto": the content
-    before a call as it comes, the calls with the end (`CallStream`); a forced call: one
-    chunk at the end."""
+    `[DONE]`; an error as one error event before `[DONE]`. A chat reply's text is split by
+    its `ReplyStream` (thoughts apart; with tools, "auto", the content before a call as it
+    comes and the calls with the end); a forced call goes in one chunk at the end."""
     offsets = _Offsets(head)
     parser = head.read_calls if isinstance(head.read_calls, ToolParser) else None
-    call_streams: dict[int, CallStream] = {}
+    split = head.kind == "chat" and (parser is not None or head.reasoning is not None)
+    replies: dict[int, ReplyStream] = {}
     emitted = 0  # completion tokens sent so far, all choices (they may run ahead)
     try:
         for index, req in enumerate(reqs):
@@ -267,19 +274,17 @@ async def _events(
                 index, item = entry
                 emitted += len(item["token_ids"])
                 finish = item.get("finish_reason")
-                calls: list[dict[str, Any]] | None = None
-                if parser is not None:  # a free reply: content as it comes, the calls at the end
-                    stream = call_streams.setdefault(index, CallStream(parser))
-                    item = {**item, "text": stream.feed(item["text"])}
-                    if finish is not None:
-                        rest, calls = stream.finish()
-                        item["text"] += rest or ""
-                        finish = "tool_calls" if calls else finish
-                elif head.read_calls:  # a forced call goes whole, once it can be read
+                reasoning, calls = "", list[dict[str, Any]]()
+                if head.read_calls is not None and parser is None:  # a forced call: whole
                     if finish is not None:
                         yield from_reply(head, reqs[index], index, finish)
                     continue
-                if item["text"] or finish is not None or offsets.has_logprobs(item):
+                if split:
+                    reply = replies.setdefault(index, ReplyStream(head.reasoning, parser))
+                    reasoning, content, calls = reply.feed(item["text"], finish is not None)
+                    item = {**item, "text": content}
+                    finish = "tool_calls" if calls else finish
+                if item["text"] or reasoning or finish is not None or offsets.has_logprobs(item):
                     text = item["text"] or None
                     logprobs = offsets.take(index, item)
                     usage = _so_far(merged_usage(reqs, n), emitted) if continuous else None
@@ -292,6 +297,7 @@ async def _events(
                         index=index,
                         usage=usage,
                         tool_calls=calls or None,
+                        reasoning=reasoning,
                         **logprobs,
                     )
         if include_usage:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from tandem.router.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
 from tandem.router.prepared import Prepared
+from tandem.router.reasoning import ReasoningParser
 from tandem.router.tool_calls import ReplyParser
 
 Kind = Literal["completion", "chat"]
@@ -28,6 +29,7 @@ class ResponseHead:
     kind: Kind
     token_text: TokenText | None = None  # names tokens in logprobs (None: none asked)
     read_calls: ReplyParser | None = None  # chat with tools: how its replies' calls are read
+    reasoning: ReasoningParser | None = None  # chat: splits the thoughts from the answer
 
     @classmethod
     def of(
@@ -38,10 +40,12 @@ class ResponseHead:
         response_id: str | None = None,
         token_text: TokenText | None = None,
         read_calls: ReplyParser | None = None,
+        reasoning: ReasoningParser | None = None,
     ) -> ResponseHead:
         names = token_text if req.params.logprobs is not None else None
+        arrival = int(req.timings.arrival)
         return cls(
-            response_id or req.request_id, int(req.timings.arrival), model, kind, names, read_calls
+            response_id or req.request_id, arrival, model, kind, names, read_calls, reasoning
         )
 
     def logprobs(
@@ -72,12 +76,10 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
             "logprobs": _choice_logprobs(head, req),
         }
         choice["stop_reason"] = req.stop_reason
-        content, calls = head.read_calls(req.text) if head.read_calls else (req.text, [])
-        if calls:
-            choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-            choice["finish_reason"] = "tool_calls"
-        elif head.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": req.text}
+        if head.kind == "chat":
+            choice["message"] = _message(head, req.text)
+            if choice["message"].get("tool_calls"):
+                choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = (req.echo or "") + req.text
         choices.append(choice)
@@ -87,6 +89,22 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
         "usage": usage,
         "tandem_timings": reqs[0].timings.stages_ms(),
     }
+
+
+def _message(head: ResponseHead, text: str) -> dict[str, Any]:
+    """A chat reply's message: its thoughts apart (with a reasoning parser), then its calls
+    read from the rest (with tools)."""
+    message: dict[str, Any] = {"role": "assistant"}
+    content: str | None = text
+    if head.reasoning is not None:
+        message["reasoning_content"], content = head.reasoning.split(text)
+    calls: list[dict[str, Any]] = []
+    if head.read_calls is not None and content is not None:
+        content, calls = head.read_calls(content)
+    message["content"] = content
+    if calls:
+        message["tool_calls"] = calls
+    return message
 
 
 def _choice_logprobs(head: ResponseHead, req: Prepared) -> dict[str, Any] | None:
@@ -110,6 +128,7 @@ def chunk(
     text_offset: int = 0,
     usage: dict[str, Any] | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    reasoning: str | None = None,
 ) -> str:
     """One SSE event with one choice's text (chat: a delta, with the role on the first), and
     the logprobs of the tokens it carries when asked (completions' offsets from
@@ -121,6 +140,8 @@ def chunk(
     }
     if head.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text is not None:
             delta["content"] = text
         if tool_calls is not None:

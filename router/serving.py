@@ -14,6 +14,7 @@ from tandem.engine.tokenizer import Tokenizer
 from tandem.router.errors import APIError, WorkerLost, bad_request
 from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
 from tandem.router.prepared import Prepared
+from tandem.router.reasoning import ReasoningParser
 from tandem.router.request_prep import ModelLimits, sampling_params, tokenize_prompt, truncated
 from tandem.router.route_planner import RoutePlan, RoutePlanner
 from tandem.router.tool_parsers import HermesParser, ToolParser
@@ -40,10 +41,13 @@ class Serving:
         slo: dict[str, float | None] | None = None,
         sse_keepalive_s: float | None = None,
         tool_parser: ToolParser | None = None,
+        reasoning_parser: ReasoningParser | None = None,
     ) -> None:
         self.sse_keepalive_s = sse_keepalive_s
         self.tool_parser = tool_parser or HermesParser()
         """How free replies to chats with tools write their calls (`tool_parsers.py`)."""
+        self.reasoning_parser = reasoning_parser
+        """Splits a chat reply's thoughts from its answer (`reasoning.py`; None: it does not)."""
         """How often a waiting SSE stream writes a comment (None: never; see `openai_api`)."""
         self.metrics = metrics or RouterMetrics(model_name, "router")
         slo = slo or {}

@@ -1,0 +1,64 @@
+"""Reasoning parsers (`router/reasoning.py`, `router/reply_stream.py`): a reply's thoughts apart
+from its answer, whole or streamed in pieces of any size, and before its tool calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem.router.reasoning import ReasoningParser, ReasoningStream
+from tandem.router.reply_stream import ReplyStream
+from tandem.router.tool_parsers import HermesParser
+
+CASES = [
+    # (parser, reply, reasoning, content)
+    ("qwen3", "<think>\nsum it\n</think>\n\n42", "\nsum it\n", "\n\n42"),
+    ("qwen3", "  <think>a</think>b", "a", "b"),
+    ("qwen3", "no thoughts here", None, "no thoughts here"),
+    ("qwen3", "<think>cut short", "cut short", None),
+    ("qwen3", "<thi", None, "<thi"),
+    ("qwen3", "a <think> in the middle", None, "a <think> in the middle"),
+    ("deepseek_r1", "thoughts</think>answer", "thoughts", "answer"),
+    ("deepseek_r1", "<think>thoughts</think>answer", "thoughts", "answer"),
+    ("deepseek_r1", "only thoughts", "only thoughts", None),
+    ("deepseek_r1", "</think>answer", None, "answer"),
+]
+
+
+@pytest.mark.parametrize(("name", "reply", "reasoning", "content"), CASES)
+def test_a_reply_splits_into_thoughts_and_answer(
+    name: str, reply: str, reasoning: str | None, content: str | None
+) -> None:
+    assert ReasoningParser(name).split(reply) == (reasoning, content)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5])
+@pytest.mark.parametrize(("name", "reply", "reasoning", "content"), CASES)
+def test_streamed_pieces_add_up_to_the_split(
+    name: str, reply: str, reasoning: str | None, content: str | None, piece: int
+) -> None:
+    stream = ReasoningStream(ReasoningParser(name))  # type: ignore[arg-type]
+    parts = [stream.feed(reply[i : i + piece]) for i in range(0, len(reply), piece)]
+    parts.append(stream.finish())
+    assert "".join(r for r, _ in parts) == (reasoning or "")
+    assert "".join(c for _, c in parts) == (content or "")
+    if name == "qwen3" and reply.startswith("<think>\nsum") and piece == 1:
+        assert sum(1 for r, _ in parts if r) > 3  # thoughts went out as they came
+
+
+def test_thoughts_then_a_tool_call() -> None:
+    call = '<tool_call>{"name": "f", "arguments": {"x": 2}}</tool_call>'
+    reply = f"<think>use f</think>Calling. {call}"
+    stream = ReplyStream(ReasoningParser("qwen3"), HermesParser())
+    parts = [stream.feed(ch, False) for ch in reply]
+    last = stream.feed("", True)
+    assert "".join(p[0] for p in parts) + last[0] == "use f"
+    assert "".join(p[1] for p in parts) + last[1] == "Calling. "
+    assert all(not p[2] for p in parts) and len(last[2]) == 1
+    assert json.loads(last[2][0]["function"]["arguments"]) == {"x": 2}
+
+
+def test_an_unknown_parser_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        ReasoningParser("granite")  # type: ignore[arg-type]
