@@ -1,8 +1,9 @@
 """OpenAI-compatible request schemas (completions and chat) and what they mean for the engine.
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do; known fields are
-type-checked. Features tandem does not implement (function calling, ...) are refused with a
-400 that names the field rather than silently ignored. Several choices (`n` > 1, a batch of
+type-checked. Features tandem does not implement (`suffix`, `best_of` other than `n`, ...)
+are refused with a 400 that names the field rather than silently ignored. Function calling:
+`tool_calls.py`. Several choices (`n` > 1, a batch of
 prompts) run as requests of their own (`multi_choice`). Log-probabilities: `logprobs` (0-20
 alternatives) for completions, `logprobs` and `top_logprobs` for chat. `response_format`
 (`json_object`, `json_schema`) and vLLM's `structured_outputs` and `guided_*` fields become the
