@@ -258,12 +258,14 @@ class ChatCompletionRequest(_SamplingFields):
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Chat messages as the chat template takes them: role and text, and for a function-calling
-    conversation an assistant's `tool_calls` and a tool message's `tool_call_id` and `name`."""
+    conversation an assistant's `tool_calls` and a tool message's `tool_call_id` and `name`;
+    an assistant's `reasoning_content` (a reasoning model's earlier thoughts, which templates
+    such as Qwen3's render) goes back too."""
     out: list[dict[str, Any]] = []
     for m in messages:
         message: dict[str, Any] = {"role": m.role, "content": m.text()}
         extra = m.model_extra or {}
-        for key in ("tool_calls", "tool_call_id"):
+        for key in ("tool_calls", "tool_call_id", "reasoning_content"):
             if extra.get(key) is not None:
                 message[key] = extra[key]
         if m.name is not None:

@@ -126,3 +126,23 @@ def test_only_the_hermes_format_streams_its_content() -> None:
     assert streams_content(reply_parser(TOOLS, "auto"))
     assert not streams_content(reply_parser(TOOLS, "required"))
     assert not streams_content(None)
+
+
+def test_a_conversation_goes_back_to_the_template_with_calls_and_thoughts() -> None:
+    from tandem.router.openai_protocol import ChatMessage, template_messages
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "a", "arguments": "{}"}}
+    messages = [
+        ChatMessage.model_validate({"role": "user", "content": "go", "ignored": 1}),
+        ChatMessage.model_validate(
+            {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "hm"}
+        ),
+        ChatMessage.model_validate(
+            {"role": "tool", "content": "done", "tool_call_id": "call_1", "name": "a"}
+        ),
+    ]
+    assert template_messages(messages) == [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "hm"},
+        {"role": "tool", "content": "done", "tool_call_id": "call_1", "name": "a"},
+    ]
