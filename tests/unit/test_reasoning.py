@@ -62,3 +62,30 @@ def test_thoughts_then_a_tool_call() -> None:
 def test_an_unknown_parser_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         ReasoningParser("granite")  # type: ignore[arg-type]
+
+
+def test_a_constrained_reply_has_no_thoughts() -> None:
+    """Structured output (a forced call, a schema) constrains the reply from its first token,
+    so deepseek_r1's parser, whose replies start inside the thoughts, leaves it whole unless it
+    opens them itself."""
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.router.openai_format import ResponseHead, full_body
+    from tandem.router.pd_orchestrator import RequestTimings
+    from tandem.router.prepared import Prepared
+
+    parser = ReasoningParser("deepseek_r1")
+    bodies = []
+    cases = [
+        ({}, '{"a": 1}'),
+        ({"regex": ".*"}, '{"a": 1}'),
+        ({"regex": ".*"}, "<think>x</think>y"),
+    ]
+    for fields, text in cases:
+        req = Prepared("r", [1, 2], SamplingParams(**fields), RequestTimings(0.0))
+        req.text = text
+        head = ResponseHead.of(req, "m", "chat", reasoning=parser)
+        bodies.append(full_body(head, [req], {})["choices"][0]["message"])
+    assert bodies[0] == {"role": "assistant", "reasoning_content": '{"a": 1}', "content": None}
+    assert bodies[1] == {"role": "assistant", "reasoning_content": None, "content": '{"a": 1}'}
+    assert bodies[2] == {"role": "assistant", "reasoning_content": "x", "content": "y"}
+    assert parser.starts_inside  # (unchanged)
