@@ -57,6 +57,15 @@ def test_router_replicas_can_ask_for_custom_ray_resources() -> None:
             "Error: invalid configuration: transport: transport 'nope' cannot join processes",
         ),
         (["--config", "BAD_YAML"], "Error: invalid configuration: prefill.bogus: Extra inputs"),
+        (
+            ["--tool-call-parser", "pythonic"],
+            "Error: invalid configuration: router.tool_call_parser: Input should be",
+        ),
+        (
+            ["--reasoning-parser", "granite"],
+            "Error: invalid configuration: router.reasoning_parser: Input should be",
+        ),
+        (["--chat-template", "{% for m in %}"], "Error: chat_template is not a Jinja template"),
     ],
 )
 def test_tandem_serve_names_a_bad_setting_in_one_line(
