@@ -1,7 +1,9 @@
-"""Logit bias, repetition, presence and frequency penalties on a batch's logits, before sampling.
+"""Logit bias, allowed tokens, repetition, presence and frequency penalties on a batch's logits,
+before sampling.
 
 - `logit_bias` (OpenAI's): added to the logits of its token ids (ids beyond the vocabulary are
   left out; the router refuses them).
+- `allowed_token_ids` (vLLM's): every other token is masked out.
 - `repetition_penalty` (transformers' and vLLM's): the logit of every token seen in the prompt or
   the output so far is divided by the penalty when positive and multiplied when negative.
 - `presence_penalty` and `frequency_penalty` (OpenAI's): from the logit of every token the
@@ -32,6 +34,11 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], rows: Seq
         if p.logit_bias:
             ids = [t for t in p.logit_bias if t < vocab]
             row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype)
+        if p.allowed_token_ids:
+            allowed = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long)
+            kept = row[allowed]
+            row.fill_(float("-inf"))
+            row[allowed] = kept
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted({t for t in req.token_ids if t < vocab}), dtype=torch.long)
             scores = row[seen]

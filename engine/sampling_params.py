@@ -32,7 +32,8 @@ class SamplingParams(BaseModel):
     no prefix-cache hits). The penalties are
     transformers' `repetition_penalty` (prompt and output) and OpenAI's `presence_penalty` and
     `frequency_penalty` (output only); see `penalties.py`. `logit_bias` adds to the logits of
-    the given token ids (OpenAI's, -100 to 100) before sampling. Structured output (`guided.py`),
+    the given token ids (OpenAI's, -100 to 100) before sampling; `allowed_token_ids` masks
+    out every other token. Structured output (`guided.py`),
     at most one of: `json_schema` (JSON that follows it), `regex` (text the regular expression
     matches whole), `choice` (exactly one of these strings), `grammar` (text of an EBNF grammar,
     xgrammar's dialect, whose start rule is `root`).
@@ -58,6 +59,7 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
     json_schema: dict[str, Any] | None = None
     regex: str | None = Field(None, min_length=1)
     choice: list[str] | None = Field(None, min_length=1)
@@ -94,6 +96,13 @@ class SamplingParams(BaseModel):
                 raise ValueError(
                     f"logit_bias needs token ids >= 0 and biases in [-100, 100]: {bad}"
                 )
+        return value
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(t < 0 for t in value):
+            raise ValueError("allowed_token_ids must be token ids (>= 0)")
         return value
 
     @field_validator("top_p")
@@ -147,6 +156,7 @@ class SamplingParams(BaseModel):
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
         )
 
     @property

@@ -68,6 +68,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's
     repetition_penalty: float | None = None  # vLLM's extension
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's
@@ -98,6 +99,8 @@ class _SamplingFields(BaseModel):
             params["logprobs"] = logprobs
         if self.logit_bias:
             params["logit_bias"] = self.token_bias()
+        if self.allowed_token_ids is not None:
+            params["allowed_token_ids"] = self.allowed_token_ids
         if (structure := self.output_structure()) is not None:
             params[structure[0]] = structure[1]
         return params

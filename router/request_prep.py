@@ -88,6 +88,8 @@ def sampling_params(
         )
     if fields.get("logit_bias"):
         check_token_ids(list(fields["logit_bias"]), limits.vocab_size, "logit_bias")
+    if fields.get("allowed_token_ids"):
+        check_token_ids(fields["allowed_token_ids"], limits.vocab_size, "allowed_token_ids")
     try:
         return SamplingParams(**{**fields, "max_tokens": max_tokens})
     except InvalidRequestError as exc:

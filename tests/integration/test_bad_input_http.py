@@ -54,6 +54,13 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("top_k zero", "/v1/completions", {**OK, "top_k": 0}, 400, None),
     ("min_p out of range", "/v1/completions", {**OK, "min_p": 1.5}, 400, "min_p"),
     (
+        "allowed_token_ids outside the vocabulary",
+        "/v1/completions",
+        {**OK, "allowed_token_ids": [1, 10**7]},
+        400,
+        "allowed_token_ids",
+    ),
+    (
         "truncate_prompt_tokens zero",
         "/v1/completions",
         {**OK, "truncate_prompt_tokens": 0},

@@ -118,3 +118,22 @@ def test_logit_bias_steers_greedy_decoding(setup: dict[str, Any]) -> None:
     assert out.token_ids[0] == int(ref.topk(2).indices[1])  # the runner-up
     with pytest.raises(InvalidRequestError):
         SamplingParams(logit_bias={1: 150.0})
+
+
+def test_allowed_token_ids_restrict_sampling(setup: dict[str, Any]) -> None:
+    """vLLM's `allowed_token_ids`: greedy picks the likeliest allowed token (transformers'
+    logits), sampling stays inside the set; an empty set or a negative id is refused."""
+    prompt = random_prompts(1, 512, seed=13)[0]
+    allowed = [5, 77, 301]
+    greedy = SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=allowed)
+    first = setup["llm"].generate([prompt], greedy)[0].token_ids[0]
+    ref = hf_last_logits(setup["hf"], prompt)
+    assert first == allowed[int(ref[allowed].argmax())]
+    sampled = SamplingParams(
+        temperature=1.5, seed=2, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed
+    )
+    tokens = setup["llm"].generate([prompt], sampled)[0].token_ids
+    assert set(tokens) <= set(allowed) and len(set(tokens)) > 1
+    for bad in ([], [-1]):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(allowed_token_ids=bad)
