@@ -224,15 +224,15 @@ class DecodeService(WorkerLoop):
         )
         outputs = self.engine.output_processor.process(
             [req] * len(event.token_ids), event.token_ids
-        )
-        last = outputs[-1]
+        )  # (none: the prefill's request allowed no token and ended with nothing)
+        reason = outputs[-1].finish_reason if outputs else None
         return self._tokens_item(
             StepOutput(
                 event.request_id,
                 list(event.token_ids),
                 "".join(o.text_delta for o in outputs),
                 True,
-                last.finish_reason or "stop",
+                reason or "stop",
                 event.logprobs,
             ),
             req.stop_reason,

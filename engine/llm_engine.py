@@ -31,7 +31,7 @@ from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.output_text import OutputText
 from tandem.engine.outputs import RequestOutput, StepOutput
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sampler import sample
+from tandem.engine.sampler import NO_TOKEN, sample
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.tokenizer import Tokenizer
@@ -266,7 +266,9 @@ class LLMEngine:
         tokens = sample(logits, to_sample, extra)
         for i in extra:
             matcher = to_sample[i].matcher
-            if matcher is not None and not matcher.accept_token(tokens[i]):
+            if tokens[i] == NO_TOKEN:
+                logger.warning("request %s allows no token: it ends here", to_sample[i])
+            elif matcher is not None and not matcher.accept_token(tokens[i]):
                 logger.error("request %s: its grammar refused a token it allowed", to_sample[i])
         outputs = self.output_processor.process(to_sample, tokens)
         if raw is not None:
@@ -284,6 +286,11 @@ class LLMEngine:
         tokens: list[int],
         outputs: list[StepOutput],
     ) -> None:
+        keep = [j for j, i in enumerate(rows) if tokens[i] != NO_TOKEN]
+        if len(keep) < len(rows):  # (a request that allowed no token got none)
+            raw, rows = raw[keep], [rows[j] for j in keep]
+            if not rows:
+                return
         picked = [requests[i] for i in rows]
         entries = token_logprobs(
             raw, [tokens[i] for i in rows], [r.params.logprobs or 0 for r in picked]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from tandem.engine.outputs import StepOutput
 from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sampler import NO_TOKEN
 
 
 class OutputProcessor:
@@ -22,6 +23,11 @@ class OutputProcessor:
     def process(self, requests: Sequence[Request], tokens: Sequence[int]) -> list[StepOutput]:
         outputs = []
         for req, token in zip(requests, tokens, strict=True):
+            if token == NO_TOKEN:  # its constraints allow no token: it ends with what it has
+                req.finish_reason = "stop"
+                delta = self.text_delta(req, finished=True)
+                outputs.append(StepOutput(req.request_id, [], delta, True, "stop"))
+                continue
             req.token_ids.append(token)
             if req.status != RequestStatus.DECODING:
                 req.set_status(RequestStatus.DECODING)

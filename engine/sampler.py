@@ -16,17 +16,28 @@ from tandem.engine.guided import mask_disallowed
 from tandem.engine.penalties import apply_penalties
 from tandem.engine.request import Request
 
+NO_TOKEN = -1
+"""The "token" of a row whose request allows none (its constraints exclude every token: e.g.
+`allowed_token_ids` none of which its grammar accepts). The request ends there."""
+
 
 def sample(
     logits: torch.Tensor, requests: Sequence[Request], extra_rows: Sequence[int] = ()
 ) -> list[int]:
     """One token per row of `logits` (fp32, (B, vocab)); row i belongs to requests[i].
-    `extra_rows`: the rows of requests with `sampling_extras` (penalties are looked for there)."""
+    `extra_rows`: the rows of requests with `sampling_extras` (penalties are looked for there);
+    such a row that allows no token gets `NO_TOKEN`."""
     _suppress_stops_before_min_tokens(logits, requests)
+    stuck: list[int] = []
     if extra_rows:
         apply_penalties(logits, requests, extra_rows)
         mask_disallowed(logits, requests, extra_rows)
+        stuck = _allowing_nothing(logits, extra_rows)
+        for i in stuck:  # (a harmless distribution: its token is replaced below)
+            logits[i] = 0.0
     tokens = greedy_argmax(logits).tolist()
+    for i in stuck:
+        tokens[i] = NO_TOKEN
     if all(r.params.greedy for r in requests):
         return tokens
     batch_rows = [i for i, r in enumerate(requests) if not r.params.greedy and r.generator is None]
@@ -40,7 +51,16 @@ def sample(
         if req.generator is not None:
             probs = _probabilities(logits[i : i + 1], [req])
             tokens[i] = int(torch.multinomial(probs, 1, generator=req.generator).item())
+    for i in stuck:
+        tokens[i] = NO_TOKEN
     return tokens
+
+
+def _allowing_nothing(logits: torch.Tensor, rows: Sequence[int]) -> list[int]:
+    """Those of `rows` in which every token is masked out (-inf)."""
+    index = torch.tensor(list(rows), dtype=torch.long)
+    best = logits.index_select(0, index).amax(dim=-1)
+    return [rows[j] for j in torch.nonzero(best == float("-inf")).flatten().tolist()]
 
 
 ARGMAX_GROUP = 32

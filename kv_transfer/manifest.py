@@ -72,7 +72,9 @@ class ChunkManifest(BaseModel):
     """One chunk of a request's pages: src blocks on the sender, reserved dst blocks on the receiver.
 
     `num_tokens` counts the tokens whose KV is complete once this chunk has landed. The last chunk
-    carries the first sampled token(s) and the sampler state, and commits the request.
+    carries the first sampled token(s) and the sampler state, and commits the request; only one
+    whose header says the request `finished` may carry none (its constraints allowed no token:
+    the receiver checks that).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -91,8 +93,6 @@ class ChunkManifest(BaseModel):
     def model_post_init(self, __context: Any) -> None:
         if len(self.src_block_ids) != len(self.dst_block_ids):
             raise ValueError("src_block_ids and dst_block_ids differ in length")
-        if self.last and not self.first_token_ids:
-            raise ValueError("the last chunk must carry the first sampled token")
 
 
 class PagesHeaderWriter:

@@ -259,6 +259,8 @@ class KVReceiver:
             if pages_checksum(pages) != manifest.checksum:
                 return f"chunk {manifest.chunk_index} failed its checksum"
         if manifest.last:
+            if not manifest.first_token_ids and not message.header.get("finished"):
+                return "the last chunk must carry the first sampled token"
             if (
                 res.params.logprobs is not None
                 and self._first_logprobs(res, manifest, message.header) is None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import openai
@@ -51,3 +52,23 @@ def deploy_by_param(request: pytest.FixtureRequest, cluster: Cluster) -> str:
 
 def client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def wait_baseline(cluster: Cluster, replicas: int, timeout: float = 20.0) -> list[dict[str, Any]]:
+    """Every worker back to all blocks free, no request, no reservation, no transfer."""
+    deadline = time.monotonic() + timeout
+    workers: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        workers = cluster.workers()
+        roles = [w["role"] for w in workers]
+        idle = all(
+            w["num_free_blocks"] == w["num_blocks"]
+            and w["num_requests"] == 0
+            and w.get("num_reservations", 0) == 0
+            and w.get("num_transfers", 0) == 0
+            for w in workers
+        )
+        if idle and roles.count("prefill") == replicas and roles.count("decode") == replicas:
+            return workers
+        time.sleep(0.1)
+    raise AssertionError(f"workers did not return to baseline: {workers}")

@@ -20,6 +20,7 @@ from tests.integration.openai_shared import (
     deploy_by_param,
     make_expected,
     make_reference,
+    wait_baseline,
 )
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -38,26 +39,6 @@ def expected(reference: LLM) -> list[Any]:
 @pytest.fixture(scope="module", params=["1x1", "2x2"])
 def base_url(request: pytest.FixtureRequest, cluster: Cluster) -> str:
     return deploy_by_param(request, cluster)
-
-
-def wait_baseline(cluster: Cluster, replicas: int, timeout: float = 20.0) -> list[dict[str, Any]]:
-    """Every worker back to all blocks free, no request, no reservation, no transfer."""
-    deadline = time.monotonic() + timeout
-    workers: list[dict[str, Any]] = []
-    while time.monotonic() < deadline:
-        workers = cluster.workers()
-        roles = [w["role"] for w in workers]
-        idle = all(
-            w["num_free_blocks"] == w["num_blocks"]
-            and w["num_requests"] == 0
-            and w.get("num_reservations", 0) == 0
-            and w.get("num_transfers", 0) == 0
-            for w in workers
-        )
-        if idle and roles.count("prefill") == replicas and roles.count("decode") == replicas:
-            return workers
-        time.sleep(0.1)
-    raise AssertionError(f"workers did not return to baseline: {workers}")
 
 
 def test_models_and_health(base_url: str) -> None:

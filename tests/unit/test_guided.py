@@ -12,7 +12,13 @@ import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.engine.errors import InvalidRequestError
-from tests.kv_protocol_pair import Pair, colocated, model, prompt_of  # noqa: F401 - fixtures
+from tests.kv_protocol_pair import (  # noqa: F401 - fixtures
+    Pair,
+    colocated,
+    model,
+    next_request_is_exact,
+    prompt_of,
+)
 
 CHOICE = {"type": "string", "enum": ["yes", "no"]}
 RECORD = {
@@ -131,3 +137,26 @@ def test_structured_output_continues_exactly_across_a_transfer(
     if "json_schema" in fields:
         assert _is_record(json.loads(want.text))
     pair.idle()
+
+
+def test_a_request_that_allows_no_token_ends_without_failing_others(
+    llm: LLM,
+    model: str,  # noqa: F811
+    colocated: LLM,  # noqa: F811
+) -> None:
+    """allowed_token_ids none of which the grammar accepts: no token can come next. The request
+    ends there ("stop", no token) instead of failing the step, in one engine and across a
+    transfer (the last chunk then carries no token and says the request finished); the batch
+    it shares goes on, and both sides free everything."""
+    stuck = SamplingParams(
+        temperature=1.0, max_tokens=8, allowed_token_ids=[40, 41], json_schema={"type": "object"}
+    )
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(["x y", "x y"], [stuck, plain])
+    assert (outs[0].token_ids, outs[0].text, outs[0].finish_reason) == ([], "", "stop")
+    assert outs[1].token_ids == llm.generate(["x y"], plain)[0].token_ids
+    pair = Pair(model)
+    pair.start("s", prompt_of(16 * 2 + 3, start=3), stuck.model_copy(update={"logprobs": 1}))
+    events = [(e.kind, e.token_ids) for e in pair.pump() if e.request_id == "s"]
+    assert ("first_token", ()) in events and ("finished_early", ()) in events, events
+    next_request_is_exact(pair, colocated)
