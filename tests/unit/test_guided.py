@@ -155,6 +155,9 @@ def test_a_request_that_allows_no_token_ends_without_failing_others(
     outs = llm.generate(["x y", "x y"], [stuck, plain])
     assert (outs[0].token_ids, outs[0].text, outs[0].finish_reason) == ([], "", "stop")
     assert outs[1].token_ids == llm.generate(["x y"], plain)[0].token_ids
+    # min_tokens past a complete grammar: only a stop token would follow, and it is held back
+    done = llm.generate(["x"], SamplingParams(max_tokens=40, min_tokens=30, choice=["yes", "no"]))
+    assert done[0].text in ("yes", "no") and done[0].finish_reason == "stop"
     pair = Pair(model)
     pair.start("s", prompt_of(16 * 2 + 3, start=3), stuck.model_copy(update={"logprobs": 1}))
     events = [(e.kind, e.token_ids) for e in pair.pump() if e.request_id == "s"]
