@@ -1,6 +1,7 @@
 """Random mixes of the API's fields, good and bad, never get a 500 nor a trace: each answer is
 200 with a whole body (or a whole SSE stream ending in `[DONE]`) or a 4xx with an OpenAI-style
-error, and afterwards the workers hold no blocks of them (nothing leaked)."""
+error (over gRPC: a stream to its last message, or INVALID_ARGUMENT / OUT_OF_RANGE), and
+afterwards the workers hold no blocks of them (nothing leaked)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import json
 import random
 from typing import Any
 
+import grpc
 import pytest
 import requests
 
+from tandem.router.grpc import generation_pb2, generation_pb2_grpc
 from tests.integration.conftest import Cluster
 from tests.integration.openai_shared import wait_baseline
 
@@ -123,3 +126,56 @@ def test_random_requests_never_fail_the_server(cluster: Cluster) -> None:
         statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
     assert statuses.get(200, 0) >= 20 and statuses.get(400, 0) >= 10, statuses
     wait_baseline(cluster, 1)  # every block back: none leaked by any of them
+
+
+GRPC_OPTIONS: dict[str, list[Any]] = {
+    "temperature": [0.0, 1.2, -1.0],
+    "top_p": [0.5, 0.0],
+    "top_k": [5, 0],
+    "min_p": [0.3, 2.0],
+    "max_tokens": [3, 0, 10**7],
+    "seed": [5],
+    "min_tokens": [1, 50],
+    "logprobs": [1, 50],
+    "presence_penalty": [0.4, 9.0],
+    "repetition_penalty": [1.2, 0.0],
+    "logit_bias": [{5: 2.0}, {10**7: 1.0}],
+    "allowed_token_ids": [[40, 41, 97], [10**7]],
+    "json_schema": ['{"type": "object"}', "{not json"],
+    "regex": ["[a-c]+", "(unclosed"],
+    "choice": [["yes", "no"]],
+    "grammar": ['root ::= "x"', "root ::= y"],
+    "stop": [["a"]],
+    "include_stop_str_in_output": [True],
+    "skip_special_tokens": [False],
+}
+GRPC_OK = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+
+
+def test_random_grpc_requests_never_fail_the_server(cluster: Cluster) -> None:
+    """The same over gRPC: each call streams to a last message with a finish reason, or ends
+    with INVALID_ARGUMENT / OUT_OF_RANGE."""
+    cluster.deploy_pd(1)
+    stub = generation_pb2_grpc.GenerationStub(
+        grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}")
+    )
+    rng = random.Random(7)
+    codes: dict[grpc.StatusCode, int] = {}
+    for _ in range(60):
+        fields = {n: rng.choice(GRPC_OPTIONS[n]) for n in rng.sample(sorted(GRPC_OPTIONS), 4)}
+        prompt = rng.choice(["hello", "a b c"])
+        request = generation_pb2.GenerateRequest(
+            model="tiny", prompt=prompt, sampling=generation_pb2.SamplingOptions(**fields)
+        )
+        code = grpc.StatusCode.OK
+        try:
+            replies = list(stub.Generate(request, timeout=60))
+            assert replies and replies[-1].finish_reason, fields
+        except grpc.RpcError as exc:
+            code = exc.code()
+            assert "Traceback" not in (exc.details() or ""), fields
+        assert code in GRPC_OK, (fields, code)
+        codes[code] = codes.get(code, 0) + 1
+    assert codes.get(grpc.StatusCode.OK, 0) >= 10, codes
+    assert codes.get(grpc.StatusCode.INVALID_ARGUMENT, 0) >= 10, codes
+    wait_baseline(cluster, 1)
