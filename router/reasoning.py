@@ -15,17 +15,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+from tandem.router.tool_parsers import tail_prefix_len
+
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 ReasoningParserName = Literal["qwen3", "deepseek_r1"]
 OPEN, CLOSE = "<think>", "</think>"
-
-
-def _tail_prefix_len(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -78,7 +72,7 @@ class ReasoningStream:
         if self._state == "thinking":
             end = self._held.find(CLOSE)
             if end < 0:
-                keep = _tail_prefix_len(self._held, CLOSE)
+                keep = tail_prefix_len(self._held, CLOSE)
                 cut = len(self._held) - keep
                 reasoning, self._held = self._held[:cut], self._held[cut:]
                 return reasoning, ""

@@ -83,7 +83,7 @@ class ToolParser(ABC):
         """How many characters at the end of a reply so far with no call may still begin one."""
 
 
-def _tail_prefix_len(text: str, marker: str) -> int:
+def tail_prefix_len(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper prefix of `marker`."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
@@ -101,7 +101,7 @@ class MarkerParser(ToolParser):
         return start if start >= 0 else None
 
     def undecided_tail(self, text: str) -> int:
-        return _tail_prefix_len(text, self.marker)
+        return tail_prefix_len(text, self.marker)
 
 
 class HermesParser(MarkerParser):
