@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -66,6 +67,9 @@ class SamplingParams(BaseModel):
     grammar: str | None = Field(None, min_length=1)
 
     def __init__(self, **data: object) -> None:
+        for name in ("structured_outputs", "guided_decoding"):  # vLLM's offline spellings
+            if name in data:
+                data.update(_structure_fields(name, data.pop(name)))
         try:
             super().__init__(**data)
         except ValidationError as exc:
@@ -177,3 +181,34 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+_VLLM_STRUCTURE = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+
+
+def _structure_fields(name: str, spec: object) -> dict[str, object]:
+    """vLLM's `structured_outputs=` / `guided_decoding=` (a dict or an object with `json`,
+    `regex`, `choice`, `grammar`, `json_object`) as this class's fields."""
+    if spec is None:
+        return {}
+    get = spec.get if isinstance(spec, dict) else lambda key: getattr(spec, key, None)
+    fields: dict[str, object] = {}
+    for key, field in _VLLM_STRUCTURE.items():
+        value = get(key)
+        if value is not None:
+            if key == "json" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise InvalidRequestError(f"{name}.json is not JSON") from None
+            fields[field] = value
+    if get("json_object"):
+        fields["json_schema"] = {"type": "object"}
+    if not fields:
+        raise InvalidRequestError(f"{name} sets none of json, regex, choice, grammar, json_object")
+    return fields

@@ -163,3 +163,21 @@ def test_a_request_that_allows_no_token_ends_without_failing_others(
     events = [(e.kind, e.token_ids) for e in pair.pump() if e.request_id == "s"]
     assert ("first_token", ()) in events and ("finished_early", ()) in events, events
     next_request_is_exact(pair, colocated)
+
+
+def test_vllm_s_offline_spellings_of_structured_output() -> None:
+    """`SamplingParams(structured_outputs=...)` (vLLM >= 0.11) and `guided_decoding=` (older),
+    as a dict or an object with json / regex / choice / grammar / json_object."""
+    from types import SimpleNamespace
+
+    assert SamplingParams(structured_outputs={"choice": ["a", "b"]}).structure == (
+        "choice",
+        ["a", "b"],
+    )
+    spec = SimpleNamespace(json='{"type": "string"}', regex=None, choice=None, grammar=None)
+    assert SamplingParams(structured_outputs=spec).json_schema == {"type": "string"}
+    assert SamplingParams(guided_decoding={"regex": "a+"}).regex == "a+"
+    assert SamplingParams(guided_decoding={"json_object": True}).json_schema == {"type": "object"}
+    for bad in ({}, {"json": "{oops"}, {"regex": "a", "choice": ["b"]}):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(structured_outputs=bad)
