@@ -161,6 +161,14 @@ class Router:
                 else None
             ),
         )
+        logger.info(
+            "router for %s: tool calls read as %s (%s), reasoning parser %s, chat template %s",
+            model_name,
+            self.serving.tool_parser.name,
+            settings.get("tool_call_parser", "auto"),
+            settings.get("reasoning_parser") or "none",
+            "from the config" if settings.get("chat_template") else "the checkpoint's",
+        )
         self.registry_name: str = settings["registry_name"]
         self._grpc_server: Any = None
         port = settings.get("grpc_port")
