@@ -161,3 +161,15 @@ def test_a_cuda_engine_without_gpus_is_caught(renders: dict[str, list[Manifest]]
     the(broken, "RayService")["spec"]["serveConfigV2"] = yaml.safe_dump(config)
     problems = check_all(broken, build_deployments(config))
     assert "deployment prefill: engine on cuda but no GPU" in problems
+
+
+def test_the_router_options_reach_the_cluster_config(renders: dict[str, list[Manifest]]) -> None:
+    """serve.toolCallParser / reasoningParser / chatTemplate (ci/colocated-values.yaml) land
+    in the cluster config's router section and `chat_template`; unset, tool calls are auto."""
+    args = serve_config(renders["colocated"])["applications"][0]["args"]
+    assert args["router"]["tool_call_parser"] == "hermes"
+    assert args["router"]["reasoning_parser"] == "qwen3"
+    assert args["chat_template"].startswith("{% for m in messages %}<|im_start|>")
+    default = serve_config(renders["default"])["applications"][0]["args"]
+    assert default["router"]["tool_call_parser"] == "auto" and "chat_template" not in default
+    assert "reasoning_parser" not in default["router"]

@@ -37,7 +37,7 @@ deployment override (its `ray_actor_options` replace the code's).
   "transport_options" $s.transportOptions
   "engine" $s.engine
   "decode" (include "tandem.roleArgs" .Values.decode | fromJson)
-  "router" (dict "replicas" (int .Values.router.replicas) "num_cpus" .Values.router.numCpus "request_timeout_s" $s.requestTimeoutS)
+  "router" (dict "replicas" (int .Values.router.replicas) "num_cpus" .Values.router.numCpus "request_timeout_s" $s.requestTimeoutS "tool_call_parser" ($s.toolCallParser | default "auto"))
   "routing" $s.routing
   "decode_routing" $s.decodeRouting
   "admission" $s.admission
@@ -53,6 +53,12 @@ deployment override (its `ray_actor_options` replace the code's).
 -}}
 {{- if ne $s.mode "colocated" -}}
 {{- $_ := set $args "prefill" (include "tandem.roleArgs" .Values.prefill | fromJson) -}}
+{{- end -}}
+{{- if $s.reasoningParser -}}
+{{- $_ := set $args.router "reasoning_parser" $s.reasoningParser -}}
+{{- end -}}
+{{- if $s.chatTemplate -}}
+{{- $_ := set $args "chat_template" $s.chatTemplate -}}
 {{- end -}}
 {{- toJson $args -}}
 {{- end -}}
