@@ -30,6 +30,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.output_text import OutputText
 from tandem.engine.outputs import RequestOutput, StepOutput
+from tandem.engine.penalties import bad_word_sequences
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import NO_TOKEN, sample
 from tandem.engine.sampling_params import SamplingParams
@@ -261,6 +262,10 @@ class LLMEngine:
             return []
         logits = logits[: len(to_sample)]
         extra = [i for i, r in enumerate(to_sample) if r.sampling_extras]
+        for i in extra:
+            req = to_sample[i]
+            if req.params.bad_words and req.bad_words_ids is None:
+                req.bad_words_ids = bad_word_sequences(req.params.bad_words, self._encode_plain)
         rows = rows_wanting_logprobs(to_sample, extra)
         raw = raw_rows(logits, rows)
         tokens = sample(logits, to_sample, extra)
@@ -299,6 +304,9 @@ class LLMEngine:
             assert req.logprobs is not None
             req.logprobs.append(entry)
             outputs[i] = outputs[i]._replace(logprobs=[entry])
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _finish(self, req: Request) -> None:
         req.set_status(RequestStatus.FINISHED)

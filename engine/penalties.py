@@ -4,6 +4,8 @@ before sampling.
 - `logit_bias` (OpenAI's): added to the logits of its token ids (ids beyond the vocabulary are
   left out; the router refuses them).
 - `allowed_token_ids` (vLLM's): every other token is masked out.
+- `bad_words` (vLLM's): for each word's token sequence (`bad_word_sequences`), the token that
+  would complete it after the output so far is masked out (a one-token word: always).
 - `repetition_penalty` (transformers' and vLLM's): the logit of every token seen in the prompt or
   the output so far is divided by the penalty when positive and multiplied when negative.
 - `presence_penalty` and `frequency_penalty` (OpenAI's): from the logit of every token the
@@ -16,7 +18,7 @@ left alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -34,6 +36,13 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], rows: Seq
         if p.logit_bias:
             ids = [t for t in p.logit_bias if t < vocab]
             row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype)
+        if req.bad_words_ids:
+            banned = [
+                seq[-1]
+                for seq in req.bad_words_ids
+                if seq[-1] < vocab and _ends_with(req.output_token_ids, seq[:-1])
+            ]
+            row[banned] = float("-inf")
         if p.allowed_token_ids:
             allowed = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long)
             kept = row[allowed]
@@ -53,3 +62,19 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], rows: Seq
             counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)
             counts = counts.to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def bad_word_sequences(words: Sequence[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """The token sequences of `words`, each as written and after a space (a word at the start of
+    the text and one inside it tokenize differently), without duplicates."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = encode(text)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
+def _ends_with(tokens: Sequence[int], tail: Sequence[int]) -> bool:
+    return not tail or (len(tokens) >= len(tail) and list(tokens[-len(tail) :]) == list(tail))

@@ -71,6 +71,7 @@ class Request:
         "sampling_extras",
         "prompt_logprobs",
         "matcher",
+        "bad_words_ids",
     )
 
     def __init__(
@@ -122,6 +123,8 @@ class Request:
             self.prompt_logprobs = [None] * len(prompt_token_ids)
         self.matcher: Any = None
         """The grammar matcher of a request with structured output (`guided.py`)."""
+        self.bad_words_ids: list[list[int]] | None = None
+        """`params.bad_words` as token sequences (the engine's tokenizer, on first need)."""
         self.sampling_extras = params.logprobs is not None or params.adjusts_logits
         """Logprobs, penalties or a logit bias: the sampler looks at this request's row (one
         flag, so that a batch without any costs one attribute read a request)."""

@@ -34,7 +34,8 @@ class SamplingParams(BaseModel):
     transformers' `repetition_penalty` (prompt and output) and OpenAI's `presence_penalty` and
     `frequency_penalty` (output only); see `penalties.py`. `logit_bias` adds to the logits of
     the given token ids (OpenAI's, -100 to 100) before sampling; `allowed_token_ids` masks
-    out every other token. Structured output (`guided.py`),
+    out every other token; `bad_words` are never completed (the token that would end one is
+    masked out, `penalties.py`). Structured output (`guided.py`),
     at most one of: `json_schema` (JSON that follows it), `regex` (text the regular expression
     matches whole), `choice` (exactly one of these strings), `grammar` (text of an EBNF grammar,
     xgrammar's dialect, whose start rule is `root`).
@@ -61,6 +62,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    bad_words: list[str] | None = None
     json_schema: dict[str, Any] | None = None
     regex: str | None = Field(None, min_length=1)
     choice: list[str] | None = Field(None, min_length=1)
@@ -100,6 +102,13 @@ class SamplingParams(BaseModel):
                 raise ValueError(
                     f"logit_bias needs token ids >= 0 and biases in [-100, 100]: {bad}"
                 )
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_not_blank(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not w.strip() for w in value):
+            raise ValueError("bad_words must be non-blank strings")
         return value
 
     @field_validator("allowed_token_ids")
@@ -161,6 +170,7 @@ class SamplingParams(BaseModel):
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
             or self.allowed_token_ids is not None
+            or bool(self.bad_words)
         )
 
     @property

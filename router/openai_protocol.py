@@ -69,6 +69,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's
     repetition_penalty: float | None = None  # vLLM's extension
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's
@@ -101,6 +102,8 @@ class _SamplingFields(BaseModel):
             params["logit_bias"] = self.token_bias()
         if self.allowed_token_ids is not None:
             params["allowed_token_ids"] = self.allowed_token_ids
+        if self.bad_words:
+            params["bad_words"] = self.bad_words
         if (structure := self.output_structure()) is not None:
             params[structure[0]] = structure[1]
         return params

@@ -59,6 +59,8 @@ def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
         fields[structure[0]] = structure[1]
     if options.stop:
         fields["stop"] = list(options.stop)
+    if options.bad_words:
+        fields["bad_words"] = list(options.bad_words)
     if options.allowed_token_ids:
         fields["allowed_token_ids"] = list(options.allowed_token_ids)
     if options.stop_token_ids:

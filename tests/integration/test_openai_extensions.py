@@ -326,7 +326,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(base_url: str, reference: 
     assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
 
 
-def test_allowed_token_ids_through_the_cluster(base_url: str, reference: LLM) -> None:
+def test_allowed_token_ids_and_bad_words_through_the_cluster(base_url: str, reference: LLM) -> None:
     """vLLM's `allowed_token_ids`: the prefill's first token and decode's others stay in the
     set, as the engine picks them."""
     allowed = [40, 41, 42, 97, 98]
@@ -337,6 +337,17 @@ def test_allowed_token_ids_through_the_cluster(base_url: str, reference: LLM) ->
         model="tiny", prompt=PROMPTS[2], max_tokens=6, temperature=0, extra_body=body
     )
     assert out.choices[0].text == want.text and set(want.token_ids) <= set(allowed)
+    words = [want.text[1:3]] if want.text[1:3].strip() else ["ab"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=words)
+    want = reference.generate([PROMPTS[2]], params, use_tqdm=False)[0]
+    out = client(base_url).completions.create(
+        model="tiny",
+        prompt=PROMPTS[2],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"bad_words": words, "ignore_eos": True},
+    )
+    assert out.choices[0].text == want.text  # (vLLM's bad_words, the same through the cluster)
 
 
 TOOLS = [

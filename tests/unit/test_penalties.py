@@ -137,3 +137,37 @@ def test_allowed_token_ids_restrict_sampling(setup: dict[str, Any]) -> None:
     for bad in ([], [-1]):
         with pytest.raises(InvalidRequestError):
             SamplingParams(allowed_token_ids=bad)
+
+
+def test_bad_words_are_never_completed(setup: dict[str, Any]) -> None:
+    """vLLM's `bad_words`: a word of the greedy output, banned, does not come out (neither as
+    written nor after a space), and the output changes only from where it would have."""
+    llm = setup["llm"]
+    tok = llm.engine.tokenizer
+    prompts = random_prompts(6, 512, seed=21)
+    base = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    checked = 0
+    for prompt, plain in zip(prompts, llm.generate(prompts, base), strict=True):
+        ids = plain.token_ids
+        # two tokens in (a prefix to match first) whose text tokenizes back to them
+        at = next(
+            (
+                i
+                for i in range(2, len(ids) - 1)
+                if tok.encode(tok.decode(ids[i : i + 2]), add_special_tokens=False)
+                == ids[i : i + 2]
+            ),
+            None,
+        )
+        if at is None:
+            continue
+        word = tok.decode(ids[at : at + 2])
+        out = llm.generate([prompt], base.model_copy(update={"bad_words": [word]}))[0].token_ids
+        for text in (word.lstrip(), " " + word.lstrip()):
+            seq = tok.encode(text, add_special_tokens=False)
+            assert not any(out[i : i + len(seq)] == seq for i in range(len(out))), (word, out)
+        assert out[: at + 1] == ids[: at + 1] and out != ids
+        checked += 1
+    assert checked >= 2
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(bad_words=[" "])
