@@ -43,6 +43,12 @@ def pull_link() -> Iterator[tuple[ShmTransport, ShmTransport, KVCachePool, KVCac
         sender.send(receiver.address, {"request_id": "first"})
         assert len(h.collect(receiver, 1, 10.0)) == 1
         assert sender._links[receiver.address].state.pull is not None
+        # The sender's thread may still be finishing that first message (the peer counts as
+        # busy until it has): only then do sends go straight to the ring.
+        deadline = time.monotonic() + 5.0
+        while sender._busy_peer == receiver.address or sender._queues.get(receiver.address):
+            assert time.monotonic() < deadline, "the sender thread stayed busy"
+            time.sleep(0.001)
         yield sender, receiver, pool, target
     finally:
         sender.close()
