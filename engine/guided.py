@@ -10,7 +10,7 @@ accepts it the request ends ("stop", also with `ignore_eos`). The logprobs a req
 stay those of the model's own logits.
 
 Across a transfer the matcher is not sent: the decode engine builds its own and feeds it the
-first token(s) the prefill sampled (`LLMEngine.attach_grammar`).
+first token(s) the prefill sampled (`LLMEngine.attach_constraints`).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def commit_request(
     )
     req.token_ids.extend(output_token_ids)
     req.prompt_logprobs = None  # (computed, if asked, where the prompt was)
-    engine.attach_grammar(req, matcher)
+    engine.attach_constraints(req, matcher)
     if req.generator is not None and sampler_state is not None:
         req.generator.set_state(sampler_state)
     req.block_table = block_table

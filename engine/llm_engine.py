@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -180,15 +181,20 @@ class LLMEngine:
             keep_kv=keep_kv,
             priority=priority,
         )
-        self.attach_grammar(req)
+        self.attach_constraints(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
 
-    def attach_grammar(self, req: Request, matcher: Any = None) -> None:
-        """Gives a request with structured output its grammar matcher, advanced past the
-        output it already has (a request that was prefilled elsewhere; `matcher`: one already
-        past it). InvalidRequestError for an unusable grammar, or an output it refuses."""
+    def attach_constraints(self, req: Request, matcher: Any = None) -> None:
+        """Gives a request what constrains its sampling, made with this engine's tokenizer:
+        its `bad_words` as token sequences, and with structured output its grammar matcher,
+        advanced past the output it already has (a request that was prefilled elsewhere;
+        `matcher`: one already past it). InvalidRequestError for an unusable grammar, or an
+        output it refuses."""
+        if req.params.bad_words:
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+            req.bad_words_ids = bad_word_sequences(req.params.bad_words, encode)
         structure = req.params.structure
         if structure is None:
             return
@@ -262,10 +268,6 @@ class LLMEngine:
             return []
         logits = logits[: len(to_sample)]
         extra = [i for i, r in enumerate(to_sample) if r.sampling_extras]
-        for i in extra:
-            req = to_sample[i]
-            if req.params.bad_words and req.bad_words_ids is None:
-                req.bad_words_ids = bad_word_sequences(req.params.bad_words, self._encode_plain)
         rows = rows_wanting_logprobs(to_sample, extra)
         raw = raw_rows(logits, rows)
         tokens = sample(logits, to_sample, extra)
@@ -304,9 +306,6 @@ class LLMEngine:
             assert req.logprobs is not None
             req.logprobs.append(entry)
             outputs[i] = outputs[i]._replace(logprobs=[entry])
-
-    def _encode_plain(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _finish(self, req: Request) -> None:
         req.set_status(RequestStatus.FINISHED)

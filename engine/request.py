@@ -124,7 +124,7 @@ class Request:
         self.matcher: Any = None
         """The grammar matcher of a request with structured output (`guided.py`)."""
         self.bad_words_ids: list[list[int]] | None = None
-        """`params.bad_words` as token sequences (the engine's tokenizer, on first need)."""
+        """`params.bad_words` as token sequences (`LLMEngine.attach_constraints`)."""
         self.sampling_extras = params.logprobs is not None or params.adjusts_logits
         """Logprobs, penalties or a logit bias: the sampler looks at this request's row (one
         flag, so that a batch without any costs one attribute read a request)."""

@@ -32,7 +32,8 @@ def sample(
     if extra_rows:
         apply_penalties(logits, requests, extra_rows)
         mask_disallowed(logits, requests, extra_rows)
-        stuck = _allowing_nothing(logits, extra_rows)
+        masked = [i for i in extra_rows if requests[i].params.adjusts_logits]  # (not logprobs)
+        stuck = _allowing_nothing(logits, masked) if masked else []
         for i in stuck:  # (a harmless distribution: its token is replaced below)
             logits[i] = 0.0
     tokens = greedy_argmax(logits).tolist()
