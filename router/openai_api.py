@@ -32,6 +32,7 @@ from tandem.router.openai_format import (
     event,
     full_body,
     merged_usage,
+    reply_message,
     usage_event,
 )
 from tandem.router.openai_logprobs import text_length
@@ -308,12 +309,12 @@ async def _events(
 
 
 def from_reply(head: ResponseHead, req: Prepared, index: int, finish: str) -> str:
-    """The one chunk of a reply to a chat with tools: its content and its calls."""
-    assert head.read_calls is not None
-    content, calls = head.read_calls(req.text)
-    if not calls:  # (no call, or one cut short by max_tokens: the text as it is)
-        return chunk(head, req, content, finish, index=index)
-    return chunk(head, req, content, "tool_calls", index=index, tool_calls=calls)
+    """The one chunk of a reply to a chat with tools: its content and its calls (none: a call
+    cut short by max_tokens, the text as it is)."""
+    message = reply_message(head, req.text)
+    calls = message.get("tool_calls")
+    finish = "tool_calls" if calls else finish
+    return chunk(head, req, message["content"], finish, index=index, tool_calls=calls)
 
 
 def _so_far(usage: dict[str, Any], completion_tokens: int) -> dict[str, Any]:

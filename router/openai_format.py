@@ -79,7 +79,7 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
         }
         choice["stop_reason"] = req.stop_reason
         if head.kind == "chat":
-            choice["message"] = _message(head, req.text)
+            choice["message"] = reply_message(head, req.text)
             if choice["message"].get("tool_calls"):
                 choice["finish_reason"] = "tool_calls"
         else:
@@ -93,7 +93,7 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
     }
 
 
-def _message(head: ResponseHead, text: str) -> dict[str, Any]:
+def reply_message(head: ResponseHead, text: str) -> dict[str, Any]:
     """A chat reply's message: its thoughts apart (with a reasoning parser), then its calls
     read from the rest (with tools)."""
     message: dict[str, Any] = {"role": "assistant"}

@@ -70,7 +70,7 @@ def from_structured_outputs(spec: StructuredOutputs) -> list[tuple[str, Structur
         )
     found: list[tuple[str, Structure]] = []
     if spec.json_ is not None:
-        found.append((f"{field}.json", ("json_schema", _schema(spec.json_, f"{field}.json"))))
+        found.append((f"{field}.json", ("json_schema", parse_schema(spec.json_, f"{field}.json"))))
     if spec.json_object:
         found.append((f"{field}.json_object", ("json_schema", {"type": "object"})))
     for kind in ("regex", "choice", "grammar"):
@@ -83,7 +83,7 @@ def from_guided_fields(fields: dict[str, Any]) -> list[tuple[str, Structure]]:
     """vLLM's older top-level `guided_*` fields, as given (unset ones None)."""
     found: list[tuple[str, Structure]] = []
     if (value := fields.get("guided_json")) is not None:
-        found.append(("guided_json", ("json_schema", _schema(value, "guided_json"))))
+        found.append(("guided_json", ("json_schema", parse_schema(value, "guided_json"))))
     for kind in ("regex", "choice", "grammar"):
         if (value := fields.get(f"guided_{kind}")) is not None:
             found.append((f"guided_{kind}", (kind, value)))
@@ -117,7 +117,7 @@ def _check_value(field: str, structure: Structure) -> None:
         raise bad_request(f"{field} must be a non-empty string", field)
 
 
-def _schema(value: Any, field: str) -> dict[str, Any]:
+def parse_schema(value: Any, field: str) -> dict[str, Any]:
     """A JSON schema given as an object or as JSON text."""
     if isinstance(value, str):
         try:

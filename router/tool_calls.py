@@ -145,7 +145,7 @@ class CallStream:
     def feed(self, text: str) -> str:
         self._text += text
         if self._call is None:
-            self._call = self._parser.call_start(self._text)
+            self._call = self._parser.call_start(self._text, self._sent)
         if self._call is not None:
             end = self._call
         else:

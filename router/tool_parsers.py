@@ -75,8 +75,9 @@ class ToolParser(ABC):
         """(content, calls) of a finished reply; (text, []) when it holds no call that parses."""
 
     @abstractmethod
-    def call_start(self, text: str) -> int | None:
-        """Where in the reply so far a call begins (None: none yet)."""
+    def call_start(self, text: str, since: int = 0) -> int | None:
+        """Where in the reply so far a call begins (None: none yet); none begins before
+        `since` (that text went out as content: it was searched already)."""
 
     @abstractmethod
     def undecided_tail(self, text: str) -> int:
@@ -96,8 +97,8 @@ class MarkerParser(ToolParser):
 
     marker: ClassVar[str]
 
-    def call_start(self, text: str) -> int | None:
-        start = text.find(self.marker)
+    def call_start(self, text: str, since: int = 0) -> int | None:
+        start = text.find(self.marker, since)
         return start if start >= 0 else None
 
     def undecided_tail(self, text: str) -> int:
@@ -150,8 +151,8 @@ class Llama3JsonParser(ToolParser):
             calls.append(call)
         return None, calls
 
-    def call_start(self, text: str) -> int | None:
-        head = text.lstrip()
+    def call_start(self, text: str, since: int = 0) -> int | None:
+        head = text.lstrip()  # (only the reply's start can open a call: `since` changes nothing)
         if head.startswith("{") or head.startswith(self.tag):
             return len(text) - len(head)
         return None

@@ -7,7 +7,6 @@ It runs inside the router replica, on the replica's event loop, and goes through
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -21,7 +20,7 @@ from tandem.router.errors import APIError, bad_request
 from tandem.router.grpc import generation_pb2, generation_pb2_grpc
 from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.serving import Serving
-from tandem.router.structured_output import Structure, one_structure
+from tandem.router.structured_output import Structure, one_structure, parse_schema
 
 logger = logging.getLogger("tandem.router")
 
@@ -51,7 +50,9 @@ def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
         fields["logit_bias"] = dict(options.logit_bias)
     found: list[tuple[str, Structure]] = []
     if options.json_schema:
-        found.append(("json_schema", ("json_schema", _schema(options.json_schema))))
+        found.append(
+            ("json_schema", ("json_schema", parse_schema(options.json_schema, "json_schema")))
+        )
     for kind in ("regex", "choice", "grammar"):
         if value := getattr(options, kind):
             found.append((kind, (kind, list(value) if kind == "choice" else value)))
@@ -75,18 +76,6 @@ def _logprobs(entries: list[Any] | None) -> list[generation_pb2.TokenLogprob]:
         )
         for lp, top in entries or ()
     ]
-
-
-def _schema(text: str) -> dict[str, Any]:
-    """A JSON schema given as text (400 unless it is a JSON object; `one_structure` checks
-    that xgrammar can use it)."""
-    try:
-        schema = json.loads(text)
-    except ValueError:
-        raise bad_request("json_schema is not JSON", "json_schema") from None
-    if not isinstance(schema, dict):
-        raise bad_request("json_schema must be a JSON object", "json_schema")
-    return schema
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
