@@ -129,3 +129,29 @@ def cluster(tiny_checkpoint: Callable[..., Path]) -> Iterator[Cluster]:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+# The OpenAI tests' deployments and reference (`openai_shared.py`); a module may define its own
+# `base_url`.
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster) -> Any:
+    """The in-process engine on the cluster's model: what each answer must equal."""
+    from tandem import LLM
+
+    return LLM(model=str(cluster.model), num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def expected(reference: Any) -> list[Any]:
+    """`openai_shared.PROMPTS`' greedy outputs of `MAX_TOKENS` tokens, in process."""
+    from tandem import SamplingParams
+    from tests.integration.openai_shared import MAX_TOKENS, PROMPTS
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return reference.generate(PROMPTS, params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module", params=["1x1", "2x2"])
+def base_url(request: pytest.FixtureRequest, cluster: Cluster) -> str:
+    """1 prefill + 1 decode worker, then 2 + 2 (a deployment is kept while its config is)."""
+    return cluster.deploy_pd(int(request.param[0]))

@@ -1,5 +1,5 @@
-"""What the OpenAI end-to-end modules share: prompts, the colocated reference, the deployments
-(1 prefill + 1 decode and 2 + 2) and a client."""
+"""What the OpenAI end-to-end modules share: prompts, a client and the wait for idle workers
+(the colocated reference and the 1 + 1 / 2 + 2 deployments are fixtures in conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,7 @@ import time
 from typing import Any
 
 import openai
-import pytest
 
-from tandem import LLM
-from tandem.engine.sampling_params import SamplingParams
 from tests.integration.conftest import Cluster
 
 WORDS = [
@@ -35,19 +32,6 @@ PROMPTS = [
     "end.",
 ]
 MAX_TOKENS = 12
-
-
-def make_reference(cluster: Cluster) -> LLM:
-    return LLM(model=str(cluster.model), num_kv_blocks=512)
-
-
-def make_expected(reference: LLM) -> list[Any]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return reference.generate(PROMPTS, params, use_tqdm=False)
-
-
-def deploy_by_param(request: pytest.FixtureRequest, cluster: Cluster) -> str:
-    return cluster.deploy_pd(int(request.param[0]))
 
 
 def client(base_url: str) -> openai.OpenAI:

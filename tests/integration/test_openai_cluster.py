@@ -17,28 +17,10 @@ from tests.integration.openai_shared import (
     MAX_TOKENS,
     PROMPTS,
     client,
-    deploy_by_param,
-    make_expected,
-    make_reference,
     wait_baseline,
 )
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def reference(cluster: Cluster) -> LLM:
-    return make_reference(cluster)
-
-
-@pytest.fixture(scope="module")
-def expected(reference: LLM) -> list[Any]:
-    return make_expected(reference)
-
-
-@pytest.fixture(scope="module", params=["1x1", "2x2"])
-def base_url(request: pytest.FixtureRequest, cluster: Cluster) -> str:
-    return deploy_by_param(request, cluster)
 
 
 def test_models_and_health(base_url: str) -> None:

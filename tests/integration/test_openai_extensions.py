@@ -1,10 +1,10 @@
 """The OpenAI API beyond one plain completion, end to end through the real `openai` client on
-1 prefill + 1 decode and 2 + 2: several choices, logprobs, echo, penalties, structured output
-and tool calls, each as the colocated engine gives it."""
+1 prefill + 1 decode and 2 + 2: several choices, logprobs, echo, penalties and vLLM's sampling
+and text fields, each as the colocated engine gives it (structured output and tool calls:
+test_openai_tools.py)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -12,32 +12,13 @@ import requests
 
 from tandem import LLM
 from tandem.engine.sampling_params import SamplingParams
-from tests.integration.conftest import Cluster
 from tests.integration.openai_shared import (
     MAX_TOKENS,
     PROMPTS,
     client,
-    deploy_by_param,
-    make_expected,
-    make_reference,
 )
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def reference(cluster: Cluster) -> LLM:
-    return make_reference(cluster)
-
-
-@pytest.fixture(scope="module")
-def expected(reference: LLM) -> list[Any]:
-    return make_expected(reference)
-
-
-@pytest.fixture(scope="module", params=["1x1", "2x2"])
-def base_url(request: pytest.FixtureRequest, cluster: Cluster) -> str:
-    return deploy_by_param(request, cluster)
 
 
 def test_a_batch_of_prompts_with_n_choices_each(base_url: str, expected: list[Any]) -> None:
@@ -201,73 +182,6 @@ def test_echo_with_logprobs_scores_the_prompt(base_url: str, reference: LLM) -> 
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
 
 
-def test_structured_output_through_the_cluster(base_url: str, reference: LLM) -> None:
-    """`response_format`: JSON mode and a JSON schema, as the in-process engine gives them."""
-    schema = {
-        "type": "object",
-        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
-        "required": ["answer"],
-        "additionalProperties": False,
-    }
-    c = client(base_url)
-    messages = [{"role": "user", "content": "answer in JSON"}]
-    rendered = reference.engine.tokenizer.apply_chat_template(messages)
-    for fmt, want_schema in (
-        ({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}, schema),
-        ({"type": "json_object"}, {"type": "object"}),
-    ):
-        params = SamplingParams(temperature=0, max_tokens=48, json_schema=want_schema)
-        want = reference.generate([rendered], params, use_tqdm=False)[0]
-        out = c.chat.completions.create(
-            model="tiny",
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=48,
-            temperature=0,
-            response_format=fmt,  # type: ignore[arg-type]
-        )
-        assert out.choices[0].message.content == want.text
-        assert out.choices[0].finish_reason == want.finish_reason
-        if want.finish_reason == "stop":
-            assert isinstance(json.loads(want.text), dict)
-    out = c.chat.completions.create(
-        model="tiny",
-        messages=messages,  # type: ignore[arg-type]
-        max_tokens=48,
-        temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},  # type: ignore[arg-type]
-    )
-    assert json.loads(out.choices[0].message.content or "")["answer"] in ("yes", "no")
-
-
-def test_vllm_structured_output_fields_through_the_cluster(base_url: str, reference: LLM) -> None:
-    """vLLM's `guided_choice`, `guided_regex` and `structured_outputs` (regex, grammar), as
-    the in-process engine gives them; streamed too."""
-    c = client(base_url)
-    prompt = PROMPTS[1]
-    cases: list[tuple[dict[str, Any], dict[str, Any]]] = [
-        ({"guided_choice": ["red", "green", "blue sky"]}, {"choice": ["red", "green", "blue sky"]}),
-        ({"guided_regex": "[0-9]{3}-[a-c]{2}"}, {"regex": "[0-9]{3}-[a-c]{2}"}),
-        ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
-        (
-            {"structured_outputs": {"grammar": 'root ::= "(" [0-9] ("," [0-9])? ")"'}},
-            {"grammar": 'root ::= "(" [0-9] ("," [0-9])? ")"'},
-        ),
-    ]
-    for body, engine_fields in cases:
-        params = SamplingParams(temperature=0, max_tokens=24, **engine_fields)
-        want = reference.generate([prompt], params, use_tqdm=False)[0]
-        assert want.finish_reason == "stop"
-        out = c.completions.create(
-            model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body=body
-        )
-        assert (out.choices[0].text, out.choices[0].finish_reason) == (want.text, "stop")
-        stream = c.completions.create(
-            model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body=body, stream=True
-        )
-        assert "".join(ch.choices[0].text for ch in stream if ch.choices) == want.text
-    assert want.text.startswith("(")  # (the last case: the grammar's shape)
-
-
 def test_stop_string_kept_with_include_stop_str_in_output(
     base_url: str, expected: list[Any]
 ) -> None:
@@ -348,101 +262,3 @@ def test_allowed_token_ids_and_bad_words_through_the_cluster(base_url: str, refe
         extra_body={"bad_words": words, "ignore_eos": True},
     )
     assert out.choices[0].text == want.text  # (vLLM's bad_words, the same through the cluster)
-
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "the weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
-                "required": ["city"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "noop",
-            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
-        },
-    },
-]
-
-
-def test_forced_tool_calls(base_url: str) -> None:
-    """tool_choice naming a function, or "required": the reply is a `tool_calls` entry whose
-    arguments follow the function's parameters; streamed, it comes whole in one delta (the
-    "auto" reply's content streams: see the last test)."""
-    c = client(base_url)
-    messages = [{"role": "user", "content": "weather in Paris?"}]
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    out = c.chat.completions.create(
-        model="tiny",
-        messages=messages,
-        tools=TOOLS,
-        tool_choice=named,
-        max_tokens=64,  # type: ignore[arg-type]
-    )
-    choice = out.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    calls = choice.message.tool_calls
-    assert calls is not None and len(calls) == 1 and calls[0].id.startswith("call_")
-    assert calls[0].function.name == "get_weather"  # type: ignore[union-attr]
-    assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Oslo")  # type: ignore[union-attr]
-    stream = c.chat.completions.create(
-        model="tiny",
-        messages=messages,  # type: ignore[arg-type]
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice="required",
-        max_tokens=64,
-        stream=True,
-    )
-    deltas = [ch.choices[0] for ch in stream if ch.choices]
-    calls_streamed = [d.delta.tool_calls for d in deltas if d.delta.tool_calls]
-    assert len(calls_streamed) == 1 and deltas[-1].finish_reason == "tool_calls", deltas[-3:]
-    call = calls_streamed[0][0]
-    assert call.function is not None and call.function.name in ("get_weather", "noop")
-    assert isinstance(json.loads(call.function.arguments or ""), dict)
-    # A conversation that goes on after the call: the tool's answer goes to the template.
-    follow = messages + [
-        {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
-        {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"},
-    ]
-    again = c.chat.completions.create(model="tiny", messages=follow, max_tokens=4)  # type: ignore[arg-type]
-    assert again.choices[0].finish_reason in ("length", "stop")
-    # "auto" (the default with tools): the tiny model writes no call, so its text is the content
-    auto = c.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=6)  # type: ignore[arg-type]
-    assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content
-    assert auto.choices[0].finish_reason == "length"
-
-
-def test_auto_tool_calls_stream_the_content_before_the_call(base_url: str) -> None:
-    """ "auto": a reply in the Hermes format (written here by a grammar, as a tool-trained
-    model would) streams its content as it comes, then its call in the last chunk."""
-    c = client(base_url)
-    call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
-    reply = f"Checking. <tool_call>{json.dumps(call)}</tool_call>"
-    kwargs: dict[str, Any] = {"model": "tiny", "tools": TOOLS, "temperature": 0}
-    kwargs.update(messages=[{"role": "user", "content": "weather in Oslo?"}], max_tokens=160)
-    kwargs["extra_body"] = {"structured_outputs": {"grammar": f"root ::= {json.dumps(reply)}"}}
-    out = c.chat.completions.create(**kwargs)
-    message = out.choices[0].message
-    assert out.choices[0].finish_reason == "tool_calls" and message.content == "Checking."
-    assert message.tool_calls is not None
-    got = [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls]  # type: ignore[union-attr]
-    assert got == [("get_weather", {"city": "Oslo"})]
-    deltas = [
-        ch.choices[0] for ch in c.chat.completions.create(stream=True, **kwargs) if ch.choices
-    ]
-    contents = [d.delta.content for d in deltas if d.delta.content]
-    assert "".join(contents) == "Checking. " and len(contents) > 1  # as it came
-    streamed = [d.delta.tool_calls for d in deltas if d.delta.tool_calls]
-    assert len(streamed) == 1 and deltas[-1].finish_reason == "tool_calls"
-    function = streamed[0][0].function
-    assert function is not None and function.name == "get_weather"
-    assert json.loads(function.arguments or "") == {"city": "Oslo"}
