@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.engine_stats import engine_queue_stats, scheduling_stages
+from tandem.engine.errors import StepFailedError
 from tandem.engine.kv_io import NoFreeBlocksError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
@@ -295,12 +296,21 @@ class DecodeService(WorkerLoop):
             "prefix_cache_queried_blocks": bm.prefix_cache_stats.queried_blocks,
             "prefix_cache_hit_blocks": bm.prefix_cache_stats.hit_blocks,
             "num_cancelled": self.num_cancelled,
+            "num_step_failures": self.num_step_failures,
             **engine_queue_stats(self.engine),
         }
 
     def check_integrity(self) -> None:
         tables = [r.block_table for r in self.engine.requests.values() if r.block_table]
         self.engine.block_manager.check_integrity(tables + self.receiver.block_tables())
+
+    def on_step_failed(self, exc: StepFailedError) -> None:
+        for rid in exc.request_ids:
+            self.engine.abort(rid)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(_error("internal_error", f"decode worker: {exc}"))
+        self.check_integrity()
 
     def on_death(self, exc: BaseException) -> None:
         for stream in self._streams.values():

@@ -1,4 +1,4 @@
-"""Exceptions raised by the engine for bad input and bad checkpoints.
+"""Exceptions raised by the engine for bad input, bad checkpoints and failed steps.
 
 Every error a user can cause is one of these, with a message that names what was wrong and what is
 accepted, so that servers can map them to HTTP 4xx without a stack trace.
@@ -27,6 +27,16 @@ class UnsupportedModelError(TandemError, ValueError):
 
 class CheckpointError(TandemError, FileNotFoundError):
     """A checkpoint directory or one of its files is missing or unreadable."""
+
+
+class StepFailedError(TandemError, RuntimeError):
+    """A step failed inside the engine (model, sampler, grammar or output code). `request_ids`
+    are the requests of its batch: a server fails those (`abort`) and may serve on."""
+
+    def __init__(self, request_ids: tuple[str, ...], cause: Exception) -> None:
+        super().__init__(f"engine step failed: {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.cause = cause
 
 
 def summarize_validation(exc: Any) -> str:

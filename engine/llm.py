@@ -114,12 +114,18 @@ class LLM:
             raise
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req")
         remaining = len(requests)
-        while remaining:
-            for result in engine.step():
-                if result.finished:
-                    remaining -= 1
-                    bar.update(1)
-        bar.close()
+        try:
+            while remaining:
+                for result in engine.step():
+                    if result.finished:
+                        remaining -= 1
+                        bar.update(1)
+        except BaseException:  # a failed step (or Ctrl-C): none of these stays in the engine
+            for req in requests:
+                engine.abort(req.request_id)
+            raise
+        finally:
+            bar.close()
         texts = [p if isinstance(p, str) else None for p in prompt_list]
         return [engine.make_output(r, t) for r, t in zip(requests, texts, strict=True)]
 

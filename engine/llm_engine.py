@@ -16,7 +16,11 @@ from tandem.engine import kv_io
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.checkpoint import build_namespace, model_revision
 from tandem.engine.config import EngineConfig
-from tandem.engine.errors import InvalidRequestError, PromptTooLongError, TandemError
+from tandem.engine.errors import (
+    InvalidRequestError,
+    PromptTooLongError,
+    StepFailedError,
+)
 from tandem.engine.guided import GrammarBook
 from tandem.engine.kv_blocks import KVBlocks
 from tandem.engine.logprobs import (
@@ -35,7 +39,7 @@ from tandem.engine.penalties import bad_word_sequences
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import NO_TOKEN, sample
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import Scheduler
+from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.weights import load_weights
 from tandem.kernels.kv_cache import KVCachePool
@@ -260,6 +264,13 @@ class LLMEngine:
         self.last_step_tokens = out.num_batched_tokens
         if out.is_empty:
             return []
+        try:
+            return self._run_batch(out)
+        except Exception as exc:
+            ids = tuple(req.request_id for req, _ in out.scheduled)
+            raise StepFailedError(ids, exc) from exc
+
+    def _run_batch(self, out: SchedulerOutput) -> list[StepOutput]:
         logits, to_sample, spans = self.runner.run(out)
         self.scheduler.advance(out)
         if spans:
@@ -359,7 +370,3 @@ class LLMEngine:
         """Block-manager invariants, with ref counts matched against live requests' tables."""
         tables = [r.block_table for r in self.requests.values() if r.block_table]
         self.block_manager.check_integrity(tables)
-
-
-class EngineDeadError(TandemError):
-    """The engine hit an internal error and cannot serve further requests."""

@@ -196,6 +196,7 @@ _WORKER_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("num_waiting_tokens", "num_queued_prefill_tokens", "Prompt tokens not yet prefilled.", "gauge"),
     ("prefill_tokens_per_s", "prefill_tokens_per_second", "Measured prefill throughput.", "gauge"),
     ("num_cancelled", "num_cancelled_requests", "Requests cancelled on the worker.", "counter"),
+    ("num_step_failures", "engine_step_failures", "Engine steps that failed (their requests failed).", "counter"),
 )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 from tandem.engine.block_manager import BlockManager
+from tandem.engine.errors import StepFailedError
 from tandem.engine.kv_event_publisher import KVEventPublisher
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ STATS_INTERVAL_S = 0.1  # at most this often, stats are reported when they chang
 HEARTBEAT_S = 2.0  # unchanged stats are re-reported this often
 KV_EVENTS_INTERVAL_S = 0.01  # prefix-cache events are batched over at most this long
 KV_SNAPSHOT_S = 5.0  # subscribers get a full snapshot this often
+MAX_STEP_FAILURES = 5  # this many failed steps within the window end the loop (worker dies)
+STEP_FAILURE_WINDOW_S = 60.0
 
 
 class WorkerDeadError(RuntimeError):
@@ -67,6 +70,8 @@ class WorkerLoop(ABC):
         self._kv_subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = []
         self._last_kv_batch = 0.0
         self._last_snapshot = 0.0
+        self._step_failures: list[float] = []
+        self.num_step_failures = 0
 
     def publish_kv_events(self, block_manager: BlockManager, namespace: str) -> None:
         """Publishes `block_manager`'s prefix-cache events (it must record them) to subscribers."""
@@ -158,13 +163,44 @@ class WorkerLoop(ABC):
         try:
             while not self._stop.is_set():
                 self._run_commands()
-                self.run_once()
+                try:
+                    self.run_once()
+                except StepFailedError as exc:
+                    self._recover(exc)
                 self._flush_kv_events()
                 self._maybe_report()
         except BaseException as exc:
             self.error = exc
             logger.exception("%s loop died", self.name)
             self.on_death(exc)
+
+    def _recover(self, exc: StepFailedError) -> None:
+        """Fails the failed step's requests and serves on; raises (the loop dies) when steps
+        keep failing (`MAX_STEP_FAILURES` within `STEP_FAILURE_WINDOW_S`: the model itself is
+        broken) or the block accounting no longer holds afterwards."""
+        now = time.monotonic()
+        self._step_failures = [t for t in self._step_failures if now - t < STEP_FAILURE_WINDOW_S]
+        self._step_failures.append(now)
+        self.num_step_failures += 1
+        if len(self._step_failures) >= MAX_STEP_FAILURES:
+            raise RuntimeError(
+                f"{len(self._step_failures)} engine steps failed within "
+                f"{STEP_FAILURE_WINDOW_S:.0f} s; the last: {exc}"
+            ) from exc
+        logger.error(
+            "%s: %s; failing its %d request(s): %s",
+            self.name,
+            exc,
+            len(exc.request_ids),
+            ", ".join(exc.request_ids),
+            exc_info=exc.cause,
+        )
+        self.on_step_failed(exc)
+
+    def on_step_failed(self, exc: StepFailedError) -> None:
+        """Fails `exc.request_ids` (every one: their state is unknown), releasing what they
+        hold, then checks the block accounting. By default the loop dies instead."""
+        raise exc
 
     def _run_commands(self) -> None:
         while True:

@@ -48,6 +48,7 @@ class _Outgoing:
     last_sent: bool = False
     finished: bool = False
     cancelling: bool = False
+    failure: str | None = None  # set by `fail`: the request ends "failed" with this error
     deadline: float = math.inf
 
 
@@ -179,6 +180,15 @@ class KVSender:
         if not out.request.is_finished:
             self.engine.abort(request_id)
         return True
+
+    def fail(self, request_id: str, error: str) -> bool:
+        """Like `cancel` (the receiver is told, pages stay pinned until it acknowledges), but
+        the request ends with a `failed` event carrying `error`."""
+        out = self.outgoing.get(request_id)
+        if out is None:
+            return False
+        out.failure = error
+        return self.cancel(request_id)
 
     def first_token_ends(self, out: _Outgoing) -> bool:
         """The sampled first token already finishes the request: end of sequence, one token
@@ -348,6 +358,8 @@ class KVSender:
     def _close(self, out: _Outgoing, kind: str, error: str | None = None) -> TransferEvent:
         """Unpins everything in flight and gives the request's blocks back to the engine."""
         rid = out.request.request_id
+        if out.failure is not None and kind == "cancelled":
+            kind, error = "failed", out.failure
         del self.outgoing[rid]
         if self._publisher is not None:  # (none of its chunks may be sent once unpinned)
             self._publisher.drop(rid)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.engine_stats import engine_queue_stats, scheduling_stages
+from tandem.engine.errors import StepFailedError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
 from tandem.engine.sampling_params import SamplingParams
@@ -239,12 +240,21 @@ class PrefillService(WorkerLoop):
             "prefix_cache_queried_blocks": bm.prefix_cache_stats.queried_blocks,
             "prefix_cache_hit_blocks": bm.prefix_cache_stats.hit_blocks,
             "num_cancelled": self.num_cancelled,
+            "num_step_failures": self.num_step_failures,
             "num_failed": self.num_failed,
             "num_waiting_tokens": sum(
                 r.num_tokens - r.num_computed_tokens for r in self.engine.requests.values()
             ),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s or 0.0, 1),
         }
+
+    def on_step_failed(self, exc: StepFailedError) -> None:
+        for rid in exc.request_ids:
+            if rid in self.sender.outgoing:
+                self.sender.fail(rid, f"prefill worker: {exc}")
+            else:
+                self.engine.abort(rid)
+        self.engine.check_integrity()
 
     def on_death(self, exc: BaseException) -> None:
         for rid, pending in list(self._pending.items()):

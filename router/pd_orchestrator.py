@@ -355,4 +355,6 @@ def _worker_error(item: dict[str, Any]) -> APIError:
             code="decode_full",
             headers={"Retry-After": "1"},
         )
+    if code == "internal_error":  # a step failed on the worker; it serves on
+        return APIError(500, str(item.get("error")), type="server_error", code=code)
     return unavailable(str(item.get("error", "worker error")), code)

@@ -31,6 +31,7 @@ _STATUS_CODES = {
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.OUT_OF_RANGE,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    500: grpc.StatusCode.INTERNAL,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
