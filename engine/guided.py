@@ -9,6 +9,9 @@ the matcher. When the grammar is complete only a stop token is allowed, and once
 accepts it the request ends ("stop", also with `ignore_eos`). The logprobs a request gets back
 stay those of the model's own logits.
 
+With `reasoning_tags` (set by the router when it has a reasoning parser), the structure
+constrains only the answer after the model's thoughts (`reasoning_gate.py`).
+
 Across a transfer the matcher is not sent: the decode engine builds its own and feeds it the
 first token(s) the prefill sampled (`LLMEngine.attach_constraints`).
 """
@@ -22,9 +25,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tandem.engine.errors import InvalidRequestError
+from tandem.engine.reasoning_gate import ReasoningGate
 
 if TYPE_CHECKING:
     from tandem.engine.request import Request
+    from tandem.engine.sampling_params import SamplingParams
 
 
 def check_schema(schema: dict[str, Any]) -> None:
@@ -75,6 +80,7 @@ class GrammarBook:
         self._vocab_size = vocab_size
         self._compiler: Any = None
         self._compiled: dict[tuple[str, str], Any] = {}
+        self._tag_cache: dict[str, list[int]] = {}
 
     def matcher(self, structure: tuple[str, Any]) -> Any:
         """A fresh matcher for `structure` (`SamplingParams.structure`; InvalidRequestError
@@ -98,6 +104,23 @@ class GrammarBook:
                 self._compiled.clear()
             self._compiled[(kind, text)] = compiled
         return xgrammar.GrammarMatcher(compiled)
+
+    def matcher_for(self, params: SamplingParams, prompt_token_ids: Sequence[int]) -> Any:
+        """The matcher of a request with structured output: with `reasoning_tags`, behind a
+        `ReasoningGate` that lets the model think first (the prompt tells where it starts)."""
+        structure = params.structure
+        assert structure is not None, "only for requests with structured output"
+        matcher = self.matcher(structure)
+        if params.reasoning_tags is None:
+            return matcher
+        open_ids, close_ids = (self._tag_ids(tag) for tag in params.reasoning_tags)
+        return ReasoningGate(matcher, open_ids, close_ids, prompt_token_ids)
+
+    def _tag_ids(self, tag: str) -> list[int]:
+        ids = self._tag_cache.get(tag)
+        if ids is None:
+            ids = self._tag_cache[tag] = list(self._tokenizer.encode(tag, add_special_tokens=False))
+        return ids
 
     def _compile(self, kind: str, text: str) -> Any:
         if kind == "json_schema":

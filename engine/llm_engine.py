@@ -205,7 +205,7 @@ class LLMEngine:
         if matcher is not None:
             req.matcher = matcher
             return
-        req.matcher = self.grammars.matcher(structure)
+        req.matcher = self.grammars.matcher_for(req.params, req.prompt_token_ids)
         for token in req.output_token_ids:
             if not req.matcher.accept_token(token):
                 raise InvalidRequestError(

@@ -38,7 +38,10 @@ class SamplingParams(BaseModel):
     masked out, `penalties.py`). Structured output (`guided.py`),
     at most one of: `json_schema` (JSON that follows it), `regex` (text the regular expression
     matches whole), `choice` (exactly one of these strings), `grammar` (text of an EBNF grammar,
-    xgrammar's dialect, whose start rule is `root`).
+    xgrammar's dialect, whose start rule is `root`). `reasoning_tags` (open, close), e.g.
+    `("<think>", "</think>")`, let a reasoning model think freely before the structure
+    constrains its answer (`reasoning_gate.py`; the router sets them when it has a reasoning
+    parser).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -67,6 +70,7 @@ class SamplingParams(BaseModel):
     regex: str | None = Field(None, min_length=1)
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = Field(None, min_length=1)
+    reasoning_tags: tuple[str, str] | None = None
 
     def __init__(self, **data: object) -> None:
         for name in ("structured_outputs", "guided_decoding"):  # vLLM's offline spellings
@@ -137,6 +141,13 @@ class SamplingParams(BaseModel):
     def _max_tokens_positive(cls, value: int) -> int:
         if value < 1:
             raise ValueError(f"max_tokens must be >= 1, got {value}")
+        return value
+
+    @field_validator("reasoning_tags")
+    @classmethod
+    def _tags_not_empty(cls, value: tuple[str, str] | None) -> tuple[str, str] | None:
+        if value is not None and not all(value):
+            raise ValueError("reasoning tags must be non-empty strings")
         return value
 
     @field_validator("choice")

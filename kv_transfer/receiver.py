@@ -309,7 +309,7 @@ class KVReceiver:
         structure = res.params.structure
         assert structure is not None
         try:
-            matcher = self.engine.grammars.matcher(structure)
+            matcher = self.engine.grammars.matcher_for(res.params, res.prompt_token_ids)
         except InvalidRequestError as exc:
             return str(exc)
         if not all(matcher.accept_token(t) for t in tokens):

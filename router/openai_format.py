@@ -43,8 +43,6 @@ class ResponseHead:
         reasoning: ReasoningParser | None = None,
     ) -> ResponseHead:
         names = token_text if req.params.logprobs is not None else None
-        if req.params.structure is not None and reasoning is not None:
-            reasoning = reasoning.constrained()
         arrival = int(req.timings.arrival)
         return cls(
             response_id or req.request_id, arrival, model, kind, names, read_calls, reasoning

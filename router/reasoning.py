@@ -6,8 +6,9 @@ thoughts go to `reasoning_content` and the rest to `content` (and to the tool-ca
 - `qwen3`: thoughts only when the reply opens with `<think>` (thinking off: all content);
 - `deepseek_r1`: the chat template opens `<think>` itself, so the reply starts inside the
   thoughts (an opening tag it writes anyway is dropped).
-A reply cut short before `</think>` is all thoughts. A reply under structured output is
-constrained from its first token, so it has thoughts only where it opens them (`constrained`). Streamed, each delta is split the same way
+A reply cut short before `</think>` is all thoughts. Under structured output the model thinks
+freely and the structure constrains the answer (the router sets `SamplingParams.reasoning_tags`;
+`engine/reasoning_gate.py`), as vLLM does. Streamed, each delta is split the same way
 (`ReasoningStream`), holding back only a tail that may be the start of a tag.
 """
 
@@ -20,6 +21,7 @@ from tandem.router.tool_parsers import tail_prefix_len
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 ReasoningParserName = Literal["qwen3", "deepseek_r1"]
 OPEN, CLOSE = "<think>", "</think>"
+REASONING_TAGS = (OPEN, CLOSE)  # both parsers' (`SamplingParams.reasoning_tags`)
 
 
 class ReasoningParser:
@@ -30,16 +32,6 @@ class ReasoningParser:
             raise ValueError(f"unknown reasoning parser {name!r}: one of {REASONING_PARSERS}")
         self.name = name
         self.starts_inside = name == "deepseek_r1"
-
-    def constrained(self) -> ReasoningParser:
-        """This parser for a reply under structured output: constrained from its first token,
-        it holds thoughts only where it opens them itself (`<think>`), whatever the template
-        does."""
-        if not self.starts_inside:
-            return self
-        parser = ReasoningParser(self.name)
-        parser.starts_inside = False
-        return parser
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a finished reply; None for an empty part."""

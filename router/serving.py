@@ -10,11 +10,12 @@ from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 from tandem.engine.metrics import RouterMetrics
+from tandem.engine.sampling_params import STRUCTURE_KINDS
 from tandem.engine.tokenizer import Tokenizer
 from tandem.router.errors import APIError, WorkerLost, bad_request
 from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
 from tandem.router.prepared import Prepared
-from tandem.router.reasoning import ReasoningParser
+from tandem.router.reasoning import REASONING_TAGS, ReasoningParser
 from tandem.router.request_prep import ModelLimits, sampling_params, tokenize_prompt, truncated
 from tandem.router.route_planner import RoutePlan, RoutePlanner
 from tandem.router.tool_parsers import HermesParser, ToolParser
@@ -146,6 +147,9 @@ class Serving:
             if truncate_prompt_tokens is not None:
                 token_ids = truncated(token_ids, truncate_prompt_tokens, max_tokens, limits)
             timings.mark("tokenized")
+            structured = any(fields.get(k) is not None for k in STRUCTURE_KINDS)
+            if self.reasoning_parser is not None and structured:  # (structure after thoughts)
+                fields = {**fields, "reasoning_tags": REASONING_TAGS}
             params = sampling_params(len(token_ids), max_tokens, fields, limits)
             admission = self.planner.admission
             req = Prepared(

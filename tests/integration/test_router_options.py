@@ -76,3 +76,26 @@ def test_thoughts_go_to_reasoning_content(base_url: str) -> None:
     thoughts = [d.reasoning_content for d in deltas if getattr(d, "reasoning_content", None)]  # type: ignore[attr-defined]
     assert "".join(thoughts) == "two and two" and len(thoughts) > 1
     assert "".join(d.content or "" for d in deltas) == "Four."
+
+
+def test_structured_output_waits_for_the_thoughts_to_end(cluster: Cluster, base_url: str) -> None:
+    """With a reasoning parser the router lets the model think before the structure
+    constrains it (`reasoning_tags`): a prompt that opens `<think>` gets the model's own
+    greedy tokens, not the choice's; without one open, the choice."""
+    reference = LLM(model=str(cluster.model), num_kv_blocks=128)
+    tok = reference.tokenizer
+    opened = tok.encode("2+2?") + tok.encode("<think>", add_special_tokens=False)
+    free = reference.generate(
+        [opened], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert "</think>" not in free.text
+    c = client(base_url)
+    choice = {"structured_outputs": {"choice": ["yes", "no"]}, "ignore_eos": True}
+    thinking = c.completions.create(
+        model="tiny", prompt=opened, max_tokens=6, temperature=0, extra_body=choice
+    )
+    assert thinking.choices[0].text == free.text
+    answer = c.completions.create(
+        model="tiny", prompt=tok.encode("2+2?"), max_tokens=6, temperature=0, extra_body=choice
+    )
+    assert answer.choices[0].text in ("yes", "no")
