@@ -19,7 +19,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,14 @@ class RopeSpec:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     partial_rotary_factor: float = 1.0
+    # yarn only (transformers' defaults): the ramp between extrapolated and interpolated
+    # frequencies, and the factor cos/sin are scaled by (None: from factor and mscale)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -143,18 +151,34 @@ def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
         raise UnsupportedModelError(
             f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    max_position = int(cfg.get("max_position_embeddings", 8192))
+    original = int(
+        cfg.get("original_max_position_embeddings")  # (Phi-3 style: outside the rope dict)
+        or params.get("original_max_position_embeddings")
+        or max_position
+    )
+    factor = params.get("factor")
+    if factor is None:  # (yarn: the ratio of the context lengths, as transformers does)
+        factor = max_position / original if rope_type == "yarn" else 1.0
     return RopeSpec(
         theta=float(params["rope_theta"]),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings")
-            or cfg.get("max_position_embeddings", 8192)
-        ),
+        original_max_position_embeddings=original,
         partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=_optional_float(params.get("attention_factor")),
+        mscale=_optional_float(params.get("mscale")),
+        mscale_all_dim=_optional_float(params.get("mscale_all_dim")),
+        truncate=bool(params.get("truncate", True)),
     )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
