@@ -253,7 +253,7 @@ async def _events(
     or the echoed prompt first, a chunk per item with text, logprobs or an end, the usage,
     `[DONE]`; an error as one error event before `[DONE]`. A chat reply's text is split by
     its `ReplyStream` (thoughts apart; with tools, "auto", the content before a call as it
-    comes and the calls with the end); a forced call goes in one chunk at the end."""
+    comes, then each call as it is written); a forced call goes in one chunk at the end."""
     offsets = _Offsets(head)
     parser = head.read_calls if isinstance(head.read_calls, ToolParser) else None
     split = head.kind == "chat" and (parser is not None or head.reasoning is not None)
@@ -284,8 +284,14 @@ async def _events(
                     reply = replies.setdefault(index, ReplyStream(head.reasoning, parser))
                     reasoning, content, calls = reply.feed(item["text"], finish is not None)
                     item = {**item, "text": content}
-                    finish = "tool_calls" if calls else finish
-                if item["text"] or reasoning or finish is not None or offsets.has_logprobs(item):
+                    finish = "tool_calls" if finish is not None and reply.has_calls else finish
+                if (
+                    item["text"]
+                    or reasoning
+                    or calls
+                    or finish is not None
+                    or offsets.has_logprobs(item)
+                ):
                     text = item["text"] or None
                     logprobs = offsets.take(index, item)
                     usage = _so_far(merged_usage(reqs, n), emitted) if continuous else None

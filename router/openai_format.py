@@ -145,6 +145,7 @@ def chunk(
         if text is not None:
             delta["content"] = text
         if tool_calls is not None:
+            # (whole calls numbered here; a streamed call's deltas carry their own index)
             delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
         choice["delta"] = delta
     else:

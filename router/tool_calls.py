@@ -7,8 +7,9 @@ OpenAI's `tool_calls` (finish reason "tool_calls").
 - "auto" (OpenAI's default with tools): the model decides. Its calls are read in its family's
   format (`tool_parsers.py`: Hermes' `<tool_call>{...}</tool_call>`, Llama 3's JSON, Mistral's
   `[TOOL_CALLS]`); the text outside them is the message's content, and a reply whose calls do
-  not parse is all content. Streamed, the content goes out as it comes until a call may begin
-  (`CallStream`); the calls follow in the last chunk.
+  not parse is all content. Streamed, the content goes out as it comes until a call may begin,
+  then each call as it is written: its name, then its arguments piece by piece
+  (`call_stream.CallStream`).
 - "none", or no tools: plain chat.
 """
 
@@ -129,33 +130,3 @@ def streams_content(parser: ReplyParser | None) -> bool:
     """Whether a streamed reply read by `parser` can send its content as it comes (a free
     reply); a forced call goes whole."""
     return isinstance(parser, ToolParser)
-
-
-class CallStream:
-    """One streamed free reply: `feed` gives the text that can go out now, the content before
-    the first call, holding back a tail that may begin one; `finish` reads what was held back
-    into (the rest of the content, the calls)."""
-
-    def __init__(self, parser: ToolParser) -> None:
-        self._parser = parser
-        self._text = ""  # the reply so far
-        self._sent = 0  # how much of it went out as content
-        self._call: int | None = None  # where the first call begins, once seen
-
-    def feed(self, text: str) -> str:
-        self._text += text
-        if self._call is None:
-            self._call = self._parser.call_start(self._text, self._sent)
-        if self._call is not None:
-            end = self._call
-        else:
-            end = len(self._text) - self._parser.undecided_tail(self._text)
-        end = max(end, self._sent)
-        out, self._sent = self._text[self._sent : end], end
-        return out
-
-    def finish(self) -> tuple[str | None, list[dict[str, Any]]]:
-        held, self._sent = self._text[self._sent :], len(self._text)
-        if self._call is None:
-            return held or None, []
-        return self._parser.parse(held)

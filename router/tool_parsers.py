@@ -12,17 +12,27 @@
 (its call markers), falling back to `hermes`. A parser reads a finished reply (`parse`) and, for
 streaming, says where in a reply so far a call begins (`call_start`) and how much of its end
 must be held back because it may begin one (`undecided_tail`): the content before a call
-streams as it comes (`tool_calls.CallStream`). A reply whose calls do not parse is content.
+streams as it comes (`call_stream.CallStream`), and each call streams too: its name once read
+(`call_head`), then its arguments' JSON as it is written. A reply whose calls do not parse is
+content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 Calls = list[dict[str, Any]]
+
+
+_NAME = r'"name"\s*:\s*("(?:[^"\\]|\\.)*")'  # (group: the name as a JSON string)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def call_entry(name: Any, arguments: Any) -> dict[str, Any] | None:
@@ -36,7 +46,7 @@ def call_entry(name: Any, arguments: Any) -> dict[str, Any] | None:
     if not isinstance(name, str) or not name or not isinstance(arguments, dict):
         return None
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": new_call_id(),
         "type": "function",
         "function": {"name": name, "arguments": json.dumps(arguments, separators=(",", ":"))},
     }
@@ -67,8 +77,25 @@ class ToolParser(ABC):
     keeps_specials: ClassVar[bool] = False
     """The call markers are special tokens: the reply's text must keep them."""
 
+    call_head: ClassVar[re.Pattern[str] | None] = None
+    """A call's start up to its arguments' value (searched from the first call on): group 1 is
+    the name as a JSON string (or group 2, the bare name). None: calls come whole at the end."""
+
     def __call__(self, text: str) -> tuple[str | None, Calls]:
         return self.parse(text)
+
+    @staticmethod
+    def head_name(match: re.Match[str]) -> str | None:
+        """The function name a `call_head` match read (None: not a usable name)."""
+        quoted, *bare = match.groups()
+        if quoted is not None:
+            try:
+                name = json.loads(quoted)
+            except ValueError:
+                return None
+        else:
+            name = (bare[0] or "").strip() if bare else ""
+        return name if isinstance(name, str) and name else None
 
     @abstractmethod
     def parse(self, text: str) -> tuple[str | None, Calls]:
@@ -109,6 +136,7 @@ class HermesParser(MarkerParser):
     name = "hermes"
     marker = "<tool_call>"
     closing = "</tool_call>"
+    call_head = re.compile(r"<tool_call>\s*\{\s*" + _NAME + r'\s*,\s*"arguments"\s*:\s*')
 
     def parse(self, text: str) -> tuple[str | None, Calls]:
         pieces, calls, rest = [], [], text
@@ -133,6 +161,7 @@ class HermesParser(MarkerParser):
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     tag = "<|python_tag|>"
+    call_head = re.compile(r"\{\s*" + _NAME + r'\s*,\s*"(?:parameters|arguments)"\s*:\s*')
 
     def parse(self, text: str) -> tuple[str | None, Calls]:
         body = text.strip()
@@ -166,6 +195,10 @@ class MistralParser(MarkerParser):
     name = "mistral"
     marker = "[TOOL_CALLS]"
     keeps_specials = True
+    call_head = re.compile(
+        r"\{\s*" + _NAME + r'\s*,\s*"arguments"\s*:\s*'
+        r'|\[TOOL_CALLS\]\s*([^\[\]{}"\s]+)\s*\[ARGS\]\s*'
+    )
 
     def parse(self, text: str) -> tuple[str | None, Calls]:
         start = text.find(self.marker)

@@ -156,7 +156,8 @@ def test_forced_tool_calls(base_url: str) -> None:
 
 def test_auto_tool_calls_stream_the_content_before_the_call(base_url: str) -> None:
     """ "auto": a reply in the Hermes format (written here by a grammar, as a tool-trained
-    model would) streams its content as it comes, then its call in the last chunk."""
+    model would) streams its content as it comes, then its call as it is written: the name,
+    then the arguments in pieces that the client joins."""
     c = client(base_url)
     call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
     reply = f"Checking. <tool_call>{json.dumps(call)}</tool_call>"
@@ -174,8 +175,9 @@ def test_auto_tool_calls_stream_the_content_before_the_call(base_url: str) -> No
     ]
     contents = [d.delta.content for d in deltas if d.delta.content]
     assert "".join(contents) == "Checking. " and len(contents) > 1  # as it came
-    streamed = [d.delta.tool_calls for d in deltas if d.delta.tool_calls]
-    assert len(streamed) == 1 and deltas[-1].finish_reason == "tool_calls"
-    function = streamed[0][0].function
-    assert function is not None and function.name == "get_weather"
-    assert json.loads(function.arguments or "") == {"city": "Oslo"}
+    streamed = [t for d in deltas if d.delta.tool_calls for t in d.delta.tool_calls]
+    assert len(streamed) > 2 and deltas[-1].finish_reason == "tool_calls"
+    assert {t.index for t in streamed} == {0} and streamed[0].id and streamed[0].function
+    assert streamed[0].function.name == "get_weather" and all(t.id is None for t in streamed[1:])
+    arguments = "".join(t.function.arguments or "" for t in streamed if t.function)
+    assert json.loads(arguments) == {"city": "Oslo"}

@@ -55,8 +55,10 @@ def test_thoughts_then_a_tool_call() -> None:
     last = stream.feed("", True)
     assert "".join(p[0] for p in parts) + last[0] == "use f"
     assert "".join(p[1] for p in parts) + last[1] == "Calling. "
-    assert all(not p[2] for p in parts) and len(last[2]) == 1
-    assert json.loads(last[2][0]["function"]["arguments"]) == {"x": 2}
+    deltas = [d for p in [*parts, last] for d in p[2]]
+    assert deltas[0]["function"] == {"name": "f", "arguments": ""}  # (streamed as written)
+    assert json.loads("".join(d["function"]["arguments"] for d in deltas)) == {"x": 2}
+    assert {d["index"] for d in deltas} == {0} and stream.has_calls
 
 
 def test_an_unknown_parser_is_refused() -> None:

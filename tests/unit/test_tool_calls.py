@@ -10,7 +10,6 @@ import pytest
 
 from tandem.router.errors import APIError
 from tandem.router.tool_calls import (
-    CallStream,
     ToolSpec,
     call_schema,
     forced_call,
@@ -88,38 +87,6 @@ def test_calls_read_from_a_free_reply_in_the_hermes_format() -> None:
     )
     only, calls = hermes_calls('<tool_call>{"name": "a", "arguments": {}}</tool_call>')
     assert only is None and len(calls) == 1
-
-
-CALL = '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>'
-
-
-def _streamed(text: str, piece: int) -> tuple[list[str], str | None, list[dict[str, object]]]:
-    """What a `CallStream` sends of `text` fed in pieces of `piece` characters."""
-    stream = CallStream(HermesParser())
-    sent = [stream.feed(text[i : i + piece]) for i in range(0, len(text), piece)]
-    rest, calls = stream.finish()
-    return sent, rest, calls
-
-
-@pytest.mark.parametrize("piece", [1, 2, 3, 5, 7, 100])
-def test_a_streamed_hermes_reply_sends_its_content_before_the_call(piece: int) -> None:
-    sent, rest, calls = _streamed("Let me check. " + CALL + " done", piece)
-    assert "".join(sent) == "Let me check. " and rest == "done"
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-        ("a", '{"x":1}')
-    ]
-    if piece < 14:  # the content went out as it came, not at the end
-        assert sum(1 for s in sent if s) > 1
-
-
-@pytest.mark.parametrize("piece", [1, 4, 100])
-def test_a_streamed_reply_without_a_call_is_all_content(piece: int) -> None:
-    text = "a < b and <tool is not a call <tool_cal"
-    sent, rest, calls = _streamed(text, piece)
-    assert "".join(sent) + (rest or "") == text and calls == []
-    assert rest == "<tool_cal"  # (held back: it could have begun a call)
-    sent, rest, calls = _streamed("<tool_call>{not json", piece)
-    assert "".join(sent) == "" and rest == "<tool_call>{not json" and calls == []
 
 
 def test_only_the_hermes_format_streams_its_content() -> None:

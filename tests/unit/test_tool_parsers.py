@@ -8,12 +8,10 @@ import json
 
 import pytest
 
-from tandem.router.tool_calls import CallStream
 from tandem.router.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,
-    ToolParser,
     pick_tool_parser,
 )
 
@@ -45,29 +43,6 @@ def test_mistral_calls_both_formats() -> None:
     for text in ("no call", "[TOOL_CALLS][{bad", '[TOOL_CALLS]{"name": "a"}', "[TOOL_CALLS][]"):
         assert parse(text) == (text, [])
     assert MistralParser.keeps_specials and not HermesParser.keeps_specials
-
-
-def _streamed(parser: ToolParser, text: str, piece: int) -> tuple[list[str], str | None, list]:  # type: ignore[type-arg]
-    stream = CallStream(parser)
-    sent = [stream.feed(text[i : i + piece]) for i in range(0, len(text), piece)]
-    rest, calls = stream.finish()
-    return sent, rest, calls
-
-
-@pytest.mark.parametrize("piece", [1, 3, 100])
-def test_streaming_holds_back_only_what_may_be_a_call(piece: int) -> None:
-    llama = Llama3JsonParser()
-    sent, rest, calls = _streamed(llama, '  {"name": "a", "parameters": {}}', piece)
-    assert "".join(sent) == "  " and rest is None and _named(calls) == [("a", {})]
-    sent, rest, calls = _streamed(llama, "Hello there, no call {here}", piece)
-    assert "".join(sent) == "Hello there, no call {here}" and rest is None and calls == []
-    if piece == 1:
-        assert sum(1 for s in sent if s) > 10  # streamed as it came
-    mistral = MistralParser()
-    sent, rest, calls = _streamed(mistral, 'Ok [TOOL_CALLS][{"name": "a", "arguments": {}}]', piece)
-    assert "".join(sent) == "Ok " and rest is None and _named(calls) == [("a", {})]
-    sent, rest, calls = _streamed(mistral, "a [TOOL", piece)
-    assert "".join(sent) == "a " and rest == "[TOOL" and calls == []
 
 
 LLAMA3_TEMPLATE = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}"
