@@ -54,7 +54,8 @@ def token_logprobs(
 
 def add_prompt_logprobs(logits: torch.Tensor, spans: Sequence[PromptSpan]) -> None:
     """Fills each span's prompt logprobs from its rows of the step's `logits`: position p's
-    row gives prompt token p + 1's logprob (kept from the first time it was computed)."""
+    row gives prompt token p + 1's logprob, alternatives and rank (kept from the first time
+    it was computed)."""
     for span in spans:
         req = span.request
         assert req.prompt_logprobs is not None
@@ -62,9 +63,17 @@ def add_prompt_logprobs(logits: torch.Tensor, spans: Sequence[PromptSpan]) -> No
         nxt = req.prompt_token_ids[span.start + 1 : span.start + 1 + span.length]
         k = req.params.prompt_logprobs or 0
         entries = token_logprobs(rows, nxt, [k] * span.length)
-        for offset, entry in enumerate(entries, start=span.start + 1):
+        ranks = token_ranks(rows, nxt)
+        for offset, (entry, rank) in enumerate(zip(entries, ranks, strict=True), span.start + 1):
             if req.prompt_logprobs[offset] is None:
-                req.prompt_logprobs[offset] = entry
+                req.prompt_logprobs[offset] = (entry[0], entry[1], rank)
+
+
+def token_ranks(raw: torch.Tensor, tokens: Sequence[int]) -> list[int]:
+    """Row i's rank of `tokens[i]`: how many tokens are at least as likely (itself included)."""
+    rows = raw.float()
+    chosen = rows.gather(1, torch.tensor(list(tokens))[:, None])
+    return (rows >= chosen).sum(dim=1).tolist()
 
 
 def parse_entries(value: object, count: int, top: int) -> list[TokenLogprob] | None:

@@ -9,6 +9,10 @@ TokenLogprob = tuple[float, list[tuple[int, float]]]
 """A generated token's log-probability, and its request's `logprobs` most likely tokens as
 (token id, log-probability), most likely first. As JSON: `[lp, [[id, lp], ...]]`."""
 
+PromptLogprob = tuple[float, list[tuple[int, float]], int]
+"""A prompt token's: the same, and its rank in the vocabulary (1: the most likely; tokens as
+likely count before it, as vLLM ranks). As JSON: `[lp, [[id, lp], ...], rank]`."""
+
 
 class StepOutput(NamedTuple):
     """One request's progress in one engine step (a streamed token event)."""
@@ -35,4 +39,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = True
     logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when asked
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first None)
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # per prompt token (the first None)

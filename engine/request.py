@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tandem.engine.output_text import OutputText
-from tandem.engine.outputs import TokenLogprob
+from tandem.engine.outputs import PromptLogprob, TokenLogprob
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -116,7 +116,7 @@ class Request:
         """Lower runs earlier among waiting requests (vLLM's convention); ties keep arrival order."""
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         """One entry per output token when `params.logprobs` asks (`outputs.TokenLogprob`)."""
-        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.prompt_logprobs: list[PromptLogprob | None] | None = None
         """Per prompt token when `params.prompt_logprobs` asks: None for the first (and for
         those not computed yet), else its `TokenLogprob` given the tokens before it."""
         if params.prompt_logprobs is not None:

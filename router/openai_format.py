@@ -11,7 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tandem.router.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
+from tandem.router.openai_logprobs import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_field,
+)
 from tandem.router.prepared import Prepared
 from tandem.router.reasoning import ReasoningParser
 from tandem.router.tool_calls import ReplyParser
@@ -42,7 +47,8 @@ class ResponseHead:
         read_calls: ReplyParser | None = None,
         reasoning: ReasoningParser | None = None,
     ) -> ResponseHead:
-        names = token_text if req.params.logprobs is not None else None
+        asked = req.params.logprobs is not None or req.params.prompt_logprobs is not None
+        names = token_text if asked else None
         arrival = int(req.timings.arrival)
         return cls(
             response_id or req.request_id, arrival, model, kind, names, read_calls, reasoning
@@ -82,13 +88,22 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
                 choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = (req.echo or "") + req.text
+            if (prompt := _prompt_logprobs(head, req)) is not None:
+                choice["prompt_logprobs"] = prompt
         choices.append(choice)
-    return {
-        **head.fields(chunk=False),
-        "choices": choices,
-        "usage": usage,
-        "tandem_timings": reqs[0].timings.stages_ms(),
-    }
+    body = {**head.fields(chunk=False), "choices": choices, "usage": usage}
+    if head.kind == "chat" and (prompt := _prompt_logprobs(head, reqs[0])) is not None:
+        body["prompt_logprobs"] = prompt  # (vLLM's place for chat: one prompt)
+    return {**body, "tandem_timings": reqs[0].timings.stages_ms()}
+
+
+def _prompt_logprobs(head: ResponseHead, req: Prepared) -> list[Any] | None:
+    """vLLM's `prompt_logprobs` of a request that asks for them."""
+    if req.params.prompt_logprobs is None or req.prompt_logprobs is None:
+        return None
+    if head.token_text is None:
+        return None
+    return prompt_logprobs_field(req.prompt_token_ids, req.prompt_logprobs, head.token_text)
 
 
 def reply_message(head: ResponseHead, text: str) -> dict[str, Any]:

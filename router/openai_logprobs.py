@@ -35,7 +35,7 @@ def completion_logprobs(
             logprobs.append(None)
             tops.append(None)
             continue
-        logprob, top = entry
+        logprob, top = entry[0], entry[1]  # (a prompt token's has its rank too)
         alternatives = {token_text(t): lp for t, lp in top}
         alternatives.setdefault(text, logprob)
         logprobs.append(logprob)
@@ -70,3 +70,25 @@ def _token(text: str, logprob: float) -> dict[str, Any]:
 def text_length(token_ids: Sequence[int], token_text: TokenText) -> int:
     """How far completions' `text_offset` moves over these tokens."""
     return sum(len(token_text(t)) for t in token_ids)
+
+
+def prompt_logprobs_field(
+    token_ids: Sequence[int], entries: Sequence[Any], token_text: TokenText
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first None), its own entry then the
+    alternatives', by token id: `{"logprob", "rank", "decoded_token"}` (alternative i: rank i + 1)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        if entry is None:
+            out.append(None)
+            continue
+        logprob, top, rank = entry
+        found = {str(token_id): _ranked(logprob, rank, token_text(token_id))}
+        for i, (alt, alt_logprob) in enumerate(top):
+            found.setdefault(str(alt), _ranked(alt_logprob, i + 1, token_text(alt)))
+        out.append(found)
+    return out
+
+
+def _ranked(logprob: float, rank: int, text: str) -> dict[str, Any]:
+    return {"logprob": logprob, "rank": rank, "decoded_token": text}

@@ -77,10 +77,15 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options needs stream=true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request(
+                "prompt_logprobs is not supported when streaming", "prompt_logprobs", "unsupported"
+            )
 
     def sampling_dict(self) -> dict[str, Any]:
         """SamplingParams fields but max_tokens (validated later, with the prompt length known)."""
@@ -106,6 +111,8 @@ class _SamplingFields(BaseModel):
             params["bad_words"] = self.bad_words
         if (structure := self.output_structure()) is not None:
             params[structure[0]] = structure[1]
+        if self.prompt_logprobs is not None:
+            params["prompt_logprobs"] = self.prompt_logprobs
         return params
 
     def structure_sources(self) -> list[tuple[str, Structure]]:
@@ -169,7 +176,7 @@ class CompletionRequest(_SamplingFields):
     def sampling_dict(self) -> dict[str, Any]:
         params = super().sampling_dict()
         if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs too
-            params["prompt_logprobs"] = self.logprobs
+            params["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return params
 
     def prompts(self) -> list[str | list[int]]:

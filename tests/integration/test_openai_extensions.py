@@ -182,6 +182,48 @@ def test_echo_with_logprobs_scores_the_prompt(base_url: str, reference: LLM) -> 
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
 
 
+def test_prompt_logprobs_are_vllms_field(base_url: str, reference: LLM) -> None:
+    """vLLM's `prompt_logprobs` (completions: per choice; chat: at the top): per prompt token
+    (the first null) its logprob, rank and text, then the most likely alternatives', as the
+    in-process engine computes them; refused when streaming."""
+    prompt = "the prompt tokens, each scored"
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    want = reference.generate([prompt], params, use_tqdm=False)[0]
+    assert want.prompt_logprobs is not None
+    tok = reference.engine.tokenizer
+    c = client(base_url)
+    body = {"prompt_logprobs": 2}
+    out = c.completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, temperature=0, extra_body=body
+    )
+    got = out.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert out.choices[0].logprobs is None and got[0] is None
+    assert len(got) == len(want.prompt_token_ids)
+    scored = want.prompt_logprobs[1:]
+    for token, entry, (lp, top, rank) in zip(
+        want.prompt_token_ids[1:], got[1:], scored, strict=True
+    ):  # type: ignore[misc]
+        mine = entry[str(token)]
+        assert mine["rank"] == rank and mine["logprob"] == pytest.approx(lp, abs=1e-4)
+        assert mine["decoded_token"] == tok.decode([token], skip_special_tokens=False)
+        for i, (alt, alt_lp) in enumerate(top):
+            if alt != token:
+                assert entry[str(alt)]["rank"] == i + 1
+                assert entry[str(alt)]["logprob"] == pytest.approx(alt_lp, abs=1e-4)
+        assert len(entry) == len({token, *(t for t, _ in top)})
+    messages = [{"role": "user", "content": "hi"}]
+    chat = c.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=body)  # type: ignore[arg-type]
+    scored = chat.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert scored[0] is None and len(scored) == chat.usage.prompt_tokens  # type: ignore[union-attr]
+    assert all(len(e) >= 1 for e in scored[1:])
+    resp = requests.post(
+        f"{base_url}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "prompt_logprobs": 1, "stream": True},
+        timeout=30,
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_stop_string_kept_with_include_stop_str_in_output(
     base_url: str, expected: list[Any]
 ) -> None:

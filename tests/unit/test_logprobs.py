@@ -111,5 +111,8 @@ def test_prompt_logprobs_equal_transformers(setup: dict[str, Any], engine_args: 
             assert entry is not None
             assert entry[0] == pytest.approx(float(ref[p - 1, prompt[p]]), abs=1e-4)
             assert [t for t, _ in entry[1]] == ref[p - 1].topk(2).indices.tolist()
+            chosen = ref[p - 1, prompt[p]]  # its rank: tokens at least as likely (within fp noise)
+            above, tied = ref[p - 1] > chosen + 1e-4, ref[p - 1] >= chosen - 1e-4
+            assert int(above.sum()) + 1 <= entry[2] <= int(tied.sum())
         assert out.token_ids == setup["llm"].generate([prompt], plain)[0].token_ids
     llm.engine.check_integrity()
