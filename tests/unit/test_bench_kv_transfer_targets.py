@@ -1,0 +1,30 @@
+"""`bench/kv_transfer.py`'s verdict on issue 3's targets, from a run's ratios and shares."""
+
+from __future__ import annotations
+
+from tandem.bench.kv_transfer import targets_met
+
+
+def test_each_target_is_judged_at_every_size_of_1_mib_and_more() -> None:
+    rel = {
+        "shm": {"64K": 0.3, "1M": 0.82, "16M": 1.1},
+        "torch": {"64K": 0.05, "1M": 0.2, "16M": 0.3},
+        "ucx": {"64K": 0.1, "1M": 0.59, "16M": 0.9},
+    }
+    hidden = {"shm": {"hidden_share": 0.81}, "torch": {"hidden_share": 0.7}}
+    assert targets_met(rel, hidden) == {
+        "best_cpu_transport_ge_1MiB": True,
+        "ucx_ge_1MiB": False,  # (0.59 at 1 MiB)
+        "hidden_share": True,
+    }
+    rel["shm"]["1M"] = 0.79
+    assert targets_met(rel, {"shm": {"hidden_share": 0.79}}) == {
+        "best_cpu_transport_ge_1MiB": False,
+        "ucx_ge_1MiB": False,
+        "hidden_share": False,
+    }
+    assert targets_met({"shm": {"1M": None, "16M": 1.0}}, {}) == {
+        "best_cpu_transport_ge_1MiB": None,
+        "ucx_ge_1MiB": None,
+        "hidden_share": None,
+    }
