@@ -40,6 +40,11 @@ def poison(engine: LLMEngine, bad_ids: set[str]) -> list[int]:
     return failures
 
 
+async def on_loop(service: Any, fn: Any) -> Any:
+    """`fn()` on the service's loop thread (its exception raised here)."""
+    return await service.submit(fn)
+
+
 @pytest.fixture(scope="module")
 def model(tiny_checkpoint: Any) -> str:
     return str(tiny_checkpoint())
@@ -113,7 +118,7 @@ def test_a_decode_step_failure_fails_its_requests_and_decode_serves_on(
     assert [t for item in good for t in item["token_ids"]] == expected
     assert decode.alive and decode.num_step_failures == 1
     asyncio.run(wait_idle(prefill, decode))
-    decode.post(decode.check_integrity)
+    asyncio.run(on_loop(decode, decode.check_integrity))
 
 
 def test_a_prefill_step_failure_fails_the_transfer_and_both_sides_let_go(
@@ -142,7 +147,7 @@ def test_a_prefill_step_failure_fails_the_transfer_and_both_sides_let_go(
     tokens, _, last, good = asyncio.run(run_pd(prefill, decode, "good", prompt, PARAMS))
     assert tokens == expected and good["status"] == "sent" and last["finish_reason"] == "length"
     asyncio.run(wait_idle(prefill, decode))
-    prefill.post(prefill.engine.check_integrity)
+    asyncio.run(on_loop(prefill, prefill.engine.check_integrity))
 
 
 def test_steps_that_keep_failing_end_the_worker(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,3 +178,27 @@ def test_the_router_answers_a_failed_step_with_a_500_and_a_json_error() -> None:
         }
     }
     assert _worker_error({"type": "error", "code": "worker_died", "error": "x"}).status == 503
+
+
+def test_a_transferred_request_fails_on_decode_and_both_sides_let_go(
+    pair: Any, expected: list[int]
+) -> None:
+    prefill, decode = pair
+    failures = poison(decode.engine, {"bad"})
+    prompt = list(range(20, 60))
+
+    async def main() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        stream = decode.generate("bad", prompt, PARAMS)
+        first = await anext(stream)
+        grant = ReservationGrant(**first["grant"])
+        outcome = await prefill.prefill("bad", prompt, PARAMS, grant)
+        return [item async for item in stream], outcome
+
+    items, outcome = asyncio.run(main())
+    assert failures == [1] and outcome["status"] == "sent"
+    assert [i["type"] for i in items][-1] == "error" and items[-1]["code"] == "internal_error"
+    assert decode.alive and decode.num_step_failures == 1
+    asyncio.run(wait_idle(prefill, decode))
+    asyncio.run(on_loop(decode, decode.check_integrity))
+    tokens, _, _, good = asyncio.run(run_pd(prefill, decode, "good", prompt, PARAMS))
+    assert tokens == expected and good["status"] == "sent"
