@@ -297,8 +297,9 @@ def main() -> None:
 
 def targets_met(rel: dict[str, dict[str, float | None]], hidden: dict[str, Any]) -> dict[str, Any]:
     """Each target against this run: some CPU transport at >= 0.8 of memcpy at every size
-    >= 1 MiB; ucx at >= 0.6 at every such size; the best hidden share >= 0.8 (None: not
-    measured in this run)."""
+    >= 1 MiB; ucx at >= 0.6 at every such size (None: not measured in this run); and per
+    transport, its hidden share >= 0.8 (a slow transport's is flattered by its long transfer:
+    torch's here)."""
 
     def at_least(name: str, floor: float) -> bool | None:
         values = [v for k, v in rel.get(name, {}).items() if SIZES[k] >= 1 << 20]
@@ -308,11 +309,10 @@ def targets_met(rel: dict[str, dict[str, float | None]], hidden: dict[str, Any])
     judged = [
         v for v in (at_least(name, 0.8) for name in TRANSPORTS if name in rel) if v is not None
     ]
-    shares = [h["hidden_share"] for h in hidden.values()]
     return {
         "best_cpu_transport_ge_1MiB": any(judged) if judged else None,
         "ucx_ge_1MiB": at_least("ucx", 0.6),
-        "hidden_share": max(shares) >= 0.8 if shares else None,
+        "hidden_share": {name: h["hidden_share"] >= 0.8 for name, h in hidden.items()},
     }
 
 
