@@ -75,9 +75,13 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """`generate` for one conversation or a list of them, each rendered with the
-        checkpoint's chat template (as the chat completions API renders it)."""
+        checkpoint's chat template (as the chat completions API renders it), or with
+        `chat_template` (Jinja text) instead; `tools` (OpenAI's function specs) go to the
+        template, as vLLM's `LLM.chat` passes them."""
         one = bool(messages) and isinstance(messages[0], dict)
         conversations = cast(
             "list[list[dict[str, str]]]", [messages] if one else [list(c) for c in messages]
@@ -88,6 +92,8 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
+                tools=tools,
+                chat_template=chat_template,
             )
             for conversation in conversations
         ]

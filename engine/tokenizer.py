@@ -151,12 +151,14 @@ class Tokenizer:
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
         """Render ``messages`` with the tokenizer's chat template and return the token ids.
 
         `continue_final_message` leaves the last (assistant) message open, for the model to go
         on with it; `template_kwargs` are more variables for the template (e.g. Qwen3's
-        `enable_thinking`); `tools` are function specs for templates that present them.
+        `enable_thinking`); `tools` are function specs for templates that present them;
+        `chat_template` (Jinja text) renders instead of the tokenizer's own.
         transformers raises ValueError if the tokenizer has no chat template.
         """
         out = self._hf.apply_chat_template(
@@ -166,6 +168,7 @@ class Tokenizer:
             tokenize=True,
             return_dict=False,
             tools=tools,
+            chat_template=chat_template,
             **(template_kwargs or {}),
         )
         return [int(i) for i in out]

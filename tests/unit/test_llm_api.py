@@ -44,3 +44,21 @@ def test_chat_renders_the_template_as_the_api_does(llm: LLM) -> None:
     two = llm.chat([messages, messages[1:]], sampling_params=GREEDY)
     assert len(two) == 2 and two[0].token_ids == want.token_ids
     assert two[1].prompt_token_ids == llm.get_tokenizer().apply_chat_template(messages[1:])
+
+
+def test_chat_takes_a_template_and_tools_as_vllm_does(llm: LLM) -> None:
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    template = (
+        "{% for t in tools or [] %}[tool {{ t['function']['name'] }}]{% endfor %}"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    hf = llm.get_tokenizer().hf
+    want = hf.apply_chat_template(
+        messages, chat_template=template, tools=tools, tokenize=True, return_dict=False
+    )
+    out = llm.chat(messages, GREEDY, chat_template=template, tools=tools)[0]
+    assert out.prompt_token_ids == list(want)
+    assert hf.decode(out.prompt_token_ids).startswith("[tool get_weather]<user>weather")
+    plain = llm.chat(messages, GREEDY, chat_template=template)[0]
+    assert hf.decode(plain.prompt_token_ids).startswith("<user>weather")
