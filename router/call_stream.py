@@ -94,7 +94,7 @@ class CallStream:
         if self._call is None:
             return held or None, []
         deltas = self._advance()
-        content, calls = self._parser.parse(held)
+        content, calls = self._parser(held)
         if not calls:
             return held or None, _merged(deltas)
         for k, call in enumerate(calls):
@@ -125,6 +125,8 @@ class CallStream:
                     call.sent = call.end or len(text)
                 if call.end is None:
                     break
+            if len(self._calls) == self._parser.max_calls:
+                break  # (the rest is not read)
             since = self._calls[-1].end if self._calls else self._call
             match = head.search(text, since or 0)
             name = self._parser.head_name(match) if match is not None else None

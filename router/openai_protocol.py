@@ -227,6 +227,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolSpec] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -237,7 +238,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def reply_parser(self, parser: ToolParser | None = None) -> ReplyParser | None:
         """How the reply's tool calls are read (None: no tools in play)."""
-        return reply_parser(self.tools, self.tool_choice, parser)
+        return reply_parser(self.tools, self.tool_choice, parser, self.parallel_tool_calls)
 
     def output_structure(self) -> Structure | None:
         forced = self.forced_tools()

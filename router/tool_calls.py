@@ -97,14 +97,19 @@ ReplyParser = Callable[[str], tuple[str | None, list[dict[str, Any]]]]
 
 
 def reply_parser(
-    tools: list[ToolSpec] | None, tool_choice: Any, parser: ToolParser | None = None
+    tools: list[ToolSpec] | None,
+    tool_choice: Any,
+    parser: ToolParser | None = None,
+    parallel: bool = True,
 ) -> ReplyParser | None:
     """How to read the reply's calls (None: plain text); "auto" reads them with `parser`
-    (Hermes' format when not given)."""
+    (Hermes' format when not given), only the first without `parallel` (a forced call is one
+    call either way)."""
     if not tools or tool_choice == "none":
         return None
     if tool_choice in (None, "auto"):
-        return parser or HermesParser()
+        chosen = parser or HermesParser()
+        return chosen if parallel else chosen.at_most(1)
     return forced_call
 
 

@@ -19,6 +19,7 @@ content.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import uuid
@@ -81,8 +82,18 @@ class ToolParser(ABC):
     """A call's start up to its arguments' value (searched from the first call on): group 1 is
     the name as a JSON string (or group 2, the bare name). None: calls come whole at the end."""
 
+    max_calls: int | None = None
+    """At most this many calls are read (OpenAI's `parallel_tool_calls: false`: 1); None: all."""
+
     def __call__(self, text: str) -> tuple[str | None, Calls]:
-        return self.parse(text)
+        content, calls = self.parse(text)
+        return content, calls[: self.max_calls] if self.max_calls is not None else calls
+
+    def at_most(self, max_calls: int) -> ToolParser:
+        """This parser, reading at most `max_calls` calls (parsers keep no state: a copy)."""
+        parser = copy.copy(self)
+        parser.max_calls = max_calls
+        return parser
 
     @staticmethod
     def head_name(match: re.Match[str]) -> str | None:

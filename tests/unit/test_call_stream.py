@@ -105,3 +105,14 @@ def test_every_parser_streams_its_calls(piece: int) -> None:
     assert newer["calls"] == [("a", {"q": "x"}), ("b", {})]
     cut = streamed(MistralParser(), "a [TOOL", piece)
     assert "".join(cut["sent"]) == "a " and cut["rest"] == "[TOOL" and cut["calls"] == []
+
+
+@pytest.mark.parametrize("piece", [1, 5, 100])
+def test_parallel_tool_calls_false_reads_the_first_call_only(piece: int) -> None:
+    """OpenAI's `parallel_tool_calls: false`: one call, streamed or read whole."""
+    two = CALL + '<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    first = HermesParser().at_most(1)
+    assert streamed(first, two, piece)["calls"] == [("a", {"x": 1})]
+    content, calls = first(two)
+    assert content is None and [c["function"]["name"] for c in calls] == ["a"]
+    assert len(HermesParser()(two)[1]) == 2  # (the shared parser is untouched)

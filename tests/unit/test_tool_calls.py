@@ -35,6 +35,9 @@ def test_which_tools_a_choice_forces() -> None:
     named = {"type": "function", "function": {"name": "b"}}
     assert forced_tools(TOOLS, named) == TOOLS[1:]
     assert isinstance(reply_parser(TOOLS, None), HermesParser)
+    one = reply_parser(TOOLS, "auto", parallel=False)  # (OpenAI's parallel_tool_calls=false)
+    assert isinstance(one, HermesParser) and one.max_calls == 1
+    assert reply_parser(TOOLS, "auto").max_calls is None  # type: ignore[union-attr]
     assert isinstance(reply_parser(TOOLS, "auto"), HermesParser)
     mistral = MistralParser()
     assert reply_parser(TOOLS, "auto", mistral) is mistral
