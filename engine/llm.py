@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, cast
 
 from tqdm import tqdm
@@ -13,7 +14,7 @@ from tandem.engine.errors import InvalidRequestError
 from tandem.engine.llm_engine import KVPoolFactory, LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, sample_seed
 
 logger = logging.getLogger(__name__)
 
@@ -106,14 +107,16 @@ class LLM:
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; returns one `RequestOutput` per prompt, in input order."""
+        """Generates for every prompt; returns one `RequestOutput` per prompt, in input order,
+        with `SamplingParams.n` samples in its `outputs` (sample i seeded `seed + i`)."""
         prompt_list = _as_prompt_list(prompts)
         param_list = _as_param_list(sampling_params, len(prompt_list))
         engine = self.engine
         requests: list[Request] = []
         try:
             for prompt, p in zip(prompt_list, param_list, strict=True):
-                requests.append(engine.add_request(prompt, p))
+                for sample in _samples(p):
+                    requests.append(engine.add_request(prompt, sample))
         except Exception:
             for req in requests:
                 engine.abort(req.request_id)
@@ -132,8 +135,23 @@ class LLM:
             raise
         finally:
             bar.close()
-        texts = [p if isinstance(p, str) else None for p in prompt_list]
-        return [engine.make_output(r, t) for r, t in zip(requests, texts, strict=True)]
+        results = []
+        samples = iter(requests)
+        for prompt, p in zip(prompt_list, param_list, strict=True):
+            text = prompt if isinstance(prompt, str) else None
+            outs = [engine.make_output(next(samples), text) for _ in range(p.n)]
+            first = outs[0]
+            first.outputs = [replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+            results.append(first)
+        return results
+
+
+def _samples(params: SamplingParams) -> list[SamplingParams]:
+    """The engine requests of `params`' `n` samples (sample i seeded `seed + i`)."""
+    if params.n == 1:
+        return [params]
+    seeds = [sample_seed(params.seed, i) for i in range(params.n)]
+    return [params.model_copy(update={"n": 1, "seed": seed}) for seed in seeds]
 
 
 def _as_prompt_list(prompts: Prompts) -> list[str | list[int]]:

@@ -34,7 +34,13 @@ from tandem.engine.model_config import ModelSpec, load_model_spec
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.output_text import OutputText
-from tandem.engine.outputs import RequestOutput, StepOutput
+from tandem.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+    StepOutput,
+    TokenLogprob,
+)
 from tandem.engine.penalties import bad_word_sequences
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import NO_TOKEN, sample
@@ -167,6 +173,11 @@ class LLMEngine:
         """Validates and queues a request. `stream_text` fills `StepOutput.text_delta`;
         `keep_kv` holds the request's blocks after it finishes until `release_kv`."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequestError(
+                f"n={params.n}: an engine request is one sample; add one per sample "
+                "(LLM.generate does)"
+            )
         token_ids = self._tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -329,6 +340,16 @@ class LLMEngine:
             text = req.output_text.text
         else:
             text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
+        logprobs = None if req.logprobs is None else list(req.logprobs)
+        sample = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=req.output_token_ids,
+            cumulative_logprob=None if logprobs is None else sum(lp for lp, _ in logprobs),
+            logprobs=None if logprobs is None else self._vllm_logprobs(req, logprobs),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
         return RequestOutput(
             request_id=req.request_id,
             prompt=prompt,
@@ -339,9 +360,25 @@ class LLMEngine:
             stop_reason=req.stop_reason,
             num_cached_tokens=req.num_prefix_hit_tokens,
             finished=req.is_finished,
-            logprobs=None if req.logprobs is None else list(req.logprobs),
+            logprobs=logprobs,
             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            outputs=[sample],
         )
+
+    def _vllm_logprobs(self, req: Request, entries: list[TokenLogprob]) -> list[dict[int, Logprob]]:
+        """vLLM's shape of a request's logprobs: per token, itself then its alternatives."""
+
+        def text(token: int) -> str:
+            return self.tokenizer.decode([token], skip_special_tokens=False)
+
+        out = []
+        for token, (logprob, top) in zip(req.output_token_ids, entries, strict=False):
+            ranks = {alt: i + 1 for i, (alt, _) in enumerate(top)}
+            found = {token: Logprob(logprob, ranks.get(token), text(token))}
+            for alt, alt_logprob in top:
+                found.setdefault(alt, Logprob(alt_logprob, ranks[alt], text(alt)))
+            out.append(found)
+        return out
 
     # ---- KV hand-off between engines (prefill -> decode) -------------------------------------------
     def export_kv(self, request_id: str) -> KVBlocks:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 TokenLogprob = tuple[float, list[tuple[int, float]]]
@@ -26,8 +26,33 @@ class StepOutput(NamedTuple):
 
 
 @dataclass
+class Logprob:
+    """vLLM's: a token's log-probability, its rank in the vocabulary (None where not
+    computed: a sampled token outside the alternatives asked for) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request, as vLLM's `RequestOutput.outputs` lists them."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # (with logprobs asked for)
+    logprobs: list[dict[int, Logprob]] | None  # per token: itself and the alternatives
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
 class RequestOutput:
-    """The result of one request (vLLM-compatible field names)."""
+    """The result of one request (vLLM-compatible field names). `outputs` holds every sample
+    as vLLM's does (`SamplingParams.n`); the flat fields (`text`, `token_ids`, ...) are the
+    first sample's."""
 
     request_id: str
     prompt: str | None
@@ -40,3 +65,4 @@ class RequestOutput:
     finished: bool = True
     logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when asked
     prompt_logprobs: list[PromptLogprob | None] | None = None  # per prompt token (the first None)
+    outputs: list[CompletionOutput] = field(default_factory=list)

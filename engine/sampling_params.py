@@ -17,10 +17,20 @@ STRUCTURE_KINDS = ("json_schema", "regex", "choice", "grammar")
 """The fields that constrain the output's structure; a request sets at most one."""
 
 
+def sample_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of sample `sample` (0-based) of a request seeded `seed`: `seed + sample`,
+    wrapped into the seed range (None: unseeded)."""
+    if seed is None:
+        return None
+    span = SEED_MAX - SEED_MIN + 1
+    return (seed + sample - SEED_MIN) % span + SEED_MIN
+
+
 class SamplingParams(BaseModel):
     """How to pick tokens and when to stop.
 
-    `temperature == 0` means greedy. Sampling applies temperature, then `min_p` (drops tokens
+    `n` samples per prompt (`LLM.generate`; an engine request is one sample: the router and
+    `LLM` add one per sample, seeded `seed`, `seed + 1`, ...). `temperature == 0` means greedy. Sampling applies temperature, then `min_p` (drops tokens
     less likely than `min_p` times the most likely; 0 disables), `top_k`, `top_p`. `seed` makes
     sampling reproducible for this request whatever else shares the batch. `stop` strings are
     cut from the returned text (kept, and what follows cut, with `include_stop_str_in_output`);
@@ -46,6 +56,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    n: int = Field(1, ge=1, le=128)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = 1.0
     top_k: int = -1

@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
 
-from tandem.engine.sampling_params import SEED_MAX, SEED_MIN
+from tandem.engine.sampling_params import sample_seed
 from tandem.router.errors import bad_request
 from tandem.router.pd_orchestrator import to_completion
 from tandem.router.prepared import Prepared
@@ -43,8 +43,7 @@ def sample_fields(fields: dict[str, Any], sample: int) -> dict[str, Any]:
     seed = fields.get("seed")
     if seed is None or sample == 0:
         return fields
-    span = SEED_MAX - SEED_MIN + 1
-    return {**fields, "seed": (seed + sample - SEED_MIN) % span + SEED_MIN}
+    return {**fields, "seed": sample_seed(seed, sample)}
 
 
 async def prepare_all(

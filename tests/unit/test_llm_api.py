@@ -62,3 +62,41 @@ def test_chat_takes_a_template_and_tools_as_vllm_does(llm: LLM) -> None:
     assert hf.decode(out.prompt_token_ids).startswith("[tool get_weather]<user>weather")
     plain = llm.chat(messages, GREEDY, chat_template=template)[0]
     assert hf.decode(plain.prompt_token_ids).startswith("<user>weather")
+
+
+def test_outputs_hold_n_samples_as_vllms_do(llm: LLM) -> None:
+    """vLLM's `RequestOutput.outputs`: `n` samples per prompt, sample i seeded `seed + i`;
+    the flat fields are the first sample's."""
+    params = SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(["hello there", "a b c"], params)
+    assert len(outs) == 2 and all(len(o.outputs) == 3 for o in outs)
+    for prompt, out in zip(["hello there", "a b c"], outs, strict=True):
+        for i, sample in enumerate(out.outputs):
+            one = SamplingParams(temperature=0.9, seed=5 + i, max_tokens=6, ignore_eos=True)
+            want = llm.generate(prompt, one)[0]
+            assert sample.index == i and sample.token_ids == want.token_ids
+            assert sample.text == want.text and sample.finish_reason == "length"
+        assert out.text == out.outputs[0].text and out.token_ids == out.outputs[0].token_ids
+        assert out.prompt == prompt
+    assert len({tuple(s.token_ids) for s in outs[0].outputs}) > 1  # (different seeds)
+    assert llm.engine.requests == {}
+    with pytest.raises(InvalidRequestError, match="one sample"):
+        llm.engine.add_request("x", SamplingParams(n=2))
+
+
+def test_sample_logprobs_in_vllms_shape(llm: LLM) -> None:
+    out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=4, logprobs=2))[0]
+    sample = out.outputs[0]
+    assert out.logprobs is not None and sample.logprobs is not None
+    assert sample.cumulative_logprob == pytest.approx(sum(lp for lp, _ in out.logprobs))
+    tok = llm.get_tokenizer()
+    for token, entry, (lp, top) in zip(
+        sample.token_ids, sample.logprobs, out.logprobs, strict=True
+    ):
+        assert entry[token].logprob == lp and entry[token].rank == 1  # (greedy: the most likely)
+        assert entry[token].decoded_token == tok.decode([token], skip_special_tokens=False)
+        assert [(t, entry[t].logprob, entry[t].rank) for t, _ in top] == [
+            (t, alt, i + 1) for i, (t, alt) in enumerate(top)
+        ]
+    plain = llm.generate("hello", GREEDY)[0].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None
