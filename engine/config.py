@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tandem.engine.errors import TandemError
+from tandem.engine.model_config import load_model_spec
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def checkpoint_dtype(model_dir: str) -> str:
+    """The dtype a checkpoint's config.json declares, as one of `DTYPES` (float32 when it
+    names none or another)."""
+    try:
+        declared = load_model_spec(model_dir).checkpoint_dtype
+    except TandemError:
+        return "float32"  # (the engine reports the checkpoint's problem when it loads it)
+    declared = DTYPE_ALIASES.get(declared, declared)
+    return declared if declared in DTYPES else "float32"
 
 
 class EngineConfig(BaseModel):
@@ -21,6 +36,8 @@ class EngineConfig(BaseModel):
     `max_num_seqs` requests of `max_model_len` tokens could ever use.
     `max_model_len=None` takes the model's `max_position_embeddings`, reduced to what the pool
     holds when the pool is smaller.
+    `dtype` of weights and KV cache; "auto" takes the checkpoint's (its config.json's), and
+    vLLM's "half" / "float" are accepted.
     `device` places weights and the KV pool ("auto": CUDA when available); `attention_backend`
     "auto" runs the Triton kernels on CUDA and the torch ones on the CPU (`tandem.kernels`).
     """
@@ -42,6 +59,17 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "cpu", "triton", "reference"] = "auto"
     device: str = Field("cpu", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_dtype(cls, data: Any) -> Any:
+        """vLLM's spellings: "auto" (the checkpoint's dtype), "half", "float", ..."""
+        if isinstance(data, dict) and isinstance(data.get("dtype"), str):
+            name = DTYPE_ALIASES.get(data["dtype"], data["dtype"])
+            if name == "auto":
+                name = checkpoint_dtype(str(data.get("model", "")))
+            data = {**data, "dtype": name}
+        return data
 
     def resolved_device(self) -> torch.device:
         """`device` with "auto" resolved (CUDA when available); ValueError when CUDA is asked for

@@ -46,6 +46,7 @@ class LLM:
         kv_pool_factory: KVPoolFactory | None = None,
         **kwargs: Any,
     ) -> None:
+        kwargs = _without_vllm_only(str(model), kwargs)
         config = EngineConfig(
             model=str(model),
             dtype=dtype,
@@ -144,6 +145,39 @@ class LLM:
             first.outputs = [replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
             results.append(first)
         return results
+
+
+# vLLM's engine arguments that mean nothing to this engine (no CUDA graphs, no remote code,
+# no CPU swap; the KV pool is sized by `kv_cache_memory_gb` or `num_kv_blocks`)
+_VLLM_IGNORED = (
+    "trust_remote_code",
+    "enforce_eager",
+    "disable_log_stats",
+    "swap_space",
+    "gpu_memory_utilization",
+    "max_seq_len_to_capture",
+    "disable_custom_all_reduce",
+)
+
+
+def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` less vLLM's arguments: those that change nothing here are dropped (and logged);
+    those asking for what this engine does not do are refused by name (ValueError)."""
+    kwargs = dict(kwargs)
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if kwargs.pop(name, 1) != 1:
+            raise ValueError(f"{name} > 1 is not supported: an engine runs on one device")
+    if kwargs.pop("quantization", None) is not None:
+        raise ValueError("quantization is not supported: weights load as float32/16 or bfloat16")
+    if kwargs.pop("kv_cache_dtype", "auto") != "auto":
+        raise ValueError("kv_cache_dtype: the KV cache has the model's dtype ('auto' only)")
+    tokenizer = kwargs.pop("tokenizer", None)
+    if tokenizer is not None and str(tokenizer) != model:
+        raise ValueError("tokenizer: the checkpoint directory's own tokenizer is used")
+    for name in _VLLM_IGNORED:
+        if name in kwargs:
+            logger.info("LLM: %s=%r is vLLM's and changes nothing here", name, kwargs.pop(name))
+    return kwargs
 
 
 def _samples(params: SamplingParams) -> list[SamplingParams]:

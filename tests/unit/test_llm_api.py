@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.engine.config import EngineConfig
 from tandem.engine.errors import InvalidRequestError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -100,3 +101,32 @@ def test_sample_logprobs_in_vllms_shape(llm: LLM) -> None:
         ]
     plain = llm.generate("hello", GREEDY)[0].outputs[0]
     assert plain.logprobs is None and plain.cumulative_logprob is None
+
+
+def test_vllms_engine_arguments(tiny_checkpoint: Any, tmp_path: Any) -> None:
+    """vLLM's constructor arguments: dtype "auto" (the checkpoint's) and its aliases; those
+    that change nothing here are taken; those asking for what tandem does not do are refused."""
+    path = str(tiny_checkpoint())
+    vllm_style = LLM(
+        model=path,
+        dtype="auto",
+        num_kv_blocks=64,
+        gpu_memory_utilization=0.9,
+        enforce_eager=True,
+        trust_remote_code=True,
+        tensor_parallel_size=1,
+        tokenizer=path,
+    )
+    assert vllm_style.engine.config.dtype == "float32"  # (the tiny checkpoint's)
+    assert vllm_style.generate("hi", GREEDY)[0].token_ids
+    assert LLM(model=path, dtype="half", num_kv_blocks=8).engine.config.dtype == "float16"
+    bf16 = str(tiny_checkpoint(dtype="bfloat16"))
+    assert EngineConfig(model=bf16, dtype="auto").dtype == "bfloat16"
+    for kwargs, match in [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
+        ({"quantization": "awq"}, "quantization"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({"tokenizer": str(tmp_path)}, "tokenizer"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            LLM(model=path, num_kv_blocks=8, **kwargs)
