@@ -34,7 +34,9 @@ def generate(
     top_k: Annotated[int, typer.Option(help="-1 = disabled.")] = -1,
     seed: Annotated[int | None, typer.Option(help="Per-request sampling seed.")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Keep generating past EOS.")] = False,
-    dtype: Annotated[str, typer.Option(help="float32 | bfloat16.")] = "float32",
+    dtype: Annotated[
+        str, typer.Option(help="float32 | bfloat16 | float16 | auto (the checkpoint's).")
+    ] = "float32",
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV block.")] = 16,
     num_kv_blocks: Annotated[
         int | None, typer.Option(help="KV pool size in blocks (default: sized from memory).")
