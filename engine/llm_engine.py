@@ -178,7 +178,7 @@ class LLMEngine:
                 f"n={params.n}: an engine request is one sample; add one per sample "
                 "(LLM.generate does)"
             )
-        token_ids = self._tokenize(prompt)
+        token_ids = self._tokenize(prompt, params.truncate_prompt_tokens)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -223,7 +223,9 @@ class LLMEngine:
                     f"token {token} does not follow the request's {structure[0]}"
                 )
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def _tokenize(self, prompt: Prompt, keep: int | None = None) -> list[int]:
+        """The prompt's token ids, checked; `keep` (vLLM's `truncate_prompt_tokens`): only its
+        last that many (-1: as many as fit, one generated token after them)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
@@ -237,6 +239,8 @@ class LLMEngine:
                 )
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
+        if keep is not None:
+            token_ids = token_ids[-(self.max_model_len - 1 if keep == -1 else keep) :]
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "

@@ -35,7 +35,8 @@ class SamplingParams(BaseModel):
     sampling reproducible for this request whatever else shares the batch. `stop` strings are
     cut from the returned text (kept, and what follows cut, with `include_stop_str_in_output`);
     Special tokens (EOS, chat markers) add nothing to the text unless `skip_special_tokens` is
-    False. `stop_token_ids` and the model's EOS end generation (EOS unless `ignore_eos`), never before `min_tokens` tokens.
+    False. `truncate_prompt_tokens` keeps the prompt's last k tokens (-1: as many as the context
+    holds). `stop_token_ids` and the model's EOS end generation (EOS unless `ignore_eos`), never before `min_tokens` tokens.
     `logprobs` (None: none) returns, for each generated token, its log-probability and those of
     the `logprobs` most likely tokens, under the model's distribution (its logits before
     temperature, top-k, top-p and `min_tokens`, as vLLM returns them). `prompt_logprobs` does the
@@ -68,6 +69,8 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # (vLLM's; fast tokenizers decode as they do)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -152,6 +155,13 @@ class SamplingParams(BaseModel):
     def _max_tokens_positive(cls, value: int) -> int:
         if value < 1:
             raise ValueError(f"max_tokens must be >= 1, got {value}")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep_some(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
         return value
 
     @field_validator("reasoning_tags")

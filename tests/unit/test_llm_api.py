@@ -11,7 +11,8 @@ from tandem import LLM, SamplingParams
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import InvalidRequestError
 
-GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+GREEDY_FIELDS: dict[str, Any] = {"temperature": 0, "max_tokens": 5, "ignore_eos": True}
+GREEDY = SamplingParams(**GREEDY_FIELDS)
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +131,16 @@ def test_vllms_engine_arguments(tiny_checkpoint: Any, tmp_path: Any) -> None:
     ]:
         with pytest.raises(ValueError, match=match):
             LLM(model=path, num_kv_blocks=8, **kwargs)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
+    ids = list(range(10, 40))
+    out = llm.generate([ids], SamplingParams(truncate_prompt_tokens=5, **GREEDY_FIELDS))[0]
+    assert out.prompt_token_ids == ids[-5:]
+    assert out.token_ids == llm.generate([ids[-5:]], GREEDY)[0].token_ids
+    small = LLM(model=llm.engine.config.model, num_kv_blocks=16, max_model_len=20)
+    whole = small.generate([ids], SamplingParams(truncate_prompt_tokens=-1, **GREEDY_FIELDS))[0]
+    assert whole.prompt_token_ids == ids[-19:]  # (room for one generated token)
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    assert SamplingParams(spaces_between_special_tokens=False).skip_special_tokens  # (taken)
