@@ -169,10 +169,11 @@ async def _serve(
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     token_text = serving.token_text
     reasoning = serving.reasoning_parser if kind == "chat" else None
+    ids = body.return_token_ids
     if count == 1:
         req = await prepare(0, response_id)
         head = ResponseHead.of(
-            req, serving.model_name, kind, None, token_text, read_calls, reasoning
+            req, serving.model_name, kind, None, token_text, read_calls, reasoning, ids
         )
         if body.stream:
             return ClosingStreamingResponse(
@@ -188,7 +189,7 @@ async def _serve(
         serving, count, lambda i: prepare(i, f"{response_id}-{i}")
     )
     head = ResponseHead.of(
-        reqs[0], serving.model_name, kind, response_id, token_text, read_calls, reasoning
+        reqs[0], serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids
     )
     if body.stream:
         return ClosingStreamingResponse(
@@ -259,12 +260,16 @@ async def _events(
     split = head.kind == "chat" and (parser is not None or head.reasoning is not None)
     replies: dict[int, ReplyStream] = {}
     emitted = 0  # completion tokens sent so far, all choices (they may run ahead)
+    held_ids: dict[int, list[int]] = {}  # (`return_token_ids`: those of text held back)
+    started: set[int] = set()  # choices whose first chunk went out
     try:
         for index, req in enumerate(reqs):
             if head.kind == "chat":
-                yield chunk(head, req, "", None, index=index, role=True)
+                yield chunk(head, req, "", None, index=index, role=True, first=True)
+                started.add(index)
             elif req.echo:
-                yield chunk(head, req, req.echo, None, index=index)
+                yield chunk(head, req, req.echo, None, index=index, first=True)
+                started.add(index)
         every_s = serving.sse_keepalive_s
         items = choices if every_s is None else paced(choices, every_s)
         async with contextlib.aclosing(items):
@@ -280,6 +285,8 @@ async def _events(
                     if finish is not None:
                         yield from_reply(head, reqs[index], index, finish)
                     continue
+                ids = held_ids.setdefault(index, [])
+                ids += item["token_ids"]
                 if split:
                     reply = replies.setdefault(index, ReplyStream(head.reasoning, parser))
                     reasoning, content, calls = reply.feed(item["text"], finish is not None)
@@ -305,8 +312,12 @@ async def _events(
                         usage=usage,
                         tool_calls=calls or None,
                         reasoning=reasoning,
+                        new_token_ids=ids,
+                        first=index not in started,
                         **logprobs,
                     )
+                    started.add(index)
+                    held_ids[index] = []
         if include_usage:
             yield usage_event(head, merged_usage(reqs, n))
     except APIError as exc:
@@ -320,7 +331,15 @@ def from_reply(head: ResponseHead, req: Prepared, index: int, finish: str) -> st
     message = reply_message(head, req.text)
     calls = message.get("tool_calls")
     finish = "tool_calls" if calls else finish
-    return chunk(head, req, message["content"], finish, index=index, tool_calls=calls)
+    return chunk(
+        head,
+        req,
+        message["content"],
+        finish,
+        index=index,
+        tool_calls=calls,
+        new_token_ids=req.token_ids,
+    )
 
 
 def _so_far(usage: dict[str, Any], completion_tokens: int) -> dict[str, Any]:

@@ -35,6 +35,7 @@ class ResponseHead:
     token_text: TokenText | None = None  # names tokens in logprobs (None: none asked)
     read_calls: ReplyParser | None = None  # chat with tools: how its replies' calls are read
     reasoning: ReasoningParser | None = None  # chat: splits the thoughts from the answer
+    token_ids: bool = False  # vLLM's `return_token_ids`: prompt and output token ids too
 
     @classmethod
     def of(
@@ -46,13 +47,13 @@ class ResponseHead:
         token_text: TokenText | None = None,
         read_calls: ReplyParser | None = None,
         reasoning: ReasoningParser | None = None,
+        token_ids: bool = False,
     ) -> ResponseHead:
         asked = req.params.logprobs is not None or req.params.prompt_logprobs is not None
         names = token_text if asked else None
         arrival = int(req.timings.arrival)
-        return cls(
-            response_id or req.request_id, arrival, model, kind, names, read_calls, reasoning
-        )
+        rid = response_id or req.request_id
+        return cls(rid, arrival, model, kind, names, read_calls, reasoning, token_ids)
 
     def logprobs(
         self, token_ids: Sequence[int], entries: Sequence[Any] | None, text_offset: int = 0
@@ -90,10 +91,16 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
             choice["text"] = (req.echo or "") + req.text
             if (prompt := _prompt_logprobs(head, req)) is not None:
                 choice["prompt_logprobs"] = prompt
+            if head.token_ids:
+                choice["prompt_token_ids"] = req.prompt_token_ids
+        if head.token_ids:
+            choice["token_ids"] = req.token_ids
         choices.append(choice)
     body = {**head.fields(chunk=False), "choices": choices, "usage": usage}
     if head.kind == "chat" and (prompt := _prompt_logprobs(head, reqs[0])) is not None:
         body["prompt_logprobs"] = prompt  # (vLLM's place for chat: one prompt)
+    if head.kind == "chat" and head.token_ids:
+        body["prompt_token_ids"] = reqs[0].prompt_token_ids
     return {**body, "tandem_timings": reqs[0].timings.stages_ms()}
 
 
@@ -144,10 +151,13 @@ def chunk(
     usage: dict[str, Any] | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
     reasoning: str | None = None,
+    new_token_ids: Sequence[int] | None = None,
+    first: bool = False,
 ) -> str:
     """One SSE event with one choice's text (chat: a delta, with the role on the first), and
     the logprobs of the tokens it carries when asked (completions' offsets from
-    `text_offset`)."""
+    `text_offset`); with `head.token_ids`, the ids of its tokens, and on a choice's `first`
+    chunk the prompt's."""
     choice: dict[str, Any] = {
         "index": index,
         "finish_reason": finish,
@@ -167,7 +177,13 @@ def chunk(
         choice["text"] = text or ""
     if finish is not None:
         choice["stop_reason"] = req.stop_reason
+    if head.token_ids:
+        choice["token_ids"] = list(new_token_ids or ())
+        if first and head.kind == "completion":
+            choice["prompt_token_ids"] = req.prompt_token_ids
     data: dict[str, Any] = {**head.fields(chunk=True), "choices": [choice]}
+    if head.token_ids and first and head.kind == "chat":
+        data["prompt_token_ids"] = req.prompt_token_ids
     if finish is not None:
         data["tandem_timings"] = req.timings.stages_ms()
     if usage is not None:  # (vLLM's `stream_options.continuous_usage_stats`)

@@ -78,6 +78,7 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
+    return_token_ids: bool = False  # vLLM's: token ids next to the text
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:

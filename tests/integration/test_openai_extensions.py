@@ -224,6 +224,41 @@ def test_prompt_logprobs_are_vllms_field(base_url: str, reference: LLM) -> None:
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs"
 
 
+def test_return_token_ids_gives_the_ids_next_to_the_text(
+    base_url: str, expected: list[Any], reference: LLM
+) -> None:
+    """vLLM's `return_token_ids`: the prompt's and the output's token ids; streamed, the
+    prompt's in a choice's first chunk and each chunk's own ids."""
+    c = client(base_url)
+    tok = reference.engine.tokenizer
+    body = {"return_token_ids": True, "ignore_eos": True}
+    kwargs: dict[str, Any] = {"model": "tiny", "prompt": PROMPTS[1], "temperature": 0}
+    kwargs.update(max_tokens=MAX_TOKENS, extra_body=body)
+    choice = c.completions.create(**kwargs).choices[0].model_extra or {}
+    assert choice["prompt_token_ids"] == tok.encode(PROMPTS[1])
+    assert choice["token_ids"] == expected[1].token_ids
+    chunks = [ch.choices[0].model_extra or {} for ch in c.completions.create(stream=True, **kwargs)]
+    assert chunks[0]["prompt_token_ids"] == tok.encode(PROMPTS[1])
+    assert all("prompt_token_ids" not in ch for ch in chunks[1:])
+    assert [t for ch in chunks for t in ch["token_ids"]] == expected[1].token_ids
+    messages = [{"role": "user", "content": "ids, please"}]
+    chat_kwargs: dict[str, Any] = {"model": "tiny", "messages": messages, "temperature": 0}
+    chat_kwargs.update(max_tokens=6, extra_body=body)
+    chat = c.chat.completions.create(**chat_kwargs)
+    prompt_ids = (chat.model_extra or {})["prompt_token_ids"]
+    assert prompt_ids == tok.apply_chat_template(messages)
+    want = reference.generate(
+        [prompt_ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )[0]
+    assert (chat.choices[0].model_extra or {})["token_ids"] == want.token_ids
+    events = list(c.chat.completions.create(stream=True, **chat_kwargs))
+    assert (events[0].model_extra or {})["prompt_token_ids"] == prompt_ids
+    streamed = [
+        t for ev in events if ev.choices for t in (ev.choices[0].model_extra or {})["token_ids"]
+    ]
+    assert streamed == want.token_ids
+
+
 def test_stop_string_kept_with_include_stop_str_in_output(
     base_url: str, expected: list[Any]
 ) -> None:
