@@ -34,15 +34,10 @@ from tandem.engine.model_config import ModelSpec, load_model_spec
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.output_text import OutputText
-from tandem.engine.outputs import (
-    CompletionOutput,
-    Logprob,
-    RequestOutput,
-    StepOutput,
-    TokenLogprob,
-)
+from tandem.engine.outputs import RequestOutput, StepOutput
 from tandem.engine.penalties import bad_word_sequences
 from tandem.engine.request import Request, RequestStatus
+from tandem.engine.request_output import request_output
 from tandem.engine.sampler import NO_TOKEN, sample
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
@@ -340,49 +335,8 @@ class LLMEngine:
             del self.requests[req.request_id]
 
     def make_output(self, req: Request, prompt: str | None = None) -> RequestOutput:
-        if req.output_text is not None:
-            text = req.output_text.text
-        else:
-            text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
-        logprobs = None if req.logprobs is None else list(req.logprobs)
-        sample = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=req.output_token_ids,
-            cumulative_logprob=None if logprobs is None else sum(lp for lp, _ in logprobs),
-            logprobs=None if logprobs is None else self._vllm_logprobs(req, logprobs),
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=req.output_token_ids,
-            text=text,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            num_cached_tokens=req.num_prefix_hit_tokens,
-            finished=req.is_finished,
-            logprobs=logprobs,
-            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
-            outputs=[sample],
-        )
-
-    def _vllm_logprobs(self, req: Request, entries: list[TokenLogprob]) -> list[dict[int, Logprob]]:
-        """vLLM's shape of a request's logprobs: per token, itself then its alternatives."""
-
-        def text(token: int) -> str:
-            return self.tokenizer.decode([token], skip_special_tokens=False)
-
-        out = []
-        for token, (logprob, top) in zip(req.output_token_ids, entries, strict=False):
-            ranks = {alt: i + 1 for i, (alt, _) in enumerate(top)}
-            found = {token: Logprob(logprob, ranks.get(token), text(token))}
-            for alt, alt_logprob in top:
-                found.setdefault(alt, Logprob(alt_logprob, ranks[alt], text(alt)))
-            out.append(found)
-        return out
+        """The result of `req` as vLLM's `RequestOutput` (`request_output.py`)."""
+        return request_output(req, self.tokenizer, prompt)
 
     # ---- KV hand-off between engines (prefill -> decode) -------------------------------------------
     def export_kv(self, request_id: str) -> KVBlocks:

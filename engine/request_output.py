@@ -1,0 +1,58 @@
+"""A finished (or cut) request as vLLM's `RequestOutput`: its text, its sample in `outputs`
+with logprobs in vLLM's shape, and tandem's flat fields (the first sample's)."""
+
+from __future__ import annotations
+
+from tandem.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
+from tandem.engine.request import Request
+from tandem.engine.tokenizer import Tokenizer
+
+
+def request_output(req: Request, tokenizer: Tokenizer, prompt: str | None = None) -> RequestOutput:
+    if req.output_text is not None:
+        text = req.output_text.text
+    else:
+        text = tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
+    logprobs = None if req.logprobs is None else list(req.logprobs)
+    sample = CompletionOutput(
+        index=0,
+        text=text,
+        token_ids=req.output_token_ids,
+        cumulative_logprob=None if logprobs is None else sum(lp for lp, _ in logprobs),
+        logprobs=None if logprobs is None else vllm_logprobs(req, logprobs, tokenizer),
+        finish_reason=req.finish_reason,
+        stop_reason=req.stop_reason,
+    )
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt=prompt,
+        prompt_token_ids=req.prompt_token_ids,
+        token_ids=req.output_token_ids,
+        text=text,
+        finish_reason=req.finish_reason,
+        stop_reason=req.stop_reason,
+        num_cached_tokens=req.num_prefix_hit_tokens,
+        finished=req.is_finished,
+        logprobs=logprobs,
+        prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+        outputs=[sample],
+    )
+
+
+def vllm_logprobs(
+    req: Request, entries: list[TokenLogprob], tokenizer: Tokenizer
+) -> list[dict[int, Logprob]]:
+    """vLLM's shape of a request's logprobs: per token, itself then its alternatives (a rank
+    where it is known: the alternatives', and the token's when it is one of them)."""
+
+    def text(token: int) -> str:
+        return tokenizer.decode([token], skip_special_tokens=False)
+
+    out = []
+    for token, (logprob, top) in zip(req.output_token_ids, entries, strict=False):
+        ranks = {alt: i + 1 for i, (alt, _) in enumerate(top)}
+        found = {token: Logprob(logprob, ranks.get(token), text(token))}
+        for alt, alt_logprob in top:
+            found.setdefault(alt, Logprob(alt_logprob, ranks[alt], text(alt)))
+        out.append(found)
+    return out
