@@ -39,7 +39,7 @@ from tandem.engine.penalties import bad_word_sequences
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.request_output import request_output
 from tandem.engine.sampler import NO_TOKEN, sample
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, truncated_prompt
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.weights import load_weights
@@ -235,7 +235,7 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
         if keep is not None:
-            token_ids = token_ids[-(self.max_model_len - 1 if keep == -1 else keep) :]
+            token_ids = truncated_prompt(token_ids, keep, self.max_model_len)
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "

@@ -26,17 +26,31 @@ def sample_seed(seed: int | None, sample: int) -> int | None:
     return (seed + sample - SEED_MIN) % span + SEED_MIN
 
 
+def truncated_prompt(
+    token_ids: list[int], keep: int, max_model_len: int, room: int = 1
+) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens; -1: as many as fit in
+    `max_model_len` with `room` left to generate. ValueError when that leaves none."""
+    if keep == -1:
+        keep = max_model_len - room
+    if keep < 1:
+        raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+    return token_ids[-keep:]
+
+
 class SamplingParams(BaseModel):
     """How to pick tokens and when to stop.
 
     `n` samples per prompt (`LLM.generate`; an engine request is one sample: the router and
-    `LLM` add one per sample, seeded `seed`, `seed + 1`, ...). `temperature == 0` means greedy. Sampling applies temperature, then `min_p` (drops tokens
-    less likely than `min_p` times the most likely; 0 disables), `top_k`, `top_p`. `seed` makes
+    `LLM` add one per sample, seeded `seed`, `seed + 1`, ...). `temperature == 0` means
+    greedy. Sampling applies temperature, then `min_p` (drops tokens less likely than `min_p`
+    times the most likely; 0 disables), `top_k`, `top_p`. `seed` makes
     sampling reproducible for this request whatever else shares the batch. `stop` strings are
     cut from the returned text (kept, and what follows cut, with `include_stop_str_in_output`);
     Special tokens (EOS, chat markers) add nothing to the text unless `skip_special_tokens` is
     False. `truncate_prompt_tokens` keeps the prompt's last k tokens (-1: as many as the context
-    holds). `stop_token_ids` and the model's EOS end generation (EOS unless `ignore_eos`), never before `min_tokens` tokens.
+    holds). `stop_token_ids` and the model's EOS end generation (EOS unless `ignore_eos`),
+    never before `min_tokens` tokens.
     `logprobs` (None: none) returns, for each generated token, its log-probability and those of
     the `logprobs` most likely tokens, under the model's distribution (its logits before
     temperature, top-k, top-p and `min_tokens`, as vLLM returns them). `prompt_logprobs` does the

@@ -285,8 +285,8 @@ async def _events(
                     if finish is not None:
                         yield from_reply(head, reqs[index], index, finish)
                     continue
-                ids = held_ids.setdefault(index, [])
-                ids += item["token_ids"]
+                if head.token_ids:
+                    held_ids.setdefault(index, []).extend(item["token_ids"])
                 if split:
                     reply = replies.setdefault(index, ReplyStream(head.reasoning, parser))
                     reasoning, content, calls = reply.feed(item["text"], finish is not None)
@@ -312,12 +312,11 @@ async def _events(
                         usage=usage,
                         tool_calls=calls or None,
                         reasoning=reasoning,
-                        new_token_ids=ids,
+                        new_token_ids=held_ids.pop(index, None),
                         first=index not in started,
                         **logprobs,
                     )
                     started.add(index)
-                    held_ids[index] = []
         if include_usage:
             yield usage_event(head, merged_usage(reqs, n))
     except APIError as exc:

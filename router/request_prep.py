@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from tandem.engine.errors import InvalidRequestError
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, truncated_prompt
 from tandem.engine.tokenizer import Tokenizer
 from tandem.router.errors import APIError, bad_request
 
@@ -38,14 +38,13 @@ def truncated(
 ) -> list[int]:
     """The last `keep` prompt tokens (vLLM's `truncate_prompt_tokens`, left truncation); -1:
     as many as fit in the context next to `max_tokens` (at least one generated token)."""
-    if keep == -1:
-        keep = limits.max_model_len - max(1, max_tokens or 1)
-    if keep < 1:
+    try:
+        return truncated_prompt(token_ids, keep, limits.max_model_len, max(1, max_tokens or 1))
+    except ValueError:
         raise bad_request(
             "truncate_prompt_tokens must be -1 or at least 1 (and max_tokens leave room)",
             "truncate_prompt_tokens",
-        )
-    return token_ids[-keep:]
+        ) from None
 
 
 def check_token_ids(

@@ -10,7 +10,6 @@ from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 from tandem.engine.metrics import RouterMetrics
-from tandem.engine.sampling_params import STRUCTURE_KINDS
 from tandem.engine.tokenizer import Tokenizer
 from tandem.router.errors import APIError, WorkerLost, bad_request
 from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
@@ -45,11 +44,11 @@ class Serving:
         reasoning_parser: ReasoningParser | None = None,
     ) -> None:
         self.sse_keepalive_s = sse_keepalive_s
+        """How often a waiting SSE stream writes a comment (None: never; see `openai_api`)."""
         self.tool_parser = tool_parser or HermesParser()
         """How free replies to chats with tools write their calls (`tool_parsers.py`)."""
         self.reasoning_parser = reasoning_parser
         """Splits a chat reply's thoughts from its answer (`reasoning.py`; None: it does not)."""
-        """How often a waiting SSE stream writes a comment (None: never; see `openai_api`)."""
         self.metrics = metrics or RouterMetrics(model_name, "router")
         slo = slo or {}
         self.slo_ttft_s = _seconds(slo.get("ttft_ms"))
@@ -147,10 +146,10 @@ class Serving:
             if truncate_prompt_tokens is not None:
                 token_ids = truncated(token_ids, truncate_prompt_tokens, max_tokens, limits)
             timings.mark("tokenized")
-            structured = any(fields.get(k) is not None for k in STRUCTURE_KINDS)
-            if self.reasoning_parser is not None and structured:  # (structure after thoughts)
-                fields = {**fields, "reasoning_tags": REASONING_TAGS}
             params = sampling_params(len(token_ids), max_tokens, fields, limits)
+            if self.reasoning_parser is not None and params.structure is not None:
+                # the model thinks first; the structure constrains its answer
+                params = params.model_copy(update={"reasoning_tags": REASONING_TAGS})
             admission = self.planner.admission
             req = Prepared(
                 request_id,
