@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,9 +12,9 @@ from tandem import LLM
 from tandem.decode_workers.decode_service import DecodeService
 from tandem.engine.output_text import OutputText
 from tandem.engine.sampling_params import SamplingParams
-from tandem.kv_transfer.local import LocalHub, LocalTransport
 from tandem.kv_transfer.receiver import ReservationGrant
 from tandem.prefill_workers.prefill_service import PrefillService
+from tests.pd_pair import pd_pair, run_pd, wait_idle
 
 PROMPTS = [
     "hello world",
@@ -36,52 +36,8 @@ def reference(model: str) -> LLM:
 
 @pytest.fixture()
 def services(model: str) -> Iterator[tuple[PrefillService, DecodeService]]:
-    hub = LocalHub("token")
-    prefill = PrefillService(
-        LLM(model=model, num_kv_blocks=128, max_num_batched_tokens=32).engine,
-        LocalTransport("token", hub=hub),
-    )
-    decode = DecodeService(
-        LLM(model=model, num_kv_blocks=128).engine, LocalTransport("token", hub=hub)
-    )
-    prefill.start()
-    decode.start()
-    yield prefill, decode
-    prefill.close()
-    decode.close()
-
-
-async def run_pd(
-    prefill: PrefillService, decode: DecodeService, rid: str, prompt: list[int], params: Any
-) -> tuple[list[int], str, dict[str, Any], dict[str, Any]]:
-    stream: AsyncIterator[dict[str, Any]] = decode.generate(rid, prompt, params)
-    first = await anext(stream)
-    assert first["type"] == "grant", first
-    task = asyncio.create_task(
-        prefill.prefill(rid, prompt, params, ReservationGrant(**first["grant"]))
-    )
-    tokens: list[int] = []
-    text = ""
-    last: dict[str, Any] = {}
-    async for item in stream:
-        assert item["type"] == "tokens", item
-        tokens += item["token_ids"]
-        text += item["text"]
-        last = item
-    return tokens, text, last, await task
-
-
-async def wait_idle(prefill: PrefillService, decode: DecodeService) -> tuple[dict, dict]:
-    for _ in range(200):
-        p, d = await prefill.get_stats(), await decode.get_stats()
-        if (
-            p["num_free_blocks"] == p["num_blocks"]
-            and d["num_free_blocks"] == d["num_blocks"]
-            and p["num_requests"] == d["num_requests"] == d["num_reservations"] == 0
-        ):
-            return p, d
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"workers did not return to baseline: {p} {d}")
+    with pd_pair(model) as pair:
+        yield pair
 
 
 def test_pd_services_match_colocated_llm(services: Any, reference: LLM) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.reasoning_gate import ANSWER, START, THINKING, ReasoningGate
-from tests.unit.test_pd_services import run_pd, services  # noqa: F401 (a fixture)
+from tests.pd_pair import pd_pair, run_pd
 
 TAGS = ("@", "~")
 CHOICE = {"choice": ["yes", "no"]}
@@ -89,24 +89,22 @@ def test_multi_token_tags_close_thoughts_but_cannot_open_them(llm: LLM) -> None:
 
 
 def test_a_transferred_request_continues_in_the_same_state(
-    services: Any,  # noqa: F811
+    model: str,
     llm: LLM,
     tags: tuple[int, int],
 ) -> None:
-    prefill, decode = services
     prompt = llm.tokenizer.encode("the model thinks") + [tags[0]]
-    for p in (
-        params(reasoning_tags=TAGS, **CHOICE),
-        params(reasoning_tags=TAGS, **CHOICE, logit_bias={tags[1]: 100.0}),
-    ):
-        tokens, text, last, outcome = asyncio.run(run_pd(prefill, decode, "g", prompt, p))
-        expected = llm.generate([prompt], p)[0]
-        assert (tokens, text, last["finish_reason"]) == (
-            expected.token_ids,
-            expected.text,
-            expected.finish_reason,
-        )
-        assert outcome["status"] == "sent"
+    closed = params(reasoning_tags=TAGS, **CHOICE, logit_bias={tags[1]: 100.0})
+    with pd_pair(model) as (prefill, decode):
+        for p in (params(reasoning_tags=TAGS, **CHOICE), closed):
+            tokens, text, last, outcome = asyncio.run(run_pd(prefill, decode, "g", prompt, p))
+            expected = llm.generate([prompt], p)[0]
+            assert (tokens, text, last["finish_reason"]) == (
+                expected.token_ids,
+                expected.text,
+                expected.finish_reason,
+            )
+            assert outcome["status"] == "sent"
 
 
 class FakeMatcher:

@@ -15,11 +15,10 @@ from tandem.engine import worker_loop
 from tandem.engine.errors import StepFailedError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
-from tandem.kv_transfer.local import LocalHub, LocalTransport
 from tandem.kv_transfer.receiver import ReservationGrant
 from tandem.prefill_workers.prefill_service import PrefillService
 from tandem.router.pd_orchestrator import _worker_error
-from tests.unit.test_pd_services import run_pd, wait_idle
+from tests.pd_pair import pd_pair, run_pd, wait_idle
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -76,19 +75,8 @@ def test_the_step_error_names_its_batch_and_generate_leaves_nothing_behind(
 
 @pytest.fixture()
 def pair(model: str) -> Iterator[tuple[PrefillService, DecodeService]]:
-    hub = LocalHub("token")
-    prefill = PrefillService(
-        LLM(model=model, num_kv_blocks=64, max_num_batched_tokens=16).engine,
-        LocalTransport("token", hub=hub),
-    )
-    decode = DecodeService(
-        LLM(model=model, num_kv_blocks=64).engine, LocalTransport("token", hub=hub)
-    )
-    prefill.start()
-    decode.start()
-    yield prefill, decode
-    prefill.close()
-    decode.close()
+    with pd_pair(model, num_kv_blocks=64, prefill_batch_tokens=16) as services:
+        yield services
 
 
 async def local_tokens(decode: DecodeService, rid: str, prompt: list[int]) -> list[dict[str, Any]]:
