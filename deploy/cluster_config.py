@@ -208,6 +208,19 @@ class ClusterConfig(BaseModel):
             raise ValueError(f"unknown or misplaced engine settings: {sorted(unknown)}")
         return value
 
+    @model_validator(mode="after")
+    def _transport_moves_the_pools(self) -> ClusterConfig:
+        """ucx moves host-memory pools only: a role set to CUDA needs shm or torch."""
+        if self.transport == "ucx" and self.mode == "pd":
+            for role in ("prefill", "decode"):
+                device = str({**self.engine, **getattr(self, role).engine}.get("device", "cpu"))
+                if device.startswith("cuda"):
+                    raise ValueError(
+                        f"transport 'ucx' moves host-memory KV pools only, and {role} runs on "
+                        f"{device!r}: use transport 'torch' (NCCL between GPUs) or 'shm'"
+                    )
+        return self
+
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> ClusterConfig:
         """Reads YAML or JSON; `overrides` (non-None values) win over the file."""

@@ -222,8 +222,8 @@ class PagesHeaderWriter:
 
 
 def pages_checksum(pages: torch.Tensor) -> str:
-    """xxh3-64 hex digest of the raw bytes of a contiguous page tensor."""
-    raw = pages.contiguous().view(torch.uint8).reshape(-1).numpy()
+    """xxh3-64 hex digest of the raw bytes of a contiguous page tensor (on any device)."""
+    raw = pages.contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
     return xxhash.xxh3_64_hexdigest(raw.tobytes())
 
 

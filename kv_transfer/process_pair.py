@@ -53,11 +53,12 @@ def decode_main(
     threads: int,
     lease_s: float = 10.0,
     stall_timeout_s: float = 3.0,
+    device: str = "cpu",
 ) -> None:
     from tandem.engine.sampling_params import SamplingParams
     from tandem.kv_transfer.receiver import KVReceiver
 
-    engine, transport = _setup(model, transport_name, options, threads)
+    engine, transport = _setup(model, transport_name, options, threads, device=device)
     receiver = KVReceiver(engine, transport, lease_s=lease_s, stall_timeout_s=stall_timeout_s)
     conn.send(("ready", transport.address))
     tokens: dict[str, list[int]] = {}
@@ -110,6 +111,7 @@ def prefill_main(
     chunk_blocks: int,
     checksums: bool,
     hand_off: bool = True,
+    device: str = "cpu",
 ) -> None:
     from tandem.engine.sampling_params import SamplingParams
     from tandem.kv_transfer.manifest import KVLayout
@@ -123,6 +125,7 @@ def prefill_main(
         threads,
         send_only=True,
         max_num_batched_tokens=16 * chunk_blocks,
+        device=device,
     )
     sender = KVSender(engine, transport, checksums=checksums, ack_timeout_s=10, hand_off=hand_off)
     conn.send(("ready", transport.address))
@@ -171,7 +174,8 @@ def prefill_main(
 
 
 class PDProcesses:
-    """Starts both processes; `run(rid, prompt, params)` returns first token + decoded tokens."""
+    """Starts both processes; `run(rid, prompt, params)` returns first token + decoded tokens.
+    `devices` is where each engine runs, (prefill, decode): "cpu" or "cuda"."""
 
     def __init__(
         self,
@@ -184,6 +188,7 @@ class PDProcesses:
         lease_s: float = 10.0,
         stall_timeout_s: float = 3.0,
         hand_off: bool = True,
+        devices: tuple[str, str] = ("cpu", "cpu"),
     ) -> None:
         ctx = mp.get_context("spawn")
         self.decode_conn, d_child = ctx.Pipe()
@@ -191,12 +196,22 @@ class PDProcesses:
         opts = options or {}
         self.decode = ctx.Process(
             target=decode_main,
-            args=(d_child, model, transport, opts, threads, lease_s, stall_timeout_s),
+            args=(d_child, model, transport, opts, threads, lease_s, stall_timeout_s, devices[1]),
             daemon=True,
         )
         self.prefill = ctx.Process(
             target=prefill_main,
-            args=(p_child, model, transport, opts, threads, chunk_blocks, checksums, hand_off),
+            args=(
+                p_child,
+                model,
+                transport,
+                opts,
+                threads,
+                chunk_blocks,
+                checksums,
+                hand_off,
+                devices[0],
+            ),
             daemon=True,
         )
         self.decode.start()

@@ -10,8 +10,9 @@ handshake with that port, a random key prefix and the backend; both sides then b
 on ``PrefixStore(prefix, store)``. The store listens on every interface (torch offers no bind
 address); the secret prefix keeps anyone who did not authenticate from joining the rendezvous.
 
-Backend: NCCL when `torch.distributed.is_nccl_available()` and both pools are on CUDA, gloo
-otherwise (CUDA pages then travel through host memory).
+Backend: NCCL when `torch.distributed.is_nccl_available()` and both pools are on CUDA, on two
+different GPUs; gloo otherwise (CUDA pages then travel through host memory). NCCL refuses two
+ranks on one GPU, which is what a prefill and a decode worker sharing a GPU would be.
 
 Per message with pages, the sender sends the header frame announcing the page shape and dtype,
 then ``group.send`` of the pages (a view of the pool when the source ids are one consecutive run,
@@ -101,6 +102,14 @@ class TorchDistTransport(ChannelTransport):
         pool = self._pool
         return bool(pool is not None and pool.device.type == "cuda" and dist.is_nccl_available())
 
+    def _gpu_id(self) -> str | None:
+        """The pool's GPU as the driver names it (its UUID), the same in every process."""
+        pool = self._pool
+        if pool is None or pool.device.type != "cuda":
+            return None
+        uuid = getattr(torch.cuda.get_device_properties(pool.device), "uuid", None)
+        return str(uuid) if uuid is not None else None
+
     def _make_group(self, store: Any, prefix: str, rank: int, backend: str) -> Any:
         prefixed = dist.PrefixStore(prefix, store)
         timeout = datetime.timedelta(seconds=self.timeout)
@@ -134,10 +143,14 @@ class TorchDistTransport(ChannelTransport):
         return sock
 
     def _hello_extra(self) -> dict[str, Any]:
-        return {"cuda": self._nccl_capable()}
+        capable = self._nccl_capable()
+        return {"cuda": capable, "gpu": self._gpu_id() if capable else None}
 
     def _accept_hello(self, conn: Conn, hello: dict[str, Any]) -> dict[str, Any]:
-        backend = "nccl" if hello.get("cuda") is True and self._nccl_capable() else "gloo"
+        own_gpu = self._gpu_id()
+        same_gpu = own_gpu is not None and hello.get("gpu") == own_gpu
+        nccl = hello.get("cuda") is True and self._nccl_capable() and not same_gpu
+        backend = "nccl" if nccl else "gloo"
         timeout = datetime.timedelta(seconds=self.timeout)
         store = dist.TCPStore(self._advertise, 0, 2, True, timeout, wait_for_workers=False)
         prefix = secrets.token_hex(16)

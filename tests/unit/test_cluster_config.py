@@ -35,11 +35,27 @@ def test_the_serve_config_args_are_cluster_config_fields() -> None:
         {"prefill": {"replicas": 0}},
         {"routing": {"policy": "random"}},
         {"admission": {"safety_factor": 0.5}},
+        {"transport": "ucx", "engine": {"device": "cuda"}},
+        {"transport": "ucx", "decode": {"engine": {"device": "cuda:1"}}},
     ],
 )
 def test_bad_settings_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         ClusterConfig.model_validate(bad)
+
+
+def test_gpu_pools_need_a_transport_that_moves_them() -> None:
+    """ucx moves host-memory pools only; shm and torch take CUDA pools, and a colocated
+    deployment moves no pages."""
+    with pytest.raises(ValidationError, match="use transport 'torch'"):
+        ClusterConfig.model_validate({"transport": "ucx", "prefill": {"engine": {"device": "cuda"}}})
+    for ok in (
+        {"transport": "shm", "engine": {"device": "cuda"}},
+        {"transport": "torch", "engine": {"device": "cuda"}},
+        {"transport": "ucx", "engine": {"device": "auto"}},
+        {"transport": "ucx", "mode": "colocated", "engine": {"device": "cuda"}},
+    ):
+        ClusterConfig.model_validate(ok)
 
 
 def test_router_replicas_can_ask_for_custom_ray_resources() -> None:

@@ -46,8 +46,9 @@ def test_close_is_idempotent(peer: h.PeerProcess) -> None:
 
 
 def test_backend_is_nccl_only_with_a_cuda_pool_and_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The handshake offers NCCL (`hello["cuda"]`) only when this side's pool is on CUDA and
-    torch has NCCL; pages are then received on the pool's device, else through host memory."""
+    """The handshake offers NCCL (`hello["cuda"]`, with the GPU's UUID) only when this side's
+    pool is on CUDA and torch has NCCL; pages are then received on the pool's device, else
+    through host memory. Two pools on the same GPU use gloo: NCCL refuses two ranks on one GPU."""
     from types import SimpleNamespace
 
     import torch
@@ -57,16 +58,28 @@ def test_backend_is_nccl_only_with_a_cuda_pool_and_nccl(monkeypatch: pytest.Monk
 
     transport = TorchDistTransport("token")
     try:
-        assert transport._hello_extra() == {"cuda": False}  # no pool yet
+        assert transport._hello_extra() == {"cuda": False, "gpu": None}  # no pool yet
         transport.register_pool(KVCachePool(4, 1, 4, 1, 8))
-        assert transport._hello_extra() == {"cuda": False}  # a CPU pool: gloo
+        assert transport._hello_extra() == {"cuda": False, "gpu": None}  # a CPU pool: gloo
         transport._pool = SimpleNamespace(device=torch.device("cuda", 0))  # type: ignore[assignment]
         monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
-        assert transport._hello_extra() == {"cuda": True}
+        monkeypatch.setattr(
+            torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-a")
+        )
+        assert transport._hello_extra() == {"cuda": True, "gpu": "GPU-a"}
         assert transport._recv_device("nccl") == torch.device("cuda", 0)
         assert transport._recv_device("gloo") == torch.device("cpu")
+        chosen = [
+            transport._accept_hello(SimpleNamespace(state=None), hello)["backend"]  # type: ignore[arg-type]
+            for hello in (
+                {"cuda": True, "gpu": "GPU-b"},
+                {"cuda": True, "gpu": "GPU-a"},
+                {"cuda": False, "gpu": None},
+            )
+        ]
+        assert chosen == ["nccl", "gloo", "gloo"]
         monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
-        assert transport._hello_extra() == {"cuda": False}
+        assert transport._hello_extra() == {"cuda": False, "gpu": None}
     finally:
         transport._pool = None
         transport.close()
