@@ -48,7 +48,9 @@ def test_gpu_pools_need_a_transport_that_moves_them() -> None:
     """ucx moves host-memory pools only; shm and torch take CUDA pools, and a colocated
     deployment moves no pages."""
     with pytest.raises(ValidationError, match="use transport 'torch'"):
-        ClusterConfig.model_validate({"transport": "ucx", "prefill": {"engine": {"device": "cuda"}}})
+        ClusterConfig.model_validate(
+            {"transport": "ucx", "prefill": {"engine": {"device": "cuda"}}}
+        )
     for ok in (
         {"transport": "shm", "engine": {"device": "cuda"}},
         {"transport": "torch", "engine": {"device": "cuda"}},
