@@ -71,6 +71,7 @@ def build_app(config: ClusterConfig) -> Application:
     """Validates `config` (engine settings included) and binds the deployments: router, decode
     workers and, unless `config.mode` is "colocated", prefill workers."""
     from tandem.decode_workers.deployment import DecodeWorker
+    from tandem.engine.generation_defaults import sampling_defaults
     from tandem.prefill_workers.deployment import PrefillWorker
     from tandem.router.api_keys import key_digest
     from tandem.router.deployment import Router
@@ -99,6 +100,10 @@ def build_app(config: ClusterConfig) -> Application:
         "tool_call_parser": config.router.tool_call_parser,
         "reasoning_parser": config.router.reasoning_parser,
         "chat_template": chat_template_text(config.chat_template),
+        # requests' sampling defaults: the model's generation_config.json, read (and checked) here
+        "sampling_defaults": sampling_defaults(
+            model, str(config.engine.get("generation_config", "auto"))
+        ),
         "log_level": config.log_level,
         "routing": config.routing.model_dump(mode="json"),
         "decode_routing": config.decode_routing.model_dump(mode="json"),

@@ -238,6 +238,27 @@ class ClusterConfig(BaseModel):
             else self.model_copy(update={"auth_token": secrets.token_hex(16)})
         )
 
+    def ray_resources_needed(self) -> dict[str, float]:
+        """Ray resources the deployment asks for with every role at its most replicas (the
+        router's, each worker role's `autoscaling.max_replicas` or `replicas`): CPU, GPU and
+        custom resources, summed. A cluster with less leaves some replicas unscheduled."""
+        groups: list[tuple[int, dict[str, Any]]] = [
+            (self.router.replicas, self.router.ray_actor_options())
+        ]
+        roles: list[PrefillRoleConfig | DecodeRoleConfig] = (
+            [self.decode] if self.mode == "colocated" else [self.prefill, self.decode]
+        )
+        for role in roles:
+            most = role.autoscaling.max_replicas if role.autoscaling else role.replicas
+            groups.append((most, role.ray_actor_options()))
+        needed: dict[str, float] = {}
+        for count, options in groups:
+            per_replica = {"CPU": options.get("num_cpus", 0), "GPU": options.get("num_gpus", 0)}
+            for name, amount in {**per_replica, **options.get("resources", {})}.items():
+                if amount:
+                    needed[name] = round(needed.get(name, 0.0) + count * amount, 6)
+        return needed
+
     def engine_config(self, role: Literal["prefill", "decode"], model: str) -> EngineConfig:
         role_cfg = self.prefill if role == "prefill" else self.decode
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import shutil
 import signal
@@ -50,10 +51,17 @@ def _config(
 
 
 def _start_ray(
-    address: str | None, host: str, num_cpus: float | None, dashboard_port: int, ingress: Ingress
+    address: str | None,
+    host: str,
+    num_cpus: float | None,
+    dashboard_port: int,
+    ingress: Ingress,
+    needed: dict[str, float],
 ) -> Any:
     """Joins `address` (or a cluster already running here); otherwise starts a local one
-    whose HTTP goes through `ingress`. `address="local"` always starts a new local cluster."""
+    whose HTTP goes through `ingress`. `address="local"` always starts a new local cluster.
+    A local cluster gets the CPUs and custom resources the deployment asks for (`needed`),
+    at least one CPU per core: Ray's CPUs are a count for scheduling, not a limit."""
     import ray
 
     if address and address != "local":
@@ -70,8 +78,11 @@ def _start_ray(
     os.environ.update(env)
     if STATE_DIR in env:  # HAProxy's files, made for this cluster: removed when it stops
         atexit.register(shutil.rmtree, env[STATE_DIR], ignore_errors=True)
+    cpus = num_cpus or max(os.cpu_count() or 1, math.ceil(needed.get("CPU", 0)))
+    custom = {k: float(math.ceil(v)) for k, v in needed.items() if k not in ("CPU", "GPU")}
     ctx = ray.init(
-        num_cpus=int(num_cpus) if num_cpus else None,
+        num_cpus=int(cpus),
+        resources=custom or None,
         include_dashboard=True,
         dashboard_host=host,
         dashboard_port=dashboard_port,
@@ -217,7 +228,9 @@ def serve(
     started = time.monotonic()
     from ray import serve as ray_serve
 
-    ctx, own_cluster = _start_ray(address, cfg.host, num_cpus, dashboard_port, ingress)
+    needed = cfg.ray_resources_needed()
+    ctx, own_cluster = _start_ray(address, cfg.host, num_cpus, dashboard_port, ingress, needed)
+    _warn_if_short(needed)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -231,6 +244,32 @@ def serve(
     finally:
         _shutdown(cfg.app_name, registry_name(cfg), own_cluster)
     typer.echo("[tandem] stopped")
+
+
+def resource_shortfall(needed: dict[str, float], total: dict[str, float]) -> dict[str, float]:
+    """What of `needed` a cluster with `total` resources lacks: {resource: missing amount}."""
+    return {
+        name: round(amount - total.get(name, 0.0), 6)
+        for name, amount in needed.items()
+        if total.get(name, 0.0) + 1e-9 < amount
+    }
+
+
+def _warn_if_short(needed: dict[str, float]) -> None:
+    """Says so when the cluster lacks resources the deployment asks for: Serve would wait for
+    them without a word beyond its own log (an autoscaling cluster may still add them)."""
+    import ray
+
+    total = {k: float(v) for k, v in ray.cluster_resources().items()}
+    missing = resource_shortfall(needed, total)
+    if missing:
+        asks = ", ".join(f"{k} {needed[k]:g} (has {total.get(k, 0):g})" for k in sorted(missing))
+        typer.echo(
+            f"[tandem] warning: the deployment asks for {asks}; replicas that do not fit wait "
+            "until the cluster has room (lower num_cpus / num_gpus / resources per role, or "
+            "--num-cpus for a cluster tandem starts)",
+            err=True,
+        )
 
 
 def _print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress | None) -> None:

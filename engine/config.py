@@ -40,6 +40,8 @@ class EngineConfig(BaseModel):
     vLLM's "half" / "float" are accepted.
     `device` places weights and the KV pool ("auto": CUDA when available); `attention_backend`
     "auto" runs the Triton kernels on CUDA and the torch ones on the CPU (`tandem.kernels`).
+    `generation_config`: where requests' sampling defaults come from ("auto": the model's
+    generation_config.json; "none"/"vllm": none; or a directory; `generation_defaults`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -59,6 +61,7 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "cpu", "triton", "reference"] = "auto"
     device: str = Field("cpu", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     seed: int = 0
+    generation_config: str = "auto"
 
     @model_validator(mode="before")
     @classmethod

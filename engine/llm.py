@@ -64,6 +64,12 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no `SamplingParams`: the model's own
+        sampling settings from its generation_config.json (`generation_config="none"`: none),
+        over SamplingParams' defaults, as vLLM's `LLM` does."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def get_tokenizer(self) -> Any:
         """The engine's tokenizer (vLLM's name for it)."""
         return self.engine.tokenizer
@@ -111,6 +117,8 @@ class LLM:
         """Generates for every prompt; returns one `RequestOutput` per prompt, in input order,
         with `SamplingParams.n` samples in its `outputs` (sample i seeded `seed + i`)."""
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         param_list = _as_param_list(sampling_params, len(prompt_list))
         engine = self.engine
         requests: list[Request] = []

@@ -160,6 +160,7 @@ class Router:
                 if settings.get("reasoning_parser")
                 else None
             ),
+            sampling_defaults=settings.get("sampling_defaults"),
         )
         logger.info(
             "router for %s: tool calls read as %s (%s), reasoning parser %s, chat template %s",

@@ -61,8 +61,10 @@ def sampling_params(
     max_tokens: int | None,
     fields: dict[str, Any],
     limits: ModelLimits,
+    default_max_tokens: int | None = None,
 ) -> SamplingParams:
-    """Checks lengths against the context window, then builds the params (400 when invalid)."""
+    """Checks lengths against the context window, then builds the params (400 when invalid).
+    With no `max_tokens`, as many as the context holds, at most `default_max_tokens`."""
     room = limits.max_model_len - num_prompt_tokens
     if room <= 0:
         raise APIError(
@@ -74,7 +76,7 @@ def sampling_params(
             code="context_length_exceeded",
         )
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
     if max_tokens <= 0:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     if max_tokens > room:

@@ -42,6 +42,7 @@ class Serving:
         sse_keepalive_s: float | None = None,
         tool_parser: ToolParser | None = None,
         reasoning_parser: ReasoningParser | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.sse_keepalive_s = sse_keepalive_s
         """How often a waiting SSE stream writes a comment (None: never; see `openai_api`)."""
@@ -49,6 +50,9 @@ class Serving:
         """How free replies to chats with tools write their calls (`tool_parsers.py`)."""
         self.reasoning_parser = reasoning_parser
         """Splits a chat reply's thoughts from its answer (`reasoning.py`; None: it does not)."""
+        self.sampling_defaults = dict(sampling_defaults or {})
+        """The model's sampling settings (`engine.generation_defaults`), for the fields a request
+        leaves out; `max_tokens` among them caps a request that gives none."""
         self.metrics = metrics or RouterMetrics(model_name, "router")
         slo = slo or {}
         self.slo_ttft_s = _seconds(slo.get("ttft_ms"))
@@ -146,7 +150,14 @@ class Serving:
             if truncate_prompt_tokens is not None:
                 token_ids = truncated(token_ids, truncate_prompt_tokens, max_tokens, limits)
             timings.mark("tokenized")
-            params = sampling_params(len(token_ids), max_tokens, fields, limits)
+            defaults = self.sampling_defaults
+            params = sampling_params(
+                len(token_ids),
+                max_tokens,
+                {**defaults, **fields} if defaults else fields,
+                limits,
+                default_max_tokens=defaults.get("max_tokens"),
+            )
             if self.reasoning_parser is not None and params.structure is not None:
                 # the model thinks first; the structure constrains its answer
                 params = params.model_copy(update={"reasoning_tags": REASONING_TAGS})

@@ -147,3 +147,38 @@ def test_tandem_serve_flags_land_in_the_config(tmp_path: Path) -> None:
     assert _config(path, {}, {}, {("engine", "max_model_len"): None}).engine == {
         "num_kv_blocks": 64
     }
+
+
+def test_ray_resources_needed_sum_every_role_at_its_most_replicas() -> None:
+    """What `tandem serve` sizes a local cluster by (and warns about when joining one short of
+    it): router + prefill + decode, autoscaled roles at max_replicas, custom resources too."""
+    from tandem.deploy.serve_cmd import resource_shortfall
+
+    default = ClusterConfig()
+    assert default.ray_resources_needed() == {"CPU": 1.1}
+    two_by_two = ClusterConfig.model_validate(
+        {"prefill": {"replicas": 2}, "decode": {"replicas": 2}}
+    )
+    assert two_by_two.ray_resources_needed() == {"CPU": 2.1}
+    assert resource_shortfall({"CPU": 2.1}, {"CPU": 2.0, "memory": 1e9}) == {"CPU": 0.1}
+    gpu = ClusterConfig.model_validate(
+        {
+            "router": {"resources": {"router": 1}},
+            "prefill": {"num_gpus": 1, "resources": {"prefill": 1}, "replicas": 1,
+                        "autoscaling": {"min_replicas": 1, "max_replicas": 3}},
+            "decode": {"num_gpus": 0.5, "num_cpus": 1, "replicas": 2, "resources": {"decode": 1}},
+        }
+    )  # fmt: skip
+    assert gpu.ray_resources_needed() == {
+        "CPU": 0.1 + 3 * 0.5 + 2 * 1,
+        "GPU": 3 + 2 * 0.5,
+        "router": 1,
+        "prefill": 3,
+        "decode": 2,
+    }
+    assert resource_shortfall(gpu.ray_resources_needed(), {"CPU": 8, "GPU": 4, "router": 1}) == {
+        "prefill": 3,
+        "decode": 2,
+    }
+    colocated = ClusterConfig.model_validate({"mode": "colocated", "decode": {"replicas": 3}})
+    assert colocated.ray_resources_needed() == {"CPU": 1.6}
