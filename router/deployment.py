@@ -2,7 +2,8 @@
 
 (No `from __future__ import annotations` here: FastAPI must see real types on the methods.)
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (OpenAI's Responses
+API, answered as a chat completion), GET /v1/models[/{model}], GET /health,
 POST /tokenize and /detokenize (vLLM's),
 GET /debug/workers (every worker's KV block accounting, from the worker registry),
 GET /metrics (Prometheus).
@@ -39,6 +40,8 @@ from tandem.router.openai_api import (
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.router.pd_orchestrator import PDOrchestrator
 from tandem.router.reasoning import ReasoningParser
+from tandem.router.responses_api import create_response
+from tandem.router.responses_protocol import ResponsesRequest
 from tandem.router.route_planner import DecodeRoutingConfig, RoutePlanner
 from tandem.router.routing_policy import RoutingConfig
 from tandem.router.serving import Serving
@@ -193,6 +196,10 @@ class Router:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Any:
         return await create_chat_completion(self.serving, body)
+
+    @api.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest) -> Any:
+        return await create_response(self.serving, body)
 
     @api.post("/tokenize")
     async def tokenize_route(self, body: TokenizeRequest) -> dict[str, Any]:
