@@ -86,9 +86,12 @@ api.add_middleware(APIKeyMiddleware, key=lambda: getattr(api.state, "api_key_dig
 
 
 @api.exception_handler(StarletteHTTPException)
-async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+    message = str(exc.detail)
+    if exc.status_code in (404, 405):  # name what was asked for
+        message = f"{message}: {request.method} {request.url.path}"
+    return error_response(APIError(exc.status_code, message, type=kind))
 
 
 @api.exception_handler(Exception)

@@ -213,7 +213,9 @@ def test_malformed_json_and_unknown_route(base_url: str) -> None:
         post(base_url, "/v1/completions", data=b'{"model": "tiny", ', headers=headers), 400
     )
     assert_error(post(base_url, "/v1/chat/completions", data=b"not json", headers=headers), 400)
-    assert_error(post(base_url, "/v1/nothing", json=OK), 404)
+    missing = post(base_url, "/v1/nothing", json=OK)
+    assert_error(missing, 404)
+    assert missing.json()["error"]["message"] == "Not Found: POST /v1/nothing"
 
 
 def test_a_model_card_is_retrieved_by_name(base_url: str) -> None:
