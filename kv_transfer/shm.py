@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import multiprocessing.util as mp_util
 import os
 import socket
@@ -38,7 +37,6 @@ import tempfile
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,48 +45,22 @@ import torch
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer import _cross_memory, _pull_ring, _shm_pull
 from tandem.kv_transfer._channel_transport import ChannelTransport
+from tandem.kv_transfer._shm_link import ConnState, LinkState
 from tandem.kv_transfer._shm_memory import Owned, Rows, as_rows, copy_rows
 from tandem.kv_transfer._shm_pools import PoolKinds
-from tandem.kv_transfer._shm_region import ShmRegion, is_region_name, new_endpoint_id
-from tandem.kv_transfer._shm_staging import StagedPages, StagingRing
+from tandem.kv_transfer._shm_region import ShmRegion, new_endpoint_id
+from tandem.kv_transfer._shm_staging import StagingRing
 from tandem.kv_transfer._socket_channel import (
     Conn,
-    FrameError,
     Link,
     Outgoing,
     consecutive_runs,
     dtype_name,
     encode_frame,
-    parse_dtype,
-    parse_shape,
     valid_block_ids,
 )
 from tandem.kv_transfer.base import Message
 from tandem.kv_transfer.manifest import TransferError
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class _LinkState:
-    """Sender side of a link: the peer's pool (mapped, or where to write it by cross-memory
-    attach) if it announced one, and this link's staging ring."""
-
-    peer_region: ShmRegion | None = None
-    peer_pool: torch.Tensor | None = None
-    peer_rows: Rows = None
-    target: _cross_memory.RemotePool | None = None  # a private pool, written by cross-memory
-    pending_runs: list[tuple[int, int, int]] = field(default_factory=list)  # written at `_flush`
-    pull: _shm_pull.PullWriter | None = None  # the pull path's ring, where the peer took it
-    staging: StagingRing = field(default_factory=StagingRing)
-
-
-@dataclass(eq=False)
-class _ConnState:
-    """Receiver side of a connection: the peer's staging ring, mapped on first use."""
-
-    staging: StagedPages = field(default_factory=StagedPages)
-    reader: _shm_pull.PullReader | None = None  # the pull path's reader, where offered
 
 
 class ShmTransport(ChannelTransport):
@@ -227,7 +199,7 @@ class ShmTransport(ChannelTransport):
                 self._owned.drop(ring.name)
 
     def _accept_hello(self, conn: Conn, hello: dict[str, Any]) -> dict[str, Any]:
-        state = _ConnState()
+        state = ConnState()
         conn.state = state
         offered = hello.get("pull")
         if offered is not None and self.pull is not False and _pull_ring.supported():
@@ -237,19 +209,19 @@ class ShmTransport(ChannelTransport):
         return {"pool": self._announce, "pull": state.reader is not None}
 
     def _accepted(self, conn: Conn) -> None:
-        reader = conn.state.reader if isinstance(conn.state, _ConnState) else None
+        reader = conn.state.reader if isinstance(conn.state, ConnState) else None
         if reader is not None:
             self._spawn(reader.run, "pull")
 
     def _control_frame(self, conn: Conn, frame: dict[str, Any]) -> None:
-        reader = conn.state.reader if isinstance(conn.state, _ConnState) else None
+        reader = conn.state.reader if isinstance(conn.state, ConnState) else None
         if frame.get("type") == "wake" and reader is not None:
             reader.wake()
         else:
             super()._control_frame(conn, frame)
 
     def _connected(self, link: Link) -> None:
-        state = _LinkState()
+        state = LinkState()
         link.state = state
         ring, self._offered_ring = self._offered_ring, None
         if ring is not None:
@@ -257,34 +229,13 @@ class ShmTransport(ChannelTransport):
                 state.pull = _shm_pull.PullWriter(ring, link.sock)
                 return  # every message goes through the ring
             self._owned.drop(ring.name)
-        pool = link.welcome.get("pool")
-        if pool is None:
-            return
-        if not isinstance(pool, dict):
-            raise FrameError(f"{link.peer} announced a bad pool {pool!r}")
-        if "pid" in pool:  # private memory: written by cross-memory attach where allowed
-            state.target = _cross_memory.remote_pool(pool, link.sock)
-            if state.target is None:
-                log.warning(
-                    "%s: cannot write into the pool of %s: staging", self._address, link.peer
-                )
-            return
-        if not is_region_name(pool.get("region")):
-            raise FrameError(f"{link.peer} announced a bad pool {pool!r}")
-        num_blocks = parse_shape([pool.get("num_blocks")], 1)[0]
-        shape = (num_blocks, *parse_shape(pool.get("block_shape"), 5))
-        region = ShmRegion.attach(pool["region"], populate=True)
-        state.peer_region = region
-        state.peer_pool = region.tensor(parse_dtype(pool.get("dtype")), shape)
-        state.peer_rows = as_rows(state.peer_pool)
+        state.attach(link.welcome.get("pool"), link.peer, link.sock, self._address)
 
     def _release_link(self, link: Link) -> None:
         state = link.state
-        if not isinstance(state, _LinkState):
+        if not isinstance(state, LinkState):
             return
-        state.peer_pool = state.peer_rows = None
-        if state.peer_region is not None:
-            state.peer_region.close()
+        state.detach()
         with self._cond:
             ring, state.staging = state.staging.region, StagingRing()
             pull, state.pull = state.pull, None
@@ -295,9 +246,9 @@ class ShmTransport(ChannelTransport):
 
     def _release_conn(self, conn: Conn) -> None:
         state = conn.state
-        if isinstance(state, _ConnState):
+        if isinstance(state, ConnState):
             state.staging.close()
-        if isinstance(state, _ConnState) and state.reader is not None:
+        if isinstance(state, ConnState) and state.reader is not None:
             state.reader.stop()
             state.reader.region.close()
 
@@ -309,7 +260,7 @@ class ShmTransport(ChannelTransport):
         """Queues for the sender thread, or, on a link with a pull ring and nothing queued before
         it, appends the message to the ring right here (no thread woken; see `_shm_pull`)."""
         link = self._links.get(peer)
-        pull = link.state.pull if link is not None and type(link.state) is _LinkState else None
+        pull = link.state.pull if link is not None and type(link.state) is LinkState else None
         if pull is not None and self._pool is not None:
             # As `_outgoing` checks, but touching less: this runs on a prefill's hot path
             # after every step, where the CPU caches are cold.
@@ -330,27 +281,18 @@ class ShmTransport(ChannelTransport):
         self._enqueue(self._outgoing(peer, header, src_block_ids))
 
     def _transmit(self, link: Link, item: Outgoing) -> bytes | None:
-        state: _LinkState = link.state
+        state: LinkState = link.state
         if state.pull is not None:  # (`send` writes no record while this thread holds some)
             state.pull.write_waiting(item, self.timeout, lambda: link.failed or self._closed)
             return None
         pool = self._pool
         if not item.src_block_ids or pool is None:
             return encode_frame(f'{{"type":"msg","header":{item.header_json}}}')
-        src, dst = item.src_block_ids, item.dst_block_ids
-        if state.target is not None and dst is not None and self._write_across(state, src, dst):
-            return encode_frame(f'{{"type":"msg","direct":true,"header":{item.header_json}}}')
-        peer_pool, peer_rows, rows = state.peer_pool, state.peer_rows, self._pool_rows
-        if (
-            peer_pool is not None
-            and dst is not None
-            and len(dst) == len(src)
-            and tuple(peer_pool.shape[1:]) == pool.block_shape
-            and peer_pool.dtype == pool.dtype
-            and valid_block_ids(dst, peer_pool.shape[0])
+        src, dst, rows = item.src_block_ids, item.dst_block_ids, self._pool_rows
+        if dst is not None and (
+            (state.target is not None and state.write_across(pool, src, dst))
+            or state.write_mapped(pool, rows, src, dst)
         ):
-            for s, d, n in consecutive_runs(src, dst):
-                copy_rows(peer_rows[d : d + n], rows[s : s + n])
             return encode_frame(f'{{"type":"msg","direct":true,"header":{item.header_json}}}')
         self._flush(link)  # never wait for staging credits while holding back frames
         shape = pool.blocks_shape(len(src))
@@ -369,31 +311,16 @@ class ShmTransport(ChannelTransport):
         frame = f'{{"type":"msg","pages":{json.dumps(pages)},"header":{item.header_json}}}'
         return encode_frame(frame)
 
-    def _write_across(self, state: _LinkState, src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
-        """Queues the pages of `src` for `dst` in the peer's private pool: `_flush` writes them by
-        cross-memory attach, before the frames that announce them. False where the pools do not
-        match (the message is staged)."""
-        pool, target = self._pool, state.target
-        assert pool is not None and target is not None
-        if len(dst) != len(src) or not target.matches(pool):
-            return False
-        if not valid_block_ids(dst, target.num_blocks):
-            return False
-        state.pending_runs += target.runs(pool.tensor.data_ptr(), src, dst)
-        return True
-
     def _flush(self, link: Link) -> None:
         """Writes the pages queued for the peer's private pool (one system call for the batch),
         then the frames."""
         state = link.state
-        if isinstance(state, _LinkState) and state.pending_runs:
-            runs, state.pending_runs = state.pending_runs, []
-            assert state.target is not None
+        if isinstance(state, LinkState):
             try:
-                _cross_memory.write(state.target.pid, runs)
-            except OSError as exc:
+                state.flush_across(link.peer)
+            except TransferError:
                 link.pending.clear()  # those frames would announce pages that are not there
-                raise TransferError(f"could not write pages into {link.peer}: {exc}") from None
+                raise
         super()._flush(link)
 
     def _reserve(self, link: Link, nbytes: int) -> tuple[int, int, ShmRegion, np.ndarray]:
