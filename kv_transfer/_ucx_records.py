@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+
+from tandem.kernels.kv_cache import KVCachePool
 
 
 def _run_start(ids: Any) -> int | None:  # the first id of a list that is one run of ints
@@ -51,9 +56,57 @@ class _Rx:
     direct: bool = False
     failed: str | None = None
 
+    def buffer(self, pool: KVCachePool | None, pool_rows: Any, meta: dict[str, Any]) -> Any:
+        """Where the pages `meta` announces land, as raw bytes: the pool's blocks from
+        `dst_start` when the header allows it and shape and dtype fit (`direct`), else a new
+        tensor (`pages`). Raises ValueError for a bad shape or dtype."""
+        shape, dtype = [int(d) for d in meta["shape"]], getattr(torch, str(meta["dtype"]), None)
+        if not isinstance(dtype, torch.dtype) or len(shape) != 6 or min(shape) <= 0:
+            raise ValueError(f"pages {meta['dtype']} {shape}")
+        start = meta.get("dst_start")
+        if pool is not None and isinstance(start, int) and meta.get("direct"):
+            fits = (tuple(shape[1:]), dtype) == (pool.block_shape, pool.dtype)
+            self.direct = fits and 0 <= start <= pool.num_blocks - shape[0]
+        if self.direct and pool_rows is not None and isinstance(start, int):
+            return pool_rows[start : start + shape[0]].reshape(-1)  # numpy: no torch calls
+        # (raises for absurd sizes: only authenticated peers get here)
+        self.pages = torch.empty(shape, dtype=dtype)
+        raw: np.ndarray = self.pages.reshape(-1).view(torch.uint8).numpy()
+        return raw
+
 
 @dataclass
 class _Conn:
     state: str = "hello"  # -> "ok" | "refused"
     peer: str = ""
     rx: deque[_Rx] = field(default_factory=deque)
+
+    def deliver(
+        self,
+        busy: list[tuple[Any, Any]],
+        done: Callable[[_Rx], None],
+        failed: Callable[[_Rx, str], None],
+    ) -> bool:
+        """Hands on the messages whose pages arrived, oldest first (`done`), and those that
+        failed or timed out (`failed`); a timed-out receive's buffer goes to `busy` (UCX still
+        owns it). Whether any message was handed on."""
+        count = len(self.rx)
+        while self.rx:
+            rx = self.rx[0]
+            if rx.failed is None and rx.request is not None and not rx.request.completed:
+                if time.monotonic() <= rx.deadline:
+                    break
+                busy.append((rx.request, rx.pages))
+                rx.failed = "pages receive timed out (sender gone?)"
+            elif rx.failed is None and rx.request is not None:
+                try:
+                    rx.request.check_error()
+                    rx.header["direct"] = rx.direct
+                except Exception as exc:
+                    rx.failed = f"pages receive failed: {exc}"
+            self.rx.popleft()
+            if rx.failed is None:
+                done(rx)
+            else:
+                failed(rx, rx.failed)
+        return len(self.rx) < count

@@ -382,40 +382,13 @@ class UcxTransport(KVTransport):
         self._busy.append((self._worker.tag_recv_with_handle(Array(buffer), probe), buffer))
 
     def _post_pages(self, conn_id: int, rx: _Rx, meta: dict[str, Any], seq: int) -> None:
-        shape, dtype = [int(d) for d in meta["shape"]], getattr(torch, str(meta["dtype"]), None)
-        if not isinstance(dtype, torch.dtype) or len(shape) != 6 or min(shape) <= 0:
-            raise ValueError(f"pages {meta['dtype']} {shape}")
-        pool, start = self._pool, meta.get("dst_start")
-        if pool is not None and isinstance(start, int) and meta.get("direct"):
-            fits = (tuple(shape[1:]), dtype) == (pool.block_shape, pool.dtype)
-            rx.direct = fits and 0 <= start <= pool.num_blocks - shape[0]
-        if rx.direct and self._pool_rows is not None and isinstance(start, int):
-            raw = self._pool_rows[start : start + shape[0]].reshape(-1)  # numpy: no torch calls
-        else:  # raises for absurd sizes: only authenticated peers get here
-            rx.pages = torch.empty(shape, dtype=dtype)
-            raw = rx.pages.reshape(-1).view(torch.uint8).numpy()
-        buffer = Array(raw)
+        buffer = Array(rx.buffer(self._pool, self._pool_rows, meta))
         tag = _tag(conn_id, _PAGES | seq % _PAGES)
         rx.request = self._worker.tag_recv(buffer, tag, ucx_api.UCXXTagMaskFull)
 
     def _deliver(self, conn: _Conn) -> bool:  # completed messages, oldest first, to the inbox
-        count = len(conn.rx)
-        while conn.rx:
-            rx = conn.rx[0]
-            if rx.failed is None and rx.request is not None and not rx.request.completed:
-                if time.monotonic() <= rx.deadline:
-                    break
-                self._busy.append((rx.request, rx.pages))  # UCX still owns the buffer
-                rx.failed = "pages receive timed out (sender gone?)"
-            elif rx.failed is None and rx.request is not None:
-                try:
-                    rx.request.check_error()
-                    rx.header["direct"] = rx.direct
-                except Exception as exc:
-                    rx.failed = f"pages receive failed: {exc}"
-            conn.rx.popleft()
-            if rx.failed is None:
-                self._inbox.put(Message(conn.peer, rx.header, rx.pages))
-            else:
-                self._report(conn.peer, [request_id_of(rx.header)], rx.failed)
-        return len(conn.rx) < count
+        return conn.deliver(
+            self._busy,
+            lambda rx: self._inbox.put(Message(conn.peer, rx.header, rx.pages)),
+            lambda rx, error: self._report(conn.peer, [request_id_of(rx.header)], error),
+        )
