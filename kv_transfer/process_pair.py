@@ -299,6 +299,20 @@ class PDProcesses:
             if msg[0] == "event":
                 self.events.append(msg[1])
 
+    def wait_settled(self, timeout: float = 15.0) -> None:
+        """Until both sides pass their integrity checks holding nothing: every decode block
+        free, every prefill block free and none pinned (TimeoutError after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            free, total = self.check_decode()
+            p_free, p_total, pinned = self.check_prefill()
+            if (free, p_free, pinned) == (total, p_total, 0):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"decode {free}/{total} free, prefill {p_free}/{p_total} "
+                                   f"free with {pinned} pinned")  # fmt: skip
+            time.sleep(0.1)
+
     def close(self) -> None:
         for conn, proc in ((self.prefill_conn, self.prefill), (self.decode_conn, self.decode)):
             if proc.is_alive():

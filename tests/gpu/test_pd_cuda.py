@@ -3,7 +3,6 @@ CUDA): the pages leave a GPU pool and land in one, over each transport that move
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -55,13 +54,6 @@ def test_pd_transfer_between_gpu_pools_is_exact(
             got = pd.run(f"r{i}", prompt, PARAMS)
             assert got == expected[i], f"prompt {i} over {transport} {devices}"
         assert sum(e["kind"] == "committed" for e in pd.events) == len(PROMPTS)
-        deadline = time.monotonic() + 10  # the last acknowledgements may still be on their way
-        while True:
-            free, total = pd.check_decode()
-            p_free, p_total, pinned = pd.check_prefill()
-            if (free, p_free, pinned) == (total, p_total, 0):
-                break
-            assert time.monotonic() < deadline, f"decode {free}/{total}, prefill {p_free}/{p_total}"
-            time.sleep(0.1)
+        pd.wait_settled(10)  # (the last acknowledgements may still be on their way)
     finally:
         pd.close()

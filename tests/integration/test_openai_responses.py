@@ -13,22 +13,13 @@ import pytest
 from tandem import LLM
 from tandem.engine.sampling_params import SamplingParams
 from tests.integration.conftest import Cluster
-from tests.integration.openai_shared import client, wait_baseline
+from tests.integration.openai_shared import TOOLS, client, wait_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 QUESTION = "tandem serves prefill and decode on separate workers"
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "the weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
+WEATHER = {"type": "function", **TOOLS[0]["function"]}
+"""The weather lookup as a Responses API function tool (no `function` wrapper)."""
 
 
 @pytest.fixture(scope="module")

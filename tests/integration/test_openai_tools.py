@@ -11,7 +11,7 @@ import pytest
 
 from tandem import LLM
 from tandem.engine.sampling_params import SamplingParams
-from tests.integration.openai_shared import PROMPTS, client
+from tests.integration.openai_shared import PROMPTS, TOOLS, client
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -81,30 +81,6 @@ def test_vllm_structured_output_fields_through_the_cluster(base_url: str, refere
         )
         assert "".join(ch.choices[0].text for ch in stream if ch.choices) == want.text
     assert want.text.startswith("(")  # (the last case: the grammar's shape)
-
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "the weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
-                "required": ["city"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "noop",
-            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
-        },
-    },
-]
 
 
 def test_forced_tool_calls(base_url: str) -> None:

@@ -50,14 +50,7 @@ def pd(request: pytest.FixtureRequest, model: str) -> Iterator[PDProcesses]:
 def _settled_and_exact(pd: PDProcesses, expected: list[int], rid: str) -> None:
     """Both sides pass their integrity checks and end up holding nothing (held blocks come back
     within the stall timeout at the latest), and the next request is exact."""
-    deadline = time.monotonic() + 15
-    while True:
-        free, total = pd.check_decode()
-        p_free, p_total, pinned = pd.check_prefill()
-        if (free, p_free, pinned) == (total, p_total, 0):
-            break
-        assert time.monotonic() < deadline, f"decode {free}/{total}, prefill {p_free}/{p_total}"
-        time.sleep(0.1)
+    pd.wait_settled(15)
     assert pd.run(rid, NEXT, PARAMS) == expected
 
 
