@@ -130,7 +130,11 @@ def serve(
         ),
     ] = None,
     num_cpus: Annotated[
-        float | None, typer.Option(help="CPUs of a newly started local Ray cluster.")
+        float | None,
+        typer.Option(
+            help="CPUs of a newly started local Ray cluster (default: what the replicas ask "
+            "for, at least one per core)."
+        ),
     ] = None,
     dashboard_port: Annotated[int, typer.Option(help="Ray dashboard port (new cluster).")] = 8265,
     ingress: Annotated[
