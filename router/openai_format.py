@@ -130,9 +130,12 @@ def reply_message(head: ResponseHead, text: str) -> dict[str, Any]:
 
 
 def _choice_logprobs(head: ResponseHead, req: Prepared) -> dict[str, Any] | None:
-    """A whole choice's logprobs: with an echoed prompt's, those of its tokens first."""
+    """A whole choice's logprobs: with an echoed prompt's, those of its tokens first (with
+    `logprobs` alternatives each, as the output's, also when `prompt_logprobs` asked for more)."""
     if req.echo is not None and req.prompt_logprobs is not None:
-        entries = list(req.prompt_logprobs) + list(req.logprobs or ())
+        k = req.params.logprobs or 0
+        prompt = [e if e is None else (e[0], list(e[1])[:k], *e[2:]) for e in req.prompt_logprobs]
+        entries = prompt + list(req.logprobs or ())
         return head.logprobs(req.prompt_token_ids + req.token_ids, entries)
     return head.logprobs(req.token_ids, req.logprobs)
 

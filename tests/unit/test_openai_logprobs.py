@@ -85,3 +85,20 @@ def test_a_stream_carries_each_token_s_logprobs_once_with_running_offsets() -> N
     assert [c["logprobs"]["tokens"] for c in choices] == [["bc"], ["é"], ["a"]]
     assert [c["logprobs"]["text_offset"] for c in choices] == [[0], [2], [3]]
     assert [c["logprobs"]["token_logprobs"] for c in choices] == [[-0.3], [-0.7], [-0.9]]
+
+
+def test_an_echoed_prompt_has_as_many_alternatives_as_the_output() -> None:
+    """echo + logprobs=1 with prompt_logprobs=2: the echoed tokens carry one alternative each
+    (the prompt's entries were computed with two, for the `prompt_logprobs` field)."""
+    from tandem.router.openai_format import full_body
+
+    plan = SimpleNamespace(prefill=None, decode=SimpleNamespace(worker_id="decode/x"))
+    params = SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=2)
+    req = Prepared("cmpl-1", [1, 2], params, RequestTimings(), plan=plan)  # type: ignore[arg-type]
+    req.echo, req.text, req.token_ids, req.finish_reason = "abc", "é", [3], "length"
+    req.prompt_logprobs = [None, (-0.4, [(3, -0.2), (1, -0.3)], 3)]
+    req.logprobs = [(-0.7, [(3, -0.7)])]
+    head = ResponseHead.of(req, "tiny", "completion", token_text=text)
+    logprobs = full_body(head, [req], req.usage())["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["a", "bc", "é"]
+    assert logprobs["top_logprobs"] == [None, {"é": -0.2, "bc": -0.4}, {"é": -0.7}]
