@@ -169,11 +169,11 @@ async def _serve(
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     token_text = serving.token_text
     reasoning = serving.reasoning_parser if kind == "chat" else None
-    ids = body.return_token_ids
+    ids, asked = body.return_token_ids, body.prompt_logprobs
     if count == 1:
         req = await prepare(0, response_id)
         head = ResponseHead.of(
-            req, serving.model_name, kind, None, token_text, read_calls, reasoning, ids
+            req, serving.model_name, kind, None, token_text, read_calls, reasoning, ids, asked
         )
         if body.stream:
             return ClosingStreamingResponse(
@@ -189,8 +189,9 @@ async def _serve(
         serving, count, lambda i: prepare(i, f"{response_id}-{i}")
     )
     head = ResponseHead.of(
-        reqs[0], serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids
-    )
+        reqs[0], serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids,
+        asked,
+    )  # fmt: skip
     if body.stream:
         return ClosingStreamingResponse(
             _sse_choices(serving, head, reqs, n, include_usage, continuous),

@@ -36,6 +36,7 @@ class ResponseHead:
     read_calls: ReplyParser | None = None  # chat with tools: how its replies' calls are read
     reasoning: ReasoningParser | None = None  # chat: splits the thoughts from the answer
     token_ids: bool = False  # vLLM's `return_token_ids`: prompt and output token ids too
+    prompt_logprobs: int | None = None  # vLLM's field, with this many alternatives (None: none)
 
     @classmethod
     def of(
@@ -48,12 +49,17 @@ class ResponseHead:
         read_calls: ReplyParser | None = None,
         reasoning: ReasoningParser | None = None,
         token_ids: bool = False,
+        prompt_logprobs: int | None = None,
     ) -> ResponseHead:
+        """`prompt_logprobs`: what the request asked for in vLLM's field (the engine may score
+        the prompt with more alternatives, for an echoed prompt's `logprobs`)."""
         asked = req.params.logprobs is not None or req.params.prompt_logprobs is not None
         names = token_text if asked else None
         arrival = int(req.timings.arrival)
         rid = response_id or req.request_id
-        return cls(rid, arrival, model, kind, names, read_calls, reasoning, token_ids)
+        return cls(
+            rid, arrival, model, kind, names, read_calls, reasoning, token_ids, prompt_logprobs
+        )
 
     def logprobs(
         self, token_ids: Sequence[int], entries: Sequence[Any] | None, text_offset: int = 0
@@ -105,12 +111,17 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
 
 
 def _prompt_logprobs(head: ResponseHead, req: Prepared) -> list[Any] | None:
-    """vLLM's `prompt_logprobs` of a request that asks for them."""
-    if req.params.prompt_logprobs is None or req.prompt_logprobs is None:
+    """vLLM's `prompt_logprobs` of a request that asks for them, with as many alternatives."""
+    k = head.prompt_logprobs
+    if k is None or req.prompt_logprobs is None or head.token_text is None:
         return None
-    if head.token_text is None:
-        return None
-    return prompt_logprobs_field(req.prompt_token_ids, req.prompt_logprobs, head.token_text)
+    entries = _with_alternatives(req.prompt_logprobs, k)
+    return prompt_logprobs_field(req.prompt_token_ids, entries, head.token_text)
+
+
+def _with_alternatives(entries: Sequence[Any], k: int) -> list[Any]:
+    """Prompt entries `(logprob, alternatives, rank)` with their first `k` alternatives."""
+    return [e if e is None else (e[0], list(e[1])[:k], *e[2:]) for e in entries]
 
 
 def reply_message(head: ResponseHead, text: str) -> dict[str, Any]:
@@ -133,8 +144,7 @@ def _choice_logprobs(head: ResponseHead, req: Prepared) -> dict[str, Any] | None
     """A whole choice's logprobs: with an echoed prompt's, those of its tokens first (with
     `logprobs` alternatives each, as the output's, also when `prompt_logprobs` asked for more)."""
     if req.echo is not None and req.prompt_logprobs is not None:
-        k = req.params.logprobs or 0
-        prompt = [e if e is None else (e[0], list(e[1])[:k], *e[2:]) for e in req.prompt_logprobs]
+        prompt = _with_alternatives(req.prompt_logprobs, req.params.logprobs or 0)
         entries = prompt + list(req.logprobs or ())
         return head.logprobs(req.prompt_token_ids + req.token_ids, entries)
     return head.logprobs(req.token_ids, req.logprobs)

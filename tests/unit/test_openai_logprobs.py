@@ -89,7 +89,8 @@ def test_a_stream_carries_each_token_s_logprobs_once_with_running_offsets() -> N
 
 def test_an_echoed_prompt_has_as_many_alternatives_as_the_output() -> None:
     """echo + logprobs=1 with prompt_logprobs=2: the echoed tokens carry one alternative each
-    (the prompt's entries were computed with two, for the `prompt_logprobs` field)."""
+    (the prompt's entries were computed with two, for the `prompt_logprobs` field), and vLLM's
+    `prompt_logprobs` field holds as many alternatives as it asked for."""
     from tandem.router.openai_format import full_body
 
     plan = SimpleNamespace(prefill=None, decode=SimpleNamespace(worker_id="decode/x"))
@@ -98,7 +99,17 @@ def test_an_echoed_prompt_has_as_many_alternatives_as_the_output() -> None:
     req.echo, req.text, req.token_ids, req.finish_reason = "abc", "é", [3], "length"
     req.prompt_logprobs = [None, (-0.4, [(3, -0.2), (1, -0.3)], 3)]
     req.logprobs = [(-0.7, [(3, -0.7)])]
+    head = ResponseHead.of(req, "tiny", "completion", token_text=text, prompt_logprobs=2)
+    choice = full_body(head, [req], req.usage())["choices"][0]
+    assert choice["logprobs"]["tokens"] == ["a", "bc", "é"]
+    assert choice["logprobs"]["top_logprobs"] == [None, {"é": -0.2, "bc": -0.4}, {"é": -0.7}]
+    ranked = {"2": {"logprob": -0.4, "rank": 3, "decoded_token": "bc"},
+              "3": {"logprob": -0.2, "rank": 1, "decoded_token": "é"},
+              "1": {"logprob": -0.3, "rank": 2, "decoded_token": "a"}}  # fmt: skip
+    assert choice["prompt_logprobs"] == [None, ranked]
+    # vLLM's field holds what it asked for: one alternative, or none asked (echo only)
+    head = ResponseHead.of(req, "tiny", "completion", token_text=text, prompt_logprobs=1)
+    field = full_body(head, [req], req.usage())["choices"][0]["prompt_logprobs"]
+    assert field == [None, {k: ranked[k] for k in ("2", "3")}]
     head = ResponseHead.of(req, "tiny", "completion", token_text=text)
-    logprobs = full_body(head, [req], req.usage())["choices"][0]["logprobs"]
-    assert logprobs["tokens"] == ["a", "bc", "é"]
-    assert logprobs["top_logprobs"] == [None, {"é": -0.2, "bc": -0.4}, {"é": -0.7}]
+    assert "prompt_logprobs" not in full_body(head, [req], req.usage())["choices"][0]
