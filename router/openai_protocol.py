@@ -275,10 +275,13 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Chat messages as the chat template takes them: role and text, and for a function-calling
     conversation an assistant's `tool_calls` and a tool message's `tool_call_id` and `name`;
     an assistant's `reasoning_content` (a reasoning model's earlier thoughts, which templates
-    such as Qwen3's render) goes back too."""
+    such as Qwen3's render) goes back too. OpenAI's `developer` role (its newer name for
+    system instructions) goes to the template as `system`: open models' templates know that
+    one (some refuse other roles)."""
     out: list[dict[str, Any]] = []
     for m in messages:
-        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        role = "system" if m.role == "developer" else m.role
+        message: dict[str, Any] = {"role": role, "content": m.text()}
         extra = m.model_extra or {}
         for key in ("tool_calls", "tool_call_id", "reasoning_content"):
             if extra.get(key) is not None:

@@ -103,6 +103,7 @@ def test_a_conversation_goes_back_to_the_template_with_calls_and_thoughts() -> N
 
     call = {"id": "call_1", "type": "function", "function": {"name": "a", "arguments": "{}"}}
     messages = [
+        ChatMessage.model_validate({"role": "developer", "content": "be brief"}),
         ChatMessage.model_validate({"role": "user", "content": "go", "ignored": 1}),
         ChatMessage.model_validate(
             {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "hm"}
@@ -112,6 +113,7 @@ def test_a_conversation_goes_back_to_the_template_with_calls_and_thoughts() -> N
         ),
     ]
     assert template_messages(messages) == [
+        {"role": "system", "content": "be brief"},  # (OpenAI's developer role)
         {"role": "user", "content": "go"},
         {"role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "hm"},
         {"role": "tool", "content": "done", "tool_call_id": "call_1", "name": "a"},
