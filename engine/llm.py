@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import InvalidRequestError
+from tandem.engine.generation_defaults import sampling_defaults
 from tandem.engine.llm_engine import KVPoolFactory, LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
@@ -59,6 +60,7 @@ class LLM:
             **kwargs,
         )
         self.engine = LLMEngine(config, kv_pool_factory=kv_pool_factory)
+        self._sampling_defaults = sampling_defaults(config.model, config.generation_config)
 
     @property
     def tokenizer(self) -> Any:
@@ -68,7 +70,7 @@ class LLM:
         """What `generate` and `chat` use when given no `SamplingParams`: the model's own
         sampling settings from its generation_config.json (`generation_config="none"`: none),
         over SamplingParams' defaults, as vLLM's `LLM` does."""
-        return SamplingParams(**self.engine.sampling_defaults)
+        return SamplingParams(**self._sampling_defaults)
 
     def get_tokenizer(self) -> Any:
         """The engine's tokenizer (vLLM's name for it)."""
@@ -222,10 +224,8 @@ def _as_prompt_list(prompts: Prompts) -> list[str | list[int]]:
 
 
 def _as_param_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    params: SamplingParams | Sequence[SamplingParams], n: int
 ) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     param_list = list(params)

@@ -21,7 +21,6 @@ from tandem.engine.errors import (
     PromptTooLongError,
     StepFailedError,
 )
-from tandem.engine.generation_defaults import sampling_defaults
 from tandem.engine.guided import GrammarBook
 from tandem.engine.kv_blocks import KVBlocks
 from tandem.engine.logprobs import (
@@ -64,8 +63,6 @@ class LLMEngine:
         model_dir = Path(config.model)
         self.spec: ModelSpec = load_model_spec(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
-        self.sampling_defaults = sampling_defaults(model_dir, config.generation_config)
-        """The model's sampling defaults (`generation_defaults`): the offline `LLM` applies them."""
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | self.tokenizer.eos_token_ids
         self.device = config.resolved_device()
         self.model = CausalLM(self.spec, attention_backend=config.attention_backend)
