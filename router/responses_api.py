@@ -180,6 +180,7 @@ class _EventWriter:
         self.error: dict[str, Any] | None = None
 
     def event(self, kind: str, **fields: Any) -> str:
+        """One SSE event, written now (items it names may change afterwards)."""
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
@@ -206,25 +207,11 @@ class _EventWriter:
         return len(self.output) - 1
 
     def _text(self, kind: str, delta: str, logprobs: list[dict[str, Any]]) -> list[str]:
-        out: list[str] = []
+        """`delta` of a reasoning or message item's text, opening one unless it is open."""
         item = self.open
-        if item is None or item["type"] != kind:
-            out += self._close()
-            prefix = "rs" if kind == "reasoning" else "msg"
-            if kind == "reasoning":
-                item = _reasoning_item(_new_id(prefix), "", "in_progress")
-            else:
-                item = _message_item(_new_id(prefix), None, [], "in_progress")
-            self.output.append(item)
-            self.open = item
-            out.append(self.event("response.output_item.added", output_index=self._index(),
-                                  item=json.loads(json.dumps(item))))  # fmt: skip
-            part = _text_part("") if kind == "message" else {"type": "reasoning_text", "text": ""}
-            item["content"] = [part]
-            if kind == "message":
-                out.append(self.event("response.content_part.added", item_id=item["id"],
-                                      output_index=self._index(), content_index=0,
-                                      part=dict(part)))  # fmt: skip
+        out = [] if item is not None and item["type"] == kind else self._open_text(kind)
+        item = self.open
+        assert item is not None
         part = item["content"][0]
         part["text"] += delta
         where = {"item_id": item["id"], "output_index": self._index(), "content_index": 0}
@@ -234,6 +221,25 @@ class _EventWriter:
                                   logprobs=logprobs))  # fmt: skip
         else:
             out.append(self.event("response.reasoning_text.delta", **where, delta=delta))
+        return out
+
+    def _open_text(self, kind: str) -> list[str]:
+        """Closes the open item and opens a reasoning or message item with an empty text part."""
+        out = self._close()
+        if kind == "reasoning":
+            item = _reasoning_item(_new_id("rs"), "", "in_progress")
+        else:
+            item = _message_item(_new_id("msg"), None, [], "in_progress")
+        self.output.append(item)
+        self.open = item
+        out.append(self.event("response.output_item.added", output_index=self._index(),
+                              item=item))  # fmt: skip
+        part = _text_part("") if kind == "message" else {"type": "reasoning_text", "text": ""}
+        item["content"] = [part]
+        if kind == "message":
+            out.append(self.event("response.content_part.added", item_id=item["id"],
+                                  output_index=self._index(), content_index=0,
+                                  part=part))  # fmt: skip
         return out
 
     def _call(self, call: dict[str, Any]) -> list[str]:
@@ -249,7 +255,7 @@ class _EventWriter:
             self.output.append(item)
             self.open = item
             out.append(self.event("response.output_item.added", output_index=self._index(),
-                                  item=dict(item)))  # fmt: skip
+                                  item=item))  # fmt: skip
         if function.get("arguments"):
             item["arguments"] += function["arguments"]
             out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
@@ -282,17 +288,14 @@ class _EventWriter:
         return out
 
     def finish(self) -> list[str]:
-        out = self._close()
-        for item in self.output:  # calls closed earlier than the last item
-            item["status"] = "completed"
+        out = self._close()  # (every other item was closed when the next one opened)
         if self.error is not None:
             error = {"code": self.error.get("code"), "message": self.error.get("message")}
             out.append(self.event("error", **error, param=self.error.get("param")))
             failed = self.head.response("failed", self.output, self.usage, error)
             return [*out, self.event("response.failed", response=failed)]
         if not self.output:  # an empty reply: an empty message, as a non-streamed one has
-            out += self._text("message", "", [])[:-1]
-            out += self._close()
+            out += self._open_text("message") + self._close()
         status = "incomplete" if self.finish_reason == "length" else "completed"
         final = self.head.response(status, self.output, self.usage)
         return [*out, self.event(f"response.{status}", response=final)]
