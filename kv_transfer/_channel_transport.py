@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tandem.kernels.kv_cache import KVCachePool
+from tandem.kv_transfer._channel_hooks import ChannelHooks
 from tandem.kv_transfer._socket_channel import (
     HANDSHAKE_FRAME_LIMIT,
     Conn,
@@ -39,7 +40,7 @@ from tandem.kv_transfer._socket_channel import (
     shutdown_and_close,
     valid_block_ids,
 )
-from tandem.kv_transfer.base import KVTransport, Message, drain_inbox, header_json
+from tandem.kv_transfer.base import Message, drain_inbox, header_json
 from tandem.kv_transfer.manifest import TransferError
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ YIELD_PAGE_BYTES = 512 << 10
 """`send` of at least this many bytes of pages behind others yields the GIL to the sender."""
 
 
-class ChannelTransport(KVTransport):
+class ChannelTransport(ChannelHooks):
     """Base of `ShmTransport` and `TorchDistTransport`; subclasses fill in the page moving.
 
     Subclasses set their own fields, then call ``super().__init__`` and finally `_start()`.
@@ -80,54 +81,6 @@ class ChannelTransport(KVTransport):
         self._busy_peer: str | None = None  # whose messages the sender thread holds unsent
         self._listener: socket.socket | None = None
         self._address = ""
-
-    # ------------------------------------------------------------ subclass hooks
-    def _open_listener(self) -> tuple[socket.socket, str]:
-        """A listening socket and the address peers use to reach it."""
-        raise NotImplementedError
-
-    def _connect(self, peer: str) -> socket.socket:
-        """A connected socket to `peer`'s control listener."""
-        raise NotImplementedError
-
-    def _hello_extra(self) -> dict[str, Any]:
-        return {}
-
-    def _accept_hello(self, conn: Conn, hello: dict[str, Any]) -> dict[str, Any]:
-        """Extra fields of the welcome frame for an authenticated peer."""
-        return {}
-
-    def _accepted(self, conn: Conn) -> None:
-        """Runs after the welcome frame was sent (may block, e.g. to form a process group)."""
-
-    def _connected(self, link: Link) -> None:
-        """Runs after the welcome frame was received (may block)."""
-
-    def _transmit(self, link: Link, item: Outgoing) -> bytes | None:
-        """Moves `item`'s pages; returns its frame for the caller to send (frames of messages
-        queued back to back go out in one write), or calls `_flush` and sends it itself and
-        returns None. Raising fails the link."""
-        raise NotImplementedError
-
-    def _receive(self, conn: Conn, frame: dict[str, Any], header: dict[str, Any]) -> Message:
-        """Turns a received `msg` frame into a `Message` (collecting its pages)."""
-        raise NotImplementedError
-
-    def _control_frame(self, conn: Conn, frame: dict[str, Any]) -> None:
-        """A frame other than `msg` from an authenticated peer; raising ends the connection."""
-        raise FrameError(f"unexpected frame {frame.get('type')!r}")
-
-    def _back_frame(self, link: Link, frame: dict[str, Any]) -> None:
-        raise FrameError(f"unexpected frame {frame.get('type')!r} from {link.peer}")
-
-    def _release_link(self, link: Link) -> None:
-        """Drops what a link holds (mappings, groups); never raises."""
-
-    def _release_conn(self, conn: Conn) -> None:
-        """Drops what an accepted connection holds; never raises."""
-
-    def _release(self) -> None:
-        """Frees endpoint-wide resources at close (after threads were stopped)."""
 
     # ------------------------------------------------------------------- contract
     @property
