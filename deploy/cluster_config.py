@@ -29,7 +29,12 @@ class RoleConfig(BaseModel):
 
     replicas: int = Field(1, ge=1, description="Replicas (actors) of this role.")
     num_cpus: float = Field(0.5, ge=0, description="Ray CPUs per replica.")
-    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica.")
+    num_gpus: float = Field(
+        0.0,
+        ge=0,
+        description="Ray GPUs per replica. A share below 1 also sets the engine's "
+        "gpu_memory_utilization to 0.9 x that share unless it is set.",
+    )
     resources: dict[str, float] = Field(
         default_factory=dict,
         description='Custom Ray resources per replica, e.g. {"prefill": 1} to pin a role to '
@@ -261,8 +266,12 @@ class ClusterConfig(BaseModel):
 
     def engine_config(self, role: Literal["prefill", "decode"], model: str) -> EngineConfig:
         role_cfg = self.prefill if role == "prefill" else self.decode
+        settings = {**self.engine, **role_cfg.engine}
+        if 0 < role_cfg.num_gpus < 1:  # a share of a GPU: that share of its memory, by default
+            default = EngineConfig.model_fields["gpu_memory_utilization"].default
+            settings.setdefault("gpu_memory_utilization", round(default * role_cfg.num_gpus, 4))
         try:
-            return EngineConfig(model=model, **{**self.engine, **role_cfg.engine})
+            return EngineConfig(model=model, **settings)
         except ValidationError as exc:
             raise ValueError(f"engine settings for {role}: {exc}") from None
 

@@ -156,6 +156,16 @@ def serve(
         int | None,
         typer.Option(min=2, help="Longest prompt + output in tokens (default: the model's)."),
     ] = None,
+    gpu_memory_utilization: Annotated[
+        float | None,
+        typer.Option(
+            min=0.01,
+            max=1.0,
+            help="Share of a GPU's memory each engine on it may use for weights, activations "
+            "and its KV cache (default 0.9; on a share of a GPU, 0.9 x that share). CPU "
+            "engines size their KV cache by engine.kv_cache_memory_gb (1 GiB).",
+        ),
+    ] = None,
     tool_call_parser: Annotated[
         str | None,
         typer.Option(
@@ -212,6 +222,7 @@ def serve(
         roles = {"prefill": prefill_replicas, "decode": decode_replicas}
         nested = {
             ("engine", "max_model_len"): max_model_len,
+            ("engine", "gpu_memory_utilization"): gpu_memory_utilization,
             ("router", "tool_call_parser"): tool_call_parser,
             ("router", "reasoning_parser"): reasoning_parser,
         }

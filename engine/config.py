@@ -15,6 +15,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+DEFAULT_KV_CACHE_GB = 1.0
+"""The KV pool on the CPU when neither `num_kv_blocks` nor `kv_cache_memory_gb` is set."""
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -32,8 +34,10 @@ def checkpoint_dtype(model_dir: str) -> str:
 class EngineConfig(BaseModel):
     """Everything an engine (offline `LLM`, prefill worker or decode worker) needs to start.
 
-    `num_kv_blocks=None` sizes the KV pool from `kv_cache_memory_gb`, capped at what
-    `max_num_seqs` requests of `max_model_len` tokens could ever use.
+    `num_kv_blocks=None` sizes the KV pool from `kv_cache_memory_gb` when set; else, on a GPU,
+    from `gpu_memory_utilization` (the share of the GPU's memory the engine may use for weights,
+    its largest step and the pool; `kv_memory`), and on the CPU 1 GiB. Either way the pool is
+    capped at what `max_num_seqs` requests of `max_model_len` tokens could ever use.
     `max_model_len=None` takes the model's `max_position_embeddings`, reduced to what the pool
     holds when the pool is smaller.
     `dtype` of weights and KV cache; "auto" takes the checkpoint's (its config.json's), and
@@ -50,7 +54,8 @@ class EngineConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     block_size: int = Field(16, ge=1, le=1024)
     num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_gb: float = Field(1.0, gt=0)
+    kv_cache_memory_gb: float | None = Field(None, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_num_seqs: int = Field(256, ge=1)
     max_model_len: int | None = Field(None, ge=2)

@@ -158,13 +158,12 @@ class LLM:
 
 
 # vLLM's engine arguments that mean nothing to this engine (no CUDA graphs, no remote code,
-# no CPU swap; the KV pool is sized by `kv_cache_memory_gb` or `num_kv_blocks`)
+# no CPU swap)
 _VLLM_IGNORED = (
     "trust_remote_code",
     "enforce_eager",
     "disable_log_stats",
     "swap_space",
-    "gpu_memory_utilization",
     "max_seq_len_to_capture",
     "disable_custom_all_reduce",
 )
@@ -181,6 +180,9 @@ def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("quantization is not supported: weights load as float32/16 or bfloat16")
     if kwargs.pop("kv_cache_dtype", "auto") != "auto":
         raise ValueError("kv_cache_dtype: the KV cache has the model's dtype ('auto' only)")
+    kv_bytes = kwargs.pop("kv_cache_memory_bytes", None)
+    if kv_bytes is not None:  # vLLM's exact size of the pool
+        kwargs.setdefault("kv_cache_memory_gb", int(kv_bytes) / (1 << 30))
     tokenizer = kwargs.pop("tokenizer", None)
     if tokenizer is not None and str(tokenizer) != model:
         raise ValueError("tokenizer: the checkpoint directory's own tokenizer is used")
