@@ -213,17 +213,37 @@ class ClusterConfig(BaseModel):
             raise ValueError(f"unknown or misplaced engine settings: {sorted(unknown)}")
         return value
 
+    def _device(self, role: Literal["prefill", "decode"]) -> str:
+        """Where the role's engines run: its `device`, with "auto" meaning CUDA exactly when
+        Ray gives each replica a GPU (Ray 2.60 does not hide GPUs from an actor that asked
+        for none, so torch would find them anyway)."""
+        role_cfg = self.prefill if role == "prefill" else self.decode
+        device = str({**self.engine, **role_cfg.engine}.get("device", "cpu"))
+        if device == "auto":
+            return "cuda" if role_cfg.num_gpus > 0 else "cpu"
+        return device
+
     @model_validator(mode="after")
-    def _transport_moves_the_pools(self) -> ClusterConfig:
-        """ucx moves host-memory pools only: a role set to CUDA needs shm or torch."""
-        if self.transport == "ucx" and self.mode == "pd":
-            for role in ("prefill", "decode"):
-                device = str({**self.engine, **getattr(self, role).engine}.get("device", "cpu"))
-                if device.startswith("cuda"):
-                    raise ValueError(
-                        f"transport 'ucx' moves host-memory KV pools only, and {role} runs on "
-                        f"{device!r}: use transport 'torch' (NCCL between GPUs) or 'shm'"
-                    )
+    def _devices_fit_the_roles(self) -> ClusterConfig:
+        """A role on CUDA asks Ray for a GPU (else Ray would place replicas on no GPU of their
+        own, however many share one); ucx moves host-memory pools only."""
+        roles: tuple[Literal["prefill", "decode"], ...] = (
+            ("decode",) if self.mode == "colocated" else ("prefill", "decode")
+        )
+        for role in roles:
+            device = self._device(role)
+            if not device.startswith("cuda"):
+                continue
+            if getattr(self, role).num_gpus <= 0:
+                raise ValueError(
+                    f"{role} runs on {device!r} but asks Ray for no GPU: set {role}.num_gpus "
+                    "(1 for a GPU of its own, 0.5 for two replicas sharing one)"
+                )
+            if self.transport == "ucx" and self.mode == "pd":
+                raise ValueError(
+                    f"transport 'ucx' moves host-memory KV pools only, and {role} runs on "
+                    f"{device!r}: use transport 'torch' (NCCL between GPUs) or 'shm'"
+                )
         return self
 
     @classmethod
@@ -266,7 +286,7 @@ class ClusterConfig(BaseModel):
 
     def engine_config(self, role: Literal["prefill", "decode"], model: str) -> EngineConfig:
         role_cfg = self.prefill if role == "prefill" else self.decode
-        settings = {**self.engine, **role_cfg.engine}
+        settings = {**self.engine, **role_cfg.engine, "device": self._device(role)}
         if 0 < role_cfg.num_gpus < 1:  # a share of a GPU: that share of its memory, by default
             default = EngineConfig.model_fields["gpu_memory_utilization"].default
             settings.setdefault("gpu_memory_utilization", round(default * role_cfg.num_gpus, 4))

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from tests.helm.chart import Manifest, ci_values_files, serve_config, the
 from tests.helm.semantics import ServeDeployment, build_deployments, check_all, groups
@@ -155,8 +156,18 @@ def test_each_check_catches_its_break(
 
 
 def test_a_cuda_engine_without_gpus_is_caught(renders: dict[str, list[Manifest]]) -> None:
+    """The cluster config itself refuses a CUDA engine that asks Ray for no GPU; a Serve
+    `deployments:` override that takes the GPU away again is caught here."""
     config = copy.deepcopy(serve_config(renders["default"]))
-    config["applications"][0]["args"]["engine"]["device"] = "cuda"
+    args = config["applications"][0]["args"]
+    args["engine"]["device"] = "cuda"
+    with pytest.raises(ValidationError, match="prefill runs on 'cuda' but asks Ray for no GPU"):
+        build_deployments(config)
+    for role in ("prefill", "decode"):
+        args[role]["num_gpus"] = 1
+    config["applications"][0]["deployments"] = [
+        {"name": "prefill", "ray_actor_options": {"num_cpus": 1}}
+    ]
     broken = copy.deepcopy(renders["default"])
     the(broken, "RayService")["spec"]["serveConfigV2"] = yaml.safe_dump(config)
     problems = check_all(broken, build_deployments(config))

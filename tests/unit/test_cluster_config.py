@@ -47,17 +47,31 @@ def test_bad_settings_are_refused(bad: dict[str, object]) -> None:
 def test_gpu_pools_need_a_transport_that_moves_them() -> None:
     """ucx moves host-memory pools only; shm and torch take CUDA pools, and a colocated
     deployment moves no pages."""
+    gpus = {"prefill": {"num_gpus": 1}, "decode": {"num_gpus": 1}}
     with pytest.raises(ValidationError, match="use transport 'torch'"):
         ClusterConfig.model_validate(
-            {"transport": "ucx", "prefill": {"engine": {"device": "cuda"}}}
+            {**gpus, "transport": "ucx", "prefill": {"num_gpus": 1, "engine": {"device": "cuda"}}}
         )
     for ok in (
-        {"transport": "shm", "engine": {"device": "cuda"}},
-        {"transport": "torch", "engine": {"device": "cuda"}},
-        {"transport": "ucx", "engine": {"device": "auto"}},
-        {"transport": "ucx", "mode": "colocated", "engine": {"device": "cuda"}},
+        {**gpus, "transport": "shm", "engine": {"device": "cuda"}},
+        {**gpus, "transport": "torch", "engine": {"device": "cuda"}},
+        {"transport": "ucx", "engine": {"device": "auto"}},  # auto without GPUs: the CPU
+        {**gpus, "transport": "ucx", "mode": "colocated", "engine": {"device": "cuda"}},
     ):
         ClusterConfig.model_validate(ok)
+
+
+def test_a_role_on_cuda_asks_ray_for_a_gpu_and_auto_follows_the_gpus() -> None:
+    """Ray does not hide GPUs from a replica that asked for none, so "cuda" without
+    `num_gpus` is refused, and "auto" means CUDA exactly where the role asks for GPUs."""
+    with pytest.raises(ValidationError, match=r"decode runs on 'cuda:1' but asks Ray for no GPU"):
+        ClusterConfig.model_validate({"decode": {"engine": {"device": "cuda:1"}}})
+    with pytest.raises(ValidationError, match="set decode.num_gpus"):  # colocated: decode only
+        ClusterConfig.model_validate({"mode": "colocated", "engine": {"device": "cuda"}})
+    config = ClusterConfig(engine={"device": "auto"}, prefill={"num_gpus": 0.5})
+    assert config.engine_config("prefill", "m").device == "cuda"
+    assert config.engine_config("decode", "m").device == "cpu"
+    assert ClusterConfig().engine_config("decode", "m").device == "cpu"
 
 
 def test_router_replicas_can_ask_for_custom_ray_resources() -> None:
