@@ -26,6 +26,7 @@ from tandem.engine.kv_blocks import KVBlocks
 from tandem.engine.kv_memory import (
     GIB,
     CudaMemory,
+    DeviceMemory,
     MemoryBaseline,
     kv_pool_bytes,
     peak_forward_bytes,
@@ -73,12 +74,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | self.tokenizer.eos_token_ids
         self.device = config.resolved_device()
         self.model = CausalLM(self.spec, attention_backend=config.attention_backend)
-        by_utilization = (
-            self.device.type == "cuda"
-            and config.num_kv_blocks is None
-            and config.kv_cache_memory_gb is None
-        )
-        memory = CudaMemory(self.device) if by_utilization else None
+        memory = self._memory_to_size_by()
         baseline = MemoryBaseline.take(memory) if memory is not None else None
         load_weights(self.model, model_dir, config.torch_dtype)
         self.model.to(self.device).eval()
@@ -145,7 +141,15 @@ class LLMEngine:
             logger.info("KV pool on %s: the transport's host-memory pool is not used", self.device)
         return KVCachePool(*dims, device=self.device)
 
-    def _kv_bytes_by_utilization(self, memory: CudaMemory, baseline: MemoryBaseline) -> int:
+    def _memory_to_size_by(self) -> DeviceMemory | None:
+        """The device memory the KV pool is sized by (`gpu_memory_utilization`): a GPU's,
+        unless `num_kv_blocks` or `kv_cache_memory_gb` sizes it."""
+        cfg = self.config
+        if cfg.num_kv_blocks is not None or cfg.kv_cache_memory_gb is not None:
+            return None
+        return CudaMemory(self.device) if self.device.type == "cuda" else None
+
+    def _kv_bytes_by_utilization(self, memory: DeviceMemory, baseline: MemoryBaseline) -> int:
         """The KV pool's share of `gpu_memory_utilization` (`kv_memory`), after one profiling
         step of `max_num_batched_tokens` prompt tokens."""
         cfg = self.config

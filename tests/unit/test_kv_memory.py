@@ -155,3 +155,20 @@ def test_a_role_on_a_share_of_a_gpu_takes_that_share_of_its_memory() -> None:
         None, {"prefill": {"num_gpus": 0.5}}, {}, {("engine", "gpu_memory_utilization"): 0.7}
     )
     assert flagged.engine_config("prefill", model).gpu_memory_utilization == 0.7
+
+
+def test_an_engine_sized_by_its_share_of_a_device(
+    tiny_checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's whole sizing path (baseline, weights, the profiling step, the share) with a
+    fake device of 64 MiB standing in for a GPU's memory."""
+    path = str(tiny_checkpoint())
+    spec = load_model_spec(path)
+    memory = FakeMemory(total=64 * MIB, free=60 * MIB)
+    monkeypatch.setattr(LLMEngine, "_memory_to_size_by", lambda self: memory)
+    config = EngineConfig(model=path, gpu_memory_utilization=0.5, max_num_seqs=100_000)
+    engine = LLMEngine(config)
+    per_block = KVCachePool.bytes_for(1, spec.num_layers, 16, spec.num_kv_heads, spec.head_dim)
+    assert engine.kv_pool.num_blocks == (32 * MIB) // per_block
+    with pytest.raises(InsufficientMemoryError, match="only 0.06 GiB were free"):
+        LLMEngine(config.model_copy(update={"gpu_memory_utilization": 0.99}))
