@@ -93,7 +93,8 @@ class GrammarBook:
             )
             self._compiler = xgrammar.GrammarCompiler(info)
         kind, value = structure
-        text = json.dumps(value, sort_keys=True) if kind == "json_schema" else _ebnf(kind, value)
+        # (keys in the schema's order: the output's properties come in it)
+        text = json.dumps(value) if kind == "json_schema" else _ebnf(kind, value)
         compiled = self._compiled.get((kind, text))
         if compiled is None:
             try:
@@ -124,12 +125,27 @@ class GrammarBook:
 
     def _compile(self, kind: str, text: str) -> Any:
         if kind == "json_schema":
-            # Compact JSON (`{"a": 1}`-style separators, no free whitespace): a model that
-            # likes spaces cannot pad its answer until max_tokens.
-            return self._compiler.compile_json_schema(text, any_whitespace=False)
+            import xgrammar
+
+            # `{"a": 1}`-style separators and no free whitespace: a model that likes spaces
+            # cannot pad its answer until max_tokens.
+            grammar = xgrammar.Grammar.from_json_schema(text, any_whitespace=False)
+            return self._compiler.compile_grammar(without_raw_control_characters(str(grammar)))
         if kind == "regex":
             return self._compiler.compile_regex(text)
         return self._compiler.compile_grammar(text)
+
+
+LOOSE_STRING_CHARACTER = r'[^\"\\\r\n]'
+"""How xgrammar (0.2.9) writes a character of a string with a length bound (`maxLength`,
+`minLength`): it lets control characters through, which JSON does not allow raw."""
+STRICT_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+
+
+def without_raw_control_characters(ebnf: str) -> str:
+    """A JSON schema's EBNF (xgrammar's text) whose every string character excludes U+0000 -
+    U+001F, as its unbounded strings already do: the output stays valid JSON."""
+    return ebnf.replace(LOOSE_STRING_CHARACTER, STRICT_STRING_CHARACTER)
 
 
 def mask_disallowed(logits: torch.Tensor, requests: Sequence[Request], rows: Sequence[int]) -> None:

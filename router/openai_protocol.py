@@ -248,7 +248,7 @@ class ChatCompletionRequest(_SamplingFields):
         if sources := self.structure_sources():
             field = sources[0][0]
             raise bad_request(f"{field} and a forced tool_choice exclude each other", field)
-        return "json_schema", call_schema(forced)
+        return one_structure([("tools", ("json_schema", call_schema(forced)))])
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -65,6 +65,44 @@ def _parses(text: str) -> bool:
     return True
 
 
+def test_properties_come_in_the_schemas_order(llm: LLM) -> None:
+    """As OpenAI and vLLM: the schema's order, not the alphabet's (a schema that puts its
+    "reasoning" before its "answer" means it)."""
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=30, json_schema=schema)
+    for out in llm.generate(["one", "two", "three"], params):
+        assert list(json.loads(out.text)) == ["zeta", "alpha"], out.text
+
+
+def test_bounded_strings_hold_no_raw_control_characters(llm: LLM) -> None:
+    """xgrammar lets control characters into a string with `maxLength`; JSON does not allow
+    them raw, so the grammar is mended (`without_raw_control_characters`) and every sampled
+    answer parses."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    }
+    matcher = llm.engine.grammars.matcher(("json_schema", schema))
+    assert matcher.accept_string('{"name": "ab')
+    assert not matcher.accept_string("\x07")
+    assert not matcher.accept_string("\x1f")
+    assert matcher.accept_string('c", "ok": true}')
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=60, json_schema=schema)
+        for seed in range(16)
+    ]
+    outs = llm.generate(["hi"] * 16, params)
+    assert [list(json.loads(o.text)) for o in outs] == [["name", "ok"]] * 16
+    assert not any(ch < " " for o in outs for ch in o.text)
+
+
 def test_an_unusable_schema_is_refused(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="JSON schema"):
         llm.generate(["x"], SamplingParams(json_schema={"type": 5}))

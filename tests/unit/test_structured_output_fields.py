@@ -96,3 +96,12 @@ def test_a_forced_tool_excludes_other_structures() -> None:
         chat(tools=[TOOL], tool_choice="required", guided_regex="a")
     assert caught.value.param == "guided_regex" and "forced tool_choice" in caught.value.message
     assert chat(tools=[TOOL], guided_choice=["a", "b"])["choice"] == ["a", "b"]  # auto: allowed
+    # A forced call's grammar is built at the router: a tool whose parameters xgrammar cannot
+    # use is the client's 400 there, not a decode worker's failure after prefill.
+    bogus = {"type": "function", "function": {"name": "g", "parameters": {"type": "bogus"}}}
+    for choice in ("required", {"type": "function", "function": {"name": "g"}}):
+        with pytest.raises(APIError) as caught:
+            chat(tools=[bogus], tool_choice=choice)
+        assert (caught.value.status, caught.value.param) == (400, "tools")
+        assert "unusable JSON schema" in caught.value.message
+    assert "json_schema" not in chat(tools=[bogus], tool_choice="auto")  # not forced: free text
