@@ -83,8 +83,16 @@ class ClosingStreamingResponse(StreamingResponse):
                     await self.on_close()
 
 
+class _ErrorJSON(JSONResponse):
+    """JSON in ASCII: an error message that quotes the client's text (a model name, a path)
+    renders whatever that text holds."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return _ErrorJSON(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def create_completion(serving: Serving, body: CompletionRequest) -> Any:

@@ -34,6 +34,7 @@ from tandem.router.tool_calls import (
     reply_parser,
 )
 from tandem.router.tool_parsers import ToolParser
+from tandem.router.unicode_text import UnicodeBody
 
 
 class StreamOptions(BaseModel):
@@ -41,7 +42,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(UnicodeBody):
     model_config = ConfigDict(extra="allow")
 
     model: str

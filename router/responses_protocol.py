@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from tandem.engine.sampling_params import MAX_LOGPROBS
 from tandem.router.errors import bad_request
 from tandem.router.openai_protocol import ChatCompletionRequest
+from tandem.router.unicode_text import UnicodeBody
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 CHAT_ONLY = ("messages", "max_tokens", "max_completion_tokens", "n", "stream_options")
@@ -25,7 +26,7 @@ CHAT_ONLY = ("messages", "max_tokens", "max_completion_tokens", "n", "stream_opt
 """Content part types whose `text` is taken as it is."""
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(UnicodeBody):
     model_config = ConfigDict(extra="allow")
 
     model: str

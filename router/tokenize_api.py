@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from tandem.router.errors import bad_request
 from tandem.router.openai_protocol import (
@@ -21,9 +21,10 @@ from tandem.router.openai_protocol import (
 )
 from tandem.router.request_prep import check_token_ids
 from tandem.router.serving import Serving
+from tandem.router.unicode_text import UnicodeBody
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(UnicodeBody):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -35,7 +36,7 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(UnicodeBody):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
