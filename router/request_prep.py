@@ -5,7 +5,10 @@ Shared by the HTTP and gRPC front ends so both refuse the same things the same w
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple, TypeVar
 
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.sampling_params import SamplingParams, truncated_prompt
@@ -18,6 +21,75 @@ class ModelLimits(NamedTuple):
 
     max_model_len: int
     vocab_size: int
+
+
+T = TypeVar("T")
+
+INLINE_TEXT_CHARS = 8192
+"""Texts up to this long are tokenized on the event loop (well under a millisecond); longer
+ones on a thread of `_TOKENIZING` (the Rust tokenizer drops the GIL), so that one large prompt
+does not hold up every other request, health checks included."""
+PREFIX_CHARS_PER_TOKEN = 16
+"""A text longer than this many characters per token of the context is first tokenized up to
+that many: when that prefix alone fills the context, the prompt is refused without tokenizing
+the rest (a 30 MB prompt is a 413 in milliseconds, not after a minute of tokenizing)."""
+_TOKENIZING = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+
+
+async def off_the_loop_if_long(size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` here when `size` (characters of text) is small, else on a
+    tokenizing thread."""
+    if size <= INLINE_TEXT_CHARS:
+        return fn(*args, **kwargs)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_TOKENIZING, lambda: fn(*args, **kwargs))
+
+
+def chat_text_size(messages: list[dict[str, Any]]) -> int:
+    """About how many characters of text chat `messages` hold."""
+    return sum(len(str(m.get("content") or "")) for m in messages)
+
+
+async def prompt_token_ids(
+    tokenizer: Tokenizer, prompt: str | list[int], limits: ModelLimits, truncating: bool
+) -> list[int]:
+    """`tokenize_prompt`, with a long text tokenized off the event loop, and refused early
+    when a prefix already fills the context (unless the prompt is to be `truncating`)."""
+    if not isinstance(prompt, str) or len(prompt) <= INLINE_TEXT_CHARS:
+        return tokenize_prompt(tokenizer, prompt, limits.vocab_size)
+
+    def tokenize() -> list[int]:
+        if not truncating:
+            _refuse_when_a_prefix_fills_the_context(tokenizer, prompt, limits)
+        return tokenize_prompt(tokenizer, prompt, limits.vocab_size)
+
+    return await off_the_loop_if_long(len(prompt), tokenize)
+
+
+def _refuse_when_a_prefix_fills_the_context(
+    tokenizer: Tokenizer, text: str, limits: ModelLimits
+) -> None:
+    cut = PREFIX_CHARS_PER_TOKEN * limits.max_model_len
+    if len(text) <= cut:
+        return
+    # At a space: the prefix's words are the text's first words, so it has no more tokens
+    # than they do in the whole text.
+    space = text.rfind(" ", cut // 2, cut)
+    count = len(tokenizer.encode(text[: space if space > 0 else cut]))
+    if count >= limits.max_model_len:
+        raise context_exceeded(limits, count, at_least=True)
+
+
+def context_exceeded(limits: ModelLimits, num_tokens: int, *, at_least: bool = False) -> APIError:
+    """413: a prompt of `num_tokens` (`at_least` that many) leaves no room to generate."""
+    has = f"at least {num_tokens}" if at_least else str(num_tokens)
+    return APIError(
+        413,
+        f"This model's maximum context length is {limits.max_model_len} tokens; the prompt "
+        f"has {has} tokens (the prompt plus at least one generated token must fit).",
+        param="prompt",
+        code="context_length_exceeded",
+    )
 
 
 def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
@@ -67,14 +139,7 @@ def sampling_params(
     With no `max_tokens`, as many as the context holds, at most `default_max_tokens`."""
     room = limits.max_model_len - num_prompt_tokens
     if room <= 0:
-        raise APIError(
-            413,
-            f"This model's maximum context length is {limits.max_model_len} tokens; the prompt "
-            f"has {num_prompt_tokens} tokens (the prompt plus at least one generated token must "
-            "fit).",
-            param="prompt",
-            code="context_length_exceeded",
-        )
+        raise context_exceeded(limits, num_prompt_tokens)
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
     if max_tokens <= 0:

@@ -15,8 +15,16 @@ from tandem.router.errors import APIError, WorkerLost, bad_request
 from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
 from tandem.router.prepared import Prepared
 from tandem.router.reasoning import REASONING_TAGS, ReasoningParser
-from tandem.router.request_prep import ModelLimits, sampling_params, tokenize_prompt, truncated
-from tandem.router.route_planner import RoutePlan, RoutePlanner
+from tandem.router.request_prep import (
+    ModelLimits,
+    chat_text_size,
+    off_the_loop_if_long,
+    prompt_token_ids,
+    sampling_params,
+    truncated,
+)
+from tandem.router.request_record import log_request, routing_decision, stage_seconds
+from tandem.router.route_planner import RoutePlanner
 from tandem.router.tool_parsers import HermesParser, ToolParser
 
 logger = logging.getLogger("tandem.router")
@@ -138,15 +146,14 @@ class Serving:
             self.check_model(model)
             limits = await self.limits()
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-                token_ids = self.render_chat(
-                    prompt,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    template_kwargs=chat_template_kwargs,
-                    tools=tools,
-                )
+                chat = {"add_generation_prompt": add_generation_prompt, "tools": tools,
+                        "continue_final_message": continue_final_message,
+                        "template_kwargs": chat_template_kwargs}  # fmt: skip
+                size = chat_text_size(prompt)
+                token_ids = await off_the_loop_if_long(size, self.render_chat, prompt, **chat)
             else:
-                token_ids = tokenize_prompt(self.tokenizer, prompt, limits.vocab_size)  # type: ignore[arg-type]
+                truncating = truncate_prompt_tokens is not None
+                token_ids = await prompt_token_ids(self.tokenizer, prompt, limits, truncating)  # type: ignore[arg-type]
             if truncate_prompt_tokens is not None:
                 token_ids = truncated(token_ids, truncate_prompt_tokens, max_tokens, limits)
             timings.mark("tokenized")
@@ -191,7 +198,7 @@ class Serving:
             hold_s=self.request_timeout_s,
             max_tokens=params.max_tokens,
         )
-        self.metrics.decision(self.planner.policy_name, _decision(plan))
+        self.metrics.decision(self.planner.policy_name, routing_decision(plan))
         req.plan = plan
         try:
             await self.orchestrator.reserve(
@@ -229,7 +236,7 @@ class Serving:
             try:
                 await self.orchestrator.abandon(req.plan)
             finally:
-                self._log(req, "cancelled(client left before the first byte)")
+                log_request(req, "cancelled(client left before the first byte)")
 
     @contextlib.contextmanager
     def _counting_refusals(self) -> Iterator[None]:
@@ -280,7 +287,7 @@ class Serving:
             self.metrics.failed(exc.code or exc.type)
             raise
         finally:
-            self._log(req, outcome)
+            log_request(req, outcome)
             if not outcome.startswith("failed"):
                 self._record(req)
 
@@ -325,20 +332,7 @@ class Serving:
     def _record(self, req: Prepared) -> None:
         """Metrics of a request that finished, or that the client abandoned ("abort")."""
         t = req.timings
-        worker = t.worker
-        stages = {
-            stage: seconds
-            for stage, seconds in (
-                ("tokenize", _span(t.arrival, t.marks.get("tokenized"))),
-                ("reserve", _span(t.marks.get("tokenized"), t.marks.get("reserved"))),
-                ("queue", worker.get("queue_s")),
-                ("prefix_lookup", worker.get("prefix_lookup_s")),
-                ("prefill", worker.get("prefill_s")),
-                ("transfer", worker.get("transfer_tail_s")),
-                ("decode", worker.get("decode_s")),
-            )
-            if seconds is not None
-        }
+        stages = stage_seconds(t)
         self.metrics.finished(
             user=req.user,
             arrival=t.arrival,
@@ -357,44 +351,6 @@ class Serving:
             slo_tpot_s=self.slo_tpot_s,
         )
 
-    @staticmethod
-    def _log(req: Prepared, outcome: str) -> None:
-        stages = " ".join(f"{k}={v:.1f}ms" for k, v in req.timings.stages_ms().items())
-        logger.info(
-            "request %s %s prompt=%d completion=%d cached=%d transferred_blocks=%d route=%s %s",
-            req.request_id,
-            outcome,
-            len(req.prompt_token_ids),
-            req.completion_tokens,
-            req.num_cached_tokens,
-            req.num_transferred_blocks,
-            _route(req.plan),
-            stages,
-        )
-
 
 def _seconds(ms: float | None) -> float | None:
     return None if ms is None else float(ms) / 1000
-
-
-def _span(start: float | None, end: float | None) -> float | None:
-    return None if start is None or end is None else end - start
-
-
-def _decision(plan: RoutePlan) -> str:
-    """How the request was routed: prefilled on its decode worker, or on a prefill worker
-    with or without a prefix-cache hit."""
-    if plan.prefill is None:
-        return "local_prefill"
-    return "prefill_prefix_hit" if plan.prefill_hit_blocks > 0 else "prefill_miss"
-
-
-def _route(plan: RoutePlan | None) -> str:
-    if plan is None:
-        return "-"
-    if plan.prefill is None:
-        return f"local@{plan.decode.worker_id}(hit={plan.decode_hit_blocks})"
-    return (
-        f"{plan.prefill.worker_id}(hit={plan.prefill_hit_blocks})"
-        f"->{plan.decode.worker_id}(hit={plan.decode_hit_blocks})"
-    )

@@ -1,0 +1,65 @@
+"""What the router writes down about a finished request: its stage timings (for metrics), how
+it was routed, and its one log line."""
+
+from __future__ import annotations
+
+import logging
+
+from tandem.router.pd_orchestrator import RequestTimings
+from tandem.router.prepared import Prepared
+from tandem.router.route_planner import RoutePlan
+
+logger = logging.getLogger("tandem.router")  # (the router's one log of requests)
+
+
+def stage_seconds(t: RequestTimings) -> dict[str, float]:
+    """Seconds of each stage the request went through (those it did not are left out)."""
+    worker = t.worker
+    stages = (
+        ("tokenize", _span(t.arrival, t.marks.get("tokenized"))),
+        ("reserve", _span(t.marks.get("tokenized"), t.marks.get("reserved"))),
+        ("queue", worker.get("queue_s")),
+        ("prefix_lookup", worker.get("prefix_lookup_s")),
+        ("prefill", worker.get("prefill_s")),
+        ("transfer", worker.get("transfer_tail_s")),
+        ("decode", worker.get("decode_s")),
+    )
+    return {stage: seconds for stage, seconds in stages if seconds is not None}
+
+
+def routing_decision(plan: RoutePlan) -> str:
+    """How the request was routed: prefilled on its decode worker, or on a prefill worker
+    with or without a prefix-cache hit."""
+    if plan.prefill is None:
+        return "local_prefill"
+    return "prefill_prefix_hit" if plan.prefill_hit_blocks > 0 else "prefill_miss"
+
+
+def log_request(req: Prepared, outcome: str) -> None:
+    stages = " ".join(f"{k}={v:.1f}ms" for k, v in req.timings.stages_ms().items())
+    logger.info(
+        "request %s %s prompt=%d completion=%d cached=%d transferred_blocks=%d route=%s %s",
+        req.request_id,
+        outcome,
+        len(req.prompt_token_ids),
+        req.completion_tokens,
+        req.num_cached_tokens,
+        req.num_transferred_blocks,
+        _route(req.plan),
+        stages,
+    )
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
+
+
+def _route(plan: RoutePlan | None) -> str:
+    if plan is None:
+        return "-"
+    if plan.prefill is None:
+        return f"local@{plan.decode.worker_id}(hit={plan.decode_hit_blocks})"
+    return (
+        f"{plan.prefill.worker_id}(hit={plan.prefill_hit_blocks})"
+        f"->{plan.decode.worker_id}(hit={plan.decode_hit_blocks})"
+    )
