@@ -210,10 +210,13 @@ class WorkerMetricsCollector(Collector):
         model_name: str,
         workers: Callable[[], Iterable[tuple[str, str, dict[str, Any]]]],
         replica_targets: Callable[[], dict[str, int]],
+        other_replicas: Callable[[], dict[str, int]] = dict,
     ) -> None:
+        """`other_replicas`: live replicas of roles that report no stats (the router's)."""
         self.model_name = model_name
         self.workers = workers
         self.replica_targets = replica_targets
+        self.other_replicas = other_replicas
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # collected lazily: never called at registration
@@ -231,7 +234,7 @@ class WorkerMetricsCollector(Collector):
             "Replicas each role should have (autoscaling target).",
             labels=("model_name", "role"),
         )
-        live: dict[str, int] = {}
+        live: dict[str, int] = dict(self.other_replicas())
         for role, replica, stats in self.workers():
             live[role] = live.get(role, 0) + 1
             for key, family in families.items():

@@ -136,8 +136,14 @@ class Router:
             "router": 1,
             **dict(settings.get("replica_targets") or {}),
         }
+        self.running_routers = 1  # this one, until Serve's status says how many run
         self.metrics.registry.register(
-            WorkerMetricsCollector(model_name, self._worker_series, lambda: self.replica_targets)
+            WorkerMetricsCollector(
+                model_name,
+                self._worker_series,
+                lambda: self.replica_targets,
+                lambda: {"router": self.running_routers},
+            )
         )
         asyncio.get_running_loop().create_task(self._follow_replica_targets())
         planner = RoutePlanner(
@@ -254,6 +260,9 @@ class Router:
                     if deployment is not None:
                         states = deployment.replica_states.items()
                         self.replica_targets[role] = sum(n for st, n in states if st in wanted)
+                        if role == "router":
+                            running = sum(n for st, n in states if st == "RUNNING")
+                            self.running_routers = max(1, running)
             except Exception as exc:  # the controller may be restarting; keep the last figures
                 logger.debug("serve.status() failed: %r", exc)
 

@@ -93,7 +93,11 @@ def test_worker_series_come_from_the_reported_stats() -> None:
                            "kv_transfer_bytes": 4096, "num_transfers": 1, "role": "prefill"}),
         ("decode", "d1", {"kv_cache_usage": 0.25, "num_preemptions": 3, "error": "x"}),
     ]  # fmt: skip
-    m.registry.register(WorkerMetricsCollector("m", lambda: workers, lambda: {"decode": 2}))
+    m.registry.register(
+        WorkerMetricsCollector(
+            "m", lambda: workers, lambda: {"decode": 2, "router": 2}, lambda: {"router": 2}
+        )
+    )
     got = samples(m)
 
     def worker(name: str, role: str, replica: str) -> float:
@@ -108,3 +112,5 @@ def test_worker_series_come_from_the_reported_stats() -> None:
     assert worker("tandem:num_preemptions_total", "decode", "d1") == 3
     assert got[("tandem:role_target_replicas", (("model_name", "m"), ("role", "decode")))] == 2
     assert got[("tandem:role_replicas", (("model_name", "m"), ("role", "decode")))] == 1
+    # The router reports no worker stats: its live count comes from Serve's status.
+    assert got[("tandem:role_replicas", (("model_name", "m"), ("role", "router")))] == 2
