@@ -23,14 +23,28 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from tandem.router.errors import APIError
 from tandem.router.openai_api import ClosingStreamingResponse, create_chat_completion
 from tandem.router.responses_protocol import ResponsesRequest
 from tandem.router.serving import Serving
 
+CHAT_FIELD_NAMES = {
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+}
+"""The Responses API's names of the chat fields a request becomes, for its error replies."""
+
 
 async def create_response(serving: Serving, body: ResponsesRequest) -> Any:
     chat = body.chat_request()
-    answer = await create_chat_completion(serving, chat)
+    try:
+        answer = await create_chat_completion(serving, chat)
+    except APIError as exc:
+        if (name := CHAT_FIELD_NAMES.get(exc.param or "")) is not None:
+            exc.message = exc.message.replace(str(exc.param), name)
+            exc.param = name
+        raise
     head = _Head(body, serving.model_name)
     if not isinstance(answer, ClosingStreamingResponse):
         data = json.loads(bytes(answer.body))

@@ -128,3 +128,9 @@ def test_what_is_not_supported_is_a_400(url: str) -> None:
         c.responses.create(model="tiny", input="hi", tools=[{"type": "web_search"}])  # type: ignore[list-item]
     with pytest.raises(openai.NotFoundError):
         c.responses.create(model="nope", input="hi")
+    # A refusal names the Responses API's field, not the chat field it became.
+    with pytest.raises(openai.BadRequestError) as caught:
+        c.responses.create(model="tiny", input="hi", max_output_tokens=10**7)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "max_output_tokens", error
+    assert "max_tokens" not in error["message"].replace("max_output_tokens", "")
