@@ -225,8 +225,11 @@ class Router:
 
     @api.get("/v1/models/{model:path}")
     async def model_card(self, model: str) -> dict[str, Any]:
-        """One model's card (`client.models.retrieve`); 404 for a model not served here."""
-        self.serving.check_model(model or "?")
+        """One model's card (`client.models.retrieve`); 404 for a model not served here.
+        `/v1/models/` (a trailing slash, no name) is the list."""
+        if not model:
+            return await self.models()
+        self.serving.check_model(model)
         limits = await self.serving.limits()
         return model_card(self.serving.model_name, limits.max_model_len)
 

@@ -259,6 +259,8 @@ def test_a_model_card_is_retrieved_by_name(base_url: str) -> None:
     assert card.json()["id"] == "tiny" and card.json()["object"] == "model"
     missing = requests.get(f"{base_url}/v1/models/org/other-model", timeout=30)
     assert_error(missing, 404, "model")
+    listed = requests.get(f"{base_url}/v1/models/", timeout=30)  # (a trailing slash)
+    assert listed.status_code == 200 and listed.json()["data"][0]["id"] == "tiny", listed.text
 
 
 def test_version_is_tandems(base_url: str) -> None:
