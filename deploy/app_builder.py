@@ -97,6 +97,7 @@ def build_app(config: ClusterConfig) -> Application:
         "host": config.host,
         "grpc_port": config.grpc_port,
         "request_timeout_s": config.router.request_timeout_s,
+        "cors_allowed_origins": config.router.cors_allowed_origins,
         "tool_call_parser": config.router.tool_call_parser,
         "reasoning_parser": config.router.reasoning_parser,
         "chat_template": chat_template_text(config.chat_template),

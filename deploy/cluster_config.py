@@ -95,6 +95,11 @@ class RouterConfig(BaseModel):
         "on the nodes that advertise it.",
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may take.")
+    cors_allowed_origins: list[str] = Field(
+        default_factory=lambda: ["*"],
+        description="Origins a browser may call the API from (CORS), as vLLM's "
+        '--allowed-origins: all ("*") by default; [] turns CORS off.',
+    )
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
         "auto",
         description="How a model writes tool calls in a free reply (tool_choice auto): hermes "

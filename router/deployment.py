@@ -29,6 +29,7 @@ from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.worker_registry import get_registry
 from tandem.router.admission import AdmissionConfig
 from tandem.router.api_keys import APIKeyMiddleware, key_digest
+from tandem.router.cors import LateCORS
 from tandem.router.errors import APIError
 from tandem.router.openai_api import (
     create_chat_completion,
@@ -83,6 +84,8 @@ async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
 
 
 api.add_middleware(APIKeyMiddleware, key=lambda: getattr(api.state, "api_key_digest", None))
+# (added last: outermost, so that a browser's preflight needs no key)
+api.add_middleware(LateCORS, origins=lambda: getattr(api.state, "cors_origins", []))
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -119,6 +122,7 @@ class Router:
             key_digest(env_key) if env_key else None
         )
         api.state.api_key_digest = self.api_key_digest  # (one router replica per process)
+        api.state.cors_origins = list(settings.get("cors_allowed_origins", ["*"]))
         tokenizer = Tokenizer.from_pretrained(settings["model"])
         if settings.get("chat_template"):  # the config's, instead of the checkpoint's
             tokenizer.hf.chat_template = settings["chat_template"]
