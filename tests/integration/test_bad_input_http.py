@@ -330,3 +330,17 @@ def test_unknown_fields_are_ignored_and_server_keeps_serving(base_url: str) -> N
 def test_streaming_bad_request_is_refused_before_streaming(base_url: str) -> None:
     resp = post(base_url, "/v1/completions", json={**OK, "stream": True, "max_tokens": 0})
     assert_error(resp, 400, "max_tokens")
+
+
+def test_a_browsers_preflight_is_answered(base_url: str) -> None:
+    """CORS, as vLLM by default: any origin may call the API from a browser."""
+    preflight = requests.options(
+        f"{base_url}/v1/chat/completions",
+        headers={"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type"},  # fmt: skip
+        timeout=30,
+    )
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    answer = post(base_url, "/v1/completions", json=OK, headers={"Origin": "http://ui.example"})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
