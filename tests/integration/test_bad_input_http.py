@@ -336,8 +336,11 @@ def test_a_browsers_preflight_is_answered(base_url: str) -> None:
     """CORS, as vLLM by default: any origin may call the API from a browser."""
     preflight = requests.options(
         f"{base_url}/v1/chat/completions",
-        headers={"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "content-type"},  # fmt: skip
+        headers={
+            "Origin": "http://ui.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type",
+        },
         timeout=30,
     )
     assert preflight.status_code == 200, preflight.text
