@@ -136,10 +136,10 @@ class GrammarBook:
         return self._compiler.compile_grammar(text)
 
 
-LOOSE_STRING_CHARACTER = r'[^\"\\\r\n]'
+LOOSE_STRING_CHARACTER = r"[^\"\\\r\n]"
 """How xgrammar (0.2.9) writes a character of a string with a length bound (`maxLength`,
 `minLength`): it lets control characters through, which JSON does not allow raw."""
-STRICT_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+STRICT_STRING_CHARACTER = r"[^\0-\x1f\"\\]"
 
 
 def without_raw_control_characters(ebnf: str) -> str:
