@@ -64,23 +64,36 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+def _counted(request: Request, exc: APIError) -> JSONResponse:
+    """The error's reply, once it is in `tandem:request_failure_total` (or, a 429, in the
+    admission rejections) if the request path did not count it already. (The app serving is
+    `request.app`: Serve runs a copy of the module's `api`.)"""
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None and not exc.counted:
+        if exc.status == 429:
+            metrics.rejected(exc.code or "rate_limited")
+        else:
+            metrics.failed(exc.code or exc.type)
+        exc.counted = True
+    return error_response(exc)
+
+
 @api.exception_handler(RequestValidationError)
-async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
-        return error_response(
-            APIError(400, "the request body is not valid JSON", code="invalid_json")
-        )
+        invalid = APIError(400, "the request body is not valid JSON", code="invalid_json")
+        return _counted(request, invalid)
     param = None
     if errors:
         loc = [str(p) for p in errors[0].get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
-    return error_response(APIError(400, _validation_message(exc), param=param))
+    return _counted(request, APIError(400, _validation_message(exc), param=param))
 
 
 @api.exception_handler(APIError)
-async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc)
+async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _counted(request, exc)
 
 
 api.add_middleware(APIKeyMiddleware, key=lambda: getattr(api.state, "api_key_digest", None))
@@ -98,11 +111,10 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
 
 
 @api.exception_handler(Exception)
-async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unexpected error")
-    return error_response(
-        APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
-    )
+    failed = APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
+    return _counted(request, failed)
 
 
 @serve.deployment(name="router", max_ongoing_requests=1024)
@@ -134,6 +146,7 @@ class Router:
         model_name = settings["served_model_name"]
         replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = RouterMetrics(model_name, replica)
+        api.state.metrics = self.metrics  # (the error handlers count what reaches them)
         # Replicas each role should have: configured, then what Serve is bringing up (autoscaling).
         self._scrape_stats: list[tuple[str, str, dict[str, Any]]] = []
         self.replica_targets: dict[str, int] = {

@@ -25,6 +25,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.counted = False  # in the router's metrics already (a refusal or failure)
 
     def body(self) -> dict[str, Any]:
         return {

@@ -248,6 +248,7 @@ class Serving:
                 self.metrics.rejected(exc.code or "rate_limited")
             else:
                 self.metrics.failed(exc.code or exc.type)
+            exc.counted = True
             raise
 
     async def run(self, req: Prepared) -> AsyncGenerator[dict[str, Any], None]:
@@ -279,12 +280,16 @@ class Serving:
         except TimeoutError:
             outcome = "failed(timeout)"
             self.metrics.failed("timeout")
-            raise APIError(
+            timed_out = APIError(
                 504, f"request timed out after {self.request_timeout_s}s", type="timeout"
-            ) from None
+            )
+            timed_out.counted = True
+            raise timed_out from None
         except APIError as exc:
             outcome = f"failed({exc.code})"
-            self.metrics.failed(exc.code or exc.type)
+            if not exc.counted:
+                self.metrics.failed(exc.code or exc.type)
+                exc.counted = True
             raise
         finally:
             log_request(req, outcome)

@@ -122,3 +122,22 @@ def test_scraped_counters_equal_the_traffic(cluster: Any) -> None:
     assert (
         delta(after, final, "tandem:request_success_total{finished_reason=length,role=router}") == 0
     )
+    # Refusals before the request path (body validation, unsupported options, malformed JSON)
+    # count too, each once.
+    for body in ({**BAD_TYPE}, {**UNSUPPORTED}):
+        assert requests.post(f"{base}/v1/completions", json=body, timeout=30).status_code == 400
+    malformed = requests.post(
+        f"{base}/v1/completions", data=b"{nope", headers={"content-type": "application/json"},
+        timeout=30,
+    )  # fmt: skip
+    assert malformed.status_code == 400
+    last = scrape(base)
+    key = "tandem:request_failure_total{code=invalid_request_error,role=router}"
+    assert delta(final, last, key) == 1
+    assert delta(final, last, "tandem:request_failure_total{code=unsupported,role=router}") == 1
+    assert delta(final, last, "tandem:request_failure_total{code=invalid_json,role=router}") == 1
+    assert last["tandem:role_replicas{role=router}"] == 1
+
+
+BAD_TYPE = {"model": "tiny", "prompt": "x", "max_tokens": "many"}
+UNSUPPORTED = {"model": "tiny", "prompt": "x", "max_tokens": 2, "suffix": "z"}
