@@ -69,7 +69,7 @@ class SamplingParams(BaseModel):
     parser).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     n: int = Field(1, ge=1, le=128)
     temperature: float = Field(1.0, ge=0.0)
