@@ -98,6 +98,7 @@ def build_app(config: ClusterConfig) -> Application:
         "grpc_port": config.grpc_port,
         "request_timeout_s": config.router.request_timeout_s,
         "cors_allowed_origins": config.router.cors_allowed_origins,
+        "responses_store_size": config.router.responses_store_size,
         "tool_call_parser": config.router.tool_call_parser,
         "reasoning_parser": config.router.reasoning_parser,
         "chat_template": chat_template_text(config.chat_template),

@@ -95,6 +95,12 @@ class RouterConfig(BaseModel):
         "on the nodes that advertise it.",
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may take.")
+    responses_store_size: int = Field(
+        1000,
+        ge=0,
+        description="Responses API replies each router replica keeps in memory for GET "
+        "/v1/responses/{id} and previous_response_id (the newest; 0 keeps none).",
+    )
     cors_allowed_origins: list[str] = Field(
         default_factory=lambda: ["*"],
         description="Origins a browser may call the API from (CORS), as vLLM's "

@@ -43,6 +43,7 @@ from tandem.router.pd_orchestrator import PDOrchestrator
 from tandem.router.reasoning import ReasoningParser
 from tandem.router.responses_api import create_response
 from tandem.router.responses_protocol import ResponsesRequest
+from tandem.router.responses_store import ResponsesStore
 from tandem.router.route_planner import DecodeRoutingConfig, RoutePlanner
 from tandem.router.routing_policy import RoutingConfig
 from tandem.router.serving import Serving
@@ -147,6 +148,7 @@ class Router:
         replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = RouterMetrics(model_name, replica)
         api.state.metrics = self.metrics  # (the error handlers count what reaches them)
+        self.responses_store = ResponsesStore(int(settings.get("responses_store_size", 1000)))
         # Replicas each role should have: configured, then what Serve is bringing up (autoscaling).
         self._scrape_stats: list[tuple[str, str, dict[str, Any]]] = []
         self.replica_targets: dict[str, int] = {
@@ -225,7 +227,16 @@ class Router:
 
     @api.post("/v1/responses")
     async def responses(self, body: ResponsesRequest) -> Any:
-        return await create_response(self.serving, body)
+        return await create_response(self.serving, body, self.responses_store)
+
+    @api.get("/v1/responses/{response_id}")
+    async def stored_response(self, response_id: str) -> dict[str, Any]:
+        """A response this replica stored (`responses_store.py`); 404 otherwise."""
+        return self.responses_store.get(response_id).response
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str) -> dict[str, Any]:
+        return self.responses_store.delete(response_id)
 
     @api.post("/tokenize")
     async def tokenize_route(self, body: TokenizeRequest) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from tandem.router.errors import APIError
 from tandem.router.openai_api import ClosingStreamingResponse, create_chat_completion
 from tandem.router.responses_protocol import ResponsesRequest
+from tandem.router.responses_store import ResponsesStore
 from tandem.router.serving import Serving
 
 CHAT_FIELD_NAMES = {
@@ -36,8 +37,11 @@ CHAT_FIELD_NAMES = {
 """The Responses API's names of the chat fields a request becomes, for its error replies."""
 
 
-async def create_response(serving: Serving, body: ResponsesRequest) -> Any:
-    chat = body.chat_request()
+async def create_response(serving: Serving, body: ResponsesRequest, store: ResponsesStore) -> Any:
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        history = store.get(body.previous_response_id, "previous_response_id").conversation()
+    chat = body.chat_request(history)
     try:
         answer = await create_chat_completion(serving, chat)
     except APIError as exc:
@@ -45,13 +49,21 @@ async def create_response(serving: Serving, body: ResponsesRequest) -> Any:
             exc.message = exc.message.replace(str(exc.param), name)
             exc.param = name
         raise
-    head = _Head(body, serving.model_name)
+    keep = store.capacity > 0 and body.store is not False
+    head = _Head(body, serving.model_name, stored=keep)
+
+    def stored(response: dict[str, Any]) -> None:
+        if keep:
+            store.put(response, [*history, *body.input_items()])
+
     if not isinstance(answer, ClosingStreamingResponse):
         data = json.loads(bytes(answer.body))
         headers = {"x-tandem-timings": answer.headers.get("x-tandem-timings", "{}")}
-        return JSONResponse(head.from_chat(data), headers=headers)
+        response = head.from_chat(data)
+        stored(response)
+        return JSONResponse(response, headers=headers)
     return ClosingStreamingResponse(
-        _events(head, answer.body_iterator),  # type: ignore[arg-type]
+        _events(head, answer.body_iterator, stored),  # type: ignore[arg-type]
         media_type="text/event-stream",
         on_close=answer.on_close,
     )
@@ -60,7 +72,7 @@ async def create_response(serving: Serving, body: ResponsesRequest) -> Any:
 class _Head:
     """What every Response object of one request repeats: id, time, the request's settings."""
 
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, stored: bool) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model = model
@@ -75,10 +87,10 @@ class _Head:
             "text": body.text or {"format": {"type": "text"}},
             "metadata": body.metadata or {},
             "user": body.user,
-            "previous_response_id": None,
+            "previous_response_id": body.previous_response_id,
             "reasoning": body.reasoning,
             "truncation": body.truncation or "disabled",
-            "store": False,
+            "store": stored,
         }
 
     def response(
@@ -168,7 +180,11 @@ async def _chat_chunks(sse: AsyncIterator[str]) -> AsyncGenerator[dict[str, Any]
                 yield json.loads(line[6:])
 
 
-async def _events(head: _Head, sse: AsyncIterator[str]) -> AsyncGenerator[str, None]:
+async def _events(
+    head: _Head, sse: AsyncIterator[str], on_done: Callable[[dict[str, Any]], None]
+) -> AsyncGenerator[str, None]:
+    """The Responses events of a chat stream; `on_done` gets the final response of one that
+    completed (or ended incomplete), before its last event goes."""
     writer = _EventWriter(head)
     async with contextlib.aclosing(sse):  # type: ignore[type-var]
         yield writer.event("response.created", response=head.response("in_progress", []))
@@ -176,7 +192,10 @@ async def _events(head: _Head, sse: AsyncIterator[str]) -> AsyncGenerator[str, N
         async for chunk in _chat_chunks(sse):
             for event in writer.on_chunk(chunk):
                 yield event
-        for event in writer.finish():
+        events = writer.finish()
+        if writer.final is not None and writer.final["status"] != "failed":
+            on_done(writer.final)
+        for event in events:
             yield event
 
 
@@ -192,6 +211,7 @@ class _EventWriter:
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
+        self.final: dict[str, Any] | None = None  # the response `finish` ended with
 
     def event(self, kind: str, **fields: Any) -> str:
         """One SSE event, written now (items it names may change afterwards)."""
@@ -306,10 +326,10 @@ class _EventWriter:
         if self.error is not None:
             error = {"code": self.error.get("code"), "message": self.error.get("message")}
             out.append(self.event("error", **error, param=self.error.get("param")))
-            failed = self.head.response("failed", self.output, self.usage, error)
-            return [*out, self.event("response.failed", response=failed)]
+            self.final = self.head.response("failed", self.output, self.usage, error)
+            return [*out, self.event("response.failed", response=self.final)]
         if not self.output:  # an empty reply: an empty message, as a non-streamed one has
             out += self._open_text("message") + self._close()
         status = "incomplete" if self.finish_reason == "length" else "completed"
-        final = self.head.response(status, self.output, self.usage)
-        return [*out, self.event(f"response.{status}", response=final)]
+        self.final = self.head.response(status, self.output, self.usage)
+        return [*out, self.event(f"response.{status}", response=self.final)]

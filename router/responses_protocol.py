@@ -5,8 +5,9 @@ back): `instructions` become a system message; `input` (text, or a list of messa
 function calls with their outputs) the conversation; `max_output_tokens`, `tools` (function
 tools), `tool_choice`, `parallel_tool_calls` and `text.format` their chat counterparts. The
 sampling fields both APIs share, and vLLM's extensions (`top_k`, `seed`, ...), pass through.
-Responses are not stored: `previous_response_id` and `background` are refused with a 400, as
-are tools other than functions and content other than text.
+With `previous_response_id`, the stored conversation (`responses_store.py`) comes before
+`input`. `background` is refused with a 400, as are tools other than functions and content
+other than text.
 """
 
 from __future__ import annotations
@@ -50,25 +51,25 @@ class ResponsesRequest(UnicodeBody):
     truncation: str | None = None
 
     def check_supported(self) -> None:
-        if self.previous_response_id is not None:
-            raise bad_request(
-                "previous_response_id is not supported: responses are not stored (send the "
-                "conversation in input)",
-                "previous_response_id",
-                "unsupported",
-            )
         if self.background:
             raise bad_request("background responses are not supported", "background", "unsupported")
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The chat completion this request amounts to (400 when it cannot be one)."""
+    def input_items(self) -> list[dict[str, Any]]:
+        """`input` as a list of items (a text is one user message)."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return self.input
+
+    def chat_request(self, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+        """The chat completion this request amounts to (400 when it cannot be one), after the
+        items of `history` (the conversation `previous_response_id` names)."""
         self.check_supported()
         chat: dict[str, Any] = {
             name: value for name, value in (self.model_extra or {}).items() if name not in CHAT_ONLY
         }
         chat.update(
             model=self.model,
-            messages=self.messages(),
+            messages=self.messages(history or []),
             stream=self.stream,
             parallel_tool_calls=self.parallel_tool_calls,
         )
@@ -93,14 +94,12 @@ class ResponsesRequest(UnicodeBody):
             where = ".".join(str(p) for p in first.get("loc", ()))
             raise bad_request(f"{where}: {first.get('msg', 'invalid')}", where or None) from None
 
-    def messages(self) -> list[dict[str, Any]]:
-        """`instructions` and `input` as chat messages."""
+    def messages(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`instructions`, then the `history` items and `input`, as chat messages."""
         out: list[dict[str, Any]] = []
         if self.instructions:
             out.append({"role": "system", "content": self.instructions})
-        if isinstance(self.input, str):
-            return [*out, {"role": "user", "content": self.input}]
-        for i, item in enumerate(self.input):
+        for i, item in enumerate([*history, *self.input_items()], start=-len(history)):
             kind = item.get("type", "message")
             if kind == "message":
                 role = item.get("role")

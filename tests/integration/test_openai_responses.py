@@ -56,6 +56,42 @@ def test_a_response_is_the_chat_reply(url: str, want: Any) -> None:
     assert [item.type for item in response.output] == ["message"]
 
 
+def test_a_stored_response_is_retrieved_continued_and_deleted(
+    url: str, want: Any, reference: LLM
+) -> None:
+    """store (the default): `responses.retrieve` returns the reply; `previous_response_id`
+    goes on from its conversation exactly as the chat of the whole conversation would;
+    `delete` forgets it; store=false keeps nothing."""
+    c = client(url)
+    greedy = {"max_output_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    first = c.responses.create(model="tiny", instructions="be brief", input=QUESTION, **greedy)
+    assert first.store and c.responses.retrieve(first.id).output_text == want.text
+    follow = c.responses.create(
+        model="tiny", previous_response_id=first.id, input="and then?", stream=True, **greedy
+    )
+    final = [e for e in follow if e.type == "response.incomplete"][0].response
+    assert final.previous_response_id == first.id
+    conversation = [
+        {"role": "user", "content": QUESTION},  # (the first instructions do not carry over)
+        {"role": "assistant", "content": want.text},
+        {"role": "user", "content": "and then?"},
+    ]
+    rendered = reference.engine.tokenizer.apply_chat_template(conversation)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert final.output_text == reference.generate([rendered], params, use_tqdm=False)[0].text
+    assert c.responses.retrieve(final.id).output_text == final.output_text  # streamed: stored
+    c.responses.delete(first.id)
+    for gone in (first.id, "resp_unknown"):
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(gone)
+    with pytest.raises(openai.NotFoundError, match="previous_response_id|no response"):
+        c.responses.create(model="tiny", previous_response_id=first.id, input="x", **greedy)
+    unstored = c.responses.create(model="tiny", input="x", store=False, **greedy)
+    assert not unstored.store
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(unstored.id)
+
+
 def test_a_streamed_response_assembles_to_the_same_reply(url: str, want: Any) -> None:
     c = client(url)
     kwargs: dict[str, Any] = {"model": "tiny", "instructions": "be brief", "input": QUESTION,
@@ -122,8 +158,8 @@ def test_a_client_leaving_mid_stream_leaves_nothing_held(url: str, cluster: Clus
 
 def test_what_is_not_supported_is_a_400(url: str) -> None:
     c = client(url)
-    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
-        c.responses.create(model="tiny", input="hi", previous_response_id="resp_x")
+    with pytest.raises(openai.BadRequestError, match="background"):
+        c.responses.create(model="tiny", input="hi", background=True)
     with pytest.raises(openai.BadRequestError, match="function tools only"):
         c.responses.create(model="tiny", input="hi", tools=[{"type": "web_search"}])  # type: ignore[list-item]
     with pytest.raises(openai.NotFoundError):

@@ -12,6 +12,7 @@ import pytest
 from tandem.router.errors import APIError
 from tandem.router.responses_api import _EventWriter, _Head
 from tandem.router.responses_protocol import ResponsesRequest
+from tandem.router.responses_store import ResponsesStore
 
 WEATHER = {
     "type": "function",
@@ -71,7 +72,6 @@ def test_a_request_becomes_its_chat_completion() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"background": True}, "background"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
@@ -90,9 +90,8 @@ def test_what_cannot_be_a_chat_completion_is_a_400(fields: dict[str, Any], param
 
 
 def _head(**fields: Any) -> _Head:
-    return _Head(
-        ResponsesRequest.model_validate({"model": "tiny", "input": "hi", **fields}), "tiny"
-    )
+    body = ResponsesRequest.model_validate({"model": "tiny", "input": "hi", **fields})
+    return _Head(body, "tiny", stored=False)
 
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
@@ -209,3 +208,44 @@ def test_streamed_tool_calls_and_errors() -> None:
     empty = _stream([_delta(finish="stop"), {"choices": [], "usage": USAGE}])
     assert empty[-1]["response"]["output"][0]["content"][0]["text"] == ""
     assert "response.output_text.delta" not in [e["type"] for e in empty]
+
+
+def test_a_stored_conversation_goes_before_the_new_input() -> None:
+    """`previous_response_id`: the stored input and output items, then the new input; the
+    earlier instructions do not carry over (the new ones lead)."""
+    store = ResponsesStore(capacity=2)
+    first = ResponsesRequest.model_validate({"model": "tiny", "input": "hi", "instructions": "a"})
+    call = {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f",
+            "arguments": "{}", "status": "completed"}  # fmt: skip
+    reply = {"id": "resp_1", "output": [
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": []},
+        {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "hello", "annotations": []}]},
+        call,
+    ]}  # fmt: skip
+    store.put(reply, first.input_items())
+    follow = ResponsesRequest.model_validate({
+        "model": "tiny", "previous_response_id": "resp_1", "instructions": "b",
+        "input": [{"type": "function_call_output", "call_id": "c1", "output": "42"}],
+    })  # fmt: skip
+    chat = follow.chat_request(store.get("resp_1").conversation())
+    assert [m.model_dump(exclude_none=True) for m in chat.messages] == [
+        {"role": "system", "content": "b"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    # Bounded: the oldest goes first; unknown and deleted ids are a 404 naming the field.
+    store.put({"id": "resp_2", "output": []}, [])
+    store.put({"id": "resp_3", "output": []}, [])
+    assert len(store) == 2
+    for gone in ("resp_1", "nope"):
+        with pytest.raises(APIError) as err:
+            store.get(gone, "previous_response_id")
+        assert (err.value.status, err.value.param) == (404, "previous_response_id")
+    assert store.delete("resp_2") == {"id": "resp_2", "object": "response", "deleted": True}
+    with pytest.raises(APIError):
+        store.delete("resp_2")
+    ResponsesStore(capacity=0).put({"id": "resp_9", "output": []}, [])  # keeps nothing

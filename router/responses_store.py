@@ -1,0 +1,65 @@
+"""Responses kept in the router's memory: OpenAI's `store` (true unless a request says false).
+
+`GET /v1/responses/{id}` returns a stored response and `DELETE` forgets it. A request's
+`previous_response_id` continues that response's conversation: its input items and its output
+items go before the new input, as OpenAI's do (its `instructions` do not carry over).
+
+Each router replica keeps its own responses, the newest `capacity` of them (the oldest are
+forgotten first; 0 stores none). With several router replicas a follow-up may reach a replica
+that does not hold the response, which is a 404, as for one that was forgotten.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.router.errors import APIError
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]  # the conversation before it, as input items
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The input items of a request that goes on from this response."""
+        return [*self.input_items, *self.response["output"]]
+
+
+class ResponsesStore:
+    def __init__(self, capacity: int = 1000) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
+        if self.capacity <= 0:
+            return
+        self._items[response["id"]] = StoredResponse(response, input_items)
+        self._items.move_to_end(response["id"])
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
+        """The stored response, or a 404 naming `param` (the field that asked for it)."""
+        stored = self._items.get(response_id)
+        if stored is None:
+            raise APIError(
+                404,
+                f"no response {response_id!r} is stored here (store=false, forgotten, or kept "
+                "by another router replica)",
+                type="not_found_error",
+                param=param,
+                code="response_not_found",
+            )
+        return stored
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        """OpenAI's deletion object (404 when there is no such response)."""
+        self.get(response_id)
+        del self._items[response_id]
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def __len__(self) -> int:
+        return len(self._items)
