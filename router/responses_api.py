@@ -10,6 +10,8 @@ Responses events in order (`response.created`, `response.in_progress`, per item
 `response.output_item.added` ... `.done`, text and argument deltas, `response.completed` or
 `response.incomplete`), each with its `sequence_number`; an error mid-stream is an `error` event
 and `response.failed`. A client that leaves cancels the request as a chat stream's would.
+A response that completed (or ended incomplete) is kept unless `store` is false
+(`responses_store.py`), for `GET /v1/responses/{id}` and `previous_response_id`.
 """
 
 from __future__ import annotations
