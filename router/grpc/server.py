@@ -103,8 +103,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise bad_request("give prompt or prompt_token_ids, not both", "prompt")
             if request.HasField("deadline_ms") and not request.deadline_ms > 0:
                 raise bad_request(f"deadline_ms must be > 0, got {request.deadline_ms}")
+            # A client's id may repeat (two calls at once): the workers get it made unique.
+            own_id = f"{request.request_id}@{uuid.uuid4().hex[:8]}" if request.request_id else ""
             req = await self.serving.prepare(
-                request.request_id or f"grpc-{uuid.uuid4().hex}",
+                own_id or f"grpc-{uuid.uuid4().hex}",
                 request.model or None,
                 prompt,
                 max_tokens,
@@ -125,7 +127,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             cached_tokens=req.num_cached_tokens,
                         )
                     yield generation_pb2.GenerateResponse(
-                        request_id=req.request_id,
+                        request_id=request.request_id or req.request_id,
                         token_ids=item["token_ids"],
                         text=item["text"],
                         finish_reason=finish,

@@ -100,6 +100,29 @@ def test_generate_refuses_bad_input(channel: grpc.Channel) -> None:
         assert info.value.code() == code
 
 
+def test_two_calls_with_one_request_id_both_run(channel: grpc.Channel) -> None:
+    """A client's request id may repeat while the first call runs: each call is its own
+    request on the workers (the id comes back as the client gave it)."""
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    greedy = generation_pb2.SamplingOptions(temperature=0, max_tokens=40, ignore_eos=True)
+    first = stub.Generate(
+        generation_pb2.GenerateRequest(
+            prompt="one id, two calls", request_id="dup", sampling=greedy
+        ),
+        timeout=60,
+    )
+    replies = [next(first)]  # the first call is streaming
+    short = generation_pb2.SamplingOptions(temperature=0, max_tokens=3, ignore_eos=True)
+    second = list(stub.Generate(
+        generation_pb2.GenerateRequest(prompt="another", request_id="dup", sampling=short),
+        timeout=60,
+    ))  # fmt: skip
+    assert sum(len(r.token_ids) for r in second) == 3
+    replies += list(first)
+    assert sum(len(r.token_ids) for r in replies) == 40
+    assert {r.request_id for r in replies + second} == {"dup"}
+
+
 def test_generate_with_penalties_bias_and_logprobs(channel: grpc.Channel, cluster: Cluster) -> None:
     llm = LLM(model=str(cluster.model), num_kv_blocks=256)
     prompt = "penalties and logprobs over grpc"
