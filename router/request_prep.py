@@ -136,7 +136,8 @@ def sampling_params(
     default_max_tokens: int | None = None,
 ) -> SamplingParams:
     """Checks lengths against the context window, then builds the params (400 when invalid).
-    With no `max_tokens`, as many as the context holds, at most `default_max_tokens`."""
+    With no `max_tokens`, as many as the context holds. `default_max_tokens` (the model's
+    `max_new_tokens`) caps either, as vLLM's does."""
     room = limits.max_model_len - num_prompt_tokens
     if room <= 0:
         raise context_exceeded(limits, num_prompt_tokens)
@@ -152,10 +153,13 @@ def sampling_params(
             "max_tokens",
             "context_length_exceeded",
         )
+    if default_max_tokens is not None:
+        max_tokens = min(max_tokens, default_max_tokens)
     if fields.get("logit_bias"):
         check_token_ids(list(fields["logit_bias"]), limits.vocab_size, "logit_bias")
-    if fields.get("allowed_token_ids"):
-        check_token_ids(fields["allowed_token_ids"], limits.vocab_size, "allowed_token_ids")
+    for name in ("allowed_token_ids", "stop_token_ids"):
+        if fields.get(name):
+            check_token_ids(fields[name], limits.vocab_size, name)
     try:
         return SamplingParams(**{**fields, "max_tokens": max_tokens})
     except InvalidRequestError as exc:

@@ -61,6 +61,13 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         "allowed_token_ids",
     ),
     (
+        "stop_token_ids outside the vocabulary",
+        "/v1/completions",
+        {**OK, "stop_token_ids": [2, 10**7]},
+        400,
+        "stop_token_ids",
+    ),
+    (
         "truncate_prompt_tokens zero",
         "/v1/completions",
         {**OK, "truncate_prompt_tokens": 0},

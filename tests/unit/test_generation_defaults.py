@@ -101,9 +101,10 @@ class _Planner:
     [
         # nothing asked: the model's values, max_tokens capped by max_new_tokens
         ({}, None, {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 7}),
-        # the request's own values win, field by field
+        # the request's own values win, field by field; max_new_tokens caps max_tokens
         ({"temperature": 0.0, "top_k": 5}, 30,
-         {"temperature": 0.0, "top_k": 5, "top_p": 0.95, "max_tokens": 30}),
+         {"temperature": 0.0, "top_k": 5, "top_p": 0.95, "max_tokens": 7}),
+        ({}, 5, {"temperature": 0.6, "max_tokens": 5}),
     ],
 )  # fmt: skip
 def test_the_router_fills_in_what_a_request_leaves_out(
