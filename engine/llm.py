@@ -73,8 +73,9 @@ class LLM:
         return SamplingParams(**self._sampling_defaults)
 
     def get_tokenizer(self) -> Any:
-        """The engine's tokenizer (vLLM's name for it)."""
-        return self.engine.tokenizer
+        """The checkpoint's Hugging Face tokenizer, as vLLM's `get_tokenizer()` returns
+        (`apply_chat_template(..., tokenize=False)` and all; `tokenizer` is tandem's own)."""
+        return self.engine.tokenizer.hf
 
     def chat(
         self,

@@ -38,14 +38,17 @@ def test_prompt_forms_give_the_same_tokens(llm: LLM) -> None:
 
 def test_chat_renders_the_template_as_the_api_does(llm: LLM) -> None:
     messages = [{"role": "system", "content": "brief"}, {"role": "user", "content": "hi"}]
-    rendered = llm.get_tokenizer().apply_chat_template(messages)
+    rendered = llm.tokenizer.apply_chat_template(messages)
+    hf = llm.get_tokenizer()  # the Hugging Face tokenizer, as vLLM's
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert isinstance(text, str) and hf.encode(text, add_special_tokens=False) == rendered
     want = llm.generate([rendered], GREEDY)[0]
     one = llm.chat(messages, GREEDY)
     assert [o.token_ids for o in one] == [want.token_ids]
     assert one[0].prompt_token_ids == rendered
     two = llm.chat([messages, messages[1:]], sampling_params=GREEDY)
     assert len(two) == 2 and two[0].token_ids == want.token_ids
-    assert two[1].prompt_token_ids == llm.get_tokenizer().apply_chat_template(messages[1:])
+    assert two[1].prompt_token_ids == llm.tokenizer.apply_chat_template(messages[1:])
 
 
 def test_chat_takes_a_template_and_tools_as_vllm_does(llm: LLM) -> None:
@@ -55,7 +58,7 @@ def test_chat_takes_a_template_and_tools_as_vllm_does(llm: LLM) -> None:
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
     )
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
-    hf = llm.get_tokenizer().hf
+    hf = llm.get_tokenizer()
     want = hf.apply_chat_template(
         messages, chat_template=template, tools=tools, tokenize=True, return_dict=False
     )
