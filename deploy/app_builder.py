@@ -14,6 +14,8 @@ from ray.serve import Application
 
 from tandem.deploy.cluster_config import ClusterConfig, RoleConfig
 from tandem.deploy.embedded_model import ensure_embedded_model
+from tandem.engine.model_config import load_model_spec
+from tandem.engine.weights import checkpoint_files
 
 logger = logging.getLogger("tandem.deploy")
 
@@ -29,6 +31,8 @@ def chat_template_text(value: str | None) -> str | None:
     path = Path(value).expanduser()
     if "\n" not in value and len(value) < 4096 and path.is_file():
         value = path.read_text()
+    elif not any(c in value for c in "{}\n"):  # (as vLLM: path-like, yet no such file)
+        raise ValueError(f"chat_template {value!r} looks like a path, but there is no such file")
     import jinja2
 
     try:
@@ -44,6 +48,10 @@ def resolve_model(config: ClusterConfig) -> str:
         path = Path(config.model).expanduser()
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
+        # What every worker would refuse at start-up, refused here in one line (an unsupported
+        # architecture or rope, missing weights) rather than after Ray and Serve started.
+        load_model_spec(path)
+        checkpoint_files(path)
         return str(path.resolve())
     return str(ensure_embedded_model(Path(config.cache_dir).expanduser()))
 

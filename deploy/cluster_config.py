@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tandem.deploy.autoscaling_config import DecodeAutoscaling, PrefillAutoscaling
 from tandem.engine.config import EngineConfig
+from tandem.engine.errors import summarize_validation
 from tandem.engine.worker_settings import WorkerSettings
 from tandem.kv_transfer.registry import TRANSPORTS
 from tandem.router.admission import AdmissionConfig
@@ -260,7 +261,10 @@ class ClusterConfig(BaseModel):
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> ClusterConfig:
         """Reads YAML or JSON; `overrides` (non-None values) win over the file."""
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping at the top level")
         data.update({k: v for k, v in overrides.items() if v is not None})
@@ -304,7 +308,7 @@ class ClusterConfig(BaseModel):
         try:
             return EngineConfig(model=model, **settings)
         except ValidationError as exc:
-            raise ValueError(f"engine settings for {role}: {exc}") from None
+            raise ValueError(f"engine settings for {role}: {summarize_validation(exc)}") from None
 
     def worker_settings(
         self, role: Literal["prefill", "decode"], model: str, registry_name: str

@@ -36,7 +36,12 @@ def _config(
     if config_file is not None:
         import yaml
 
-        loaded = yaml.safe_load(config_file.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(config_file.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(
+                f"{config_file}: not valid YAML: {' '.join(str(exc).split())}"
+            ) from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{config_file}: expected a mapping at the top level")
         data = loaded
@@ -132,8 +137,9 @@ def serve(
     num_cpus: Annotated[
         float | None,
         typer.Option(
+            min=1,
             help="CPUs of a newly started local Ray cluster (default: what the replicas ask "
-            "for, at least one per core)."
+            "for, at least one per core).",
         ),
     ] = None,
     dashboard_port: Annotated[int, typer.Option(help="Ray dashboard port (new cluster).")] = 8265,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -98,10 +99,15 @@ def test_router_replicas_can_ask_for_custom_ray_resources() -> None:
             "Error: invalid configuration: router.reasoning_parser: Input should be",
         ),
         (["--chat-template", "{% for m in %}"], "Error: chat_template is not a Jinja template"),
+        (["--chat-template", "/no/such/t.jinja"], "looks like a path, but there is no such file"),
+        (["--config", "BROKEN_YAML"], "BROKEN_YAML: not valid YAML: while parsing"),
+        (["--config", "BAD_ENGINE", "--model", "MODEL"], "engine settings for prefill: block_size"),
+        (["--model", "GPT2"], "Error: architecture 'GPT2LMHeadModel' is not supported"),
+        (["--num-cpus", "-3"], "Invalid value for '--num-cpus'"),
     ],
 )
 def test_tandem_serve_names_a_bad_setting_in_one_line(
-    tmp_path: Path, args: list[str], message: str
+    tmp_path: Path, args: list[str], message: str, tiny_checkpoint: Any
 ) -> None:
     """Refused before Ray starts: exit code 2 and one line naming the field, without pydantic's
     URL or the input echoed back."""
@@ -109,11 +115,19 @@ def test_tandem_serve_names_a_bad_setting_in_one_line(
 
     from tandem.deploy.cli import app
 
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("prefill:\n  replicas: 2\n  bogus: 1\n")
-    res = CliRunner().invoke(app, ["serve", *[str(bad) if a == "BAD_YAML" else a for a in args]])
-    assert res.exit_code == 2
-    assert message in res.output
+    files = {"BAD_YAML": "prefill:\n  replicas: 2\n  bogus: 1\n", "BROKEN_YAML": "port: [1,\n",
+             "BAD_ENGINE": "engine:\n  block_size: -4\n"}  # fmt: skip
+    paths = {name: tmp_path / f"{name}.yaml" for name in files}
+    for name, text in files.items():
+        paths[name].write_text(text)
+    paths["MODEL"] = tiny_checkpoint()
+    gpt2 = paths["GPT2"] = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "n_layer": 2}')
+    res = CliRunner().invoke(app, ["serve", *[str(paths.get(a, a)) for a in args]])
+    assert res.exit_code == 2, res.output
+    assert message.replace("BROKEN_YAML", str(paths["BROKEN_YAML"])) in res.output, res.output
+    assert "Traceback" not in res.output
     assert "pydantic.dev" not in res.output and "input_value" not in res.output
 
 
