@@ -304,7 +304,8 @@ def _print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress | None) -> 
         f"{cfg.transport} KV transport"
     )
     lines = [
-        f"[tandem] serving {Path(cfg.model).name}: {workers}, ready in {seconds:.1f}s",
+        f"[tandem] serving {cfg.served_model_name or Path(cfg.model).name}: {workers}, "
+        f"ready in {seconds:.1f}s",
         f"[tandem]   OpenAI API:    http://{host}:{cfg.port}/v1"
         + (f" (through {ingress.value})" if ingress else "")
         + (" (API key required: 'Authorization: Bearer <key>')" if cfg.api_key else ""),

@@ -108,8 +108,8 @@ class Admission:
             )
         if deadline_ms is not None and predicted > deadline_ms:
             raise _too_many(
-                f"predicted time to first token {predicted:.0f} ms exceeds the deadline of "
-                f"{deadline_ms:.0f} ms",
+                f"predicted time to first token {predicted:.3g} ms exceeds the deadline of "
+                f"{deadline_ms:.3g} ms",
                 "deadline_unmeetable",
                 (predicted - deadline_ms) / 1000,
             )

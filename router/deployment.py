@@ -199,7 +199,11 @@ class Router:
             self.serving.tool_parser.name,
             settings.get("tool_call_parser", "auto"),
             settings.get("reasoning_parser") or "none",
-            "from the config" if settings.get("chat_template") else "the checkpoint's",
+            "from the config"
+            if settings.get("chat_template")
+            else "the checkpoint's"
+            if tokenizer.hf.chat_template
+            else "none (chat requests are a 400)",
         )
         self.registry_name: str = settings["registry_name"]
         self._grpc_server: Any = None

@@ -117,7 +117,12 @@ class Serving:
                 tools=tools,
             )
         except (ValueError, TypeError) as exc:
-            raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
+            hint = (
+                ""
+                if self.tokenizer.hf.chat_template
+                else " (the model has none: serve it with --chat-template)"
+            )
+            raise bad_request(f"cannot apply the chat template: {exc}{hint}", "messages") from None
 
     async def prepare(
         self,
