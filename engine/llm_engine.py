@@ -181,6 +181,13 @@ class LLMEngine:
         """Blocks (`num_kv_blocks`, or as many as `kv_bytes` hold, no more than `max_num_seqs`
         requests of the longest length could use) and the max model length they allow."""
         cfg = self.config
+        context = self.spec.context_length
+        if cfg.max_model_len is not None and cfg.max_model_len > context:
+            raise InvalidRequestError(
+                f"max_model_len={cfg.max_model_len} exceeds the model's context of {context} "
+                "tokens (max_position_embeddings in its config.json, times a linear or yarn "
+                "rope scaling factor)"
+            )
         target_len = cfg.max_model_len or self.spec.max_position_embeddings
         blocks_per_seq = math.ceil(target_len / cfg.block_size)
         if cfg.num_kv_blocks is not None:

@@ -71,6 +71,18 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = field(default=())
 
     @property
+    def context_length(self) -> int:
+        """The longest sequence the model takes: `max_position_embeddings`, or with a linear or
+        yarn rope scaling the original length times its factor when that is more (as vLLM
+        derives it)."""
+        rope, length = self.rope, self.max_position_embeddings
+        if rope.rope_type == "linear" and rope.factor > 1:
+            return int(length * rope.factor)
+        if rope.rope_type == "yarn" and rope.factor > 1:
+            return max(length, int(rope.original_max_position_embeddings * rope.factor))
+        return length
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

@@ -133,6 +133,22 @@ def test_incomplete_weights_are_named(tiny_checkpoint: Any, tmp_path: Path) -> N
         LLM(model=str(path))
 
 
+def test_max_model_len_beyond_the_models_context(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    """As vLLM: no longer than `max_position_embeddings` (times a linear or yarn factor)."""
+    path = tiny_checkpoint()  # max_position_embeddings 2048
+    with pytest.raises(InvalidRequestError, match="exceeds the model's context of 2048 tokens"):
+        LLM(model=str(path), num_kv_blocks=512, max_model_len=4096)
+    assert LLM(model=str(path), num_kv_blocks=128, max_model_len=2048).engine.max_model_len == 2048
+    scaled = tmp_path / "linear"
+    shutil.copytree(path, scaled)
+    config = json.loads((scaled / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    config.pop("rope_parameters", None)
+    (scaled / "config.json").write_text(json.dumps(config))
+    long = LLM(model=str(scaled), num_kv_blocks=300, max_model_len=4096)
+    assert long.engine.max_model_len == 4096
+
+
 def test_max_model_len_larger_than_pool(tiny_checkpoint: Any) -> None:
     with pytest.raises(InvalidRequestError, match="does not fit in the KV pool"):
         LLM(model=str(tiny_checkpoint()), num_kv_blocks=4, max_model_len=1024)
