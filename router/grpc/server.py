@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tandem.router.api_keys import check_api_key
@@ -79,6 +80,15 @@ def _logprobs(entries: list[Any] | None) -> list[generation_pb2.TokenLogprob]:
     ]
 
 
+def _parse_request(data: bytes) -> generation_pb2.GenerateRequest | None:
+    """The request message, or None for bytes that are not one (`Generate` answers
+    INVALID_ARGUMENT; grpc's own deserializer would make it UNKNOWN)."""
+    try:
+        return generation_pb2.GenerateRequest.FromString(data)
+    except DecodeError:
+        return None
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, serving: Serving, api_key_digest: str | None = None) -> None:
         self.serving = serving
@@ -92,6 +102,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             check_api_key(self.api_key_digest, metadata.get("authorization"))
         except APIError as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, exc.message)
+        if request is None:  # (`_parse_request` could not read the bytes)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the request is not a tandem.v1.GenerateRequest"
+            )
         timings = RequestTimings()
         options = request.sampling
         max_tokens = options.max_tokens if options.HasField("max_tokens") else 16
@@ -146,9 +160,15 @@ async def start_grpc_server(
     With `api_key_digest` (`key_digest` of the key), `Generate` wants the metadata
     ``authorization: Bearer <key>``."""
     server = grpc.aio.server()
-    generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(serving, api_key_digest), server
-    )
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            GenerationServicer(serving, api_key_digest).Generate,
+            request_deserializer=_parse_request,
+            response_serializer=generation_pb2.GenerateResponse.SerializeToString,
+        )
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -100,6 +100,13 @@ def test_generate_refuses_bad_input(channel: grpc.Channel) -> None:
         assert info.value.code() == code
 
 
+def test_bytes_that_are_no_request_are_invalid_argument(channel: grpc.Channel) -> None:
+    raw = channel.unary_stream("/tandem.v1.Generation/Generate")  # (bytes as they are)
+    with pytest.raises(grpc.RpcError) as err:
+        list(raw(b"\xff\xff\xff\xff", timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+
+
 def test_two_calls_with_one_request_id_both_run(channel: grpc.Channel) -> None:
     """A client's request id may repeat while the first call runs: each call is its own
     request on the workers (the id comes back as the client gave it)."""
