@@ -19,7 +19,7 @@ from tandem.router.openai_protocol import (
     check_template_options,
     template_messages,
 )
-from tandem.router.request_prep import check_token_ids
+from tandem.router.request_prep import check_token_ids, off_the_loop_if_long
 from tandem.router.serving import Serving
 from tandem.router.unicode_text import UnicodeBody
 
@@ -34,6 +34,7 @@ class TokenizeRequest(UnicodeBody):
     add_generation_prompt: bool = True  # for `messages`
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False  # vLLM's: also each token as the vocabulary spells it
 
 
 class DetokenizeRequest(UnicodeBody):
@@ -61,8 +62,17 @@ async def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:
         )
     else:
         assert body.prompt is not None
-        tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    return {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": tokens}
+        tokens = await off_the_loop_if_long(
+            len(body.prompt),
+            serving.tokenizer.encode,
+            body.prompt,
+            add_special_tokens=body.add_special_tokens,
+        )
+    out: dict[str, Any] = {"count": len(tokens), "max_model_len": limits.max_model_len,
+                           "tokens": tokens}  # fmt: skip
+    if body.return_token_strs:
+        out["token_strs"] = serving.tokenizer.hf.convert_ids_to_tokens(tokens)
+    return out
 
 
 async def detokenize(serving: Serving, body: DetokenizeRequest) -> dict[str, Any]:

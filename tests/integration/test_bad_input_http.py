@@ -307,6 +307,10 @@ def test_tokenize_counts_as_the_completions_do(base_url: str) -> None:
     assert tok.status_code == 200, tok.text
     body = tok.json()
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
+    assert "token_strs" not in body
+    spelled = post(base_url, "/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert spelled["tokens"] == body["tokens"] and len(spelled["token_strs"]) == body["count"]
+    assert all(isinstance(t, str) and t for t in spelled["token_strs"])
     done = post(base_url, "/v1/completions", json={**OK, "prompt": text}).json()
     assert done["usage"]["prompt_tokens"] == body["count"]
     back = post(base_url, "/detokenize", json={"model": "tiny", "tokens": body["tokens"]})
