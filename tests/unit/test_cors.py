@@ -56,8 +56,6 @@ def test_listed_origins_only_and_off_when_empty() -> None:
     assert status == 400 and "access-control-allow-origin" not in headers
     status, headers = call(allowed, "POST", {"Origin": "http://ui.example"})
     assert headers["access-control-allow-origin"] == "http://ui.example"
-    for origins in ([], ["*"]):  # no Origin header: the app's answer, no CORS header
-        status, headers = call(origins, "POST", {})
-        assert (status, headers["x-app"]) == (200, "1")
-        assert not any(k.startswith("access-control") for k in headers)
+    for origins in ([], ["*"]):  # no Origin header: the app's answer as it is
+        assert call(origins, "POST", {}) == (200, {"x-app": "1"})
     assert call([], "POST", {"Origin": "http://ui.example"}) == (200, {"x-app": "1"})
