@@ -233,9 +233,9 @@ def main() -> None:
     parser.add_argument(
         "--hidden-rounds",
         type=int,
-        default=9,
-        help="2,048-token prompts in part 2 (medians: a prefill's stall here moves by 0.3-1 ms "
-        "from one prompt to the next, against a ~1.3 ms transfer, so fewer make a noisy figure)",
+        default=25,
+        help="2,048-token prompts in part 2 (medians: a prefill's steps here are preempted for "
+        "0.1-0.4 ms at random, against a ~1.3 ms transfer; with 9 the figure moved by ~0.1)",
     )
     parser.add_argument(
         "--inline-send",
