@@ -116,11 +116,10 @@ def peak_forward_bytes(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
-    memory: DeviceMemory | None = None,
+    memory: DeviceMemory,
 ) -> int:
     """Runs one prefill of `num_tokens` (one sequence, every row's logits) on a throw-away pool;
-    returns how far the allocator rose above what was allocated before it (0 with no `memory`:
-    the step still runs, e.g. to check it does on the CPU)."""
+    returns how far the allocator rose above what was allocated before it."""
     num_blocks = math.ceil(num_tokens / block_size)
     pool = KVCachePool(
         num_blocks, spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim, dtype,
@@ -140,13 +139,10 @@ def peak_forward_bytes(
         max_context_len=num_tokens,
     )
     input_ids = ints([0] * num_tokens)
-    if memory is not None:
-        memory.settle()
-        before = memory.allocated()
-        memory.reset_peak()
+    memory.settle()
+    before = memory.allocated()
+    memory.reset_peak()
     logits = model(input_ids, rows, meta, pool, rows)
-    if memory is None:
-        return 0
     memory.settle()
     peak = memory.peak_allocated() - before
     del logits, pool

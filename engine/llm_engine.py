@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import torch
 from tandem.engine import kv_io
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.checkpoint import build_namespace, model_revision
-from tandem.engine.config import DEFAULT_KV_CACHE_GB, EngineConfig
+from tandem.engine.config import EngineConfig
 from tandem.engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
@@ -23,14 +22,8 @@ from tandem.engine.errors import (
 )
 from tandem.engine.guided import GrammarBook
 from tandem.engine.kv_blocks import KVBlocks
-from tandem.engine.kv_memory import (
-    GIB,
-    CudaMemory,
-    DeviceMemory,
-    MemoryBaseline,
-    kv_pool_bytes,
-    peak_forward_bytes,
-)
+from tandem.engine.kv_memory import MemoryBaseline
+from tandem.engine.kv_pool_size import kv_bytes_by_utilization, pool_blocks, sizing_memory
 from tandem.engine.logprobs import (
     add_prompt_logprobs,
     raw_rows,
@@ -74,15 +67,16 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | self.tokenizer.eos_token_ids
         self.device = config.resolved_device()
         self.model = CausalLM(self.spec, attention_backend=config.attention_backend)
-        memory = self._memory_to_size_by()
+        memory = sizing_memory(config, self.device)  # (`kv_pool_size`)
         baseline = MemoryBaseline.take(memory) if memory is not None else None
         load_weights(self.model, model_dir, config.torch_dtype)
         self.model.to(self.device).eval()
+        kv_bytes = None
         if memory is not None and baseline is not None:
-            kv_bytes = self._kv_bytes_by_utilization(memory, baseline)
-        else:
-            kv_bytes = int((config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB) * GIB)
-        num_blocks, self.max_model_len = self._size_kv_pool(kv_bytes)
+            kv_bytes = kv_bytes_by_utilization(
+                config, self.spec, self.model, self.device, memory, baseline
+            )
+        num_blocks, self.max_model_len = pool_blocks(config, self.spec, kv_bytes)
         self.kv_pool = self._allocate_kv_pool(num_blocks, kv_pool_factory)
         self.namespace = build_namespace(
             self.spec,
@@ -140,78 +134,6 @@ class LLMEngine:
         if factory is not None:
             logger.info("KV pool on %s: the transport's host-memory pool is not used", self.device)
         return KVCachePool(*dims, device=self.device)
-
-    def _memory_to_size_by(self) -> DeviceMemory | None:
-        """The device memory the KV pool is sized by (`gpu_memory_utilization`): a GPU's,
-        unless `num_kv_blocks` or `kv_cache_memory_gb` sizes it."""
-        cfg = self.config
-        if cfg.num_kv_blocks is not None or cfg.kv_cache_memory_gb is not None:
-            return None
-        return CudaMemory(self.device) if self.device.type == "cuda" else None
-
-    def _kv_bytes_by_utilization(self, memory: DeviceMemory, baseline: MemoryBaseline) -> int:
-        """The KV pool's share of `gpu_memory_utilization` (`kv_memory`), after one profiling
-        step of `max_num_batched_tokens` prompt tokens."""
-        cfg = self.config
-        max_len = cfg.max_model_len or self.spec.max_position_embeddings
-        peak = peak_forward_bytes(
-            self.model,
-            self.spec,
-            num_tokens=min(cfg.max_num_batched_tokens, max_len),
-            block_size=cfg.block_size,
-            dtype=cfg.torch_dtype,
-            device=self.device,
-            memory=memory,
-        )
-        kv_bytes = kv_pool_bytes(
-            baseline, memory, utilization=cfg.gpu_memory_utilization, activation_peak=peak
-        )
-        logger.info(
-            "gpu_memory_utilization=%g of %.2f GiB: weights %.2f GiB, largest step %.2f GiB, "
-            "KV cache %.2f GiB",
-            cfg.gpu_memory_utilization,
-            baseline.total / GIB,
-            (memory.allocated() - baseline.allocated) / GIB,
-            peak / GIB,
-            kv_bytes / GIB,
-        )
-        return kv_bytes
-
-    def _size_kv_pool(self, kv_bytes: int) -> tuple[int, int]:
-        """Blocks (`num_kv_blocks`, or as many as `kv_bytes` hold, no more than `max_num_seqs`
-        requests of the longest length could use) and the max model length they allow."""
-        cfg = self.config
-        context = self.spec.context_length
-        if cfg.max_model_len is not None and cfg.max_model_len > context:
-            raise InvalidRequestError(
-                f"max_model_len={cfg.max_model_len} exceeds the model's context of {context} "
-                "tokens (max_position_embeddings in its config.json, times a linear or yarn "
-                "rope scaling factor)"
-            )
-        target_len = cfg.max_model_len or self.spec.max_position_embeddings
-        blocks_per_seq = math.ceil(target_len / cfg.block_size)
-        if cfg.num_kv_blocks is not None:
-            num_blocks = cfg.num_kv_blocks
-        else:
-            per_block = KVCachePool.bytes_for(
-                1,
-                self.spec.num_layers,
-                cfg.block_size,
-                self.spec.num_kv_heads,
-                self.spec.head_dim,
-                cfg.torch_dtype,
-            )
-            by_memory = kv_bytes // per_block
-            num_blocks = max(1, min(by_memory, blocks_per_seq * cfg.max_num_seqs))
-        capacity = num_blocks * cfg.block_size
-        if cfg.max_model_len is not None and cfg.max_model_len > capacity:
-            raise InvalidRequestError(
-                f"max_model_len={cfg.max_model_len} does not fit in the KV pool "
-                f"({num_blocks} blocks x {cfg.block_size} = {capacity} tokens); "
-                "raise num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization or lower "
-                "max_model_len"
-            )
-        return num_blocks, min(target_len, capacity)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(

@@ -10,6 +10,7 @@ import torch
 
 from tandem import LLM
 from tandem.deploy.cluster_config import ClusterConfig
+from tandem.engine import llm_engine
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_memory import (
     GIB,
@@ -165,7 +166,7 @@ def test_an_engine_sized_by_its_share_of_a_device(
     path = str(tiny_checkpoint())
     spec = load_model_spec(path)
     memory = FakeMemory(total=64 * MIB, free=60 * MIB)
-    monkeypatch.setattr(LLMEngine, "_memory_to_size_by", lambda self: memory)
+    monkeypatch.setattr(llm_engine, "sizing_memory", lambda config, device: memory)
     config = EngineConfig(model=path, gpu_memory_utilization=0.5, max_num_seqs=100_000)
     engine = LLMEngine(config)
     per_block = KVCachePool.bytes_for(1, spec.num_layers, 16, spec.num_kv_heads, spec.head_dim)
