@@ -70,12 +70,8 @@ def _counted(request: Request, exc: APIError) -> JSONResponse:
     admission rejections) if the request path did not count it already. (The app serving is
     `request.app`: Serve runs a copy of the module's `api`.)"""
     metrics = getattr(request.app.state, "metrics", None)
-    if metrics is not None and not exc.counted:
-        if exc.status == 429:
-            metrics.rejected(exc.code or "rate_limited")
-        else:
-            metrics.failed(exc.code or exc.type)
-        exc.counted = True
+    if metrics is not None:
+        exc.count(metrics)
     return error_response(exc)
 
 

@@ -27,6 +27,16 @@ class APIError(Exception):
         self.code = code
         self.counted = False  # in the router's metrics already (a refusal or failure)
 
+    def count(self, metrics: Any) -> None:
+        """Counts the refusal in the router's `metrics` (`RouterMetrics`) unless it is already:
+        a 429 as an admission rejection, any other as a failure."""
+        if not self.counted:
+            if self.status == 429:
+                metrics.rejected(self.code or "rate_limited")
+            else:
+                metrics.failed(self.code or self.type)
+            self.counted = True
+
     def body(self) -> dict[str, Any]:
         return {
             "error": {

@@ -249,11 +249,7 @@ class Serving:
         try:
             yield
         except APIError as exc:
-            if exc.status == 429:
-                self.metrics.rejected(exc.code or "rate_limited")
-            else:
-                self.metrics.failed(exc.code or exc.type)
-            exc.counted = True
+            exc.count(self.metrics)
             raise
 
     async def run(self, req: Prepared) -> AsyncGenerator[dict[str, Any], None]:
