@@ -23,6 +23,18 @@ from tandem.router.route_planner import DecodeRoutingConfig
 from tandem.router.routing_policy import RoutingConfig
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A config file's mapping (YAML or JSON); ValueError in one line naming the file when it
+    is not valid YAML or not a mapping."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return data
+
+
 class RoleConfig(BaseModel):
     """One actor group: how many replicas and what each needs from Ray."""
 
@@ -261,12 +273,7 @@ class ClusterConfig(BaseModel):
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> ClusterConfig:
         """Reads YAML or JSON; `overrides` (non-None values) win over the file."""
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping at the top level")
+        data = read_config_file(path)
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
 

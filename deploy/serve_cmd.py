@@ -30,21 +30,9 @@ def _config(
 ) -> Any:
     """The cluster config: the file's, then the flags that were given (`overrides` at the
     top level, replicas per role, `nested` as (section, field): value)."""
-    from tandem.deploy.cluster_config import ClusterConfig
+    from tandem.deploy.cluster_config import ClusterConfig, read_config_file
 
-    data: dict[str, Any] = {}
-    if config_file is not None:
-        import yaml
-
-        try:
-            loaded = yaml.safe_load(config_file.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ValueError(
-                f"{config_file}: not valid YAML: {' '.join(str(exc).split())}"
-            ) from None
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{config_file}: expected a mapping at the top level")
-        data = loaded
+    data: dict[str, Any] = read_config_file(config_file) if config_file is not None else {}
     data.update({k: v for k, v in overrides.items() if v is not None})
     for role, replicas in role_overrides.items():
         if replicas is not None:
