@@ -142,7 +142,7 @@ def sampling_params(
     if room <= 0:
         raise context_exceeded(limits, num_prompt_tokens)
     if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
+        max_tokens = room  # (capped below)
     if max_tokens <= 0:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     if max_tokens > room:
