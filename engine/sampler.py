@@ -116,7 +116,7 @@ def _greedy_argmax_vocab_major(logits_t: torch.Tensor) -> torch.Tensor:
 
 def _probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
-    scaled = logits / temps[:, None]
+    scaled = _finite_above(logits / temps[:, None])
     min_ps = [r.params.min_p for r in requests]
     if any(p > 0.0 for p in min_ps):
         scaled = _apply_min_p(scaled, torch.tensor(min_ps, dtype=logits.dtype))
@@ -127,6 +127,14 @@ def _probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     if any(p < 1.0 for p in top_ps):
         scaled = _apply_top_p(scaled, torch.tensor(top_ps, dtype=logits.dtype))
     return torch.softmax(scaled, dim=-1)
+
+
+def _finite_above(scaled: torch.Tensor) -> torch.Tensor:
+    """`scaled` with +inf (a logit over a small temperature, or one a repetition penalty near 0
+    divided) as the dtype's largest value and NaN as -inf: softmax then gives the largest
+    tokens the mass instead of NaNs, which `multinomial` refuses (the whole step would fail)."""
+    top = torch.finfo(scaled.dtype).max
+    return torch.nan_to_num(scaled, nan=float("-inf"), posinf=top, neginf=float("-inf"))
 
 
 def _apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:

@@ -42,9 +42,9 @@ class SamplingParams(BaseModel):
     """How to pick tokens and when to stop.
 
     `n` samples per prompt (`LLM.generate`; an engine request is one sample: the router and
-    `LLM` add one per sample, seeded `seed`, `seed + 1`, ...). `temperature == 0` means
-    greedy. Sampling applies temperature, then `min_p` (drops tokens less likely than `min_p`
-    times the most likely; 0 disables), `top_k`, `top_p`. `seed` makes
+    `LLM` add one per sample, seeded `seed`, `seed + 1`, ...). `temperature` 0 (or below
+    1e-5) means greedy. Sampling applies temperature, then `min_p` (drops tokens less likely
+    than `min_p` times the most likely; 0 disables), `top_k`, `top_p`. `seed` makes
     sampling reproducible for this request whatever else shares the batch. `stop` strings are
     cut from the returned text (kept, and what follows cut, with `include_stop_str_in_output`);
     Special tokens (EOS, chat markers) add nothing to the text unless `skip_special_tokens` is
@@ -236,8 +236,13 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Argmax sampling: temperature 0 (or below `GREEDY_TEMPERATURE`, as vLLM), or top_k 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+
+GREEDY_TEMPERATURE = 1e-5
+"""A temperature below this samples greedily, as in vLLM (dividing logits by a temperature near
+zero overflows them, and the distribution is the argmax anyway)."""
 
 _VLLM_STRUCTURE = {
     "json": "json_schema",

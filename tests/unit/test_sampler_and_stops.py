@@ -47,6 +47,34 @@ def test_unseeded_sampling_varies_and_greedy_is_top_k_1(llm: LLM) -> None:
     assert greedy[0].token_ids == top1[0].token_ids
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-30, 9e-6])
+def test_temperature_near_zero_is_greedy_and_fails_nothing(
+    llm: LLM, temperature: float
+) -> None:
+    """As vLLM: below 1e-5 it samples greedily (dividing by it made inf logits, and the
+    multinomial's error failed every request of the step)."""
+    prompt, other = [11, 12, 13], [30, 31, 32, 33]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tiny = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
+    expected = llm.generate([prompt], greedy)[0].token_ids
+    alone_other = llm.generate([other], sampled)[0].token_ids
+    outs = llm.generate([prompt, other], [tiny, sampled])
+    assert outs[0].token_ids == expected
+    assert outs[1].token_ids == alone_other
+
+
+def test_overflowing_repetition_penalty_samples_the_top_tokens(llm: LLM) -> None:
+    """A repetition penalty near 0 divides positive logits into +inf: the step still samples
+    (those tokens share the mass) instead of failing on NaN probabilities."""
+    prompt = [11, 12, 13, 11, 12, 13]
+    params = SamplingParams(
+        temperature=1.0, repetition_penalty=1e-45, seed=1, max_tokens=6, ignore_eos=True
+    )
+    out = llm.generate([prompt, [40, 41]], [params, params])
+    assert [len(o.token_ids) for o in out] == [6, 6]
+
+
 def test_stop_string_cuts_text_across_token_boundaries(llm: LLM) -> None:
     prompt = [20, 21, 22, 23]
     full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
