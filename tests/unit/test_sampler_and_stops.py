@@ -48,9 +48,7 @@ def test_unseeded_sampling_varies_and_greedy_is_top_k_1(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-30, 9e-6])
-def test_temperature_near_zero_is_greedy_and_fails_nothing(
-    llm: LLM, temperature: float
-) -> None:
+def test_temperature_near_zero_is_greedy_and_fails_nothing(llm: LLM, temperature: float) -> None:
     """As vLLM: below 1e-5 it samples greedily (dividing by it made inf logits, and the
     multinomial's error failed every request of the step)."""
     prompt, other = [11, 12, 13], [30, 31, 32, 33]
