@@ -110,4 +110,14 @@ def pool_blocks(config: EngineConfig, spec: ModelSpec, kv_bytes: int | None) -> 
             "raise num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization or lower "
             "max_model_len"
         )
+    if capacity < target_len:  # (vLLM refuses to start here; a small pool is fine for tests)
+        logger.warning(
+            "max_model_len lowered from %d to %d tokens: the KV pool holds only %d blocks x %d; "
+            "a longer prompt is refused and outputs stop there (finish_reason 'length'); raise "
+            "num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization, or set max_model_len",
+            target_len,
+            capacity,
+            num_blocks,
+            config.block_size,
+        )
     return num_blocks, min(target_len, capacity)

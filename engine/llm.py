@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, cast
 
+import torch
 from tqdm import tqdm
 
 from tandem.engine.config import EngineConfig
@@ -37,7 +38,7 @@ class LLM:
     def __init__(
         self,
         model: str,
-        dtype: str = "float32",
+        dtype: str | torch.dtype = "float32",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         max_num_batched_tokens: int = 2048,
@@ -50,7 +51,7 @@ class LLM:
         kwargs = _without_vllm_only(str(model), kwargs)
         config = EngineConfig(
             model=str(model),
-            dtype=dtype,
+            dtype=str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -79,7 +80,7 @@ class LLM:
 
     def chat(
         self,
-        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
@@ -88,18 +89,21 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """`generate` for one conversation or a list of them, each rendered with the
         checkpoint's chat template (as the chat completions API renders it), or with
         `chat_template` (Jinja text) instead; `tools` (OpenAI's function specs) go to the
-        template, as vLLM's `LLM.chat` passes them."""
+        template, as vLLM's `LLM.chat` passes them. A message's content may be OpenAI's list of
+        text parts (joined with newlines, as the API and vLLM join them)."""
+        _no_lora(lora_request)
         one = bool(messages) and isinstance(messages[0], dict)
         conversations = cast(
-            "list[list[dict[str, str]]]", [messages] if one else [list(c) for c in messages]
+            "list[list[dict[str, Any]]]", [messages] if one else [list(c) for c in messages]
         )
         prompts = [
             self.engine.tokenizer.apply_chat_template(
-                conversation,
+                [_with_text_content(m) for m in conversation],
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
@@ -116,9 +120,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one `RequestOutput` per prompt, in input order,
         with `SamplingParams.n` samples in its `outputs` (sample i seeded `seed + i`)."""
+        _no_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -167,7 +173,36 @@ _VLLM_IGNORED = (
     "swap_space",
     "max_seq_len_to_capture",
     "disable_custom_all_reduce",
+    "task",
+    "tokenizer_mode",
+    "max_logprobs",
+    "disable_async_output_proc",
+    "distributed_executor_backend",
+    "compilation_config",
+    "enable_chunked_prefill",  # (prefill is always chunked here)
 )
+
+
+def _no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not supported")
+
+
+def _with_text_content(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` with a content given as OpenAI's parts (`[{"type": "text", "text": ...}]`)
+    as one string; other part types are refused (InvalidRequestError)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequestError(f"content parts of type {kind!r} are not supported")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequestError("a content part of type 'text' needs a 'text' string")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:

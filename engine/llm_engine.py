@@ -156,6 +156,9 @@ class LLMEngine:
                 "(LLM.generate does)"
             )
         token_ids = self._tokenize(prompt, params.truncate_prompt_tokens)
+        if params.max_tokens is None:  # up to the end of the context
+            room = max(1, self.max_model_len - len(token_ids))
+            params = params.model_copy(update={"max_tokens": max(room, params.min_tokens)})
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")

@@ -51,7 +51,8 @@ class OutputProcessor:
                 return "stop"
         if req.matcher is not None and req.matcher.is_terminated():  # the JSON is complete
             return "stop"
-        if num_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        limit = params.max_tokens  # (None: `add_request` made it the context's end)
+        if (limit is not None and num_out >= limit) or req.num_tokens >= self.max_model_len:
             return "length"
         return None
 

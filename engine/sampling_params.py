@@ -77,7 +77,7 @@ class SamplingParams(BaseModel):
     top_k: int = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the end of the context (as vLLM)
     min_tokens: int = Field(0, ge=0)
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -160,14 +160,14 @@ class SamplingParams(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _top_k_range(cls, value: int) -> int:
-        if value == 0 or value < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {value}")
-        return value
+        if value < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {value}")
+        return -1 if value == 0 else value  # (vLLM takes 0 for "disabled" too)
 
     @field_validator("max_tokens")
     @classmethod
-    def _max_tokens_positive(cls, value: int) -> int:
-        if value < 1:
+    def _max_tokens_positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
             raise ValueError(f"max_tokens must be >= 1, got {value}")
         return value
 
@@ -201,11 +201,15 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _min_tokens_within_max(self) -> SamplingParams:
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         return self
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's `SamplingParams.clone`)."""
+        return self.model_copy(deep=True)
 
     @property
     def penalized(self) -> bool:

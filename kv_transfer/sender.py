@@ -193,7 +193,7 @@ class KVSender:
     def first_token_ends(self, out: _Outgoing) -> bool:
         """The sampled first token already finishes the request: end of sequence, one token
         asked for, or its text holds a stop string (the prefill engine runs without them)."""
-        if out.request.finish_reason == "stop" or out.params.max_tokens <= 1:
+        if out.request.finish_reason == "stop" or out.params.max_tokens == 1:
             return True
         params = out.params
         if not params.stop or params.min_tokens > 1 or not out.request.output_token_ids:

@@ -45,7 +45,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(UnicodeBody):
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None  # as vLLM: the served model when omitted
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
@@ -210,12 +210,14 @@ class ChatMessage(BaseModel):
             return self.content
         parts = []
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise bad_request(
                     f"content parts of type {part.type!r} are not supported", "messages"
                 )
+            if part.text is None:
+                raise bad_request("a content part of type 'text' needs a 'text' string", "messages")
             parts.append(part.text)
-        return "".join(parts)
+        return "\n".join(parts)  # (as vLLM joins them for templates that take a string)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -63,8 +63,10 @@ class Prepared:
         done = self.resumed_tokens
         if not done:
             return self.params
+        limit = self.params.max_tokens
+        assert limit is not None, "the router always sets max_tokens"
         update = {
-            "max_tokens": self.params.max_tokens - done,
+            "max_tokens": limit - done,
             "min_tokens": max(0, self.params.min_tokens - done),
         }
         return self.params.model_copy(update=update)

@@ -30,7 +30,7 @@ CHAT_ONLY = ("messages", "max_tokens", "max_completion_tokens", "n", "stream_opt
 class ResponsesRequest(UnicodeBody):
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None  # as vLLM: the served model when omitted
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = None

@@ -201,7 +201,7 @@ class Serving:
             self.info,
             req.deadline_ms,
             hold_s=self.request_timeout_s,
-            max_tokens=params.max_tokens,
+            max_tokens=params.max_tokens or 0,
         )
         self.metrics.decision(self.planner.policy_name, routing_decision(plan))
         req.plan = plan

@@ -56,7 +56,7 @@ def test_bad_prompt_in_a_batch_leaves_nothing_queued(llm: LLM) -> None:
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-        ({"top_k": 0}, "top_k must be -1"),
+        ({"top_k": -2}, "top_k must be 0 or -1"),
         ({"temperature": -1.0}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),
         ({"repetition_penalty": float("inf")}, "repetition_penalty"),

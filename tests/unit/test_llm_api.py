@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.config import EngineConfig
@@ -124,6 +125,8 @@ def test_vllms_engine_arguments(tiny_checkpoint: Any, tmp_path: Any) -> None:
     assert vllm_style.engine.config.dtype == "float32"  # (the tiny checkpoint's)
     assert vllm_style.generate("hi", GREEDY)[0].token_ids
     assert LLM(model=path, dtype="half", num_kv_blocks=8).engine.config.dtype == "float16"
+    as_torch = LLM(model=path, dtype=torch.bfloat16, num_kv_blocks=8, task="generate", seed=0)
+    assert as_torch.engine.config.dtype == "bfloat16"
     bf16 = str(tiny_checkpoint(dtype="bfloat16"))
     assert EngineConfig(model=bf16, dtype="auto").dtype == "bfloat16"
     for kwargs, match in [
@@ -147,3 +150,33 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
     assert SamplingParams(spaces_between_special_tokens=False).skip_special_tokens  # (taken)
+
+
+def test_chat_takes_content_parts_as_the_api_does(llm: LLM) -> None:
+    """OpenAI's list of text parts, joined with a newline (as vLLM and the chat API do)."""
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+    as_parts = llm.chat([{"role": "user", "content": parts}], GREEDY)[0]
+    as_text = llm.chat([{"role": "user", "content": "hi\nthere"}], GREEDY)[0]
+    assert as_parts.prompt_token_ids == as_text.prompt_token_ids
+    assert as_parts.token_ids == as_text.token_ids
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    with pytest.raises(InvalidRequestError, match="image_url"):
+        llm.chat([{"role": "user", "content": image}], GREEDY)
+    with pytest.raises(InvalidRequestError, match="'text' string"):
+        llm.chat([{"role": "user", "content": [{"type": "text"}]}], GREEDY)
+
+
+def test_vllms_sampling_conventions(llm: LLM) -> None:
+    """top_k 0 is "disabled", max_tokens None runs to the end of the context, `clone()`,
+    and `lora_request=None` is taken."""
+    assert SamplingParams(top_k=0).top_k == -1
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-2)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    out = llm.generate([[5, 6, 7]], params, lora_request=None)[0]
+    assert len(out.token_ids) == llm.engine.max_model_len - 3
+    assert out.outputs[0].finish_reason == "length"
+    copy = GREEDY.clone()
+    assert copy == GREEDY and copy is not GREEDY
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate("hi", GREEDY, lora_request=object())

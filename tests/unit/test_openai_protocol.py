@@ -1,0 +1,26 @@
+"""The OpenAI request bodies take what vLLM's take: no `model` (the served one), and a
+message's text parts joined with a newline."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.router.errors import APIError
+from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tandem.router.responses_protocol import ResponsesRequest
+
+
+def test_model_may_be_omitted() -> None:
+    assert CompletionRequest.model_validate({"prompt": "hi"}).model is None
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest.model_validate(chat).model is None
+    assert ResponsesRequest.model_validate({"input": "hi"}).model is None
+
+
+def test_text_parts_join_with_a_newline() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
+    assert body.messages[0].text() == "a\nb"
+    no_text = {"messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    with pytest.raises(APIError, match="needs a 'text' string"):
+        ChatCompletionRequest.model_validate(no_text).messages[0].text()
