@@ -42,7 +42,7 @@ from tandem.router.prepared import Prepared
 from tandem.router.reply_stream import ReplyStream
 from tandem.router.serving import Serving
 from tandem.router.sse_keepalive import KEEPALIVE, paced
-from tandem.router.tool_calls import ReplyParser, template_tools
+from tandem.router.tool_calls import ReplyParser, finishes_with_calls, template_tools
 from tandem.router.tool_parsers import ToolParser
 
 logger = logging.getLogger(__name__)
@@ -338,7 +338,7 @@ def from_reply(head: ResponseHead, req: Prepared, index: int, finish: str) -> st
     cut short by max_tokens, the text as it is)."""
     message = reply_message(head, req.text)
     calls = message.get("tool_calls")
-    finish = "tool_calls" if calls else finish
+    finish = "tool_calls" if calls and finishes_with_calls(head.read_calls) else finish
     return chunk(
         head,
         req,

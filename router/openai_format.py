@@ -19,7 +19,7 @@ from tandem.router.openai_logprobs import (
 )
 from tandem.router.prepared import Prepared
 from tandem.router.reasoning import ReasoningParser
-from tandem.router.tool_calls import ReplyParser
+from tandem.router.tool_calls import ReplyParser, finishes_with_calls
 
 Kind = Literal["completion", "chat"]
 
@@ -91,7 +91,7 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
         choice["stop_reason"] = req.stop_reason
         if head.kind == "chat":
             choice["message"] = reply_message(head, req.text)
-            if choice["message"].get("tool_calls"):
+            if choice["message"].get("tool_calls") and finishes_with_calls(head.read_calls):
                 choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = (req.echo or "") + req.text

@@ -110,6 +110,12 @@ def truncated(
 ) -> list[int]:
     """The last `keep` prompt tokens (vLLM's `truncate_prompt_tokens`, left truncation); -1:
     as many as fit in the context next to `max_tokens` (at least one generated token)."""
+    if keep > limits.max_model_len:  # (as vLLM refuses it)
+        raise bad_request(
+            f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+            f"({limits.max_model_len}); ask for a smaller truncation size",
+            "truncate_prompt_tokens",
+        )
     try:
         return truncated_prompt(token_ids, keep, limits.max_model_len, max(1, max_tokens or 1))
     except ValueError:

@@ -3,7 +3,8 @@ OpenAI's `tool_calls` (finish reason "tool_calls").
 
 - `tool_choice` "required" or a named function: the output is constrained (structured output,
   `engine/guided.py`) to one JSON object `{"name": <a tool's name>, "arguments": <that tool's
-  parameters>}`.
+  parameters>}`. A named function's reply ends with finish reason "stop" (as OpenAI's and
+  vLLM's), the others' calls with "tool_calls".
 - "auto" (OpenAI's default with tools): the model decides. Its calls are read in its family's
   format (`tool_parsers.py`: Hermes' `<tool_call>{...}</tool_call>`, Llama 3's JSON, Mistral's
   `[TOOL_CALLS]`); the text outside them is the message's content, and a reply whose calls do
@@ -110,13 +111,24 @@ def reply_parser(
     if tool_choice in (None, "auto"):
         chosen = parser or HermesParser()
         return chosen if parallel else chosen.at_most(1)
-    return forced_call
+    return forced_call if tool_choice == "required" else named_call
 
 
 def forced_call(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """A constrained reply: one call (or, cut short, its text as content)."""
     call = tool_call(text)
     return (None, [call]) if call is not None else (text, [])
+
+
+def named_call(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """`forced_call` for a `tool_choice` that names the function: OpenAI's (and vLLM's)
+    finish reason is then "stop", not "tool_calls" (`finishes_with_calls`)."""
+    return forced_call(text)
+
+
+def finishes_with_calls(parser: ReplyParser | None) -> bool:
+    """Whether a reply read by `parser` that made calls ends with finish reason "tool_calls"."""
+    return parser is not named_call
 
 
 def tool_call(text: str) -> dict[str, Any] | None:

@@ -74,6 +74,13 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         400,
         "truncate_prompt_tokens",
     ),
+    (
+        "truncate_prompt_tokens beyond the context",
+        "/v1/completions",
+        {**OK, "truncate_prompt_tokens": 10**6},
+        400,
+        "truncate_prompt_tokens",
+    ),
     ("prompt wrong type", "/v1/completions", {**OK, "prompt": {"text": "hi"}}, 400, None),
     ("prompt missing", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
     ("empty prompt", "/v1/completions", {**OK, "prompt": ""}, 400, "prompt"),

@@ -16,6 +16,7 @@ from tandem.router.request_prep import (
     PREFIX_CHARS_PER_TOKEN,
     ModelLimits,
     prompt_token_ids,
+    truncated,
 )
 
 
@@ -91,3 +92,12 @@ def test_a_long_prompt_whose_prefix_fits_goes_on() -> None:
     text = "x" * (PREFIX_CHARS_PER_TOKEN * 1024 + 8000)
     assert len(run(tok, text, max_model_len=1024)) == -(-len(text) // 32)
     assert tok.lengths == [PREFIX_CHARS_PER_TOKEN * 1024, len(text)]
+
+
+def test_truncation_beyond_the_context_is_refused() -> None:
+    """As vLLM: a `truncate_prompt_tokens` over max_model_len is a 400 naming it."""
+    limits = ModelLimits(max_model_len=64, vocab_size=100)
+    assert truncated(list(range(80)), 10, 8, limits) == list(range(70, 80))
+    with pytest.raises(APIError) as refused:
+        truncated(list(range(80)), 65, 8, limits)
+    assert refused.value.status == 400 and refused.value.param == "truncate_prompt_tokens"

@@ -12,8 +12,10 @@ from tandem.router.errors import APIError
 from tandem.router.tool_calls import (
     ToolSpec,
     call_schema,
+    finishes_with_calls,
     forced_call,
     forced_tools,
+    named_call,
     reply_parser,
     streams_content,
     tool_call,
@@ -41,7 +43,9 @@ def test_which_tools_a_choice_forces() -> None:
     assert isinstance(reply_parser(TOOLS, "auto"), HermesParser)
     mistral = MistralParser()
     assert reply_parser(TOOLS, "auto", mistral) is mistral
-    assert reply_parser(TOOLS, named) is forced_call and reply_parser(TOOLS, "none") is None
+    assert reply_parser(TOOLS, "required") is forced_call and reply_parser(TOOLS, "none") is None
+    assert reply_parser(TOOLS, named) is named_call  # the same reading, finish reason "stop"
+    assert not finishes_with_calls(named_call) and finishes_with_calls(forced_call)
     assert reply_parser(None, None) is None
     for tools, choice, param in (
         (None, "required", "tool_choice"),
