@@ -103,6 +103,8 @@ def tiny_model(
     """
     from tandem.deploy.tiny_model import build_tiny_checkpoint
 
+    if rope_theta <= 0:
+        raise typer.BadParameter(f"must be > 0, got {rope_theta}", param_hint="--rope-theta")
     if out_dir.exists() and not out_dir.is_dir():
         raise typer.BadParameter(f"{out_dir} exists and is not a directory", param_hint="OUT_DIR")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
@@ -128,9 +130,9 @@ def tiny_model(
             rope_theta=rope_theta,
             init_std=init_std,
         )
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # (e.g. a directory that cannot be made there)
         typer.echo(f"Error: {exc}", err=True)
-        raise typer.Exit(code=2) from exc
+        raise typer.Exit(code=2) from None
     files = ", ".join(sorted(p.name for p in path.iterdir() if p.is_file()))
     typer.echo(
         f"wrote tiny {arch.value} checkpoint (layers={layers}, hidden={hidden}, heads={heads}, "

@@ -39,20 +39,21 @@ def generate(
     ] = "float32",
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV block.")] = 16,
     num_kv_blocks: Annotated[
-        int | None, typer.Option(help="KV pool size in blocks (default: sized from memory).")
+        int | None,
+        typer.Option(min=1, help="KV pool size in blocks (default: sized from memory)."),
     ] = None,
     max_num_batched_tokens: Annotated[
         int, typer.Option(min=1, help="Token budget per step.")
     ] = 2048,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Max running requests.")] = 256,
     max_model_len: Annotated[
-        int | None, typer.Option(help="Context length (default: the model's).")
+        int | None, typer.Option(min=1, help="Context length (default: the model's).")
     ] = None,
     prefix_caching: Annotated[
         bool, typer.Option(help="Reuse KV of shared prompt prefixes.")
     ] = True,
     threads: Annotated[
-        int | None, typer.Option(help="torch CPU threads (default: torch's choice).")
+        int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")
     ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object per prompt.")
@@ -60,9 +61,10 @@ def generate(
 ) -> None:
     """Generate completions for prompts with the paged engine (no cluster needed)."""
     import torch
+    from pydantic import ValidationError
 
     from tandem import LLM, SamplingParams
-    from tandem.engine.errors import TandemError
+    from tandem.engine.errors import TandemError, summarize_validation
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -70,6 +72,14 @@ def generate(
     if threads:
         torch.set_num_threads(threads)
     try:
+        params = SamplingParams(  # (checked before the model loads)
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+        )
         llm = LLM(
             model=str(model),
             dtype=dtype,
@@ -79,14 +89,6 @@ def generate(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             enable_prefix_caching=prefix_caching,
-        )
-        params = SamplingParams(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            max_tokens=max_tokens,
-            ignore_eos=ignore_eos,
         )
         texts = prompt or DEFAULT_PROMPTS
         prompts: list[str] | list[list[int]] = texts
@@ -98,6 +100,9 @@ def generate(
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=True)
         elapsed = time.perf_counter() - start
+    except ValidationError as exc:
+        typer.echo(f"Error: {summarize_validation(exc)}", err=True)
+        raise typer.Exit(code=2) from None
     except (TandemError, ValueError) as exc:
         typer.echo(f"Error: {exc}", err=True)
         raise typer.Exit(code=2) from None

@@ -73,7 +73,7 @@ def serve(
     random_range_ratio: Annotated[
         float,
         typer.Option(
-            min=0, max=1, help="random: lengths uniform in [len * (1 - r), len * (1 + r)]."
+            min=0, max=1, help="random: lengths uniform in len * (1 - r) ... len * (1 + r)."
         ),
     ] = 0.0,
     sp_num_groups: Annotated[int, typer.Option(min=1, help="shared-prefix: groups.")] = 4,

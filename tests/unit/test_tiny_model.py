@@ -197,6 +197,23 @@ def test_cli_writes_checkpoint(tmp_path: Path) -> None:
     bad = runner.invoke(app, ["tiny-model", str(tmp_path / "bad"), "--heads", "3"])
     assert bad.exit_code == 2
     assert "kv_heads" in bad.output
+    (tmp_path / "a_file").write_text("x")  # a directory cannot be made under a file
+    unwritable = runner.invoke(app, ["tiny-model", str(tmp_path / "a_file" / "sub")])
+    assert unwritable.exit_code == 2 and "Traceback" not in unwritable.output
+    assert "Error:" in unwritable.output
+    no_rope = runner.invoke(app, ["tiny-model", str(tmp_path / "r"), "--rope-theta", "0"])
+    assert no_rope.exit_code == 2 and "rope-theta" in no_rope.output
+
+
+def test_generate_checks_its_options_in_one_line(tmp_path: Path) -> None:
+    """Bad numbers are refused before the model loads, in one line (no traceback)."""
+    runner = CliRunner()
+    missing = str(tmp_path / "none")
+    threads = runner.invoke(app, ["generate", "--model", missing, "--threads", "-2"])
+    assert threads.exit_code == 2 and "--threads" in threads.output
+    top_p = runner.invoke(app, ["generate", "--model", missing, "--top-p", "5"])
+    assert top_p.exit_code == 2 and "top_p" in top_p.output
+    assert "Traceback" not in top_p.output and len(top_p.output.strip().splitlines()) == 1
 
 
 def test_cli_help() -> None:
