@@ -44,6 +44,7 @@ class _Stream:
     num_transferred_blocks: int = 0
     local: bool = False
     request: Request | None = None
+    counts_sent: bool = False  # its first item carried num_cached_tokens (usage so far)
 
     def put(self, item: dict[str, Any]) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -52,6 +53,7 @@ class _Stream:
 def _merge(item: dict[str, Any], nxt: dict[str, Any]) -> dict[str, Any]:
     """Two queued token items as one (the later one's fields, both items' tokens)."""
     merged = {
+        **item,  # (the first item's counts, when it had them)
         **nxt,
         "token_ids": item["token_ids"] + nxt["token_ids"],
         "text": item["text"] + nxt["text"],
@@ -251,7 +253,14 @@ class DecodeService(WorkerLoop):
             stop_reason = req.stop_reason if req is not None else None
             if stream.local and req is not None:
                 stream.num_cached_tokens = req.num_prefix_hit_tokens
-        stream.put(self._tokens_item(output, stop_reason, stream))
+        elif stream.local and not stream.counts_sent and stream.request is not None:
+            stream.num_cached_tokens = stream.request.num_prefix_hit_tokens
+        item = self._tokens_item(output, stop_reason, stream)
+        if not stream.counts_sent:  # (for usage reported while streaming)
+            stream.counts_sent = True
+            item["num_cached_tokens"] = stream.num_cached_tokens
+            item["num_transferred_blocks"] = stream.num_transferred_blocks
+        stream.put(item)
 
     @staticmethod
     def _tokens_item(

@@ -217,6 +217,10 @@ class Serving:
         except BaseException:
             plan.release()
             raise
+        if plan.grant is not None:  # known before the first token (usage while streaming)
+            hits = int(plan.grant.get("num_hit_blocks", 0)) * int(self.info["block_size"])
+            req.num_cached_tokens = min(hits, len(req.prompt_token_ids))
+            req.num_transferred_blocks = len(plan.grant.get("dst_block_ids", ()))
 
     def _starting_over(self, req: Prepared, exc: WorkerLost) -> None:
         req.start_over(self.tokenizer)
@@ -324,15 +328,14 @@ class Serving:
             # (a resumed attempt's prompt holds tokens generated before: the request's own)
             req.prompt_logprobs = item["prompt_logprobs"][: len(req.prompt_token_ids)]
         req.text += item["text"]
+        if "num_cached_tokens" in item:  # (decode's first item has them, and its last)
+            # (of the last attempt's prompt: at most the request's own when it went on)
+            req.num_cached_tokens = min(int(item["num_cached_tokens"]), len(req.prompt_token_ids))
+            req.num_transferred_blocks = int(item.get("num_transferred_blocks", 0))
         if item.get("finish_reason") is None:
             return None
         req.finish_reason = item["finish_reason"]
         req.stop_reason = item.get("stop_reason")
-        # (of the last attempt's prompt: at most the request's own when it went on mid-stream)
-        req.num_cached_tokens = min(
-            int(item.get("num_cached_tokens", 0)), len(req.prompt_token_ids)
-        )
-        req.num_transferred_blocks = int(item.get("num_transferred_blocks", 0))
         return f"finished({req.finish_reason})"
 
     def _record(self, req: Prepared) -> None:

@@ -216,11 +216,15 @@ def test_local_prefill_on_decode_reuses_its_cache_without_transfer(
     prompt = reference.tokenizer.encode(PROMPTS[1])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[])
 
+    firsts: list[dict[str, Any]] = []
+
     async def run(rid: str, ids: list[int]) -> tuple[list[int], dict[str, Any]]:
         tokens: list[int] = []
         last: dict[str, Any] = {}
         async for item in decode.generate(rid, ids, params, local_prefill=True):
             assert item["type"] == "tokens", item
+            if not tokens:
+                firsts.append(item)
             tokens += item["token_ids"]
             last = item
         return tokens, last
@@ -232,6 +236,8 @@ def test_local_prefill_on_decode_reuses_its_cache_without_transfer(
     second, last = asyncio.run(run("turn2", follow_up))
     assert second == reference.generate([follow_up], params)[0].token_ids
     assert last["num_cached_tokens"] == (len(prompt) + len(first) - 1) // 16 * 16
+    # the first item already says so (usage reported while streaming)
+    assert [f["num_cached_tokens"] for f in firsts] == [0, last["num_cached_tokens"]]
 
 
 def test_stop_reason_of_a_stop_token_reaches_the_stream(services: Any, reference: LLM) -> None:
