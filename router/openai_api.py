@@ -382,7 +382,24 @@ def model_card(model: str, max_model_len: int) -> dict[str, Any]:
         "created": int(time.time()),
         "owned_by": "tandem",
         "root": model,
+        "parent": None,
         "max_model_len": max_model_len,
+        "permission": [  # (vLLM's card has one, with these values)
+            {
+                "id": f"modelperm-{model}",
+                "object": "model_permission",
+                "created": int(time.time()),
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
     }
 
 

@@ -227,6 +227,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables
+    chat_template: str | None = None  # vLLM's; refused, as vLLM does by default (below)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolSpec] | None = None
@@ -258,6 +259,13 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         self.forced_tools()
+        if self.chat_template is not None:  # (a client's Jinja runs in the server)
+            raise bad_request(
+                "a chat_template in the request is not accepted: the server renders with its "
+                "own (tandem serve --chat-template)",
+                "chat_template",
+                "unsupported",
+            )
         check_template_options(
             self.messages, self.add_generation_prompt, self.continue_final_message
         )

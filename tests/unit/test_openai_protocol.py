@@ -24,3 +24,13 @@ def test_text_parts_join_with_a_newline() -> None:
     no_text = {"messages": [{"role": "user", "content": [{"type": "text"}]}]}
     with pytest.raises(APIError, match="needs a 'text' string"):
         ChatCompletionRequest.model_validate(no_text).messages[0].text()
+
+
+def test_a_request_chat_template_is_refused_not_ignored() -> None:
+    """vLLM refuses one unless its server trusts request templates; it was silently ignored."""
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 'x' }}"}
+    )
+    with pytest.raises(APIError) as refused:
+        body.check_supported()
+    assert refused.value.status == 400 and refused.value.param == "chat_template"
