@@ -14,7 +14,12 @@ class TandemError(Exception):
 
 
 class InvalidRequestError(TandemError, ValueError):
-    """A request or its sampling parameters are invalid (maps to HTTP 400)."""
+    """A request or its sampling parameters are invalid (maps to HTTP 400); `param`: the
+    field at fault, when one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PromptTooLongError(InvalidRequestError):

@@ -107,8 +107,10 @@ class SamplingParams(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
+            where = exc.errors()[0]["loc"] if exc.errors() else ()
             raise InvalidRequestError(
-                f"invalid sampling parameters: {summarize_validation(exc)}"
+                f"invalid sampling parameters: {summarize_validation(exc)}",
+                str(where[0]) if where and isinstance(where[0], str) else None,
             ) from None
 
     @field_validator("stop", mode="before")

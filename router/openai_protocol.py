@@ -43,7 +43,7 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(UnicodeBody):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # (NaN: "finite number")
 
     model: str | None = None  # as vLLM: the served model when omitted
     temperature: float | None = Field(None, ge=0.0, le=2.0)

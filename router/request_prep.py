@@ -169,4 +169,4 @@ def sampling_params(
     try:
         return SamplingParams(**{**fields, "max_tokens": max_tokens})
     except InvalidRequestError as exc:
-        raise bad_request(str(exc)) from None
+        raise bad_request(str(exc), exc.param) from None

@@ -51,7 +51,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("temperature wrong type", "/v1/completions", {**OK, "temperature": "hot"}, 400, "temperature"),
     ("temperature out of range", "/v1/completions", {**OK, "temperature": -1}, 400, "temperature"),
     ("top_p out of range", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p"),
-    ("top_k below -1", "/v1/completions", {**OK, "top_k": -2}, 400, None),
+    ("top_k below -1", "/v1/completions", {**OK, "top_k": -2}, 400, "top_k"),
     ("min_p out of range", "/v1/completions", {**OK, "min_p": 1.5}, 400, "min_p"),
     (
         "allowed_token_ids outside the vocabulary",

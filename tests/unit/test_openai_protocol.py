@@ -34,3 +34,14 @@ def test_a_request_chat_template_is_refused_not_ignored() -> None:
     with pytest.raises(APIError) as refused:
         body.check_supported()
     assert refused.value.status == 400 and refused.value.param == "chat_template"
+
+
+def test_sampling_errors_name_their_field() -> None:
+    from tandem.router.request_prep import ModelLimits, sampling_params
+
+    limits = ModelLimits(max_model_len=64, vocab_size=100)
+    with pytest.raises(APIError) as refused:
+        sampling_params(4, 8, {"top_k": -5}, limits)
+    assert refused.value.param == "top_k"
+    with pytest.raises(Exception, match="finite number"):
+        CompletionRequest.model_validate({"prompt": "x", "temperature": float("nan")})
