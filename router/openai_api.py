@@ -108,7 +108,7 @@ async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
                 request_id,
                 body.model,
                 prompts[index // body.n],
-                body.max_tokens,
+                1 if body.prompt_only else body.max_tokens,
                 multi_choice.sample_fields(fields, index % body.n),
                 RequestTimings(arrival),
                 deadline_ms=body.deadline_ms,
@@ -123,6 +123,7 @@ async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
         if body.echo:
             prompt = prompts[index // body.n]
             req.echo = prompt if isinstance(prompt, str) else serving.prompt_text(prompt)
+            req.prompt_only = body.prompt_only
         return req
 
     count = len(prompts) * body.n

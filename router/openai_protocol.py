@@ -159,9 +159,11 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None and self.stream:
+        if self.echo and (self.logprobs is not None or self.max_tokens == 0) and self.stream:
             raise bad_request(
-                "echo with logprobs is not supported when streaming", "echo", "unsupported"
+                "echo with logprobs or max_tokens 0 is not supported when streaming",
+                "echo",
+                "unsupported",
             )
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
@@ -171,6 +173,12 @@ class CompletionRequest(_SamplingFields):
                 "best_of",
                 "unsupported",
             )
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0 (vLLM's, as lm-eval's loglikelihood requests send): the
+        prompt, and its logprobs when asked, with nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     def num_logprobs(self) -> int | None:
         return self.logprobs

@@ -40,6 +40,8 @@ class Prepared:
     stopped_here: bool = False  # the router found a stop string the new attempt's worker missed
     logprobs: list[Any] | None = None  # per token of `token_ids` when asked (`TokenLogprob`s)
     echo: str | None = None  # the prompt's text, for a completion that echoes it
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone;
+    # one token is generated to run the request through the workers, and dropped here
     prompt_logprobs: list[Any] | None = None  # per prompt token (the first None), when asked
 
     @property

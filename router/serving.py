@@ -318,6 +318,10 @@ class Serving:
         request's item gets the text detokenized here, and ends at a stop string found here."""
         if req.resumed_text is not None:
             req.retext(item)
+        if req.prompt_only:  # (what was generated is not part of the answer)
+            item = {**item, "token_ids": [], "text": "", "logprobs": None}
+            if item.get("finish_reason") is not None:
+                item["finish_reason"], item["stop_reason"] = "length", None
         req.completion_tokens += len(item["token_ids"])
         req.token_ids.extend(item["token_ids"])
         if req.params.logprobs is not None:

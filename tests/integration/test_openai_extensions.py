@@ -174,6 +174,17 @@ def test_echo_with_logprobs_scores_the_prompt(base_url: str, reference: LLM) -> 
         ids = want.prompt_token_ids + want.token_ids
         assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids]
         assert lp.text_offset is not None and lp.text_offset[-1] == len(prompt)
+    # max_tokens 0 (vLLM's; lm-eval sends it): the prompt and its logprobs, nothing generated
+    only = client(base_url).completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, temperature=0, logprobs=1, echo=True
+    )
+    choice = only.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert only.usage is not None and only.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp is not None and lp.token_logprobs is not None
+    assert len(lp.token_logprobs) == len(want.prompt_token_ids)
+    assert lp.token_logprobs[1:] == pytest.approx(want_lps[1:-1], abs=1e-4)
     resp = requests.post(
         f"{base_url}/v1/completions",
         json={"model": "tiny", "prompt": prompt, "echo": True, "logprobs": 1, "stream": True},
