@@ -248,6 +248,15 @@ class ClusterConfig(BaseModel):
         return device
 
     @model_validator(mode="after")
+    def _ports_differ(self) -> ClusterConfig:
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ValueError(
+                f"grpc_port and port are both {self.port}: the gRPC and HTTP servers need "
+                "a port each (grpc_port 0: no gRPC)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _devices_fit_the_roles(self) -> ClusterConfig:
         """A role on CUDA asks Ray for a GPU (else Ray would place replicas on no GPU of their
         own, however many share one); ucx moves host-memory pools only."""

@@ -221,6 +221,9 @@ def serve(
             ("router", "reasoning_parser"): reasoning_parser,
         }
         cfg = _config(config, overrides, roles, nested)
+        if cfg.mode == "colocated" and prefill_replicas is not None:
+            typer.echo("[tandem] note: --prefill-replicas is ignored in colocated mode (the "
+                       "decode workers prefill every request themselves)", err=True)  # fmt: skip
         from tandem.deploy.app_builder import build_app, registry_name, resolve_model
 
         typer.echo("[tandem] preparing the model ...")

@@ -112,7 +112,12 @@ class LLM:
             )
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for out in outputs:  # the rendered conversation, as vLLM's `prompt` holds it
+            out.prompt = self.engine.tokenizer.decode(
+                out.prompt_token_ids, skip_special_tokens=False
+            )
+        return outputs
 
     def generate(
         self,

@@ -66,3 +66,4 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when asked
     prompt_logprobs: list[PromptLogprob | None] | None = None  # per prompt token (the first None)
     outputs: list[CompletionOutput] = field(default_factory=list)
+    metrics: None = None  # (vLLM's field; its V1 engine leaves it None too)

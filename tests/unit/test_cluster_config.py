@@ -38,6 +38,7 @@ def test_the_serve_config_args_are_cluster_config_fields() -> None:
         {"admission": {"safety_factor": 0.5}},
         {"transport": "ucx", "engine": {"device": "cuda"}},
         {"transport": "ucx", "decode": {"engine": {"device": "cuda:1"}}},
+        {"port": 9000, "grpc_port": 9000},
     ],
 )
 def test_bad_settings_are_refused(bad: dict[str, object]) -> None:

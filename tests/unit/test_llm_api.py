@@ -47,6 +47,7 @@ def test_chat_renders_the_template_as_the_api_does(llm: LLM) -> None:
     one = llm.chat(messages, GREEDY)
     assert [o.token_ids for o in one] == [want.token_ids]
     assert one[0].prompt_token_ids == rendered
+    assert one[0].prompt == text and one[0].metrics is None  # (vLLM's fields)
     two = llm.chat([messages, messages[1:]], sampling_params=GREEDY)
     assert len(two) == 2 and two[0].token_ids == want.token_ids
     assert two[1].prompt_token_ids == llm.tokenizer.apply_chat_template(messages[1:])

@@ -1,6 +1,6 @@
 {{/*
 Checks values.schema.json cannot express (it checks each value on its own): the model source,
-autoscaling bounds, and that each role's replicas fit the pods of its worker group. Fails the
+autoscaling bounds, distinct ports, and that each role's replicas fit the pods of its worker group. Fails the
 render with a message naming the values to change.
 */}}
 
@@ -18,6 +18,18 @@ render with a message naming the values to change.
 {{- end -}}
 {{- if not (or $claim $m.hostPath) -}}
 {{- fail "model: set model.persistentVolumeClaim.claimName or model.hostPath (the volume holding the checkpoint)" -}}
+{{- end -}}
+{{- $p := .Values.ports -}}
+{{- $taken := dict -}}
+{{- range $name := list "http" "grpc" "metrics" "dashboard" -}}
+{{- $port := int (index $p $name) -}}
+{{- if $port -}}
+{{- $key := toString $port -}}
+{{- if hasKey $taken $key -}}
+{{- fail (printf "ports.%s and ports.%s are both %d: each server needs a port of its own" (index $taken $key) $name $port) -}}
+{{- end -}}
+{{- $_ := set $taken $key $name -}}
+{{- end -}}
 {{- end -}}
 {{- range $role := include "tandem.roles" . | fromJsonArray -}}
 {{- include "tandem.validateRole" (list $role (index $.Values $role)) -}}
