@@ -176,7 +176,7 @@ async def _serve(
 ) -> JSONResponse | StreamingResponse:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-    token_text = serving.token_text
+    token_text = _token_id_text if body.return_tokens_as_token_ids else serving.token_text
     reasoning = serving.reasoning_parser if kind == "chat" else None
     ids, asked = body.return_token_ids, body.prompt_logprobs
     if count == 1:
@@ -274,11 +274,12 @@ async def _events(
     started: set[int] = set()  # choices whose first chunk went out
     try:
         for index, req in enumerate(reqs):
+            usage = _so_far(merged_usage(reqs, n), 0) if continuous else None
             if head.kind == "chat":
-                yield chunk(head, req, "", None, index=index, role=True, first=True)
+                yield chunk(head, req, "", None, index=index, role=True, first=True, usage=usage)
                 started.add(index)
             elif req.echo:
-                yield chunk(head, req, req.echo, None, index=index, first=True)
+                yield chunk(head, req, req.echo, None, index=index, first=True, usage=usage)
                 started.add(index)
         every_s = serving.sse_keepalive_s
         items = choices if every_s is None else paced(choices, every_s)
@@ -374,6 +375,12 @@ class _Offsets:
         offset = self.offsets.get(index, 0)
         self.offsets[index] = offset + text_length(item["token_ids"], self.token_text)
         return {"token_ids": item["token_ids"], "logprobs": item["logprobs"], "text_offset": offset}
+
+
+def _token_id_text(token_id: int) -> str:
+    """vLLM's `return_tokens_as_token_ids` name of a token in logprobs: unique, whatever its
+    text (byte tokens that decode alone to U+FFFD would share a key in `top_logprobs`)."""
+    return f"token_id:{token_id}"
 
 
 def model_card(model: str, max_model_len: int) -> dict[str, Any]:

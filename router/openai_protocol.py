@@ -80,6 +80,7 @@ class _SamplingFields(UnicodeBody):
     guided_grammar: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     return_token_ids: bool = False  # vLLM's: token ids next to the text
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:

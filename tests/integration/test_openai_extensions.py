@@ -82,6 +82,17 @@ def test_logprobs_through_the_cluster_equal_the_colocated_engine_s(
     assert lp.token_logprobs == pytest.approx(want_lps, abs=1e-4)
     assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in want.token_ids]
     assert lp.top_logprobs is not None and all(2 <= len(t) <= 3 for t in lp.top_logprobs)
+    as_ids = (
+        c.completions.create(
+            **{**common, "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert as_ids is not None and as_ids.tokens == [f"token_id:{t}" for t in want.token_ids]
+    assert as_ids.top_logprobs is not None and all(
+        k.startswith("token_id:") for top in as_ids.top_logprobs for k in top
+    )
     stream = c.completions.create(**common, stream=True)
     streamed: list[float] = []
     for chunk in stream:

@@ -284,3 +284,18 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk() -> None:
     completions = [d["usage"]["completion_tokens"] for d in data]
     assert completions == list(range(1, 7))  # one token a chunk, both choices
     assert {d["usage"]["prompt_tokens"] for d in data} == {6}
+
+
+def test_continuous_usage_stats_start_with_the_chat_role_chunk() -> None:
+    """As vLLM: the role chunk carries the usage too (prompt tokens, none generated)."""
+    serving = FakeServing()
+
+    async def main() -> list[str]:
+        reqs = await multi_choice.prepare_all(serving, 1, serving.prepare)  # type: ignore[arg-type]
+        head = ResponseHead("chatcmpl-x", 0, "tiny", "chat")
+        gen = openai_api._sse_choices(serving, head, reqs, 1, False, True)  # type: ignore[arg-type]
+        return [event async for event in gen]
+
+    data = [json.loads(e.removeprefix("data: ")) for e in asyncio.run(main())[:-1]]
+    assert data[0]["choices"][0]["delta"].get("role") == "assistant"
+    assert [d["usage"]["completion_tokens"] for d in data] == [0, 1, 2, 3]
