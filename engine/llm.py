@@ -184,7 +184,6 @@ _VLLM_IGNORED = (
     "disable_async_output_proc",
     "distributed_executor_backend",
     "compilation_config",
-    "enable_chunked_prefill",  # (prefill is always chunked here)
 )
 
 

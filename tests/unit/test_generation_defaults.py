@@ -93,7 +93,7 @@ class _Planner:
 
     async def plan(self, *args: Any, **kwargs: Any) -> Any:
         return SimpleNamespace(prefill=None, decode=SimpleNamespace(worker_id="decode/a"),
-                               decode_hit_blocks=0, release=lambda: None)  # fmt: skip
+                               decode_hit_blocks=0, grant=None, release=lambda: None)  # fmt: skip
 
 
 @pytest.mark.parametrize(

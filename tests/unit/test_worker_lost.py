@@ -36,7 +36,7 @@ class FakePlanner:
 
     async def plan(self, *args: Any, **kwargs: Any) -> FakePlan:
         plan = FakePlan(prefill=None, decode=SimpleNamespace(worker_id="decode/b"),
-                        decode_hit_blocks=0)  # fmt: skip
+                        decode_hit_blocks=0, grant=None)  # fmt: skip
         self.plans.append(plan)
         return plan
 
