@@ -17,13 +17,14 @@ OpenAI's `tool_calls` (finish reason "tool_calls").
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.router.errors import bad_request
-from tandem.router.tool_parsers import HermesParser, ToolParser, call_entry
+from tandem.router.tool_parsers import HermesParser, ToolParser, call_entry, new_call_id
 
 
 class FunctionSpec(BaseModel):
@@ -120,10 +121,23 @@ def forced_call(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return (None, [call]) if call is not None else (text, [])
 
 
+_CUT_CALL = re.compile(
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)\Z', re.S
+)
+"""A constrained call cut short (max_tokens) after its name: the name, and the arguments so far."""
+
+
 def named_call(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """`forced_call` for a `tool_choice` that names the function: OpenAI's (and vLLM's)
-    finish reason is then "stop", not "tool_calls" (`finishes_with_calls`)."""
-    return forced_call(text)
+    finish reason is then "stop", not "tool_calls" (`finishes_with_calls`). Cut short by
+    max_tokens after the name, the call still comes back, with the arguments written so far
+    (incomplete JSON), as vLLM returns a named call's output."""
+    content, calls = forced_call(text)
+    cut = None if calls else _CUT_CALL.match(text)
+    if cut is None:
+        return content, calls
+    call = {"name": json.loads(cut.group(1)), "arguments": cut.group(2)}
+    return None, [{"id": new_call_id(), "type": "function", "function": call}]
 
 
 def finishes_with_calls(parser: ReplyParser | None) -> bool:

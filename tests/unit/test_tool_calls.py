@@ -122,3 +122,14 @@ def test_a_conversation_goes_back_to_the_template_with_calls_and_thoughts() -> N
         {"role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "hm"},
         {"role": "tool", "content": "done", "tool_call_id": "call_1", "name": "a"},
     ]
+
+
+def test_a_named_call_cut_short_keeps_its_arguments_so_far() -> None:
+    """As vLLM returns a named function's output: the call, with incomplete arguments."""
+    content, calls = named_call('{"name": "get_weather", "arguments": {"city": "Par')
+    assert content is None and len(calls) == 1
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
+    complete = named_call('{"name": "a", "arguments": {"x": 1}}')[1]
+    assert complete[0]["function"] == {"name": "a", "arguments": '{"x":1}'}
+    assert named_call('{"name": "get_wea') == ('{"name": "get_wea', [])  # no name yet
+    assert forced_call('{"name": "a", "arguments": {"x"') == ('{"name": "a", "arguments": {"x"', [])
