@@ -271,16 +271,21 @@ def test_echoed_prompts_open_each_choice_s_stream_and_body() -> None:
     assert [c["text"] for c in body["choices"]] == ["prompt0:<0><1><2>", "prompt1:<10><11><12>"]
 
 
-def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk() -> None:
+def _continuous_usage_chunks(count: int, kind: Any) -> list[dict[str, Any]]:
+    """The chunks of `count` choices streamed with continuous usage stats (not `[DONE]`)."""
     serving = FakeServing()
 
     async def main() -> list[str]:
-        reqs = await multi_choice.prepare_all(serving, 2, serving.prepare)  # type: ignore[arg-type]
-        head = ResponseHead("cmpl-x", 0, "tiny", "completion")
+        reqs = await multi_choice.prepare_all(serving, count, serving.prepare)  # type: ignore[arg-type]
+        head = ResponseHead("x", 0, "tiny", kind)
         gen = openai_api._sse_choices(serving, head, reqs, 1, False, True)  # type: ignore[arg-type]
         return [event async for event in gen]
 
-    data = [json.loads(e.removeprefix("data: ")) for e in asyncio.run(main())[:-1]]
+    return [json.loads(e.removeprefix("data: ")) for e in asyncio.run(main())[:-1]]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk() -> None:
+    data = _continuous_usage_chunks(2, "completion")
     completions = [d["usage"]["completion_tokens"] for d in data]
     assert completions == list(range(1, 7))  # one token a chunk, both choices
     assert {d["usage"]["prompt_tokens"] for d in data} == {6}
@@ -288,14 +293,6 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk() -> None:
 
 def test_continuous_usage_stats_start_with_the_chat_role_chunk() -> None:
     """As vLLM: the role chunk carries the usage too (prompt tokens, none generated)."""
-    serving = FakeServing()
-
-    async def main() -> list[str]:
-        reqs = await multi_choice.prepare_all(serving, 1, serving.prepare)  # type: ignore[arg-type]
-        head = ResponseHead("chatcmpl-x", 0, "tiny", "chat")
-        gen = openai_api._sse_choices(serving, head, reqs, 1, False, True)  # type: ignore[arg-type]
-        return [event async for event in gen]
-
-    data = [json.loads(e.removeprefix("data: ")) for e in asyncio.run(main())[:-1]]
+    data = _continuous_usage_chunks(1, "chat")
     assert data[0]["choices"][0]["delta"].get("role") == "assistant"
     assert [d["usage"]["completion_tokens"] for d in data] == [0, 1, 2, 3]
