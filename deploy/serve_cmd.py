@@ -244,15 +244,23 @@ def serve(
     ctx, own_cluster = _start_ray(address, cfg.host, num_cpus, dashboard_port, ingress, needed)
     _warn_if_short(needed)
     stop = threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        if stop.is_set():  # a second Ctrl-C: no more waiting for the drain
+            raise KeyboardInterrupt
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         ray_serve.start(http_options={"host": cfg.host, "port": cfg.port})
         ray_serve.run(app, name=cfg.app_name, route_prefix="/")
         _print_urls(cfg, ctx, time.monotonic() - started, ingress if own_cluster else None)
         while not stop.wait(0.5):
             pass
-        typer.echo("[tandem] stopping ...")
+        drain_s = max(cfg.decode.drain_timeout_s, cfg.prefill.drain_timeout_s)
+        typer.echo(f"[tandem] stopping: in-flight requests finish first (at most {drain_s:g}s; "
+                   "Ctrl-C again to stop at once) ...")  # fmt: skip
     finally:
         _shutdown(cfg.app_name, registry_name(cfg), own_cluster)
     typer.echo("[tandem] stopped")
@@ -320,10 +328,12 @@ def _shutdown(app_name: str, registry: str, own_cluster: bool) -> None:
     from tandem.engine.worker_registry import kill_registry
 
     try:
+        # Deleting the app first drains it (the router and the workers wait for the requests,
+        # streams and KV transfers in flight); Serve's own shutdown would stop its proxy first
+        # and cut every stream.
+        ray_serve.delete(app_name)
         if own_cluster:
             ray_serve.shutdown()
-        else:
-            ray_serve.delete(app_name)
         kill_registry(registry)
     except Exception as exc:  # shutting down anyway: say what failed
         logger.warning("clean shutdown incomplete: %s", exc)

@@ -207,6 +207,14 @@ class Router:
         if port:
             asyncio.get_running_loop().create_task(self._start_grpc(settings["host"], port))
 
+    async def __del__(self) -> None:
+        """Serve stops this replica (shutdown, redeploy, scale-down) once its HTTP requests
+        have ended (`graceful_shutdown_timeout_s`); gRPC streams in flight get as long to end
+        (new calls are refused meanwhile)."""
+        server, self._grpc_server = self._grpc_server, None
+        if server is not None:
+            await server.stop(float(self.settings.get("drain_timeout_s", 30.0)))
+
     async def _start_grpc(self, host: str, port: int) -> None:
         from tandem.router.grpc.server import start_grpc_server
 

@@ -56,6 +56,38 @@ def stop(proc: subprocess.Popen[str], timeout: float = 60) -> str:
     return out
 
 
+def streams_started(port: int, model: str, count: int, max_tokens: int) -> list[Any]:
+    """`count` streaming completions under way (each has its first chunk): futures of
+    (tokens streamed, finish reason)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+
+    started = Barrier(count + 1, timeout=60)
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+
+    def run() -> tuple[int, str | None]:
+        stream = c.completions.create(
+            model=model, prompt="drain", max_tokens=max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
+        )  # fmt: skip
+        finish, tokens, first = None, 0, True
+        for chunk in stream:
+            if first:
+                first = False
+                started.wait()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+        return tokens, finish
+
+    pool = ThreadPoolExecutor(count)
+    futures = [pool.submit(run) for _ in range(count)]
+    started.wait()
+    pool.shutdown(wait=False)
+    return futures
+
+
 def complete(port: int, model: str) -> str:
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
     out = c.completions.create(model=model, prompt="hello", max_tokens=5, temperature=0)
@@ -90,11 +122,15 @@ def test_tandem_serve_answers_and_stops_on_ctrl_c(
         wait_ready(f"http://127.0.0.1:{port}", timeout=180)
         complete(port, "tiny-llama")
         result = bench(port, isolated_env, tmp_path / "bench.json")
+        streaming = streams_started(port, "tiny-llama", count=3, max_tokens=1500)
     except BaseException:
         print(stop(proc)[-5000:])  # what `tandem serve` said, in the test report
         raise
-    out = stop(proc)
+    out = stop(proc, timeout=120)  # (Ctrl-C while the streams run: they finish first)
     assert proc.returncode == 0, out[-3000:]
+    ended = [future.result(timeout=10) for future in streaming]
+    assert ended == [(1500, "length")] * 3, ended
+    assert "in-flight requests finish first" in out
     assert f"OpenAI API:    http://127.0.0.1:{port}/v1 (through {DEFAULT_INGRESS})" in out
     assert "Ray dashboard: http://" in out
     assert "/metrics (Prometheus)" in out
