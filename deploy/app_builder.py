@@ -7,6 +7,7 @@ tandem.deploy.app_builder:app_builder`, `args:` = cluster config fields).
 from __future__ import annotations
 
 import logging
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,19 @@ def registry_name(config: ClusterConfig) -> str:
     return f"tandem-registry-{config.app_name}"
 
 
+def _kept_token(registry: str) -> str | None:
+    """The cluster token generated for the application's first deployment, kept by its worker
+    registry (None without Ray): a redeploy with no `auth_token` reuses it. A fresh token would
+    make the workers still running refuse the new router until they drained."""
+    import ray
+
+    from tandem.engine.worker_registry import get_registry
+
+    if not ray.is_initialized():
+        return None
+    return str(ray.get(get_registry(registry).cluster_token.remote(secrets.token_hex(16))))
+
+
 def worker_options(role_cfg: RoleConfig, role: str) -> dict[str, Any]:
     """Serve options of a worker deployment: fixed `replicas`, or autoscaling by role; Serve
     waits for the drain (`drain_timeout_s`) before it kills a stopping replica."""
@@ -84,9 +98,9 @@ def build_app(config: ClusterConfig) -> Application:
     from tandem.router.api_keys import key_digest
     from tandem.router.deployment import Router
 
-    config = config.with_auth_token()
-    model = resolve_model(config)
     registry = registry_name(config)
+    config = config.with_auth_token(_kept_token(registry) if not config.auth_token else None)
+    model = resolve_model(config)
     prefill = None
     if config.mode == "pd":
         prefill = PrefillWorker.options(  # type: ignore[attr-defined]

@@ -286,13 +286,11 @@ class ClusterConfig(BaseModel):
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
 
-    def with_auth_token(self) -> ClusterConfig:
-        """This config with a cluster token (a fresh random one when none was given)."""
-        return (
-            self
-            if self.auth_token
-            else self.model_copy(update={"auth_token": secrets.token_hex(16)})
-        )
+    def with_auth_token(self, generated: str | None = None) -> ClusterConfig:
+        """This config with a cluster token: its own, else `generated`, else a fresh random one."""
+        if self.auth_token:
+            return self
+        return self.model_copy(update={"auth_token": generated or secrets.token_hex(16)})
 
     def ray_resources_needed(self) -> dict[str, float]:
         """Ray resources the deployment asks for with every role at its most replicas (the

@@ -21,6 +21,14 @@ class WorkerRegistry:
     def __init__(self) -> None:
         self._workers: dict[str, dict[str, Any]] = {}
         self._departures: list[dict[str, Any]] = []
+        self._cluster_token: str | None = None
+
+    def cluster_token(self, proposed: str) -> str:
+        """The application's generated cluster token: `proposed` the first time, the same one
+        after (a redeploy keeps it, so its new router can use the workers still running)."""
+        if self._cluster_token is None:
+            self._cluster_token = proposed
+        return self._cluster_token
 
     def report(self, worker_id: str, stats: dict[str, Any]) -> None:
         self._workers[worker_id] = {**stats, "worker_id": worker_id, "reported_at": time.time()}

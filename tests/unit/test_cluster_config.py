@@ -211,3 +211,16 @@ def test_ray_resources_needed_sum_every_role_at_its_most_replicas() -> None:
     }
     colocated = ClusterConfig.model_validate({"mode": "colocated", "decode": {"replicas": 3}})
     assert colocated.ray_resources_needed() == {"CPU": 1.6}
+
+
+def test_a_redeploy_keeps_the_generated_cluster_token() -> None:
+    """The registry keeps the first generated token, so a redeploy's router is let in by the
+    workers still running (a fresh token was refused: 503 "wrong cluster token")."""
+    from tandem.engine.worker_registry import WorkerRegistry
+
+    registry = WorkerRegistry()
+    first = registry.cluster_token("aaaa")
+    assert first == "aaaa" and registry.cluster_token("bbbb") == "aaaa"
+    assert ClusterConfig().with_auth_token(first).auth_token == "aaaa"
+    assert ClusterConfig(auth_token="mine").with_auth_token(first).auth_token == "mine"
+    assert len(ClusterConfig().with_auth_token().auth_token or "") == 32

@@ -1,0 +1,55 @@
+"""A redeploy of the application (new router settings, no `auth_token` given) keeps the
+generated cluster token: the workers still running serve the new router, so requests sent
+during the rollout all succeed (a fresh token made them refuse it: 503s until they drained)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import requests
+
+from tests.integration.conftest import Cluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_requests_during_a_redeploy_all_succeed(cluster: Cluster) -> None:
+    cluster.deploy_pd()
+    role = {"replicas": 1, "num_cpus": 0.25}
+    statuses: list[int] = []
+    done = threading.Event()
+
+    def send() -> None:
+        body = {"model": "tiny", "prompt": "during the rollout", "max_tokens": 4}
+        while not done.is_set():
+            try:
+                resp = requests.post(f"{cluster.base_url}/v1/completions", json=body, timeout=30)
+                statuses.append(resp.status_code)
+            except requests.ConnectionError:  # (the router replica being swapped: Serve's)
+                pass
+            time.sleep(0.05)
+
+    def stream() -> None:  # (keeps the old workers busy while they drain)
+        body = {"model": "tiny", "prompt": "long", "max_tokens": 1800, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        with requests.post(
+            f"{cluster.base_url}/v1/completions", json=body, stream=True, timeout=120
+        ) as resp:
+            for _ in resp.iter_lines():
+                pass
+
+    streams = [threading.Thread(target=stream, daemon=True) for _ in range(8)]
+    for thread in streams:
+        thread.start()
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        cluster.deploy(prefill=role, decode=dict(role), router={"request_timeout_s": 300})
+        for thread in streams:  # (requests go on while the old workers drain)
+            thread.join(timeout=120)
+    finally:
+        done.set()
+        sender.join(timeout=60)
+    assert statuses and set(statuses) == {200}, statuses
