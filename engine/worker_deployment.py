@@ -46,6 +46,8 @@ class WorkerDeployment(ABC):
         engine, transport = create_engine_and_transport(cfg)
         self.worker_id = f"{cfg.role}/{serve.get_replica_context().replica_id.unique_id}"
         self._registry = get_registry(cfg.registry_name) if cfg.registry_name else None
+        if self._registry is not None and cfg.auth_token:  # (a redeploy without a token of
+            self._registry.cluster_token.remote(cfg.auth_token)  # its own takes this one)
         self.work = WorkTracker()
         self._left = False  # no more registry reports once the worker departed
         self.rpc = RPCServer(self.rpc_handlers(), cfg.auth_token)
