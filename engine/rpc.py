@@ -227,6 +227,14 @@ class RPCClient:
             raise RPCError(f"{method} on {self.address} returned nothing")
         return first
 
+    async def abandon(self, reason: str) -> None:
+        """Gives up on a worker whose connection stands but that stopped answering (it hangs):
+        its calls in flight fail now as if the connection broke (`lost_at` is set)."""
+        self.lost_at = time.time()
+        await self.close()
+        for queue in self._queues.values():
+            queue.put_nowait({"error": f"{self.address} {reason}"})
+
     async def close(self) -> None:
         self.closed = True
         if self._reader_task is not None:

@@ -7,7 +7,9 @@ prefilled). Workers' own reports (KV usage, measured prefill throughput) come wi
 
 A worker that reports itself draining (Serve is stopping it), or that refused work as draining,
 is no longer chosen; its connection stays open for the requests it still serves, and is closed
-once it left the registry and none of this router's requests use it.
+once it left the registry and none of this router's requests use it. A worker that stops
+reporting without draining while requests of this router run on it hangs (a dead one's
+connection breaks): its connection is given up, and its requests go on elsewhere.
 """
 
 from __future__ import annotations
@@ -115,8 +117,20 @@ class WorkerDirectory:
                 logger.info("router: %s worker %s at %s", worker.role, wid, address)
             worker.stats = entry
         for wid in set(self.workers) - seen:
-            logger.info("router: worker %s left", wid)
-            self._retiring.append(self.workers.pop(wid))
+            gone = self.workers.pop(wid)
+            if gone.in_flight > 0 and not gone.draining and not gone.client.closed:
+                # No report for STALE_S, not draining, our requests on it: it hangs (a dead
+                # one's connection breaks). They go on elsewhere, as from a dead worker.
+                logger.warning(
+                    "router: worker %s stopped reporting with %d requests of this router in "
+                    "flight: taking them to other workers",
+                    wid,
+                    gone.in_flight,
+                )
+                await gone.client.abandon(f"stopped answering (no report for {STALE_S:g} s)")
+            else:
+                logger.info("router: worker %s left", wid)
+            self._retiring.append(gone)
             self.index.remove_worker(wid)
             for callback in self.on_worker_removed:
                 callback(wid)

@@ -191,6 +191,32 @@ def test_the_directory_keeps_a_draining_workers_connection_for_its_requests() ->
     asyncio.run(main())
 
 
+def test_a_worker_that_stops_reporting_mid_request_is_given_up() -> None:
+    """A hung worker (no report, not draining) keeps its connection open: the calls on it fail
+    as from a lost worker (`lost_at` set), so the router takes its requests elsewhere."""
+
+    async def main() -> None:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        registry = FakeRegistry()
+        d = WorkerDirectory(registry, TOKEN)
+        registry.entries = [
+            {"worker_id": "decode/a", "role": "decode", "rpc_address": f"127.0.0.1:{port}"}
+        ]
+        await d.refresh()
+        a = d.workers["decode/a"]
+        a.in_flight = 1
+        a.client._queues[7] = waiting = asyncio.Queue()  # a call in flight on it
+        registry.entries = []  # its entry aged out: it stopped reporting
+        await d.refresh()
+        assert a.client.closed and a.client.lost_at is not None
+        assert "stopped answering" in (await waiting.get())["error"]
+        server.close()
+        await d.close()
+
+    asyncio.run(main())
+
+
 def test_the_directory_does_not_bring_back_a_lost_worker_until_it_reports_again() -> None:
     """A worker whose connection broke is taken for dead: it stays out of the live set (its
     registry entry lingers for seconds) until it reports again."""
