@@ -161,8 +161,9 @@ class RPCClient:
                 except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
                     self.closed, self.lost_at = True, time.time()
                     raise RPCError(f"cannot reach {self.address}: {exc!r}") from None
-                if not reply.get("ok"):
-                    writer.close()
+                if not reply.get("ok"):  # (another cluster token: a worker of another
+                    writer.close()  # deployment, e.g. one draining after a redeploy that
+                    self.closed, self.lost_at = True, time.time()  # changed it): unusable
                     raise RPCError(f"{self.address} refused the connection: {reply.get('error')}")
                 self._writer = writer
                 self._reader_task = asyncio.create_task(self._read_loop(reader))

@@ -92,8 +92,12 @@ def test_a_unary_call_reads_to_the_end_and_cancels_nothing() -> None:
 def test_wrong_token_is_refused() -> None:
     async def main() -> None:
         server, address = await _serve(Handlers())
+        client = RPCClient(address, "guess")
         with pytest.raises(RPCError, match="wrong cluster token"):
-            await RPCClient(address, "guess").call("count", n=1)
+            await client.call("count", n=1)
+        # a worker that refuses this router's token is of no use to it: taken as lost (its
+        # requests go to other workers, `WorkerLost`), not retried for each new request
+        assert client.closed and client.lost_at is not None
         await server.close()
 
     asyncio.run(main())
