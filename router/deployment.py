@@ -31,12 +31,11 @@ from tandem.router.admission import AdmissionConfig
 from tandem.router.api_keys import APIKeyMiddleware, key_digest
 from tandem.router.cors import LateCORS
 from tandem.router.errors import APIError
+from tandem.router.model_cards import model_card, models_body
 from tandem.router.openai_api import (
     create_chat_completion,
     create_completion,
     error_response,
-    model_card,
-    models_body,
 )
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.router.pd_orchestrator import PDOrchestrator

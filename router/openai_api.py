@@ -273,8 +273,8 @@ async def _events(
     held_ids: dict[int, list[int]] = {}  # (`return_token_ids`: those of text held back)
     started: set[int] = set()  # choices whose first chunk went out
     try:
+        usage = _so_far(merged_usage(reqs, n), 0) if continuous else None
         for index, req in enumerate(reqs):
-            usage = _so_far(merged_usage(reqs, n), 0) if continuous else None
             if head.kind == "chat":
                 yield chunk(head, req, "", None, index=index, role=True, first=True, usage=usage)
                 started.add(index)
@@ -381,35 +381,3 @@ def _token_id_text(token_id: int) -> str:
     """vLLM's `return_tokens_as_token_ids` name of a token in logprobs: unique, whatever its
     text (byte tokens that decode alone to U+FFFD would share a key in `top_logprobs`)."""
     return f"token_id:{token_id}"
-
-
-def model_card(model: str, max_model_len: int) -> dict[str, Any]:
-    return {
-        "id": model,
-        "object": "model",
-        "created": int(time.time()),
-        "owned_by": "tandem",
-        "root": model,
-        "parent": None,
-        "max_model_len": max_model_len,
-        "permission": [  # (vLLM's card has one, with these values)
-            {
-                "id": f"modelperm-{model}",
-                "object": "model_permission",
-                "created": int(time.time()),
-                "allow_create_engine": False,
-                "allow_sampling": True,
-                "allow_logprobs": True,
-                "allow_search_indices": False,
-                "allow_view": True,
-                "allow_fine_tuning": False,
-                "organization": "*",
-                "group": None,
-                "is_blocking": False,
-            }
-        ],
-    }
-
-
-def models_body(model: str, max_model_len: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(model, max_model_len)]}
