@@ -10,6 +10,7 @@ from typing import Any, cast
 import torch
 from tqdm import tqdm
 
+from tandem.engine.chat_content import content_text
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.generation_defaults import sampling_defaults
@@ -193,20 +194,11 @@ def _no_lora(lora_request: Any) -> None:
 
 
 def _with_text_content(message: dict[str, Any]) -> dict[str, Any]:
-    """`message` with a content given as OpenAI's parts (`[{"type": "text", "text": ...}]`)
-    as one string; other part types are refused (InvalidRequestError)."""
+    """`message` with a content given as OpenAI's parts as one string (`content_text`)."""
     content = message.get("content")
     if not isinstance(content, list):
         return message
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequestError(f"content parts of type {kind!r} are not supported")
-        if not isinstance(part.get("text"), str):
-            raise InvalidRequestError("a content part of type 'text' needs a 'text' string")
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
+    return {**message, "content": content_text(content)}
 
 
 def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -201,6 +201,8 @@ class ChannelTransport(ChannelHooks):
             sock.settimeout(self.timeout)
             conn.rfile = rfile = sock.makefile("rb")
             hello = read_frame(rfile, HANDSHAKE_FRAME_LIMIT)
+            if hello is None:  # closed before a word (a probe for stale sockets): nothing to say
+                return
             if not authentic_hello(hello, self.name, self.auth_token):
                 log.warning("%s: refused a connection that did not authenticate", self._address)
                 send_frame(sock, {"type": "refused", "error": "authentication failed"})

@@ -59,6 +59,7 @@ from tandem.kv_transfer._socket_channel import (
     encode_frame,
     valid_block_ids,
 )
+from tandem.kv_transfer._stale_sockets import remove_stale_sockets
 from tandem.kv_transfer.base import Message
 from tandem.kv_transfer.manifest import TransferError
 
@@ -94,6 +95,7 @@ class ShmTransport(ChannelTransport):
         """Names this endpoint's regions and socket (``tandem-kv-<endpoint_id>...``)."""
         self.staging_bytes = int(staging_bytes)
         directory = socket_dir or tempfile.gettempdir()
+        remove_stale_sockets(directory)
         self._owned = Owned(os.path.join(directory, f"tandem-kv-{self.endpoint_id}.sock"))
         self._finalizer = weakref.finalize(self, self._owned.release)
         # multiprocessing children leave through os._exit(), skipping atexit: clean up there too.

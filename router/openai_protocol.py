@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.engine.chat_content import content_text
+from tandem.engine.errors import InvalidRequestError
 from tandem.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from tandem.router.errors import bad_request
 from tandem.router.structured_output import (
@@ -213,20 +215,14 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.type != "text":
-                raise bad_request(
-                    f"content parts of type {part.type!r} are not supported", "messages"
-                )
-            if part.text is None:
-                raise bad_request("a content part of type 'text' needs a 'text' string", "messages")
-            parts.append(part.text)
-        return "\n".join(parts)  # (as vLLM joins them for templates that take a string)
+        """The content as one string (text parts joined by newlines); other parts: 400."""
+        parts = self.content
+        if isinstance(parts, list):
+            parts = [part.model_dump() for part in parts]
+        try:
+            return content_text(parts)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), "messages") from None
 
 
 class ChatCompletionRequest(_SamplingFields):
