@@ -216,11 +216,11 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines); other parts: 400."""
-        parts = self.content
-        if isinstance(parts, list):
-            parts = [part.model_dump() for part in parts]
+        content = self.content
         try:
-            return content_text(parts)
+            if isinstance(content, list):
+                return content_text([part.model_dump() for part in content])
+            return content_text(content)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), "messages") from None
 
