@@ -163,7 +163,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         output_text = None
-        if stream_text or params.stop:
+        if (stream_text or params.stop) and params.detokenize:
             skip = params.skip_special_tokens
             output_text = OutputText.after(self.tokenizer, token_ids, skip_special_tokens=skip)
         req = Request(

@@ -9,7 +9,9 @@ from tandem.engine.tokenizer import Tokenizer
 
 
 def request_output(req: Request, tokenizer: Tokenizer, prompt: str | None = None) -> RequestOutput:
-    if req.output_text is not None:
+    if not req.params.detokenize:  # token ids only (vLLM's `detokenize=False`)
+        text = ""
+    elif req.output_text is not None:
         text = req.output_text.text
     else:
         text = tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
@@ -45,7 +47,9 @@ def vllm_logprobs(
     """vLLM's shape of a request's logprobs: per token, itself then its alternatives (a rank
     where it is known: the alternatives', and the token's when it is one of them)."""
 
-    def text(token: int) -> str:
+    def text(token: int) -> str | None:
+        if not req.params.detokenize:
+            return None
         return tokenizer.decode([token], skip_special_tokens=False)
 
     out = []

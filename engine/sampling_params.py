@@ -84,6 +84,8 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # (vLLM's; fast tokenizers decode as they do)
+    detokenize: bool = True  # False: token ids only, `text` stays "" (vLLM's)
+    logits_processors: list[Any] | None = None  # vLLM's; only None or [] (none are run here)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -199,6 +201,22 @@ class SamplingParams(BaseModel):
         given = [k for k in STRUCTURE_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"at most one of {', '.join(STRUCTURE_KINDS)} may be set: {given}")
+        return self
+
+    @field_validator("logits_processors")
+    @classmethod
+    def _no_logits_processors(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError(
+                "per-request logits processors are not supported (as in vLLM's V1 engine): "
+                "use logit_bias, allowed_token_ids, bad_words or structured output"
+            )
+        return None
+
+    @model_validator(mode="after")
+    def _stops_need_text(self) -> SamplingParams:
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are found in the text)")
         return self
 
     @model_validator(mode="after")

@@ -181,3 +181,24 @@ def test_vllms_sampling_conventions(llm: LLM) -> None:
     assert copy == GREEDY and copy is not GREEDY
     with pytest.raises(ValueError, match="LoRA"):
         llm.generate("hi", GREEDY, lora_request=object())
+
+
+def test_detokenize_false_gives_token_ids_only(llm: LLM) -> None:
+    want = llm.generate("hello there", GREEDY)[0]
+    fields = {**GREEDY_FIELDS, "logprobs": 2, "detokenize": False}
+    out = llm.generate("hello there", SamplingParams(**fields))[0]
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    assert out.outputs[0].text == "" and out.text == ""
+    assert want.outputs[0].text != ""
+    entries = out.outputs[0].logprobs
+    assert entries is not None and len(entries) == len(want.outputs[0].token_ids)
+    assert all(lp.decoded_token is None for entry in entries for lp in entry.values())
+    with pytest.raises(InvalidRequestError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_logits_processors_none_or_empty_only() -> None:
+    assert SamplingParams(logits_processors=[]).logits_processors is None
+    with pytest.raises(InvalidRequestError, match="logits processors") as err:
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
+    assert err.value.param == "logits_processors"
