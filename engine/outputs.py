@@ -64,6 +64,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = True
     logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when asked
-    prompt_logprobs: list[PromptLogprob | None] | None = None  # per prompt token (the first None)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """vLLM's shape, when asked: per prompt token (the first None), the token itself then its
+    alternatives, by token id."""
+    prompt_logprob_entries: list[PromptLogprob | None] | None = None
+    """The same as tandem's `PromptLogprob` tuples (the first None)."""
     outputs: list[CompletionOutput] = field(default_factory=list)
     metrics: None = None  # (vLLM's field; its V1 engine leaves it None too)

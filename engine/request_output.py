@@ -3,7 +3,15 @@ with logprobs in vLLM's shape, and tandem's flat fields (the first sample's)."""
 
 from __future__ import annotations
 
-from tandem.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
+from collections.abc import Callable
+
+from tandem.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprob,
+    RequestOutput,
+    TokenLogprob,
+)
 from tandem.engine.request import Request
 from tandem.engine.tokenizer import Tokenizer
 
@@ -16,6 +24,7 @@ def request_output(req: Request, tokenizer: Tokenizer, prompt: str | None = None
     else:
         text = tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
     logprobs = None if req.logprobs is None else list(req.logprobs)
+    entries = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
     sample = CompletionOutput(
         index=0,
         text=text,
@@ -36,7 +45,8 @@ def request_output(req: Request, tokenizer: Tokenizer, prompt: str | None = None
         num_cached_tokens=req.num_prefix_hit_tokens,
         finished=req.is_finished,
         logprobs=logprobs,
-        prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+        prompt_logprobs=None if entries is None else vllm_prompt_logprobs(req, entries, tokenizer),
+        prompt_logprob_entries=entries,
         outputs=[sample],
     )
 
@@ -47,11 +57,7 @@ def vllm_logprobs(
     """vLLM's shape of a request's logprobs: per token, itself then its alternatives (a rank
     where it is known: the alternatives', and the token's when it is one of them)."""
 
-    def text(token: int) -> str | None:
-        if not req.params.detokenize:
-            return None
-        return tokenizer.decode([token], skip_special_tokens=False)
-
+    text = _token_text(req, tokenizer)
     out = []
     for token, (logprob, top) in zip(req.output_token_ids, entries, strict=False):
         ranks = {alt: i + 1 for i, (alt, _) in enumerate(top)}
@@ -60,3 +66,33 @@ def vllm_logprobs(
             found.setdefault(alt, Logprob(alt_logprob, ranks[alt], text(alt)))
         out.append(found)
     return out
+
+
+def vllm_prompt_logprobs(
+    req: Request, entries: list[PromptLogprob | None], tokenizer: Tokenizer
+) -> list[dict[int, Logprob] | None]:
+    """vLLM's shape of a request's prompt logprobs: per prompt token (the first None), the token
+    itself with its rank in the vocabulary, then its alternatives (rank i + 1)."""
+    text = _token_text(req, tokenizer)
+    out: list[dict[int, Logprob] | None] = []
+    for token, entry in zip(req.prompt_token_ids, entries, strict=False):
+        if entry is None:
+            out.append(None)
+            continue
+        logprob, top, rank = entry
+        found = {token: Logprob(logprob, rank, text(token))}
+        for i, (alt, alt_logprob) in enumerate(top):
+            found.setdefault(alt, Logprob(alt_logprob, i + 1, text(alt)))
+        out.append(found)
+    return out
+
+
+def _token_text(req: Request, tokenizer: Tokenizer) -> Callable[[int], str | None]:
+    """One token's text, as vLLM's `decoded_token` (None with `detokenize=False`)."""
+
+    def text(token: int) -> str | None:
+        if not req.params.detokenize:
+            return None
+        return tokenizer.decode([token], skip_special_tokens=False)
+
+    return text

@@ -54,7 +54,7 @@ def test_colocated_workers_without_chunked_prefill_match_the_engine(cluster: Clu
         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1, prompt_logprobs=1),
         use_tqdm=False,
     )[0]
-    assert ref_lp.logprobs is not None and ref_lp.prompt_logprobs is not None
+    assert ref_lp.logprobs is not None and ref_lp.prompt_logprob_entries is not None
     scored = client.completions.create(
         model="tiny",
         prompt=PROMPTS[2],
@@ -66,7 +66,7 @@ def test_colocated_workers_without_chunked_prefill_match_the_engine(cluster: Clu
     )
     lp = scored.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None
-    want = [None] + [e[0] for e in ref_lp.prompt_logprobs[1:] if e is not None]
+    want = [None] + [e[0] for e in ref_lp.prompt_logprob_entries[1:] if e is not None]
     want += [e[0] for e in ref_lp.logprobs]
     assert lp.token_logprobs[0] is None
     assert lp.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)

@@ -169,8 +169,10 @@ def test_echo_with_logprobs_scores_the_prompt(base_url: str, reference: LLM) -> 
     prompt = "score this prompt token by token, as an evaluation harness does"
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1)
     want = reference.generate([prompt], params, use_tqdm=False)[0]
-    assert want.prompt_logprobs is not None and want.logprobs is not None
-    want_lps = [None if e is None else e[0] for e in want.prompt_logprobs] + [want.logprobs[0][0]]
+    assert want.prompt_logprob_entries is not None and want.logprobs is not None
+    want_lps = [None if e is None else e[0] for e in want.prompt_logprob_entries] + [
+        want.logprobs[0][0]
+    ]
     tok = reference.engine.tokenizer
     for _ in range(2):
         out = client(base_url).completions.create(
@@ -211,7 +213,7 @@ def test_prompt_logprobs_are_vllms_field(base_url: str, reference: LLM) -> None:
     prompt = "the prompt tokens, each scored"
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
     want = reference.generate([prompt], params, use_tqdm=False)[0]
-    assert want.prompt_logprobs is not None
+    assert want.prompt_logprob_entries is not None
     tok = reference.engine.tokenizer
     c = client(base_url)
     body = {"prompt_logprobs": 2}
@@ -221,7 +223,7 @@ def test_prompt_logprobs_are_vllms_field(base_url: str, reference: LLM) -> None:
     got = out.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
     assert out.choices[0].logprobs is None and got[0] is None
     assert len(got) == len(want.prompt_token_ids)
-    scored = want.prompt_logprobs[1:]
+    scored = want.prompt_logprob_entries[1:]
     for token, entry, (lp, top, rank) in zip(
         want.prompt_token_ids[1:], got[1:], scored, strict=True
     ):  # type: ignore[misc]

@@ -103,7 +103,7 @@ def test_prompt_logprobs_equal_transformers(setup: dict[str, Any], engine_args: 
     outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.num_cached_tokens == 0 and out.logprobs is None
-        lps = out.prompt_logprobs
+        lps = out.prompt_logprob_entries
         assert lps is not None and len(lps) == len(prompt) and lps[0] is None
         ref = _hf_prompt_logprobs(setup["hf"], prompt)
         for p in range(1, len(prompt)):
@@ -114,5 +114,12 @@ def test_prompt_logprobs_equal_transformers(setup: dict[str, Any], engine_args: 
             chosen = ref[p - 1, prompt[p]]  # its rank: tokens at least as likely (within fp noise)
             above, tied = ref[p - 1] > chosen + 1e-4, ref[p - 1] >= chosen - 1e-4
             assert int(above.sum()) + 1 <= entry[2] <= int(tied.sum())
+            shaped = out.prompt_logprobs[p]  # vLLM's shape: the token, then its alternatives
+            assert shaped is not None and next(iter(shaped)) == prompt[p]
+            assert shaped[prompt[p]].logprob == entry[0] and shaped[prompt[p]].rank == entry[2]
+            for i, (alt, alt_lp) in enumerate(entry[1]):
+                assert shaped[alt].logprob == alt_lp
+                assert shaped[alt].rank == (entry[2] if alt == prompt[p] else i + 1)
+        assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
         assert out.token_ids == setup["llm"].generate([prompt], plain)[0].token_ids
     llm.engine.check_integrity()
