@@ -219,7 +219,11 @@ class Router:
 
         try:
             self._grpc_server = await start_grpc_server(
-                self.serving, host, port, api_key_digest=self.api_key_digest
+                self.serving,
+                host,
+                port,
+                api_key_digest=self.api_key_digest,
+                ready=lambda: all(self._live_workers().values()),
             )
         except Exception:
             logger.exception("gRPC server did not start on %s:%s", host, port)
@@ -278,10 +282,14 @@ class Router:
     @api.post("/ping")
     async def health(self) -> JSONResponse:
         """200 when at least one worker of each role in use is reachable, else 503."""
-        live = {role: len(self.directory.live(role)) for role in self.roles}
+        live = self._live_workers()
         if all(live.values()):
             return JSONResponse({"status": "ok", "workers": live})
         return JSONResponse({"status": "unavailable", "workers": live}, status_code=503)
+
+    def _live_workers(self) -> dict[str, int]:
+        """Per role in use, how many of its workers are reachable."""
+        return {role: len(self.directory.live(role)) for role in self.roles}
 
     async def _follow_replica_targets(self, every_s: float = 2.0) -> None:
         """Per role, the replicas Serve is running or starting (not stopping): the autoscaler's

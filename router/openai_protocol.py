@@ -38,6 +38,9 @@ from tandem.router.tool_calls import (
 from tandem.router.tool_parsers import ToolParser
 from tandem.router.unicode_text import UnicodeBody
 
+MAX_TEMPERATURE = 2.0
+"""The highest temperature a request may ask for (OpenAI's bound; gRPC keeps it too)."""
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -48,7 +51,7 @@ class _SamplingFields(UnicodeBody):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # (NaN: "finite number")
 
     model: str | None = None  # as vLLM: the served model when omitted
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extension

@@ -9,23 +9,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from tandem.router.api_keys import check_api_key
 from tandem.router.errors import APIError, bad_request
 from tandem.router.grpc import generation_pb2, generation_pb2_grpc
+from tandem.router.grpc.health_status import SERVICE_NAME, GrpcServer
+from tandem.router.openai_protocol import MAX_TEMPERATURE
 from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.serving import Serving
 from tandem.router.structured_output import Structure, one_structure, parse_schema
 
 logger = logging.getLogger("tandem.router")
-
-SERVICE_NAME = "tandem.v1.Generation"
 
 _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -47,7 +47,14 @@ def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
     penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
     for name in optional + penalties:
         if options.HasField(name):
-            fields[name] = getattr(options, name)
+            value = getattr(options, name)
+            # (float fields are float32 on the wire: 0.1 arrives as 0.10000000149...)
+            fields[name] = float(f"{value:.7g}") if isinstance(value, float) else value
+    if fields.get("temperature", 0.0) > MAX_TEMPERATURE:  # (as the HTTP API refuses it)
+        raise bad_request(
+            f"temperature must be at most {MAX_TEMPERATURE:g}, got {fields['temperature']}",
+            "temperature",
+        )
     if options.logit_bias:
         fields["logit_bias"] = dict(options.logit_bias)
     found: list[tuple[str, Structure]] = []
@@ -154,11 +161,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 async def start_grpc_server(
-    serving: Serving, host: str, port: int, api_key_digest: str | None = None
-) -> grpc.aio.Server:
-    """Starts Generation + health on `host:port` (SERVING for "" and the Generation service).
-    With `api_key_digest` (`key_digest` of the key), `Generate` wants the metadata
-    ``authorization: Bearer <key>``."""
+    serving: Serving,
+    host: str,
+    port: int,
+    api_key_digest: str | None = None,
+    ready: Callable[[], bool] = lambda: True,
+) -> GrpcServer:
+    """Starts Generation + health on `host:port`. Health reports "" and the Generation service
+    SERVING while `ready()` holds (checked every `HEALTH_EVERY_S`). With `api_key_digest`
+    (`key_digest` of the key), `Generate` wants the metadata ``authorization: Bearer <key>``."""
     server = grpc.aio.server()
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
@@ -175,7 +186,6 @@ async def start_grpc_server(
     if bound == 0:
         raise OSError(f"gRPC: cannot bind {host}:{port}")
     await server.start()
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    running = GrpcServer(server, bound, health_servicer, ready)
     logger.info("gRPC Generation + health serving on %s:%d", host, bound)
-    return server
+    return running
