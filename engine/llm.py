@@ -98,6 +98,11 @@ class LLM:
         template, as vLLM's `LLM.chat` passes them. A message's content may be OpenAI's list of
         text parts (joined with newlines, as the API and vLLM join them)."""
         _no_lora(lora_request)
+        if chat_template is None and not self.engine.tokenizer.hf.chat_template:
+            raise InvalidRequestError(
+                "the checkpoint's tokenizer has no chat template: pass one as chat_template= "
+                "(Jinja text), or use generate() with a prompt"
+            )
         one = bool(messages) and isinstance(messages[0], dict)
         conversations = cast(
             "list[list[dict[str, Any]]]", [messages] if one else [list(c) for c in messages]

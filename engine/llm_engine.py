@@ -64,7 +64,9 @@ class LLMEngine:
         model_dir = Path(config.model)
         self.spec: ModelSpec = load_model_spec(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
-        self.eos_token_ids = frozenset(self.spec.eos_token_ids) | self.tokenizer.eos_token_ids
+        # The tokenizer's eos and generation_config.json's (config.json's without that file),
+        # as vLLM stops; config.json's eos is not added when generation_config.json has its own.
+        self.eos_token_ids = self.tokenizer.eos_token_ids
         self.device = config.resolved_device()
         self.model = CausalLM(self.spec, attention_backend=config.attention_backend)
         memory = sizing_memory(config, self.device)  # (`kv_pool_size`)
@@ -212,13 +214,14 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]
-            bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})"
-                )
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
+        vocab = self.spec.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:  # (a tokenizer larger than the model)
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            raise InvalidRequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
         if keep is not None:
             token_ids = truncated_prompt(token_ids, keep, self.max_model_len)
         if len(token_ids) >= self.max_model_len:

@@ -108,6 +108,31 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
     return spec_from_config(cfg)
 
 
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": {
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+        "num_key_value_heads": 8,
+    },
+    "Qwen2ForCausalLM": {
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "num_key_value_heads": 32,
+    },
+    "Qwen3ForCausalLM": {
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+    },
+}
+"""What transformers' config class of each architecture takes for a key config.json leaves
+out (transformers 5.x): a checkpoint then runs as transformers runs it."""
+
+
 def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
@@ -115,6 +140,14 @@ def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
         raise UnsupportedModelError(
             f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if cfg.get("quantization_config"):
+        quant = cfg["quantization_config"]
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise UnsupportedModelError(
+            f"quantized checkpoints are not supported (quantization_config: {method!r}); "
+            "load a float32, float16 or bfloat16 checkpoint"
+        )
+    cfg = {**_HF_DEFAULTS[arch], **cfg}  # (an explicit null stays null)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported; only 'silu' is")
@@ -140,7 +173,7 @@ def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope=_rope_spec(cfg),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
@@ -163,7 +196,7 @@ def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
         raise UnsupportedModelError(
             f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    max_position = int(cfg.get("max_position_embeddings", 8192))
+    max_position = int(cfg.get("max_position_embeddings") or 2048)
     original = int(
         cfg.get("original_max_position_embeddings")  # (Phi-3 style: outside the rope dict)
         or params.get("original_max_position_embeddings")

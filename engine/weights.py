@@ -26,7 +26,11 @@ _FUSED = {
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, from its index when it is sharded."""
+    """The safetensors files of a checkpoint: `model.safetensors`, else the shards its index
+    lists (transformers' order: an index left behind by an earlier sharded save is ignored)."""
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
@@ -37,9 +41,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
                 f"{model_dir}: shards listed in {index.name} are missing: {missing}"
             )
         return files
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
     others = sorted(model_dir.glob("*.safetensors"))
     if others:
         return others
@@ -63,15 +64,14 @@ def load_weights(model: CausalLM, model_dir: Path, dtype: torch.dtype) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    tied: dict[str, torch.Tensor] = {}  # (with tied embeddings: those of `_TIED` stored)
     for hf_name, tensor in iter_checkpoint_tensors(checkpoint_files(model_dir)):
         name = hf_name.removeprefix("model.")
         if name.startswith("rotary_emb.") or name.endswith("rotary_emb.inv_freq"):
             continue
-        if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+        if name in _TIED and model.spec.tie_word_embeddings:
+            tied[name] = tensor
             continue
-        if name == "embed_tokens.weight" and model.spec.tie_word_embeddings:
-            _copy(params, "lm_head.weight", tensor, dtype)
-            loaded.add("lm_head.weight")
         fused = _fused_target(name)
         if fused is None:
             _copy(params, name, tensor, dtype)
@@ -87,10 +87,38 @@ def load_weights(model: CausalLM, model_dir: Path, dtype: torch.dtype) -> None:
             del pending[target]
     if pending:
         raise CheckpointError(f"{model_dir}: incomplete fused weights {sorted(pending)}")
+    if model.spec.tie_word_embeddings:
+        for name, tensor in _tied_weights(tied, model_dir).items():
+            _copy(params, name, tensor, dtype)
+            loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{model_dir}: weights missing from the checkpoint: {missing[:8]}")
     logger.info("loaded %d tensors from %s", len(loaded), model_dir)
+
+
+_TIED = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _tied_weights(stored: dict[str, torch.Tensor], model_dir: Path) -> dict[str, torch.Tensor]:
+    """The input embedding and output head of a model with tied embeddings, from what the
+    checkpoint stores of them, as transformers 5 ties them: one stored serves as both; both
+    stored and different are each used as stored (with a warning)."""
+    embed, head = (stored.get(name) for name in _TIED)
+    if embed is not None and head is not None and not torch.equal(embed, head):
+        logger.warning(
+            "%s: tie_word_embeddings is set, but lm_head.weight differs from "
+            "embed_tokens.weight: each is used as stored (as transformers does)",
+            model_dir,
+        )
+        return {_TIED[0]: embed, _TIED[1]: head}
+    one = embed if embed is not None else head
+    if one is None:
+        raise CheckpointError(
+            f"{model_dir}: weights missing from the checkpoint: {list(_TIED)} (one of them is "
+            "needed with tie_word_embeddings)"
+        )
+    return {name: one for name in _TIED}
 
 
 def _fused_kind(target: str) -> str:

@@ -99,9 +99,10 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int], vocab_size: i
         token_ids = tokenizer.encode(prompt)
     else:
         token_ids = list(prompt)
-        check_token_ids(token_ids, vocab_size, "prompt", "prompt token ids")
     if not token_ids:
         raise bad_request("prompt is empty", "prompt")
+    # (text too: a tokenizer may have more ids than the model)
+    check_token_ids(token_ids, vocab_size, "prompt", "prompt token ids")
     return token_ids
 
 
@@ -129,6 +130,8 @@ def check_token_ids(
     token_ids: list[int], vocab_size: int, param: str, what: str = "token ids"
 ) -> None:
     """400 naming `param` when an id lies outside the vocabulary."""
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise bad_request(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})", param)
