@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -9,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.engine.errors import TandemError
 from tandem.engine.model_config import load_model_spec
+from tandem.engine.weights import stored_dtype
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -21,10 +23,10 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp1
 
 
 def checkpoint_dtype(model_dir: str) -> str:
-    """The dtype a checkpoint's config.json declares, as one of `DTYPES` (float32 when it
-    names none or another)."""
+    """The dtype a checkpoint's config.json declares, else that of its stored weights (as
+    transformers' `dtype="auto"` reads them), as one of `DTYPES` (float32 for another)."""
     try:
-        declared = load_model_spec(model_dir).checkpoint_dtype
+        declared = load_model_spec(model_dir).checkpoint_dtype or stored_dtype(Path(model_dir))
     except TandemError:
         return "float32"  # (the engine reports the checkpoint's problem when it loads it)
     declared = DTYPE_ALIASES.get(declared, declared)

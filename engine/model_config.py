@@ -67,7 +67,7 @@ class ModelSpec:
     mlp_bias: bool
     qk_norm: bool
     sliding_windows: tuple[int | None, ...]
-    checkpoint_dtype: str
+    checkpoint_dtype: str  # as config.json declares it ("" where it does not)
     eos_token_ids: tuple[int, ...] = field(default=())
 
     @property
@@ -180,7 +180,7 @@ def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
         mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
         qk_norm=arch == "Qwen3ForCausalLM",
         sliding_windows=_sliding_windows(cfg, arch, num_layers),
-        checkpoint_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        checkpoint_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or ""),
         eos_token_ids=_as_ids(cfg.get("eos_token_id")),
     )
 

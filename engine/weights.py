@@ -52,6 +52,19 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir} has no model.safetensors or safetensors index")
 
 
+def stored_dtype(model_dir: Path) -> str:
+    """The dtype of a checkpoint's first floating-point weight, read from the safetensors
+    header ("" when there is none to read)."""
+    names = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+    for file in checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                stored = handle.get_slice(name).get_dtype()
+                if stored.startswith(("F", "BF")):
+                    return names.get(stored, stored)
+    return ""
+
+
 def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as handle:

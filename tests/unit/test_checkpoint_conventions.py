@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from tandem import LLM, SamplingParams
@@ -179,3 +180,21 @@ def test_the_router_refuses_a_text_prompt_beyond_the_vocabulary(tiny_checkpoint:
     with pytest.raises(APIError) as err:
         tokenize_prompt(tokenizer, text, 100)
     assert err.value.status == 400 and err.value.param == "prompt"
+
+
+def test_auto_dtype_without_a_declared_dtype_reads_the_stored_weights(
+    tiny_checkpoint: Any, tmp_path: Path
+) -> None:
+    from tandem.engine.config import checkpoint_dtype
+
+    path = _copy_checkpoint(tiny_checkpoint(arch="llama", seed=1), tmp_path / "ckpt")
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(path / "model.safetensors").items()}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        cfg.pop(key, None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert checkpoint_dtype(str(path)) == "bfloat16"
+    cfg["dtype"] = "float16"  # (a declared dtype wins, as in transformers)
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert checkpoint_dtype(str(path)) == "float16"
