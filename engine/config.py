@@ -42,7 +42,7 @@ class EngineConfig(BaseModel):
     capped at what `max_num_seqs` requests of `max_model_len` tokens could ever use.
     `max_model_len=None` takes the model's `max_position_embeddings`, reduced to what the pool
     holds when the pool is smaller.
-    `dtype` of weights and KV cache; "auto" takes the checkpoint's (its config.json's), and
+    `dtype` of weights and KV cache; "auto" takes the checkpoint's (config.json's, else the stored weights'), and
     vLLM's "half" / "float" are accepted.
     `device` places weights and the KV pool ("auto": CUDA when available); `attention_backend`
     "auto" runs the Triton kernels on CUDA and the torch ones on the CPU (`tandem.kernels`).
