@@ -6,7 +6,11 @@ The CLI (`tandem bench serve`) and the scenarios (`bench/scenarios/`) both call 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import random
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,8 @@ from tandem.bench.serving.prompts import PromptMaker, TokenPrompts, WordPrompts
 from tandem.bench.serving.records import RequestRecord
 from tandem.bench.serving.result import result_json
 from tandem.bench.serving.runner import LoadConfig, run_load
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,12 +51,37 @@ class DatasetOptions:
     mixed: MixedSpec = field(default_factory=MixedSpec)
 
 
-def prompt_maker(tokenizer: str | Path | None) -> PromptMaker:
+def prompt_maker(
+    tokenizer: str | Path | None, count_tokens: Callable[[str], int] | None = None
+) -> PromptMaker:
     """Exact token-id prompts with the model's tokenizer (a local checkpoint or tokenizer
-    directory), else approximate word prompts."""
-    if tokenizer is None:
-        return WordPrompts()
-    return TokenPrompts.from_pretrained(tokenizer)
+    directory), else word prompts, of lengths as `count_tokens` counts (the server's)."""
+    if tokenizer is not None:
+        return TokenPrompts.from_pretrained(tokenizer)
+    if count_tokens is not None:
+        try:
+            return WordPrompts.calibrated(count_tokens)
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("the server did not count tokens (%s): one token a word is assumed", exc)
+    return WordPrompts()
+
+
+def server_token_counter(
+    base_url: str, model: str, headers: dict[str, str] | None = None
+) -> Callable[[str], int]:
+    """Counts a text's tokens with the server's `/tokenize` (tandem's and vLLM's)."""
+
+    def count(text: str) -> int:
+        body = json.dumps({"model": model, "prompt": text}).encode()
+        request = urllib.request.Request(
+            base_url.rstrip("/") + "/tokenize",
+            data=body,
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return int(json.loads(reply.read())["count"])
+
+    return count
 
 
 def make_conversations(

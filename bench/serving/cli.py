@@ -33,12 +33,20 @@ def serve(
         str, typer.Option(help="Server root, e.g. http://127.0.0.1:8000 (no /v1).")
     ] = "http://127.0.0.1:8000",
     endpoint: Annotated[str, typer.Option(help="Completions endpoint path.")] = "/v1/completions",
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="OPENAI_API_KEY",
+            show_envvar=True,
+            help="Sent as 'Authorization: Bearer KEY' (a server started with --api-key).",
+        ),
+    ] = None,
     tokenizer: Annotated[
         Path | None,
         typer.Option(
             help="Local tokenizer/checkpoint directory: prompts become token ids of exact "
-            "lengths. Default: --model when it is a local directory, else word prompts of "
-            "about one token per word."
+            "lengths. Default: --model when it is a local directory, else word prompts, as "
+            "many words as make the lengths asked for by the server's /tokenize count."
         ),
     ] = None,
     dataset_name: Annotated[
@@ -144,6 +152,7 @@ def serve(
         make_conversations,
         prompt_maker,
         run_benchmark,
+        server_token_counter,
     )
     from tandem.bench.serving.datasets import DATASETS, MixedSpec
     from tandem.bench.serving.metrics import parse_goodput
@@ -159,7 +168,8 @@ def serve(
         raise typer.BadParameter(str(exc)) from None
     if tokenizer is None and Path(model).is_dir():
         tokenizer = Path(model)
-    maker = prompt_maker(tokenizer)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    maker = prompt_maker(tokenizer, server_token_counter(base_url, model, headers))
     options = DatasetOptions(
         dataset_name,
         num_prompts,
@@ -188,6 +198,7 @@ def serve(
         seed=seed,
         extra_body={"temperature": temperature, "ignore_eos": ignore_eos},
         progress=not disable_tqdm,
+        api_key=api_key,
     )
     typer.echo(
         f"[bench] {dataset_name}: {sum(len(c.turns) for c in conversations)} requests, "

@@ -2,13 +2,16 @@
 
 With the served model's tokenizer, prompts are lists of token ids drawn from its ordinary
 vocabulary, so their lengths are exact and nothing is lost to re-tokenizing (the completions API
-takes token ids). Without one, prompts are text of random common words, about one token each.
+takes token ids). Without one, prompts are text of random common words, as many as make the
+length asked for at the rate the server's tokenizer counts them (its `/tokenize`; one token a
+word where the server has none).
 """
 
 from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,10 +124,23 @@ class TokenPrompts(PromptMaker):
 
 
 class WordPrompts(PromptMaker):
-    """Text of random common words; a length is a number of words."""
+    """Text of random common words; a length is a number of tokens at `tokens_per_word` (what
+    the server's tokenizer makes of these words, `calibrated`; 1 when it is not known)."""
+
+    def __init__(self, tokens_per_word: float = 1.0) -> None:
+        self.tokens_per_word = max(float(tokens_per_word), 1e-3)
+
+    @classmethod
+    def calibrated(cls, count_tokens: Callable[[str], int], seed: int = 0) -> WordPrompts:
+        """Word prompts whose lengths are tokens as `count_tokens` (the server's tokenizer)
+        counts them, from a sample of 1,000 words."""
+        sample = cls().random(random.Random(seed), 1000)
+        assert isinstance(sample, str)
+        return cls(count_tokens(sample) / 1000)
 
     def random(self, rng: random.Random, length: int) -> Prompt:
-        return " ".join(rng.choice(WORDS) for _ in range(length))
+        words = max(1, round(length / self.tokens_per_word))
+        return " ".join(rng.choice(WORDS) for _ in range(words))
 
     def join(self, *parts: Prompt) -> Prompt:
         return " ".join(p.strip() for p in parts if isinstance(p, str) and p.strip())
@@ -133,4 +149,6 @@ class WordPrompts(PromptMaker):
         return text
 
     def length(self, prompt: Prompt) -> int:
-        return len(prompt.split()) if isinstance(prompt, str) else len(prompt)
+        if not isinstance(prompt, str):
+            return len(prompt)
+        return round(len(prompt.split()) * self.tokens_per_word)

@@ -38,6 +38,11 @@ class LoadConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 6 * 3600
     progress: bool = True
+    api_key: str | None = None  # sent as `Authorization: Bearer <key>`
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def url(self) -> str:
@@ -74,7 +79,9 @@ async def run_load(
     bar = tqdm(total=num_requests(list(conversations)), disable=not config.progress, unit="req")
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0)
     timeout = aiohttp.ClientTimeout(total=config.timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, headers=config.headers
+    ) as session:
         bench_start = time.perf_counter()
 
         async def converse(conv: Conversation, start: float) -> None:

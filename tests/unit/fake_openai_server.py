@@ -2,8 +2,9 @@
 
 It streams `max_tokens` tokens as "w0 w1 ..." two tokens per chunk, `delay_s` apart, then a
 usage chunk (prompt tokens: the prompt's words, or its ids). `max_tokens` 13 is refused with a
-429; 14 fails with an error event after the first chunk. It records every prompt it received and
-the most requests it had in flight at once.
+429; 14 fails with an error event after the first chunk. It records every prompt it received, the
+`Authorization` headers, and the most requests it had in flight at once. `/tokenize` counts two
+tokens a word (three for a word of more than five letters), when `tokenize` is on.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from aiohttp import web
 
 
 class FakeServer:
-    def __init__(self, delay_s: float = 0.01) -> None:
+    def __init__(self, delay_s: float = 0.01, tokenize: bool = False) -> None:
         self.delay_s = delay_s
+        self.tokenize = tokenize
         self.prompts: list[Any] = []
+        self.authorizations: list[str | None] = []
         self.in_flight = 0
         self.max_in_flight = 0
         self.port = 0
@@ -45,13 +48,22 @@ class FakeServer:
     async def _start(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
+        if self.tokenize:
+            app.router.add_post("/tokenize", self._tokenize)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
+    async def _tokenize(self, request: web.Request) -> web.StreamResponse:
+        self.authorizations.append(request.headers.get("Authorization"))
+        words = str((await request.json())["prompt"]).split()
+        count = sum(3 if len(w) > 5 else 2 for w in words)
+        return web.json_response({"count": count, "max_model_len": 2048, "tokens": []})
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        self.authorizations.append(request.headers.get("Authorization"))
         body = await request.json()
         prompt, n = body["prompt"], int(body["max_tokens"])
         self.prompts.append(prompt)

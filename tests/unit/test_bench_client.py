@@ -85,3 +85,28 @@ def test_the_cli_saves_vllm_keys(server: FakeServer, tmp_path: Path) -> None:
     assert result["total_input_tokens"] == 32 and result["request_goodput"] > 0
     assert len(result["ttfts"]) == len(result["itls"]) == len(result["latencies"]) == 4
     assert result["request_rate"] == "inf" and result["dataset_name"] == "random"
+
+
+def test_the_cli_sends_the_api_key_and_sizes_word_prompts_by_the_servers_count(
+    tmp_path: Path,
+) -> None:
+    srv = FakeServer(tokenize=True).start()
+    try:
+        args = ["bench", "serve", "--base-url", srv.base_url, "--model", "fake", "--num-prompts",
+                "6", "--random-input-len", "40", "--random-output-len", "2", "--disable-tqdm"]  # fmt: skip
+        res = CliRunner().invoke(app, args, env={"OPENAI_API_KEY": "sekrit"})
+        assert res.exit_code == 0, res.output
+        assert srv.authorizations and set(srv.authorizations) == {"Bearer sekrit"}
+        counted = [sum(3 if len(w) > 5 else 2 for w in p.split()) for p in srv.prompts]
+        assert len(counted) == 6 and all(30 <= n <= 50 for n in counted), counted
+        res = CliRunner().invoke(app, [*args, "--api-key", "other"], env={"OPENAI_API_KEY": ""})
+        assert res.exit_code == 0 and srv.authorizations[-1] == "Bearer other"
+    finally:
+        srv.stop()
+
+
+def test_word_prompts_without_a_count_are_a_word_a_token() -> None:
+    maker = WordPrompts.calibrated(lambda text: 3 * len(text.split()))
+    prompt = maker.random(random.Random(0), 30)
+    assert isinstance(prompt, str) and len(prompt.split()) == 10 and maker.length(prompt) == 30
+    assert len(str(WordPrompts().random(random.Random(0), 30)).split()) == 30
