@@ -19,6 +19,7 @@ first token(s) the prefill sampled (`LLMEngine.attach_constraints`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -166,6 +167,11 @@ def mask_disallowed(logits: torch.Tensor, requests: Sequence[Request], rows: Seq
         logits[i] = row[0]
 
 
+_SOURCE_PREFIX = re.compile(r"^\s*(\[[0-9:]+\]\s*)?[\w./-]+\.(cc|cpp|h|py):\d+:\s*")
+"""xgrammar's C++ log prefix (``[00:19:51] /project/cpp/regex_converter.cc:94: ``)."""
+
+
 def _first_line(exc: BaseException) -> str:
+    """The last line of the library's message, without its source-file prefix."""
     text = str(exc).strip().splitlines()
-    return text[-1] if text else type(exc).__name__
+    return _SOURCE_PREFIX.sub("", text[-1]) if text else type(exc).__name__

@@ -52,8 +52,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+RETRY_AFTER = {"Retry-After": "1"}
+"""With every 429 and 503: a client may try again in a second."""
+
+
 def unavailable(message: str, code: str = "unavailable") -> APIError:
-    return APIError(503, message, type="service_unavailable_error", code=code)
+    return APIError(503, message, type="service_unavailable_error", code=code, headers=RETRY_AFTER)
 
 
 class WorkerLost(APIError):
@@ -61,5 +65,7 @@ class WorkerLost(APIError):
     request that has sent its caller nothing yet can start over on the workers still alive."""
 
     def __init__(self, worker_id: str, message: str, code: str) -> None:
-        super().__init__(503, message, type="service_unavailable_error", code=code)
+        super().__init__(
+            503, message, type="service_unavailable_error", code=code, headers=RETRY_AFTER
+        )
         self.worker_id = worker_id

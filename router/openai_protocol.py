@@ -267,6 +267,11 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         self.forced_tools()
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise bad_request(
+                f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
+                "max_completion_tokens",
+            )
         if self.chat_template is not None:  # (a client's Jinja runs in the server)
             raise bad_request(
                 "a chat_template in the request is not accepted: the server renders with its "

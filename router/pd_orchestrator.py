@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.rpc import RPCError
-from tandem.router.errors import APIError, WorkerLost, unavailable
+from tandem.router.errors import RETRY_AFTER, APIError, WorkerLost, unavailable
 from tandem.router.prefill_call import (
     PrefillCall,
     send_grant,
@@ -353,7 +353,7 @@ def _worker_error(item: dict[str, Any]) -> APIError:
             f"no KV cache room on the decode worker now: {item['error']}",
             type="rate_limit_error",
             code="decode_full",
-            headers={"Retry-After": "1"},
+            headers=RETRY_AFTER,
         )
     if code == "internal_error":  # a step failed on the worker; it serves on
         return APIError(500, str(item.get("error")), type="server_error", code=code)

@@ -329,7 +329,13 @@ class Serving:
                         break
                     except WorkerLost as exc:
                         # Start over, or go on from the tokens sent, without that worker.
-                        if attempt == MAX_LOST_RETRIES or not (last_item is None or req.resumable):
+                        if attempt == MAX_LOST_RETRIES:
+                            raise
+                        if not (last_item is None or req.resumable):
+                            exc.message += (
+                                "; a seeded sampling request cannot go on on another worker "
+                                "(its sampler's state was lost with it): send it again"
+                            )
                             raise
                         self._starting_over(req, exc)
                         await self._route(req)

@@ -45,3 +45,12 @@ def test_sampling_errors_name_their_field() -> None:
     assert refused.value.param == "top_k"
     with pytest.raises(Exception, match="finite number"):
         CompletionRequest.model_validate({"prompt": "x", "temperature": float("nan")})
+
+
+def test_max_completion_tokens_below_one_names_itself() -> None:
+    request = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=-2
+    )
+    with pytest.raises(APIError) as err:
+        request.check_supported()
+    assert err.value.param == "max_completion_tokens" and "got -2" in err.value.message

@@ -81,6 +81,7 @@ def test_bad_or_conflicting_fields_are_a_400_naming_the_field(
         _completion(**fields)
     assert caught.value.status == 400 and caught.value.param == param
     assert message in caught.value.message
+    assert ".cc:" not in caught.value.message and "/project/" not in caught.value.message
 
 
 def test_a_forced_tool_excludes_other_structures() -> None:

@@ -199,9 +199,13 @@ def test_a_seeded_sampling_request_whose_decode_worker_dies_fails() -> None:
     orchestrator = FakeOrchestrator({0: "after"})
     serving, planner = _serving(orchestrator)
     req = _prepared(planner, SamplingParams(temperature=0.8, seed=3, max_tokens=3))
-    with pytest.raises(WorkerLost):
+    with pytest.raises(WorkerLost) as lost:
         asyncio.run(_collect(serving, req))
     assert orchestrator.generated == ["cmpl-1"] and req.completion_tokens == 1
+    assert lost.value.body()["error"]["message"].endswith(
+        "(its sampler's state was lost with it): send it again"
+    )
+    assert lost.value.headers == {"Retry-After": "1"}
 
 
 def test_a_request_goes_on_mid_stream_once_at_most() -> None:
