@@ -262,7 +262,7 @@ def serve(
         typer.echo(f"[tandem] stopping: in-flight requests finish first (at most {drain_s:g}s; "
                    "Ctrl-C again to stop at once) ...")  # fmt: skip
     finally:
-        _shutdown(cfg.app_name, registry_name(cfg), own_cluster)
+        _shutdown(cfg.app_name, registry_name(cfg))
     typer.echo("[tandem] stopped")
 
 
@@ -321,7 +321,7 @@ def _print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress | None) -> 
     typer.echo("\n".join(lines))
 
 
-def _shutdown(app_name: str, registry: str, own_cluster: bool) -> None:
+def _shutdown(app_name: str, registry: str) -> None:
     import ray
     from ray import serve as ray_serve
 
@@ -332,9 +332,10 @@ def _shutdown(app_name: str, registry: str, own_cluster: bool) -> None:
         # streams and KV transfers in flight); Serve's own shutdown would stop its proxy first
         # and cut every stream.
         ray_serve.delete(app_name)
-        if own_cluster:
-            ray_serve.shutdown()
         kill_registry(registry)
+        # Serve's controller and proxies go with a cluster this command started (`ray.shutdown`
+        # below tears it down); `serve.shutdown()` would only add a warning, as it kills its
+        # controller mid-call. On a cluster it joined, Serve stays for its other apps.
     except Exception as exc:  # shutting down anyway: say what failed
         logger.warning("clean shutdown incomplete: %s", exc)
     finally:
