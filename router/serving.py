@@ -148,56 +148,7 @@ class Serving:
         Also routes and admits the request: a 429 here means nothing was started. A client
         that leaves meanwhile (its task cancelled) is logged and counted as an abort."""
         self.metrics.arrived(user, timings.arrival)
-        try:
-            return await self._prepare(
-                request_id, model, prompt, max_tokens, fields, timings,
-                deadline_ms=deadline_ms, priority=priority, user=user,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template_kwargs=chat_template_kwargs, tools=tools,
-                truncate_prompt_tokens=truncate_prompt_tokens,
-            )  # fmt: skip
-        except asyncio.CancelledError:
-            self._left_early(request_id, timings, user)
-            raise
-
-    def _left_early(self, request_id: str, timings: RequestTimings, user: str | None) -> None:
-        """A request whose client left before it was routed: one log line, an abort."""
-        stages = " ".join(f"{k}={v:.1f}ms" for k, v in timings.stages_ms().items())
-        logger.info("request %s cancelled(client left before it was routed) %s", request_id, stages)
-        self.metrics.finished(
-            user=user,
-            arrival=timings.arrival,
-            first_token=None,
-            end=time.time(),
-            prompt_tokens=0,
-            output_tokens=0,
-            finish_reason="abort",
-            stages_s={},
-            transferred_blocks=None,
-            slo_ttft_s=self.slo_ttft_s,
-            slo_tpot_s=self.slo_tpot_s,
-        )
-
-    async def _prepare(
-        self,
-        request_id: str,
-        model: str | None,
-        prompt: str | list[int] | list[dict[str, Any]],
-        max_tokens: int | None,
-        fields: dict[str, Any],
-        timings: RequestTimings,
-        *,
-        deadline_ms: float | None,
-        priority: int | None,
-        user: str | None,
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        chat_template_kwargs: dict[str, Any] | None,
-        tools: list[dict[str, Any]] | None,
-        truncate_prompt_tokens: int | None,
-    ) -> Prepared:
-        with self._counting_refusals():
+        with self._counting_refusals(), self._noting_departure(request_id, timings, user):
             self.check_model(model)
             limits = await self.limits()
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
@@ -242,6 +193,35 @@ class Serving:
                         raise
                     self._starting_over(req, exc)
             return req
+
+    @contextlib.contextmanager
+    def _noting_departure(
+        self, request_id: str, timings: RequestTimings, user: str | None
+    ) -> Iterator[None]:
+        """A request whose client leaves (its task is cancelled) before it is routed gets one
+        log line, and counts as an abort."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            self._left_early(request_id, timings, user)
+            raise
+
+    def _left_early(self, request_id: str, timings: RequestTimings, user: str | None) -> None:
+        stages = " ".join(f"{k}={v:.1f}ms" for k, v in timings.stages_ms().items())
+        logger.info("request %s cancelled(client left before it was routed) %s", request_id, stages)
+        self.metrics.finished(
+            user=user,
+            arrival=timings.arrival,
+            first_token=None,
+            end=time.time(),
+            prompt_tokens=0,
+            output_tokens=0,
+            finish_reason="abort",
+            stages_s={},
+            transferred_blocks=None,
+            slo_ttft_s=self.slo_ttft_s,
+            slo_tpot_s=self.slo_tpot_s,
+        )
 
     async def _route(self, req: Prepared) -> None:
         """Plans the request's workers and opens its calls (decode's reservation first)."""
