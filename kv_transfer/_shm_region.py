@@ -2,6 +2,8 @@
 
 `ShmRegion.create` makes a new region and registers it with multiprocessing's resource tracker,
 so a process killed before `unlink()` still gets its regions removed when the tracker exits.
+The owner also holds a shared `flock` on the region until it unlinks it: a region nobody holds
+is one whose owner died with its tracker (`_leftovers.remove_stale_regions`).
 `ShmRegion.attach` maps a peer's region *without* registering it (an attaching process must
 never unlink or "clean up" someone else's region, which `SharedMemory` on Python < 3.13 does).
 
@@ -12,6 +14,7 @@ reference, and the mapping goes away with the last tensor that uses it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import re
@@ -54,6 +57,7 @@ class ShmRegion:
         self.owner = owner
         self._mm: mmap.mmap | None = mm
         self._unlinked = not owner
+        self._lock_fd: int | None = None  # (an owner's: its flock says the region is in use)
 
     @classmethod
     def create(cls, name: str, size: int) -> ShmRegion:
@@ -64,14 +68,18 @@ class ShmRegion:
         try:
             resource_tracker.register("/" + name, "shared_memory")
             try:
+                fcntl.flock(fd, fcntl.LOCK_SH)  # (held while the region is ours)
                 os.ftruncate(fd, size)
                 mm = mmap.mmap(fd, size)
             except BaseException:
                 _unlink(name)
                 raise
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(name, mm, size, owner=True)
+            raise
+        region = cls(name, mm, size, owner=True)
+        region._lock_fd = fd
+        return region
 
     @classmethod
     def attach(cls, name: str, populate: bool = False) -> ShmRegion:
@@ -115,6 +123,13 @@ class ShmRegion:
         if not self._unlinked:
             self._unlinked = True
             _unlink(self.name)
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def close(self) -> None:
         """Drops this object's reference to the mapping.

@@ -45,6 +45,7 @@ import torch
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer import _cross_memory, _pull_ring, _shm_pull
 from tandem.kv_transfer._channel_transport import ChannelTransport
+from tandem.kv_transfer._leftovers import remove_stale_regions, remove_stale_sockets
 from tandem.kv_transfer._shm_link import ConnState, LinkState
 from tandem.kv_transfer._shm_memory import Owned, Rows, as_rows, copy_rows
 from tandem.kv_transfer._shm_pools import PoolKinds
@@ -59,7 +60,6 @@ from tandem.kv_transfer._socket_channel import (
     encode_frame,
     valid_block_ids,
 )
-from tandem.kv_transfer._stale_sockets import remove_stale_sockets
 from tandem.kv_transfer.base import Message
 from tandem.kv_transfer.manifest import TransferError
 
@@ -96,6 +96,7 @@ class ShmTransport(ChannelTransport):
         self.staging_bytes = int(staging_bytes)
         directory = socket_dir or tempfile.gettempdir()
         remove_stale_sockets(directory)
+        remove_stale_regions()
         self._owned = Owned(os.path.join(directory, f"tandem-kv-{self.endpoint_id}.sock"))
         self._finalizer = weakref.finalize(self, self._owned.release)
         # multiprocessing children leave through os._exit(), skipping atexit: clean up there too.

@@ -1,12 +1,15 @@
-"""Stale shm control sockets (left by killed processes) are removed; live ones are kept."""
+"""What killed processes leave (shm control sockets, shared-memory regions) is removed; what
+live ones hold is kept."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 
-from tandem.kv_transfer._stale_sockets import remove_stale_sockets
+from tandem.kv_transfer._leftovers import remove_stale_regions, remove_stale_sockets
+from tandem.kv_transfer._shm_region import ShmRegion, new_endpoint_id
 from tandem.kv_transfer.shm import ShmTransport
 
 
@@ -68,3 +71,23 @@ def test_a_new_shm_endpoint_sweeps_its_socket_dir_and_a_probe_is_not_an_intruder
             second.close()
     finally:
         live.close()
+
+
+def test_only_old_regions_no_process_holds_are_removed() -> None:
+    live = ShmRegion.create(f"tandem-kv-{new_endpoint_id()}-b0", 4096)
+    # Regions no process holds, as a process killed with its resource tracker leaves them:
+    orphan, young = (f"/dev/shm/tandem-kv-{new_endpoint_id()}-r{i}" for i in (1, 2))
+    for path in (orphan, young):
+        with open(path, "wb") as file:
+            file.write(b"\0" * 4096)
+    try:
+        for path in (f"/dev/shm/{live.name}", orphan):
+            _age(path, 3600)
+        assert remove_stale_regions() >= 1
+        assert not os.path.exists(orphan)
+        assert os.path.exists(f"/dev/shm/{live.name}") and os.path.exists(young)
+    finally:
+        live.unlink()
+        for path in (orphan, young):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
