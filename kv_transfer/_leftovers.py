@@ -20,6 +20,8 @@ import re
 import socket
 import time
 
+from tandem.kv_transfer._shm_region import is_region_name
+
 logger = logging.getLogger(__name__)
 
 _SOCKET_RE = re.compile(r"^tandem-kv-[0-9a-f]{8,32}\.sock$")
@@ -60,7 +62,6 @@ def _refused(path: str) -> bool:
     return code == errno.ECONNREFUSED
 
 
-_REGION_RE = re.compile(r"^tandem-kv-[0-9a-f]{8,32}-[a-z][0-9]{1,9}$")
 SHM_DIR = "/dev/shm"
 
 
@@ -69,7 +70,7 @@ def remove_stale_regions(directory: str = SHM_DIR, min_age_s: float = 60.0) -> i
     holds and that are older than `min_age_s`; returns how many were removed. Never raises."""
     removed = 0
     try:
-        names = [name for name in os.listdir(directory) if _REGION_RE.match(name)]
+        names = [name for name in os.listdir(directory) if is_region_name(name)]
     except OSError:
         return 0
     now = time.time()
