@@ -29,6 +29,7 @@ from tandem.engine.logprobs import (
     raw_rows,
     rows_wanting_logprobs,
     token_logprobs,
+    token_ranks,
 )
 from tandem.engine.model import CausalLM
 from tandem.engine.model_config import ModelSpec, load_model_spec
@@ -308,12 +309,13 @@ class LLMEngine:
             if not rows:
                 return
         picked = [requests[i] for i in rows]
-        entries = token_logprobs(
-            raw, [tokens[i] for i in rows], [r.params.logprobs or 0 for r in picked]
-        )
-        for i, req, entry in zip(rows, picked, entries, strict=True):
+        chosen = [tokens[i] for i in rows]
+        entries = token_logprobs(raw, chosen, [r.params.logprobs or 0 for r in picked])
+        ranks = token_ranks(raw, chosen)
+        for i, req, entry, rank in zip(rows, picked, entries, ranks, strict=True):
             assert req.logprobs is not None
             req.logprobs.append(entry)
+            req.logprob_ranks.append(rank)
             outputs[i] = outputs[i]._replace(logprobs=[entry])
 
     def _finish(self, req: Request) -> None:

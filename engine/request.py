@@ -68,6 +68,7 @@ class Request:
         "error",
         "priority",
         "logprobs",
+        "logprob_ranks",
         "sampling_extras",
         "prompt_logprobs",
         "matcher",
@@ -116,6 +117,10 @@ class Request:
         """Lower runs earlier among waiting requests (vLLM's convention); ties keep arrival order."""
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         """One entry per output token when `params.logprobs` asks (`outputs.TokenLogprob`)."""
+        self.logprob_ranks: list[int] = []
+        """The vocabulary rank of each token whose entry this engine computed: the last
+        `len(logprob_ranks)` of `logprobs` (a request imported from a prefill engine has its
+        first token's entry without one)."""
         self.prompt_logprobs: list[PromptLogprob | None] | None = None
         """Per prompt token when `params.prompt_logprobs` asks: None for the first (and for
         those not computed yet), else its `TokenLogprob` given the tokens before it."""

@@ -54,14 +54,18 @@ def request_output(req: Request, tokenizer: Tokenizer, prompt: str | None = None
 def vllm_logprobs(
     req: Request, entries: list[TokenLogprob], tokenizer: Tokenizer
 ) -> list[dict[int, Logprob]]:
-    """vLLM's shape of a request's logprobs: per token, itself then its alternatives (a rank
-    where it is known: the alternatives', and the token's when it is one of them)."""
+    """vLLM's shape of a request's logprobs: per token, itself with its rank in the vocabulary,
+    then its alternatives (rank i + 1). A token prefilled by another engine has a rank only
+    when it is one of its alternatives."""
 
     text = _token_text(req, tokenizer)
+    computed = req.logprob_ranks  # (the last entries' ranks: see `Request.logprob_ranks`)
+    unranked = len(entries) - len(computed)
     out = []
-    for token, (logprob, top) in zip(req.output_token_ids, entries, strict=False):
+    for n, (token, (logprob, top)) in enumerate(zip(req.output_token_ids, entries, strict=False)):
         ranks = {alt: i + 1 for i, (alt, _) in enumerate(top)}
-        found = {token: Logprob(logprob, ranks.get(token), text(token))}
+        rank = computed[n - unranked] if n >= unranked else ranks.get(token)
+        found = {token: Logprob(logprob, rank, text(token))}
         for alt, alt_logprob in top:
             found.setdefault(alt, Logprob(alt_logprob, ranks[alt], text(alt)))
         out.append(found)

@@ -202,3 +202,28 @@ def test_logits_processors_none_or_empty_only() -> None:
     with pytest.raises(InvalidRequestError, match="logits processors") as err:
         SamplingParams(logits_processors=[lambda ids, logits: logits])
     assert err.value.param == "logits_processors"
+
+
+def test_every_sampled_token_has_its_rank(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.5, seed=4, max_tokens=24, logprobs=3, ignore_eos=True)
+    out = llm.generate("hello there", params)[0]
+    sample, entries = out.outputs[0], out.logprobs
+    assert sample.logprobs is not None and entries is not None
+    outside = 0
+    for token, entry, (_, top) in zip(sample.token_ids, sample.logprobs, entries, strict=True):
+        rank = entry[token].rank
+        alternatives = [t for t, _ in top]
+        assert rank is not None
+        if token in alternatives:
+            assert rank == alternatives.index(token) + 1
+        else:
+            assert rank > 3
+            outside += 1
+    assert outside > 0  # (at this temperature some tokens are not among the 3 most likely)
+    greedy = SamplingParams(temperature=0, max_tokens=4, logprobs=0)
+    ranks = [e[t].rank for t, e in zip(*_sample(llm.generate("hi", greedy)[0]), strict=True)]
+    assert ranks == [1, 1, 1, 1]
+
+
+def _sample(out: Any) -> tuple[list[int], list[Any]]:
+    return out.outputs[0].token_ids, out.outputs[0].logprobs
