@@ -8,15 +8,18 @@ import random
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tandem import LLM, SamplingParams
+
+# (transformers' models are imported in the tests, not here: importing them imports
+# triton.language, which must first be imported under TRITON_INTERPRET by test_triton_kernels)
 
 WORDS = ["the", "model", "cache", "block", "prefill", "decode", "hello", "world", "tandem"]
 
 
 def _sentencepiece_checkpoint(root: Path) -> Path:
     import sentencepiece as spm
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     rng = random.Random(0)
     corpus = root / "corpus.txt"
@@ -44,6 +47,8 @@ def _sentencepiece_checkpoint(root: Path) -> Path:
 
 
 def test_a_tokenizer_model_only_checkpoint_equals_transformers(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
     ckpt = _sentencepiece_checkpoint(tmp_path)
     assert not (ckpt / "tokenizer.json").exists()
     hf_tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
