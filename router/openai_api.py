@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -294,7 +294,8 @@ async def _events(
                 reasoning, calls = "", list[dict[str, Any]]()
                 if head.read_calls is not None and parser is None:  # a forced call: whole
                     if finish is not None:
-                        yield from_reply(head, reqs[index], index, finish)
+                        for event_text in from_reply(head, reqs[index], index, finish):
+                            yield event_text
                     continue
                 if head.token_ids:
                     held_ids.setdefault(index, []).extend(item["token_ids"])
@@ -314,11 +315,14 @@ async def _events(
                     logprobs = offsets.take(index, item)
                     usage = _so_far(merged_usage(reqs, n), emitted) if continuous else None
                     req = reqs[index]
+                    # (calls and the finish reason in one chunk: the `openai` client's stream
+                    # helper then never ends the calls; OpenAI sends the finish alone)
+                    last_call = calls and finish is not None
                     yield chunk(
                         head,
                         req,
                         text,
-                        finish,
+                        None if last_call else finish,
                         index=index,
                         usage=usage,
                         tool_calls=calls or None,
@@ -327,6 +331,8 @@ async def _events(
                         first=index not in started,
                         **logprobs,
                     )
+                    if last_call:
+                        yield chunk(head, req, None, finish, index=index, usage=usage)
                     started.add(index)
         if include_usage:
             yield usage_event(head, merged_usage(reqs, n))
@@ -335,21 +341,23 @@ async def _events(
     yield DONE
 
 
-def from_reply(head: ResponseHead, req: Prepared, index: int, finish: str) -> str:
-    """The one chunk of a reply to a chat with tools: its content and its calls (none: a call
-    cut short by max_tokens, the text as it is)."""
+def from_reply(head: ResponseHead, req: Prepared, index: int, finish: str) -> Iterator[str]:
+    """The chunks of a forced call's reply: its call (or content), then its finish reason
+    alone, as OpenAI sends them (the `openai` client's stream helper ends a call only so)."""
     message = reply_message(head, req.text)
     calls = message.get("tool_calls")
     finish = "tool_calls" if calls and finishes_with_calls(head.read_calls) else finish
-    return chunk(
+    yield chunk(
         head,
         req,
         message["content"],
-        finish,
+        None if calls else finish,
         index=index,
         tool_calls=calls,
         new_token_ids=req.token_ids,
     )
+    if calls:
+        yield chunk(head, req, None, finish, index=index)
 
 
 def _so_far(usage: dict[str, Any], completion_tokens: int) -> dict[str, Any]:

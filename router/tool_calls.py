@@ -72,6 +72,10 @@ def _named(tool_choice: Any) -> str:
     )
 
 
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+"""The arguments of a function given without `parameters` (OpenAI: it takes none)."""
+
+
 def call_schema(tools: list[ToolSpec]) -> dict[str, Any]:
     """The JSON schema of one call of one of `tools`."""
     options = [
@@ -79,7 +83,7 @@ def call_schema(tools: list[ToolSpec]) -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"},
+                "arguments": t.function.parameters or NO_ARGUMENTS,
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
@@ -112,37 +116,62 @@ def reply_parser(
     if tool_choice in (None, "auto"):
         chosen = parser or HermesParser()
         return chosen if parallel else chosen.at_most(1)
-    return forced_call if tool_choice == "required" else named_call
+    return forced_call if tool_choice == "required" else NamedCall(_named(tool_choice))
 
 
 def forced_call(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """A constrained reply: one call (or, cut short, its text as content)."""
+    """A constrained reply: one call. Cut short by max_tokens once its name is written, the call
+    still comes back, with the arguments written so far (incomplete JSON, "" before they
+    begin), as vLLM returns a cut call; cut before, the reply has neither content nor calls
+    (the constrained text is no prose)."""
+    return _read_call(text)
+
+
+def _read_call(text: str, name: str | None = None) -> tuple[str | None, list[dict[str, Any]]]:
     call = tool_call(text)
-    return (None, [call]) if call is not None else (text, [])
+    if call is None:
+        call = _cut_call(text, name)
+    return None, [] if call is None else [call]
 
 
 _CUT_CALL = re.compile(
-    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)\Z', re.S
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(?:,\s*"arguments"\s*:\s*(.*))?\Z', re.S
 )
-"""A constrained call cut short (max_tokens) after its name: the name, and the arguments so far."""
+"""A constrained call cut short after its name: the name, and the arguments so far if begun."""
 
 
-def named_call(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def _cut_call(text: str, name: str | None = None) -> dict[str, Any] | None:
+    """The `tool_calls` entry of a constrained call cut short: its name (as written, else
+    `name`) and its arguments so far; None when no name is known."""
+    cut = _CUT_CALL.match(text)
+    if cut is not None:
+        name, arguments = json.loads(cut.group(1)), cut.group(2) or ""
+    elif name is not None:
+        arguments = ""
+    else:
+        return None
+    return {
+        "id": new_call_id(),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+class NamedCall:
     """`forced_call` for a `tool_choice` that names the function: OpenAI's (and vLLM's)
-    finish reason is then "stop", not "tool_calls" (`finishes_with_calls`). Cut short by
-    max_tokens after the name, the call still comes back, with the arguments written so far
-    (incomplete JSON), as vLLM returns a named call's output."""
-    content, calls = forced_call(text)
-    cut = None if calls else _CUT_CALL.match(text)
-    if cut is None:
-        return content, calls
-    call = {"name": json.loads(cut.group(1)), "arguments": cut.group(2)}
-    return None, [{"id": new_call_id(), "type": "function", "function": call}]
+    finish reason is then "stop", not "tool_calls" (`finishes_with_calls`), and a call cut
+    short before its name was written still comes back, under that name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        return _read_call(text, self.name)
 
 
 def finishes_with_calls(parser: ReplyParser | None) -> bool:
     """Whether a reply read by `parser` that made calls ends with finish reason "tool_calls"."""
-    return parser is not named_call
+    return not isinstance(parser, NamedCall)
 
 
 def tool_call(text: str) -> dict[str, Any] | None:

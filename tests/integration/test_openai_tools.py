@@ -115,9 +115,32 @@ def test_forced_tool_calls(base_url: str) -> None:
     deltas = [ch.choices[0] for ch in stream if ch.choices]
     calls_streamed = [d.delta.tool_calls for d in deltas if d.delta.tool_calls]
     assert len(calls_streamed) == 1 and deltas[-1].finish_reason == "tool_calls", deltas[-3:]
+    # (the finish reason alone after the call, as OpenAI sends it: the `openai` stream helper
+    # ends a call only so)
+    assert [d.finish_reason for d in deltas if d.delta.tool_calls] == [None]
     call = calls_streamed[0][0]
     assert call.function is not None and call.function.name in ("get_weather", "noop")
     assert isinstance(json.loads(call.function.arguments or ""), dict)
+    # Cut short by max_tokens, the call still comes back, with its arguments so far ("" when
+    # they had not begun).
+    assert out.usage is not None
+    for max_tokens in (out.usage.completion_tokens - 2, 1):
+        cut = c.chat.completions.create(
+            model="tiny",
+            messages=messages,  # type: ignore[arg-type]
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice=named,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+        ).choices[0]
+        assert cut.finish_reason == "length" and cut.message.content is None
+        assert cut.message.tool_calls is not None
+        function = cut.message.tool_calls[0].function  # type: ignore[union-attr]
+        assert function.name == "get_weather"
+        if max_tokens == 1:
+            assert function.arguments == ""
+        else:  # (the JSON so far: greedy, so the start of the whole call's)
+            whole = calls[0].function.arguments  # type: ignore[union-attr]
+            assert function.arguments and whole.startswith(function.arguments)
     # A conversation that goes on after the call: the tool's answer goes to the template.
     follow = messages + [
         {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
@@ -154,6 +177,7 @@ def test_auto_tool_calls_stream_the_content_before_the_call(base_url: str) -> No
     assert "".join(contents) == "Checking. " and len(contents) > 1  # as it came
     streamed = [t for d in deltas if d.delta.tool_calls for t in d.delta.tool_calls]
     assert len(streamed) > 2 and deltas[-1].finish_reason == "tool_calls"
+    assert [d.finish_reason for d in deltas if d.delta.tool_calls][-1] is None
     assert {t.index for t in streamed} == {0} and streamed[0].id and streamed[0].function
     assert streamed[0].function.name == "get_weather" and all(t.id is None for t in streamed[1:])
     arguments = "".join(t.function.arguments or "" for t in streamed if t.function)

@@ -10,12 +10,13 @@ import pytest
 
 from tandem.router.errors import APIError
 from tandem.router.tool_calls import (
+    FunctionSpec,
+    NamedCall,
     ToolSpec,
     call_schema,
     finishes_with_calls,
     forced_call,
     forced_tools,
-    named_call,
     reply_parser,
     streams_content,
     tool_call,
@@ -44,8 +45,9 @@ def test_which_tools_a_choice_forces() -> None:
     mistral = MistralParser()
     assert reply_parser(TOOLS, "auto", mistral) is mistral
     assert reply_parser(TOOLS, "required") is forced_call and reply_parser(TOOLS, "none") is None
-    assert reply_parser(TOOLS, named) is named_call  # the same reading, finish reason "stop"
-    assert not finishes_with_calls(named_call) and finishes_with_calls(forced_call)
+    named_parser = reply_parser(TOOLS, named)  # the same reading, finish reason "stop"
+    assert isinstance(named_parser, NamedCall) and named_parser.name == "b"
+    assert not finishes_with_calls(named_parser) and finishes_with_calls(forced_call)
     assert reply_parser(None, None) is None
     for tools, choice, param in (
         (None, "required", "tool_choice"),
@@ -62,7 +64,8 @@ def test_the_schema_of_a_call() -> None:
     assert one["properties"]["name"] == {"const": "a"} and one["required"] == ["name", "arguments"]
     both = call_schema(TOOLS)
     assert [o["properties"]["name"]["const"] for o in both["anyOf"]] == ["a", "b"]
-    assert both["anyOf"][1]["properties"]["arguments"] == {"type": "object"}  # no parameters
+    no_arguments = {"type": "object", "properties": {}, "additionalProperties": False}
+    assert both["anyOf"][1]["properties"]["arguments"] == no_arguments  # no parameters
 
 
 def test_a_complete_call_becomes_a_tool_calls_entry() -> None:
@@ -124,12 +127,29 @@ def test_a_conversation_goes_back_to_the_template_with_calls_and_thoughts() -> N
     ]
 
 
-def test_a_named_call_cut_short_keeps_its_arguments_so_far() -> None:
-    """As vLLM returns a named function's output: the call, with incomplete arguments."""
+def test_a_forced_call_cut_short_is_still_the_call() -> None:
+    """As vLLM returns a cut call: the call, with the arguments written so far."""
+    named_call = NamedCall("get_weather")
     content, calls = named_call('{"name": "get_weather", "arguments": {"city": "Par')
     assert content is None and len(calls) == 1
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
-    complete = named_call('{"name": "a", "arguments": {"x": 1}}')[1]
+    complete = NamedCall("a")('{"name": "a", "arguments": {"x": 1}}')[1]
     assert complete[0]["function"] == {"name": "a", "arguments": '{"x":1}'}
-    assert named_call('{"name": "get_wea') == ('{"name": "get_wea', [])  # no name yet
-    assert forced_call('{"name": "a", "arguments": {"x"') == ('{"name": "a", "arguments": {"x"', [])
+    for text in ('{"name": "get_wea', '{"name": "get_weather"', ""):  # (the name is known)
+        content, calls = named_call(text)
+        assert content is None
+        assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}
+    content, calls = forced_call('{"name": "a", "arguments": {"x"')  # "required"
+    assert content is None and calls[0]["function"] == {"name": "a", "arguments": '{"x"'}
+    assert forced_call('{"name": "a"')[1][0]["function"] == {"name": "a", "arguments": ""}
+    assert forced_call('{"name": "a') == (None, [])  # which function is not known yet
+
+
+def test_a_function_without_parameters_takes_no_arguments() -> None:
+    bare = ToolSpec(function=FunctionSpec(name="ping"))
+    schema = call_schema([bare])
+    assert schema["properties"]["arguments"] == {
+        "type": "object",
+        "properties": {},
+        "additionalProperties": False,
+    }
