@@ -80,6 +80,13 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
     if any(e.get("type") == "json_invalid" for e in errors):
         invalid = APIError(400, "the request body is not valid JSON", code="invalid_json")
         return _counted(request, invalid)
+    kind = request.headers.get("content-type", "")
+    if request.method == "POST" and "json" not in kind.lower():  # (the body was not read)
+        given = f"{kind!r}" if kind else "none"
+        message = (
+            f"the request body must be JSON, sent with Content-Type: application/json (got {given})"
+        )
+        return _counted(request, APIError(400, message, code="invalid_content_type"))
     param = None
     if errors:
         loc = [str(p) for p in errors[0].get("loc", ()) if p != "body"]
@@ -277,7 +284,7 @@ class Router:
         """tandem's version, as vLLM's `GET /version` answers."""
         return {"version": __version__}
 
-    @api.get("/health")
+    @api.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
     @api.get("/ping")  # (vLLM's and SageMaker's name for it)
     @api.post("/ping")
     async def health(self) -> JSONResponse:

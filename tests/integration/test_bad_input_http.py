@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -265,6 +266,13 @@ def test_malformed_json_and_unknown_route(base_url: str) -> None:
     missing = post(base_url, "/v1/nothing", json=OK)
     assert_error(missing, 404)
     assert missing.json()["error"]["message"] == "Not Found: POST /v1/nothing"
+    body = json.dumps(OK).encode()  # (curl -d sends a form's Content-Type)
+    assert requests.head(f"{base_url}/health", timeout=10).status_code == 200
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):
+        form = post(base_url, "/v1/completions", data=body, headers={"content-type": kind})
+        assert_error(form, 400)
+        assert form.json()["error"]["code"] == "invalid_content_type"
+        assert "Content-Type: application/json" in form.json()["error"]["message"]
 
 
 def test_a_model_card_is_retrieved_by_name(base_url: str) -> None:
