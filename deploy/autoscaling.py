@@ -83,6 +83,11 @@ class DelayState:
         return {"up_since": self.up_since, "down_since": self.down_since}
 
 
+HOLD_MARK = "one replica fewer would miss the target"
+HELD_KEY = "tandem_held"
+"""In the policy state: whether the last tick held replicas for a latency target (logged once)."""
+
+
 def signals_from_metrics(aggregated: dict[str, dict[Any, float]]) -> list[ReplicaSignals]:
     """Serve's `aggregated_metrics` (metric -> replica -> value) -> one `ReplicaSignals` per
     replica that reported (unknown metrics are ignored, missing ones are 0)."""
@@ -126,12 +131,16 @@ def desired_replicas(
             asks.append(
                 (_capacity(value, target), f"{name}={value:.3g} (target {target:g}/replica)")
             )
-    if targets.ttft_ms is not None:
-        ttft = max(total("ttft_ms"), total("predicted_ttft_ms")) / n
-        asks.append((_latency(ttft, targets.ttft_ms, running), f"ttft={ttft:.0f}ms"))
-    if targets.itl_ms is not None:
-        itl = total("itl_ms") / n
-        asks.append((_latency(itl, targets.itl_ms, running), f"itl={itl:.1f}ms"))
+    latencies = (("ttft", targets.ttft_ms, max(total("ttft_ms"), total("predicted_ttft_ms")), 0),
+                 ("itl", targets.itl_ms, total("itl_ms"), 1))  # fmt: skip
+    for name, target_ms, value_sum, digits in latencies:
+        if target_ms is not None:
+            value = value_sum / n
+            ask, reason = _latency(value, target_ms, running), f"{name}={value:.{digits}f}ms"
+            if ask == running:  # (a hold: one replica fewer would miss the target)
+                fewer = value * running / (running - 1)
+                reason += f"; {HOLD_MARK} ({fewer:.{digits}f}ms > target {target_ms:g}ms)"
+            asks.append((ask, reason))
     wanted, reason = max(asks, default=(targets.min_replicas, "no signal"), key=lambda a: a[0])
     clamped = min(max(wanted, targets.min_replicas), targets.max_replicas)
     return clamped, reason
@@ -173,6 +182,11 @@ class RoleAutoscalingPolicy:
             DelayState.load(ctx.policy_state),
             ctx.current_time if ctx.current_time is not None else time.time(),
         )
+        held = decision == current and HOLD_MARK in reason and current > self.targets.min_replicas
+        if held and not ctx.policy_state.get(HELD_KEY):  # (once per hold)
+            logger.info(
+                "tandem autoscaling: %s holds %d replicas (%s)", self.targets.role, current, reason
+            )
         if decision != current:
             logger.info(
                 "tandem autoscaling: %s %d -> %d replicas (%s; %d running)",
@@ -182,4 +196,4 @@ class RoleAutoscalingPolicy:
                 reason,
                 ctx.current_num_replicas,
             )
-        return decision, {**ctx.policy_state, STATE_KEY: state.dump()}
+        return decision, {**ctx.policy_state, STATE_KEY: state.dump(), HELD_KEY: held}

@@ -124,9 +124,23 @@ def test_latency_over_target_adds_a_replica_and_holds_a_scale_down() -> None:
     assert desired_replicas(targets, [slow], running=1)[0] == 2
     # capacity asks for 1 of 2, but ITL 80 ms on one replica fewer projects to 160 ms > 100
     warm = [ReplicaSignals(running_seqs=1, itl_ms=80.0)] * 2
-    assert desired_replicas(targets, warm, running=2) == (2, "itl=80.0ms")
+    held = "itl=80.0ms; one replica fewer would miss the target (160.0ms > target 100ms)"
+    assert desired_replicas(targets, warm, running=2) == (2, held)
     cool = [ReplicaSignals(running_seqs=1, itl_ms=30.0)] * 2
     assert desired_replicas(targets, cool, running=2)[0] == 1
+
+
+def test_a_hold_for_latency_is_logged_once(caplog: Any) -> None:
+    scaler = Autoscaler({**DECODE, "downscale_delay_s": 0.0}, replicas=2)
+    with caplog.at_level("INFO", logger="ray.serve"):
+        for tick in range(3):
+            assert scaler.tick(float(tick), busy(1, itl_ms=80.0), busy(1, itl_ms=80.0)) == 2
+        assert scaler.tick(3.0, busy(1, itl_ms=30.0), busy(1, itl_ms=30.0)) == 1
+    holds = [r.getMessage() for r in caplog.records if "holds" in r.getMessage()]
+    assert holds == [
+        "tandem autoscaling: decode holds 2 replicas (itl=80.0ms; one replica fewer would miss "
+        "the target (160.0ms > target 100ms))"
+    ]
 
 
 def test_a_replica_still_starting_is_not_added_again_for_latency() -> None:
