@@ -267,6 +267,9 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         self.forced_tools()
+        extra = self.model_extra or {}
+        if "audio" in (extra.get("modalities") or ()) or extra.get("audio") is not None:
+            raise bad_request("audio output is not supported: the reply is text", "modalities")
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             raise bad_request(
                 f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",

@@ -54,3 +54,13 @@ def test_max_completion_tokens_below_one_names_itself() -> None:
     with pytest.raises(APIError) as err:
         request.check_supported()
     assert err.value.param == "max_completion_tokens" and "got -2" in err.value.message
+
+
+def test_audio_output_is_refused_by_name() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    for extra in ({"modalities": ["text", "audio"]}, {"audio": {"voice": "alloy"}}):
+        request = ChatCompletionRequest(model="m", messages=messages, **extra)
+        with pytest.raises(APIError) as err:
+            request.check_supported()
+        assert err.value.status == 400 and err.value.param == "modalities"
+    ChatCompletionRequest(model="m", messages=messages, modalities=["text"]).check_supported()
