@@ -19,6 +19,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 
 from tandem.kv_transfer._shm_region import is_region_name
 
@@ -30,24 +31,7 @@ _SOCKET_RE = re.compile(r"^tandem-kv-[0-9a-f]{8,32}\.sock$")
 def remove_stale_sockets(directory: str, min_age_s: float = 60.0) -> int:
     """Unlinks the shm endpoints' socket files in `directory` that nothing listens on and that
     are older than `min_age_s`; returns how many were removed. Never raises."""
-    removed = 0
-    try:
-        names = [name for name in os.listdir(directory) if _SOCKET_RE.match(name)]
-    except OSError:
-        return 0
-    now = time.time()
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            if now - os.lstat(path).st_mtime < min_age_s or not _refused(path):
-                continue
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            continue
-    if removed:
-        logger.info("removed %d stale KV transfer socket(s) from %s", removed, directory)
-    return removed
+    return _sweep(directory, _SOCKET_RE.match, _refused, min_age_s, "socket")
 
 
 def _refused(path: str) -> bool:
@@ -68,23 +52,35 @@ SHM_DIR = "/dev/shm"
 def remove_stale_regions(directory: str = SHM_DIR, min_age_s: float = 60.0) -> int:
     """Unlinks the shm endpoints' regions in `directory` (POSIX shared memory) that no process
     holds and that are older than `min_age_s`; returns how many were removed. Never raises."""
+    return _sweep(directory, is_region_name, lambda path: not _held(path), min_age_s, "region")
+
+
+def _sweep(
+    directory: str,
+    ours: Callable[[str], object],
+    stale: Callable[[str], bool],
+    min_age_s: float,
+    what: str,
+) -> int:
+    """Unlinks the files of `directory` named as `ours` that are older than `min_age_s` and
+    `stale`; returns how many. Files another user owns, or gone meanwhile, are skipped."""
     removed = 0
     try:
-        names = [name for name in os.listdir(directory) if is_region_name(name)]
+        names = [name for name in os.listdir(directory) if ours(name)]
     except OSError:
         return 0
     now = time.time()
     for name in names:
         path = os.path.join(directory, name)
         try:
-            if now - os.lstat(path).st_mtime < min_age_s or _held(path):
+            if now - os.lstat(path).st_mtime < min_age_s or not stale(path):
                 continue
             os.unlink(path)
             removed += 1
-        except OSError:  # (another user's, or gone meanwhile)
+        except OSError:
             continue
     if removed:
-        logger.info("removed %d stale KV transfer region(s) from %s", removed, directory)
+        logger.info("removed %d stale KV transfer %s(s) from %s", removed, what, directory)
     return removed
 
 
