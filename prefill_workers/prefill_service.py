@@ -10,6 +10,7 @@ last pages are acknowledged: the router streams it while decode takes the reques
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,10 @@ class _Pending:
     prompt_logprobs: list[Any] | None = None  # when the request asks
 
 
+EARLY_GRANT_S = 60.0
+"""How long a reservation that came before its prefill call waits for it."""
+
+
 class PrefillService(WorkerLoop):
     """Thread-confined engine + sender; every public coroutine is safe to call from asyncio."""
 
@@ -64,6 +69,7 @@ class PrefillService(WorkerLoop):
             engine, transport, ack_timeout_s=ack_timeout_s, checksums=checksums, hand_off=hand_off
         )
         self._pending: dict[str, _Pending] = {}
+        self._early_grants: dict[str, tuple[ReservationGrant, float]] = {}  # (loop thread)
         self.num_cancelled = 0
         self.num_failed = 0
         self.prefill_tokens_per_s: float | None = None
@@ -109,12 +115,16 @@ class PrefillService(WorkerLoop):
         future: asyncio.Future[dict[str, Any]] = loop.create_future()
 
         def start() -> None:
+            early = self._early_grants.pop(request_id, None)
             try:
                 self.sender.start(request_id, prompt_token_ids, params, grant, priority)
             except Exception as exc:
                 resolve(loop, future, exc)
                 return
             self._pending[request_id] = _Pending(loop, future, first_token=first_token)
+            if early is not None and grant is None:
+                with contextlib.suppress(KeyError, ValueError):  # (a misfit fails the request)
+                    self.sender.attach_grant(request_id, early[0])
 
         self.post(start)
         return future
@@ -131,8 +141,20 @@ class PrefillService(WorkerLoop):
             raise
 
     async def attach_grant(self, request_id: str, grant: ReservationGrant) -> None:
-        """The decode worker's reservation for a prefill started without one."""
-        await self.submit(lambda: self.sender.attach_grant(request_id, grant))
+        """The decode worker's reservation for a prefill started without one. One that comes
+        before its prefill call (the router's two calls can cross on their way) is kept for
+        it, `EARLY_GRANT_S` at most."""
+        await self.submit(lambda: self._attach_grant(request_id, grant))
+
+    def _attach_grant(self, request_id: str, grant: ReservationGrant) -> None:
+        if request_id in self.sender.outgoing:
+            self.sender.attach_grant(request_id, grant)
+            return
+        now = time.monotonic()
+        for rid, (_, since) in list(self._early_grants.items()):
+            if now - since > EARLY_GRANT_S:  # (its prefill never came: the router gave up)
+                del self._early_grants[rid]
+        self._early_grants[request_id] = (grant, now)
 
     def _cancel(self, request_id: str) -> bool:
         return request_id in self.sender.outgoing and self.sender.cancel(request_id)
