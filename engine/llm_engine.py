@@ -43,7 +43,7 @@ from tandem.engine.request_output import request_output
 from tandem.engine.sampler import NO_TOKEN, sample
 from tandem.engine.sampling_params import SamplingParams, truncated_prompt
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.tokenizer import Tokenizer, ids_outside_vocab
 from tandem.engine.weights import load_weights
 from tandem.kernels.kv_cache import KVCachePool
 
@@ -218,8 +218,7 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
         vocab = self.spec.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:  # (a tokenizer larger than the model)
-            bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad := ids_outside_vocab(token_ids, vocab):  # (text too: a larger tokenizer)
             raise InvalidRequestError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )

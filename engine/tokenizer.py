@@ -33,6 +33,14 @@ TOKENIZER_FILES: tuple[str, ...] = (
 _MODEL_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
+def ids_outside_vocab(token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The ids of `token_ids` outside [0, vocab_size) (a tokenizer may have more than the
+    model; a caller may send any); [] at the cost of a min and a max when there are none."""
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return []
+    return [t for t in token_ids if not 0 <= t < vocab_size]
+
+
 def _as_id_set(value: Any) -> set[int]:
     if value is None:
         return set()

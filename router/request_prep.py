@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.sampling_params import SamplingParams, truncated_prompt
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.tokenizer import Tokenizer, ids_outside_vocab
 from tandem.router.errors import APIError, bad_request
 
 
@@ -130,10 +130,7 @@ def check_token_ids(
     token_ids: list[int], vocab_size: int, param: str, what: str = "token ids"
 ) -> None:
     """400 naming `param` when an id lies outside the vocabulary."""
-    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
-        return
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
+    if bad := ids_outside_vocab(token_ids, vocab_size):
         raise bad_request(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})", param)
 
 
