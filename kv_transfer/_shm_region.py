@@ -2,8 +2,9 @@
 
 `ShmRegion.create` makes a new region and registers it with multiprocessing's resource tracker,
 so a process killed before `unlink()` still gets its regions removed when the tracker exits.
-The owner also holds a shared `flock` on the region until it unlinks it: a region nobody holds
-is one whose owner died with its tracker (`_leftovers.remove_stale_regions`).
+The owner also takes a shared `flock` on the region, held while its mapping lives (the mmap
+keeps a duplicate of the descriptor): a region nobody holds is one whose owner died with its
+tracker (`_leftovers.remove_stale_regions`).
 `ShmRegion.attach` maps a peer's region *without* registering it (an attaching process must
 never unlink or "clean up" someone else's region, which `SharedMemory` on Python < 3.13 does).
 
@@ -57,7 +58,6 @@ class ShmRegion:
         self.owner = owner
         self._mm: mmap.mmap | None = mm
         self._unlinked = not owner
-        self._lock_fd: int | None = None  # (an owner's: its flock says the region is in use)
 
     @classmethod
     def create(cls, name: str, size: int) -> ShmRegion:
@@ -68,18 +68,15 @@ class ShmRegion:
         try:
             resource_tracker.register("/" + name, "shared_memory")
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH)  # (held while the region is ours)
+                fcntl.flock(fd, fcntl.LOCK_SH)  # (the mmap's copy of `fd` keeps it held)
                 os.ftruncate(fd, size)
                 mm = mmap.mmap(fd, size)
             except BaseException:
                 _unlink(name)
                 raise
-        except BaseException:
+        finally:
             os.close(fd)
-            raise
-        region = cls(name, mm, size, owner=True)
-        region._lock_fd = fd
-        return region
+        return cls(name, mm, size, owner=True)
 
     @classmethod
     def attach(cls, name: str, populate: bool = False) -> ShmRegion:
@@ -123,13 +120,6 @@ class ShmRegion:
         if not self._unlinked:
             self._unlinked = True
             _unlink(self.name)
-        self._release_lock()
-
-    def _release_lock(self) -> None:
-        fd, self._lock_fd = self._lock_fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
     def close(self) -> None:
         """Drops this object's reference to the mapping.
