@@ -24,7 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.router.errors import bad_request
-from tandem.router.tool_parsers import HermesParser, ToolParser, call_entry, new_call_id
+from tandem.router.tool_parsers import HermesParser, ToolParser, call_entry, call_record
 
 
 class FunctionSpec(BaseModel):
@@ -150,11 +150,7 @@ def _cut_call(text: str, name: str | None = None) -> dict[str, Any] | None:
         arguments = ""
     else:
         return None
-    return {
-        "id": new_call_id(),
-        "type": "function",
-        "function": {"name": name, "arguments": arguments},
-    }
+    return call_record(name, arguments)
 
 
 class NamedCall:

@@ -46,10 +46,15 @@ def call_entry(name: Any, arguments: Any) -> dict[str, Any] | None:
             return None
     if not isinstance(name, str) or not name or not isinstance(arguments, dict):
         return None
+    return call_record(name, json.dumps(arguments, separators=(",", ":")))
+
+
+def call_record(name: str, arguments: str) -> dict[str, Any]:
+    """A `tool_calls` entry with a new id, its arguments as the JSON text given."""
     return {
         "id": new_call_id(),
         "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments, separators=(",", ":"))},
+        "function": {"name": name, "arguments": arguments},
     }
 
 

@@ -157,7 +157,7 @@ def serve(
     from tandem.bench.serving.datasets import DATASETS, MixedSpec
     from tandem.bench.serving.metrics import parse_goodput
     from tandem.bench.serving.result import summary_text
-    from tandem.bench.serving.runner import LoadConfig
+    from tandem.bench.serving.runner import LoadConfig, bearer_headers
 
     if dataset_name not in DATASETS:
         raise typer.BadParameter(f"one of {', '.join(DATASETS)}", param_hint="--dataset-name")
@@ -168,8 +168,7 @@ def serve(
         raise typer.BadParameter(str(exc)) from None
     if tokenizer is None and Path(model).is_dir():
         tokenizer = Path(model)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    maker = prompt_maker(tokenizer, server_token_counter(base_url, model, headers))
+    maker = prompt_maker(tokenizer, server_token_counter(base_url, model, bearer_headers(api_key)))
     options = DatasetOptions(
         dataset_name,
         num_prompts,

@@ -42,11 +42,16 @@ class LoadConfig:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer_headers(self.api_key)
 
     @property
     def url(self) -> str:
         return self.base_url.rstrip("/") + self.endpoint
+
+
+def bearer_headers(api_key: str | None) -> dict[str, str]:
+    """`Authorization: Bearer <key>` (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def arrival_times(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
