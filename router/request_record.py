@@ -4,6 +4,8 @@ it was routed, and its one log line."""
 from __future__ import annotations
 
 import logging
+import time
+from typing import Any
 
 from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
@@ -35,8 +37,39 @@ def routing_decision(plan: RoutePlan) -> str:
     return "prefill_prefix_hit" if plan.prefill_hit_blocks > 0 else "prefill_miss"
 
 
+def finished_fields(req: Prepared | None, t: RequestTimings, user: str | None) -> dict[str, Any]:
+    """`RouterMetrics.finished`'s figures of a request that finished or was abandoned (an
+    abort); `req` None: one that left before it was routed."""
+    return {
+        "user": user,
+        "arrival": t.arrival,
+        "first_token": t.marks.get("first_token"),
+        "end": t.marks.get("finished", time.time()),
+        "prompt_tokens": len(req.prompt_token_ids) if req is not None else 0,
+        "output_tokens": req.completion_tokens if req is not None else 0,
+        "finish_reason": (req.finish_reason if req is not None else None) or "abort",
+        "stages_s": stage_seconds(t) if req is not None else {},
+        "transferred_blocks": (
+            req.num_transferred_blocks
+            if req is not None and req.plan is not None and req.plan.prefill is not None
+            else None
+        ),
+    }
+
+
+def log_left_early(request_id: str, t: RequestTimings) -> None:
+    """The log line of a request whose client left before it was routed."""
+    logger.info(
+        "request %s cancelled(client left before it was routed) %s", request_id, _stages_text(t)
+    )
+
+
+def _stages_text(t: RequestTimings) -> str:
+    return " ".join(f"{k}={v:.1f}ms" for k, v in t.stages_ms().items())
+
+
 def log_request(req: Prepared, outcome: str) -> None:
-    stages = " ".join(f"{k}={v:.1f}ms" for k, v in req.timings.stages_ms().items())
+    stages = _stages_text(req.timings)
     logger.info(
         "request %s %s prompt=%d completion=%d cached=%d transferred_blocks=%d route=%s %s",
         req.request_id,

@@ -23,7 +23,12 @@ from tandem.router.request_prep import (
     sampling_params,
     truncated,
 )
-from tandem.router.request_record import log_request, routing_decision, stage_seconds
+from tandem.router.request_record import (
+    finished_fields,
+    log_left_early,
+    log_request,
+    routing_decision,
+)
 from tandem.router.route_planner import RoutePlanner
 from tandem.router.tool_parsers import HermesParser, ToolParser
 
@@ -203,25 +208,9 @@ class Serving:
         try:
             yield
         except asyncio.CancelledError:
-            self._left_early(request_id, timings, user)
+            log_left_early(request_id, timings)
+            self._finished(finished_fields(None, timings, user))
             raise
-
-    def _left_early(self, request_id: str, timings: RequestTimings, user: str | None) -> None:
-        stages = " ".join(f"{k}={v:.1f}ms" for k, v in timings.stages_ms().items())
-        logger.info("request %s cancelled(client left before it was routed) %s", request_id, stages)
-        self.metrics.finished(
-            user=user,
-            arrival=timings.arrival,
-            first_token=None,
-            end=time.time(),
-            prompt_tokens=0,
-            output_tokens=0,
-            finish_reason="abort",
-            stages_s={},
-            transferred_blocks=None,
-            slo_ttft_s=self.slo_ttft_s,
-            slo_tpot_s=self.slo_tpot_s,
-        )
 
     async def _route(self, req: Prepared) -> None:
         """Plans the request's workers and opens its calls (decode's reservation first)."""
@@ -381,25 +370,10 @@ class Serving:
 
     def _record(self, req: Prepared) -> None:
         """Metrics of a request that finished, or that the client abandoned ("abort")."""
-        t = req.timings
-        stages = stage_seconds(t)
-        self.metrics.finished(
-            user=req.user,
-            arrival=t.arrival,
-            first_token=t.marks.get("first_token"),
-            end=t.marks.get("finished", time.time()),
-            prompt_tokens=len(req.prompt_token_ids),
-            output_tokens=req.completion_tokens,
-            finish_reason=req.finish_reason or "abort",
-            stages_s=stages,
-            transferred_blocks=(
-                req.num_transferred_blocks
-                if req.plan is not None and req.plan.prefill is not None
-                else None
-            ),
-            slo_ttft_s=self.slo_ttft_s,
-            slo_tpot_s=self.slo_tpot_s,
-        )
+        self._finished(finished_fields(req, req.timings, req.user))
+
+    def _finished(self, fields: dict[str, Any]) -> None:
+        self.metrics.finished(**fields, slo_ttft_s=self.slo_ttft_s, slo_tpot_s=self.slo_tpot_s)
 
 
 def _seconds(ms: float | None) -> float | None:
