@@ -2,8 +2,8 @@
 hides behind prefill compute.
 
 1. For each transport, GB/s moving chunks of 64 KiB ... 64 MiB of KV pages from one process into
-   another's pool, next to `numpy.copyto` into a preallocated buffer measured in the same run,
-   with the ratio (targets: best CPU transport >= 80 % of memcpy at >= 1 MiB; ucx >= 60 %).
+   another's pool, next to `numpy.copyto` into a preallocated buffer measured in the same run
+   (interleaved with the transports, size by size), with the ratio (targets: best CPU transport >= 80 % of memcpy at >= 1 MiB; ucx >= 60 %).
 2. For a 2,048-token prompt on the ~40M benchmark model, per transport: TTFT in one process
    (colocated) and with prefill and decode in two processes, and the share of the transfer
    time hidden behind prefill, 1 - (TTFT_disaggregated - TTFT_colocated) / transfer_time
@@ -52,23 +52,35 @@ TRANSPORTS = ("shm", "torch", "ucx")
 def throughput_table(
     sizes: list[str], rounds: int, quiet_s: float, transports: tuple[str, ...] = TRANSPORTS
 ) -> dict[str, dict[str, float | None]]:
-    table: dict[str, dict[str, float | None]] = {}
-    for name in ("memcpy", *transports):
-        table[name] = {}
-        for label in sizes:
-            chunk = SIZES[label]
-            best: float | None = None
-            for _ in range(rounds):
+    """Best GB/s per (name, size). The measurements are interleaved: for each size, `rounds`
+    times memcpy then every transport, so a transport's ratio is to a memcpy taken within the
+    same half minute. (Measured name by name, memcpy and ucx were minutes apart, and this
+    machine's memcpy moves from 9 to 16 GB/s between such moments.)"""
+    names = ("memcpy", *transports)
+    table: dict[str, dict[str, float | None]] = {name: {} for name in names}
+    unavailable: set[str] = set()
+    for label in sizes:
+        chunk = SIZES[label]
+        for _ in range(rounds):
+            for name in names:
+                if name in unavailable:
+                    continue
                 wait_for_quiet(quiet_s)
                 try:
                     gbs = measure_throughput(name, chunk, default_repeats(chunk))
                 except Exception as exc:  # a transport that is not installed here
                     log(f"{name} {label}: unavailable ({type(exc).__name__}: {exc})")
-                    break
-                best = gbs if best is None else max(best, gbs)
-            table[name][label] = best
+                    unavailable.add(name)
+                    continue
+                best = table[name].get(label)
+                table[name][label] = gbs if best is None else max(best, gbs)
+        for name in names:
+            table[name].setdefault(label, None)
+            best = table[name][label]
             if best is not None:
-                log(f"{name:6s} {label:>4s}: {best:6.2f} GB/s")
+                base = table["memcpy"][label]
+                ratio = f" ({best / base:.2f} of memcpy)" if base and name != "memcpy" else ""
+                log(f"{name:6s} {label:>4s}: {best:6.2f} GB/s{ratio}")
     return table
 
 

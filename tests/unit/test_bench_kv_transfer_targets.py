@@ -28,3 +28,31 @@ def test_each_target_is_judged_at_every_size_of_1_mib_and_more() -> None:
         "ucx_ge_1MiB": None,
         "hidden_share": {},
     }
+
+
+def test_the_throughput_table_interleaves_memcpy_with_the_transports(monkeypatch) -> None:
+    """Each size is measured as memcpy then every transport, round after round, so a ratio
+    compares figures taken moments apart; a transport that fails is left out from then on."""
+    from tandem.bench import kv_transfer
+
+    calls: list[tuple[str, int]] = []
+    rates = iter(range(1, 100))
+
+    def measure(name: str, chunk: int, repeats: int) -> float:
+        calls.append((name, chunk >> 20))
+        if name == "ucx":
+            raise ImportError("ucxx")
+        return float(next(rates))
+
+    monkeypatch.setattr(kv_transfer, "measure_throughput", measure)
+    monkeypatch.setattr(kv_transfer, "wait_for_quiet", lambda s: None)
+    table = kv_transfer.throughput_table(["1M", "16M"], 2, 0.0, ("shm", "ucx"))
+    assert calls == [
+        ("memcpy", 1), ("shm", 1), ("ucx", 1), ("memcpy", 1), ("shm", 1),
+        ("memcpy", 16), ("shm", 16), ("memcpy", 16), ("shm", 16),
+    ]  # fmt: skip
+    assert table == {
+        "memcpy": {"1M": 3.0, "16M": 7.0},
+        "shm": {"1M": 4.0, "16M": 8.0},
+        "ucx": {"1M": None, "16M": None},
+    }
