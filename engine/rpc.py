@@ -140,6 +140,9 @@ class RPCClient:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._connecting: asyncio.Lock | None = None
+        self._unsent: list[bytes] = []
+        """Call frames made while the connection was being opened, in call order: they are
+        written the moment it opens, before any later call can write its own."""
         self.closed = False
         self.lost_at: float | None = None
         """When the connection failed or broke (`time.time()`); None while it works or after
@@ -152,6 +155,8 @@ class RPCClient:
             self._connecting = asyncio.Lock()
         async with self._connecting:
             if self._writer is None:
+                if self.closed:  # (the connection this call waited for failed)
+                    raise RPCError(f"connection to {self.address} is closed")
                 host, _, port = self.address.rpartition(":")
                 try:
                     reader, writer = await asyncio.open_connection(host, int(port))
@@ -167,6 +172,11 @@ class RPCClient:
                     raise RPCError(f"{self.address} refused the connection: {reply.get('error')}")
                 self._writer = writer
                 self._reader_task = asyncio.create_task(self._read_loop(reader))
+                # Written in the step that makes the connection usable: a call made later,
+                # which finds `_writer` set, cannot overtake them.
+                for frame in self._unsent:
+                    writer.write(frame)
+                self._unsent.clear()
         assert self._writer is not None
         return self._writer
 
@@ -191,13 +201,19 @@ class RPCClient:
         """Yields the call's items; leaving early cancels the call on the worker."""
         if self.closed:
             raise RPCError(f"connection to {self.address} is closed")
-        writer = await self._connect()
         call_id = next(self._ids)
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._queues[call_id] = queue
+        frame = _frame({"id": call_id, "method": method, "args": args})
         done = False
         try:
-            writer.write(_frame({"id": call_id, "method": method, "args": args}))
+            # Calls reach the worker in the order they were made, also while the connection
+            # opens: a `grant` made after its `prefill` must not arrive first.
+            if self._writer is not None:
+                self._writer.write(frame)
+            else:
+                self._unsent.append(frame)
+                await self._connect()
             while True:
                 message = await queue.get()
                 if "item" in message:
@@ -209,7 +225,9 @@ class RPCClient:
                 return
         finally:
             del self._queues[call_id]
-            if not done and self._writer is not None:
+            if frame in self._unsent:  # (never written: the connection did not open)
+                self._unsent.remove(frame)
+            elif not done and self._writer is not None:
                 with contextlib.suppress(ConnectionError, RuntimeError):
                     self._writer.write(_frame({"id": call_id, "cancel": True}))
 

@@ -14,6 +14,7 @@ from tandem.engine.rpc import RPCClient, RPCError, RPCServer, _frame, _read
 class Handlers:
     def __init__(self) -> None:
         self.cancelled: list[str] = []
+        self.noted: list[int] = []
         self.started = asyncio.Event()
 
     async def count(self, n: int) -> AsyncIterator[dict[str, Any]]:
@@ -42,8 +43,13 @@ class Handlers:
         raise ValueError("bad things")
         yield {}
 
+    async def note(self, n: int) -> AsyncIterator[dict[str, Any]]:
+        self.noted.append(n)
+        yield {"n": n}
+
     def table(self) -> dict[str, Any]:
         return {
+            "note": self.note,
             "count": self.count,
             "forever": self.forever,
             "boom": self.boom,
@@ -71,6 +77,46 @@ def test_stream_call_and_errors() -> None:
         assert results == [{"i": 0}] * 20
         await client.close()
         await server.close()
+
+    asyncio.run(main())
+
+
+def test_calls_reach_the_worker_in_the_order_they_were_made_while_it_connects() -> None:
+    """A call that waited for the connection another call was opening is written before any
+    call made once it opened (a router's `grant` overtook its `prefill` that way)."""
+
+    async def main() -> None:
+        handlers = Handlers()
+        server, address = await _serve(handlers)
+        client = RPCClient(address, "secret")
+        opening = asyncio.create_task(client.call("note", n=0))  # opens the connection
+        await asyncio.sleep(0)
+        waiting = asyncio.create_task(client.call("note", n=1))  # waits for it
+        await asyncio.sleep(0)
+        while client._writer is None:
+            await asyncio.sleep(0)
+        assert await client.call("note", n=2) == {"n": 2}  # made after it opened
+        assert [await opening, await waiting] == [{"n": 0}, {"n": 1}]
+        assert handlers.noted == [0, 1, 2]
+        await client.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_calls_waiting_for_a_connection_that_fails_all_fail_and_leave_nothing_queued() -> None:
+    async def main() -> None:
+        probe = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        port = probe.sockets[0].getsockname()[1]
+        probe.close()
+        await probe.wait_closed()
+        client = RPCClient(f"127.0.0.1:{port}", "secret")  # nothing listens there now
+        results = await asyncio.gather(
+            *(client.call("note", n=i) for i in range(3)), return_exceptions=True
+        )
+        assert [type(r) for r in results] == [RPCError] * 3
+        assert client._unsent == [] and client._queues == {}
+        assert client.closed and client.lost_at is not None
 
     asyncio.run(main())
 
