@@ -2,7 +2,8 @@
 
 1. A streaming call to a decode replica reserves blocks and yields the reservation grant; the
    same call then yields the request's tokens, so reservation and decode share one replica.
-   The prefill call starts at the same time: prefill computes while decode reserves.
+   The prefill call starts at the same time: prefill computes while decode reserves (unless
+   that decode replica has just refused a reservation for want of room: then after the grant).
 2. The grant goes to the prefill replica, which streams pages straight to decode.
    It sends the first token back as soon as it is sampled: that is the caller's first token.
 3. Further tokens flow from decode to the caller. If prefill fails first, the decode stream is closed.
@@ -40,6 +41,7 @@ from tandem.router.worker_directory import Worker, WorkerDirectory
 logger = logging.getLogger("tandem.router")
 
 DRAINING = "draining"  # what a worker that is shutting down answers new work with
+NO_CAPACITY = "no_capacity"  # what a decode worker without room for a reservation answers
 MAX_DRAIN_RETRIES = 3
 
 
@@ -100,10 +102,14 @@ class PDOrchestrator:
             return
         # Prefill computes while decode reserves; its pages wait for the grant. Its call goes
         # out first (one loop turn before decode's): it is the longer way to the first token.
-        call = start_prefill_call(
-            plan.prefill, request_id, prompt_token_ids, params, None, priority
-        )
-        plan.prefill_call = call
+        # Not while the decode worker is refusing for want of room: a refusal would throw
+        # the prefill's work away, so the prefill waits for the grant and starts with it.
+        call: PrefillCall | None = None
+        if not plan.decode.refusing():
+            call = start_prefill_call(
+                plan.prefill, request_id, prompt_token_ids, params, None, priority
+            )
+            plan.prefill_call = call
         try:
             await asyncio.sleep(0)
             _open_decode(plan, request_id, prompt_token_ids, params, priority)
@@ -112,17 +118,21 @@ class PDOrchestrator:
                 if first["type"] != "error":
                     break
                 if first.get("code") != DRAINING or attempt == MAX_DRAIN_RETRIES:
+                    plan.decode.note_reservation(refused=first.get("code") == NO_CAPACITY)
                     raise _worker_error(first)
                 await plan.decode_stream.aclose()
                 await self._move(plan, "decode")
                 _open_decode(plan, request_id, prompt_token_ids, params, priority)
         except BaseException:
-            await to_completion(_close_calls(call.futures(), plan.decode_stream))
+            futures = set() if call is None else call.futures()
+            await to_completion(_close_calls(futures, plan.decode_stream))
             raise
+        plan.decode.note_reservation(refused=False)
         plan.grant = first["grant"]
-        call.grant_task = asyncio.ensure_future(
-            send_grant(plan.prefill, request_id, first["grant"])
-        )
+        if call is not None:
+            call.grant_task = asyncio.ensure_future(
+                send_grant(plan.prefill, request_id, first["grant"])
+            )
         timings.mark("reserved")
 
     async def abandon(self, plan: RoutePlan) -> None:
@@ -347,7 +357,7 @@ def _failed(worker: Worker, message: str, code: str) -> APIError:
 
 def _worker_error(item: dict[str, Any]) -> APIError:
     code = str(item.get("code", "worker_error"))
-    if code == "no_capacity":
+    if code == NO_CAPACITY:
         return APIError(
             429,
             f"no KV cache room on the decode worker now: {item['error']}",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ logger = logging.getLogger("tandem.router")
 
 REFRESH_S = 0.5
 STALE_S = 10.0  # a worker silent this long (no heartbeat) is dropped
+REFUSING_S = 5.0  # how long a decode worker's refusal for want of room makes reserving serial
 
 
 @dataclass
@@ -41,6 +43,17 @@ class Worker:
     events_task: asyncio.Task[None] | None = None
     draining: bool = False
     lost_report: Any = None  # its registry report when its connection was seen lost
+    refused_at: float | None = None
+    """When (`time.monotonic()`) this decode worker last refused a reservation for want of KV
+    room; cleared by its next reservation that succeeds."""
+
+    def note_reservation(self, *, refused: bool) -> None:
+        self.refused_at = time.monotonic() if refused else None
+
+    def refusing(self) -> bool:
+        """It refused a reservation within `REFUSING_S` and granted none since: a request for
+        it reserves before its prefill starts, so a refusal wastes no prefill work."""
+        return self.refused_at is not None and time.monotonic() - self.refused_at < REFUSING_S
 
     def load(self) -> tuple[float, ...]:
         reported = self.stats.get(

@@ -1,0 +1,67 @@
+"""A decode worker without KV room refuses reservations (429 `decode_full`). The first refusal
+ran its prefill in parallel, for nothing; while that worker keeps refusing, the router reserves
+first and starts no prefill. Its first grant puts prefill and reservation back in parallel."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from tandem.router.errors import APIError
+from tandem.router.pd_orchestrator import PDOrchestrator
+from tests.unit.test_drain import FakeWorker, held_plan, run, start
+
+
+class FullDecode(FakeWorker):
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(worker_id)
+        self.full = True
+
+    async def generate(
+        self, local_prefill: bool = False, **kw: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        if self.full:
+            yield {"type": "error", "code": "no_capacity", "error": "no free blocks"}
+            return
+        async for item in super().generate(local_prefill, **kw):
+            yield item
+
+
+class RecordingPrefill(FakeWorker):
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(worker_id)
+        self.grants: list[dict[str, Any] | None] = []  # the grant each prefill call came with
+
+    async def prefill(self, grant: dict[str, Any], **kw: Any) -> AsyncIterator[dict[str, Any]]:
+        self.grants.append(grant)
+        async for item in super().prefill(grant, **kw):
+            yield item
+
+
+def test_a_refusing_decode_worker_gets_reservations_before_prefill_work() -> None:
+    async def main() -> None:
+        decode, prefill = FullDecode("d0"), RecordingPrefill("p0")
+        d = await start(decode, prefill, roles="decode prefill")
+        orchestrator = PDOrchestrator(d)
+        for _ in range(3):
+            plan = held_plan(d, "d0", "p0")
+            with pytest.raises(APIError) as refused:
+                await run(orchestrator, plan)
+            plan.release()  # (the router's serving layer does, for a refused request)
+            assert (refused.value.status, refused.value.code) == (429, "decode_full")
+        await asyncio.sleep(0.05)
+        assert prefill.grants == [None]  # only the first refusal started a prefill
+        decode.full = False
+        items = await run(orchestrator, held_plan(d, "d0", "p0"))
+        assert [i["token_ids"] for i in items] == [[0], [1], [2]]
+        assert prefill.grants == [None, {"from": "d0"}]  # started with its grant
+        await run(orchestrator, held_plan(d, "d0", "p0"))
+        assert prefill.grants[2] is None  # granted again: in parallel again
+        loads = {w.worker_id: (w.in_flight, w.queued_tokens) for w in d.workers.values()}
+        assert loads == {"d0": (0, 0), "p0": (0, 0)}
+        await d.close()
+
+    asyncio.run(main())
