@@ -346,7 +346,7 @@ def from_reply(head: ResponseHead, req: Prepared, index: int, finish: str) -> It
     alone, as OpenAI sends them (the `openai` client's stream helper ends a call only so)."""
     message = reply_message(head, req.text)
     calls = message.get("tool_calls")
-    finish = "tool_calls" if calls and finishes_with_calls(head.read_calls) else finish
+    finish = "tool_calls" if calls and finishes_with_calls(head.read_calls, finish) else finish
     yield chunk(
         head,
         req,

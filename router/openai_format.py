@@ -91,7 +91,9 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
         choice["stop_reason"] = req.stop_reason
         if head.kind == "chat":
             choice["message"] = reply_message(head, req.text)
-            if choice["message"].get("tool_calls") and finishes_with_calls(head.read_calls):
+            if choice["message"].get("tool_calls") and finishes_with_calls(
+                head.read_calls, req.finish_reason
+            ):
                 choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = (req.echo or "") + req.text

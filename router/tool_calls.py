@@ -4,7 +4,7 @@ OpenAI's `tool_calls` (finish reason "tool_calls").
 - `tool_choice` "required" or a named function: the output is constrained (structured output,
   `engine/guided.py`) to one JSON object `{"name": <a tool's name>, "arguments": <that tool's
   parameters>}`. A named function's reply ends with finish reason "stop" (as OpenAI's and
-  vLLM's), the others' calls with "tool_calls".
+  vLLM's), the others' calls with "tool_calls" (a "required" call cut by max_tokens: "length").
 - "auto" (OpenAI's default with tools): the model decides. Its calls are read in its family's
   format (`tool_parsers.py`: Hermes' `<tool_call>{...}</tool_call>`, Llama 3's JSON, Mistral's
   `[TOOL_CALLS]`); the text outside them is the message's content, and a reply whose calls do
@@ -165,9 +165,13 @@ class NamedCall:
         return _read_call(text, self.name)
 
 
-def finishes_with_calls(parser: ReplyParser | None) -> bool:
-    """Whether a reply read by `parser` that made calls ends with finish reason "tool_calls"."""
-    return not isinstance(parser, NamedCall)
+def finishes_with_calls(parser: ReplyParser | None, finish: str | None) -> bool:
+    """Whether a reply read by `parser` that made calls, and finished with `finish`, ends with
+    finish reason "tool_calls" instead: not a named function's; a "required" call only when it
+    stopped (cut by max_tokens it stays "length", as vLLM's); a free reply's ("auto") always."""
+    if isinstance(parser, NamedCall):
+        return False
+    return parser is not forced_call or finish == "stop"
 
 
 def tool_call(text: str) -> dict[str, Any] | None:

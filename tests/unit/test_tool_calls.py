@@ -47,7 +47,8 @@ def test_which_tools_a_choice_forces() -> None:
     assert reply_parser(TOOLS, "required") is forced_call and reply_parser(TOOLS, "none") is None
     named_parser = reply_parser(TOOLS, named)  # the same reading, finish reason "stop"
     assert isinstance(named_parser, NamedCall) and named_parser.name == "b"
-    assert not finishes_with_calls(named_parser) and finishes_with_calls(forced_call)
+    assert not finishes_with_calls(named_parser, "stop")
+    assert finishes_with_calls(forced_call, "stop")
     assert reply_parser(None, None) is None
     for tools, choice, param in (
         (None, "required", "tool_choice"),
@@ -143,6 +144,36 @@ def test_a_forced_call_cut_short_is_still_the_call() -> None:
     assert content is None and calls[0]["function"] == {"name": "a", "arguments": '{"x"'}
     assert forced_call('{"name": "a"')[1][0]["function"] == {"name": "a", "arguments": ""}
     assert forced_call('{"name": "a') == (None, [])  # which function is not known yet
+
+
+def test_a_required_call_cut_short_finishes_with_length() -> None:
+    """As vLLM's: "tool_calls" ends a "required" call only when it stopped; cut by max_tokens
+    it stays "length" (an "auto" reply that made calls always ends with "tool_calls")."""
+    assert finishes_with_calls(forced_call, "stop")
+    assert not finishes_with_calls(forced_call, "length")
+    assert finishes_with_calls(HermesParser(), "length")
+    assert not finishes_with_calls(NamedCall("a"), "length")
+
+
+def test_a_cut_required_call_s_body_and_stream_finish_with_length() -> None:
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.router.openai_api import from_reply
+    from tandem.router.openai_format import ResponseHead, full_body
+    from tandem.router.pd_orchestrator import RequestTimings
+    from tandem.router.prepared import Prepared
+
+    head = ResponseHead("chatcmpl-1", 0, "m", "chat", read_calls=forced_call)
+    req = Prepared("r", [1, 2], SamplingParams(max_tokens=4), RequestTimings(0.0))
+    req.text, req.finish_reason = '{"name": "a", "arguments": {"x"', "length"
+    choice = full_body(head, [req], {})["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "a", "arguments": '{"x"'}
+    events = [json.loads(e[len("data: ") :]) for e in from_reply(head, req, 0, "length")]
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None, "length"]
+    req.text, req.finish_reason = '{"name": "a", "arguments": {"x": 1}}', "stop"
+    assert full_body(head, [req], {})["choices"][0]["finish_reason"] == "tool_calls"
+    events = [json.loads(e[len("data: ") :]) for e in from_reply(head, req, 0, "stop")]
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None, "tool_calls"]
 
 
 def test_a_function_without_parameters_takes_no_arguments() -> None:
