@@ -17,6 +17,11 @@ STRUCTURE_KINDS = ("json_schema", "regex", "choice", "grammar")
 """The fields that constrain the output's structure; a request sets at most one."""
 
 
+def no_seed_as_none(seed: int | None) -> int | None:
+    """vLLM's reading of a seed: -1 means none (the request samples anew each time)."""
+    return None if seed == -1 else seed
+
+
 def sample_seed(seed: int | None, sample: int) -> int | None:
     """The seed of sample `sample` (0-based) of a request seeded `seed`: `seed + sample`,
     wrapped into the seed range (None: unseeded)."""
@@ -45,7 +50,8 @@ class SamplingParams(BaseModel):
     `LLM` add one per sample, seeded `seed`, `seed + 1`, ...). `temperature` 0 (or below
     1e-5) means greedy. Sampling applies temperature, then `min_p` (drops tokens less likely
     than `min_p` times the most likely; 0 disables), `top_k`, `top_p`. `seed` makes
-    sampling reproducible for this request whatever else shares the batch. `stop` strings are
+    sampling reproducible for this request whatever else shares the batch (-1: no seed, as
+    vLLM). `stop` strings are
     cut from the returned text (kept, and what follows cut, with `include_stop_str_in_output`);
     Special tokens (EOS, chat markers) add nothing to the text unless `skip_special_tokens` is
     False. `truncate_prompt_tokens` keeps the prompt's last k tokens (-1: as many as the context
@@ -114,6 +120,11 @@ class SamplingParams(BaseModel):
                 f"invalid sampling parameters: {summarize_validation(exc)}",
                 str(where[0]) if where and isinstance(where[0], str) else None,
             ) from None
+
+    @field_validator("seed")
+    @classmethod
+    def _no_seed(cls, value: int | None) -> int | None:
+        return no_seed_as_none(value)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tandem.engine.chat_content import content_text
 from tandem.engine.errors import InvalidRequestError
-from tandem.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
+from tandem.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, no_seed_as_none
 from tandem.router.errors import bad_request
 from tandem.router.structured_output import (
     Structure,
@@ -86,6 +86,11 @@ class _SamplingFields(UnicodeBody):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     return_token_ids: bool = False  # vLLM's: token ids next to the text
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
+
+    @field_validator("seed")
+    @classmethod
+    def _no_seed(cls, value: int | None) -> int | None:
+        return no_seed_as_none(value)  # (-1: unseeded, as vLLM's; n > 1 adds nothing to it)
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -64,3 +64,19 @@ def test_audio_output_is_refused_by_name() -> None:
             request.check_supported()
         assert err.value.status == 400 and err.value.param == "modalities"
     ChatCompletionRequest(model="m", messages=messages, modalities=["text"]).check_supported()
+
+
+def test_seed_minus_one_means_unseeded() -> None:
+    """vLLM's SamplingParams take seed -1 as no seed (each request samples anew); it was a
+    fixed seed here, so `seed: -1` gave the same text every time, and n > 1 seeded 0, 1, ..."""
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.router.multi_choice import sample_fields
+
+    body = CompletionRequest.model_validate({"prompt": "hi", "seed": -1, "temperature": 1.0})
+    fields = body.sampling_dict()
+    assert body.seed is None and "seed" not in fields
+    assert "seed" not in sample_fields(fields, 1)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "seed": -1}
+    assert ChatCompletionRequest.model_validate(chat).seed is None
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    assert CompletionRequest.model_validate({"prompt": "hi", "seed": -2}).seed == -2
