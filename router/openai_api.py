@@ -179,11 +179,13 @@ async def _serve(
     token_text = _token_id_text if body.return_tokens_as_token_ids else serving.token_text
     reasoning = serving.reasoning_parser if kind == "chat" else None
     ids, asked = body.return_token_ids, body.prompt_logprobs
+    echo = body.echoed_text() if isinstance(body, ChatCompletionRequest) else ""
     if count == 1:
         req = await prepare(0, response_id)
         head = ResponseHead.of(
-            req, serving.model_name, kind, None, token_text, read_calls, reasoning, ids, asked
-        )
+            req, serving.model_name, kind, None, token_text, read_calls, reasoning, ids, asked,
+            echo,
+        )  # fmt: skip
         if body.stream:
             return ClosingStreamingResponse(
                 _sse(serving, req, kind, include_usage, head, continuous),
@@ -199,7 +201,7 @@ async def _serve(
     )
     head = ResponseHead.of(
         reqs[0], serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids,
-        asked,
+        asked, echo,
     )  # fmt: skip
     if body.stream:
         return ClosingStreamingResponse(
@@ -277,6 +279,8 @@ async def _events(
         for index, req in enumerate(reqs):
             if head.kind == "chat":
                 yield chunk(head, req, "", None, index=index, role=True, first=True, usage=usage)
+                if head.echo:
+                    yield chunk(head, req, head.echo, None, index=index, usage=usage)
                 started.add(index)
             elif req.echo:
                 yield chunk(head, req, req.echo, None, index=index, first=True, usage=usage)

@@ -37,6 +37,7 @@ class ResponseHead:
     reasoning: ReasoningParser | None = None  # chat: splits the thoughts from the answer
     token_ids: bool = False  # vLLM's `return_token_ids`: prompt and output token ids too
     prompt_logprobs: int | None = None  # vLLM's field, with this many alternatives (None: none)
+    echo: str = ""  # chat: what every choice's content starts with (vLLM's `echo`)
 
     @classmethod
     def of(
@@ -50,6 +51,7 @@ class ResponseHead:
         reasoning: ReasoningParser | None = None,
         token_ids: bool = False,
         prompt_logprobs: int | None = None,
+        echo: str = "",
     ) -> ResponseHead:
         """`prompt_logprobs`: what the request asked for in vLLM's field (the engine may score
         the prompt with more alternatives, for an echoed prompt's `logprobs`)."""
@@ -58,8 +60,9 @@ class ResponseHead:
         arrival = int(req.timings.arrival)
         rid = response_id or req.request_id
         return cls(
-            rid, arrival, model, kind, names, read_calls, reasoning, token_ids, prompt_logprobs
-        )
+            rid, arrival, model, kind, names, read_calls, reasoning, token_ids, prompt_logprobs,
+            echo,
+        )  # fmt: skip
 
     def logprobs(
         self, token_ids: Sequence[int], entries: Sequence[Any] | None, text_offset: int = 0
@@ -91,6 +94,8 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
         choice["stop_reason"] = req.stop_reason
         if head.kind == "chat":
             choice["message"] = reply_message(head, req.text)
+            if head.echo:
+                choice["message"]["content"] = head.echo + (choice["message"]["content"] or "")
             if choice["message"].get("tool_calls") and finishes_with_calls(
                 head.read_calls, req.finish_reason
             ):

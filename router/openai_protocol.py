@@ -246,6 +246,15 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolSpec] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    echo: bool = False  # vLLM's: the reply opens with the last message if it is the reply's role
+
+    def echoed_text(self) -> str:
+        """With `echo`, the text the reply's content starts with: the last message's, when its
+        role is the reply's (assistant after a generation prompt, else the last one's), as
+        vLLM's; otherwise ""."""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        return last.text() if self.echo and last.role == role else ""
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -296,3 +296,28 @@ def test_continuous_usage_stats_start_with_the_chat_role_chunk() -> None:
     data = _continuous_usage_chunks(1, "chat")
     assert data[0]["choices"][0]["delta"].get("role") == "assistant"
     assert [d["usage"]["completion_tokens"] for d in data] == [0, 1, 2, 3]
+
+
+def test_a_chat_echo_opens_each_choice_s_stream_and_body() -> None:
+    """vLLM's chat `echo`: after the role, the echoed message, then the reply; in a body, the
+    content is the echo and the reply (it was ignored: the reply alone)."""
+    serving = FakeServing()
+
+    async def main() -> tuple[list[str], dict[str, Any]]:
+        reqs = await multi_choice.prepare_all(serving, 2, serving.prepare)  # type: ignore[arg-type]
+        head = ResponseHead("chatcmpl-x", 0, "tiny", "chat", echo="Hel")
+        gen = openai_api._sse_choices(serving, head, reqs, 2, False)  # type: ignore[arg-type]
+        events = [event async for event in gen]
+        return events, full_body(head, reqs, merged_usage(reqs, 2))
+
+    events, body = asyncio.run(main())
+    data = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    deltas = [(d["choices"][0]["index"], d["choices"][0]["delta"]) for d in data[:4]]
+    assert deltas == [
+        (0, {"role": "assistant", "content": ""}),
+        (0, {"content": "Hel"}),
+        (1, {"role": "assistant", "content": ""}),
+        (1, {"content": "Hel"}),
+    ]
+    contents = [c["message"]["content"] for c in body["choices"]]
+    assert contents == ["Hel<0><1><2>", "Hel<10><11><12>"]

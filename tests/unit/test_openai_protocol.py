@@ -80,3 +80,21 @@ def test_seed_minus_one_means_unseeded() -> None:
     assert ChatCompletionRequest.model_validate(chat).seed is None
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
     assert CompletionRequest.model_validate({"prompt": "hi", "seed": -2}).seed == -2
+
+
+def test_chat_echo_is_the_last_message_when_it_has_the_reply_s_role() -> None:
+    """vLLM's chat `echo`: the reply's content starts with the last message when that message
+    has the reply's role (assistant; with add_generation_prompt false, the last one's own)."""
+    user, partial = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}
+
+    def echoed(messages: list[dict[str, str]], **fields: object) -> str:
+        body = {"messages": messages, "echo": True, **fields}
+        return ChatCompletionRequest.model_validate(body).echoed_text()
+
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    assert echoed([user, partial], **cont) == "Hel"
+    assert echoed([user, partial]) == "Hel"
+    assert echoed([user]) == "" and echoed([user], add_generation_prompt=False) == "Hi"
+    assert echoed([user, {"role": "assistant", "content": None}]) == ""
+    no_echo = ChatCompletionRequest.model_validate({"messages": [user, partial]})
+    assert no_echo.echoed_text() == ""
