@@ -120,9 +120,11 @@ async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
             if len(prompts) > 1:  # say which prompt of the batch
                 exc.message = f"prompt {index // body.n}: {exc.message}"
             raise
-        if body.echo:
+        if body.echo:  # (the prompt the model saw: a truncated one's text is that of its tail)
             prompt = prompts[index // body.n]
-            req.echo = prompt if isinstance(prompt, str) else serving.prompt_text(prompt)
+            cut = body.truncate_prompt_tokens is not None
+            text = prompt if isinstance(prompt, str) and not cut else None
+            req.echo = text if text is not None else serving.prompt_text(req.prompt_token_ids)
             req.prompt_only = body.prompt_only
         return req
 

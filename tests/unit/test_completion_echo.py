@@ -1,0 +1,74 @@
+"""A completion's `echo` (`router/openai_api.py`): the prompt the model saw comes back before
+the output, also when `truncate_prompt_tokens` cut it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.router import openai_api
+from tandem.router.openai_protocol import CompletionRequest
+from tandem.router.pd_orchestrator import RequestTimings
+from tandem.router.prepared import Prepared
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+class LetterServing:
+    """Token i is the letter LETTERS[i]; a prompt is cut to its last `truncate_prompt_tokens`;
+    every request generates token 25 ("z")."""
+
+    model_name = "tiny"
+    sse_keepalive_s = None
+    reasoning_parser = None
+    tool_parser = None
+
+    async def prepare(
+        self,
+        request_id: str,
+        model: Any,
+        prompt: Any,
+        max_tokens: Any,
+        fields: dict[str, Any],
+        timings: RequestTimings,
+        **kw: Any,
+    ) -> Prepared:
+        ids = [LETTERS.index(c) for c in prompt] if isinstance(prompt, str) else list(prompt)
+        if (keep := kw.get("truncate_prompt_tokens")) is not None:
+            ids = ids[-keep:]
+        params = SamplingParams(max_tokens=max_tokens, **fields)
+        return Prepared(request_id, ids, params, timings)
+
+    async def run(self, req: Prepared) -> AsyncGenerator[dict[str, Any], None]:
+        req.started, req.token_ids, req.text = True, [25], "z"
+        req.completion_tokens, req.finish_reason = 1, "length"
+        req.logprobs = [[-0.5, [[25, -0.5]]]] if req.params.logprobs is not None else None
+        if req.params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] + [(-1.0, [], 1)] * (len(req.prompt_token_ids) - 1)
+        yield {"token_ids": [25], "text": "z", "finish_reason": "length"}
+
+    def prompt_text(self, token_ids: list[int]) -> str:
+        return "".join(LETTERS[t] for t in token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        return LETTERS[token_id]
+
+
+def _complete(**fields: Any) -> dict[str, Any]:
+    body = CompletionRequest.model_validate({"max_tokens": 1, "echo": True, **fields})
+    response = asyncio.run(openai_api.create_completion(LetterServing(), body))  # type: ignore[arg-type]
+    return json.loads(response.body)["choices"][0]
+
+
+def test_echo_is_the_prompt_the_model_saw() -> None:
+    assert _complete(prompt="abcde")["text"] == "abcdez"
+    assert _complete(prompt=[0, 1, 2, 3, 4])["text"] == "abcdez"
+    # cut to its last 3 tokens, as vLLM echoes a token prompt (the text was the whole prompt)
+    assert _complete(prompt=[0, 1, 2, 3, 4], truncate_prompt_tokens=3)["text"] == "cdez"
+    choice = _complete(prompt="abcde", truncate_prompt_tokens=3, logprobs=0)
+    assert choice["text"] == "cdez"
+    assert choice["logprobs"]["tokens"] == ["c", "d", "e", "z"]
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2, 3]  # (offsets into `text`)
