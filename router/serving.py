@@ -9,6 +9,8 @@ import time
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
+from jinja2 import TemplateError
+
 from tandem.engine.metrics import RouterMetrics
 from tandem.engine.tokenizer import Tokenizer
 from tandem.router.errors import APIError, WorkerLost, bad_request
@@ -121,7 +123,7 @@ class Serving:
                 template_kwargs=template_kwargs,
                 tools=tools,
             )
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, TemplateError) as exc:  # (the template's own refusals)
             hint = (
                 ""
                 if self.tokenizer.hf.chat_template
