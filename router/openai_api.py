@@ -176,8 +176,10 @@ async def _serve(
     body: CompletionRequest | ChatCompletionRequest,
     read_calls: ReplyParser | None = None,
 ) -> JSONResponse | StreamingResponse:
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    # (as vLLM's: usage on every chunk only for a stream that asks for usage at all)
+    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     token_text = _token_id_text if body.return_tokens_as_token_ids else serving.token_text
     reasoning = serving.reasoning_parser if kind == "chat" else None
     ids, asked = body.return_token_ids, body.prompt_logprobs

@@ -1,5 +1,6 @@
-"""A completion's `echo` (`router/openai_api.py`): the prompt the model saw comes back before
-the output, also when `truncate_prompt_tokens` cut it."""
+"""Completion request fields through `router/openai_api.py`, as vLLM's server reads them: `echo`
+(the prompt the model saw comes back before the output, also when `truncate_prompt_tokens` cut
+it) and `stream_options` (usage on every chunk only with `include_usage` too)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,18 @@ def _complete(**fields: Any) -> dict[str, Any]:
     return json.loads(response.body)["choices"][0]
 
 
+def _stream(**fields: Any) -> list[dict[str, Any]]:
+    body = CompletionRequest.model_validate({"max_tokens": 1, "stream": True, **fields})
+
+    async def main() -> list[str]:
+        response = await openai_api.create_completion(LetterServing(), body)  # type: ignore[arg-type]
+        return [e if isinstance(e, str) else e.decode() async for e in response.body_iterator]
+
+    events = asyncio.run(main())
+    assert events[-1] == "data: [DONE]\n\n"
+    return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+
+
 def test_echo_is_the_prompt_the_model_saw() -> None:
     assert _complete(prompt="abcde")["text"] == "abcdez"
     assert _complete(prompt=[0, 1, 2, 3, 4])["text"] == "abcdez"
@@ -72,3 +85,13 @@ def test_echo_is_the_prompt_the_model_saw() -> None:
     assert choice["text"] == "cdez"
     assert choice["logprobs"]["tokens"] == ["c", "d", "e", "z"]
     assert choice["logprobs"]["text_offset"] == [0, 1, 2, 3]  # (offsets into `text`)
+
+
+def test_continuous_usage_stats_need_include_usage() -> None:
+    """vLLM puts the usage on every chunk only when `include_usage` asks for usage at all."""
+    alone = _stream(prompt="ab", stream_options={"continuous_usage_stats": True})
+    assert [("usage" in d, d["choices"][0]["text"]) for d in alone] == [(False, "z")]
+    both = {"continuous_usage_stats": True, "include_usage": True}
+    chunks = _stream(prompt="ab", stream_options=both)
+    assert [d["usage"]["completion_tokens"] for d in chunks] == [1, 1]
+    assert chunks[-1]["choices"] == []
