@@ -115,6 +115,7 @@ async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                 priority=body.priority,
                 user=body.user,
+                add_special_tokens=body.add_special_tokens,
             )
         except APIError as exc:
             if len(prompts) > 1:  # say which prompt of the batch

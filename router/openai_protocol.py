@@ -165,6 +165,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: False, a text prompt gets no BOS from here
     suffix: str | None = None
     best_of: int | None = None
 

@@ -51,17 +51,22 @@ def chat_text_size(messages: list[dict[str, Any]]) -> int:
 
 
 async def prompt_token_ids(
-    tokenizer: Tokenizer, prompt: str | list[int], limits: ModelLimits, truncating: bool
+    tokenizer: Tokenizer,
+    prompt: str | list[int],
+    limits: ModelLimits,
+    truncating: bool,
+    add_special_tokens: bool = True,
 ) -> list[int]:
     """`tokenize_prompt`, with a long text tokenized off the event loop, and refused early
     when a prefix already fills the context (unless the prompt is to be `truncating`)."""
+    special = add_special_tokens
     if not isinstance(prompt, str) or len(prompt) <= INLINE_TEXT_CHARS:
-        return tokenize_prompt(tokenizer, prompt, limits.vocab_size)
+        return tokenize_prompt(tokenizer, prompt, limits.vocab_size, special)
 
     def tokenize() -> list[int]:
         if not truncating:
             _refuse_when_a_prefix_fills_the_context(tokenizer, prompt, limits)
-        return tokenize_prompt(tokenizer, prompt, limits.vocab_size)
+        return tokenize_prompt(tokenizer, prompt, limits.vocab_size, special)
 
     return await off_the_loop_if_long(len(prompt), tokenize)
 
@@ -92,11 +97,15 @@ def context_exceeded(limits: ModelLimits, num_tokens: int, *, at_least: bool = F
     )
 
 
-def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
+def tokenize_prompt(
+    tokenizer: Tokenizer, prompt: str | list[int], vocab_size: int, add_special_tokens: bool = True
+) -> list[int]:
+    """A prompt's token ids: a text's encoded (with the tokenizer's special tokens, e.g. BOS,
+    unless not `add_special_tokens`, vLLM's field), token ids as given; checked."""
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
-        token_ids = tokenizer.encode(prompt)
+        token_ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     else:
         token_ids = list(prompt)
     if not token_ids:

@@ -148,10 +148,12 @@ class Serving:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         truncate_prompt_tokens: int | None = None,
+        add_special_tokens: bool = True,
     ) -> Prepared:
         """`prompt` is text, token ids, or chat messages (rendered with the chat template, with
         the two template options of the chat API). `truncate_prompt_tokens` keeps the prompt's
-        last that many tokens (-1: as many as the context holds next to `max_tokens`).
+        last that many tokens (-1: as many as the context holds next to `max_tokens`); a text
+        prompt gets the tokenizer's special tokens (BOS) unless not `add_special_tokens`.
         Also routes and admits the request: a 429 here means nothing was started. A client
         that leaves meanwhile (its task cancelled) is logged and counted as an abort."""
         self.metrics.arrived(user, timings.arrival)
@@ -166,7 +168,10 @@ class Serving:
                 token_ids = await off_the_loop_if_long(size, self.render_chat, prompt, **chat)
             else:
                 truncating = truncate_prompt_tokens is not None
-                token_ids = await prompt_token_ids(self.tokenizer, prompt, limits, truncating)  # type: ignore[arg-type]
+                text_or_ids: str | list[int] = prompt  # type: ignore[assignment]
+                token_ids = await prompt_token_ids(
+                    self.tokenizer, text_or_ids, limits, truncating, add_special_tokens
+                )
             if truncate_prompt_tokens is not None:
                 token_ids = truncated(token_ids, truncate_prompt_tokens, max_tokens, limits)
             timings.mark("tokenized")

@@ -1,6 +1,7 @@
 """Completion request fields through `router/openai_api.py`, as vLLM's server reads them: `echo`
 (the prompt the model saw comes back before the output, also when `truncate_prompt_tokens` cut
-it) and `stream_options` (usage on every chunk only with `include_usage` too)."""
+it), `stream_options` (usage on every chunk only with `include_usage` too) and
+`add_special_tokens` (False: a text prompt gets no BOS)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tandem.router import openai_api
 from tandem.router.openai_protocol import CompletionRequest
 from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
+from tandem.router.request_prep import ModelLimits, prompt_token_ids
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -37,6 +39,7 @@ class LetterServing:
         timings: RequestTimings,
         **kw: Any,
     ) -> Prepared:
+        self.special = kw.get("add_special_tokens")
         ids = [LETTERS.index(c) for c in prompt] if isinstance(prompt, str) else list(prompt)
         if (keep := kw.get("truncate_prompt_tokens")) is not None:
             ids = ids[-keep:]
@@ -58,9 +61,9 @@ class LetterServing:
         return LETTERS[token_id]
 
 
-def _complete(**fields: Any) -> dict[str, Any]:
+def _complete(serving: LetterServing | None = None, **fields: Any) -> dict[str, Any]:
     body = CompletionRequest.model_validate({"max_tokens": 1, "echo": True, **fields})
-    response = asyncio.run(openai_api.create_completion(LetterServing(), body))  # type: ignore[arg-type]
+    response = asyncio.run(openai_api.create_completion(serving or LetterServing(), body))  # type: ignore[arg-type]
     return json.loads(response.body)["choices"][0]
 
 
@@ -95,3 +98,27 @@ def test_continuous_usage_stats_need_include_usage() -> None:
     chunks = _stream(prompt="ab", stream_options=both)
     assert [d["usage"]["completion_tokens"] for d in chunks] == [1, 1]
     assert chunks[-1]["choices"] == []
+
+
+class _BosTokenizer:
+    """Letters as token ids 1.., and BOS (0) first when special tokens are added."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [0] * add_special_tokens + [LETTERS.index(c) + 1 for c in text]
+
+
+def test_add_special_tokens_false_tokenizes_a_text_prompt_without_bos() -> None:
+    """vLLM's completions field (default true): false for a prompt that has its BOS already,
+    e.g. a chat template applied by the client (it was ignored: BOS twice)."""
+    serving = LetterServing()
+    _complete(serving, prompt="ab")
+    assert serving.special is True
+    _complete(serving, prompt="ab", add_special_tokens=False)
+    assert serving.special is False
+    limits = ModelLimits(2048, 512)
+    tokenizer: Any = _BosTokenizer()
+    with_bos = asyncio.run(prompt_token_ids(tokenizer, "ab", limits, False))
+    without = asyncio.run(prompt_token_ids(tokenizer, "ab", limits, False, False))
+    assert (with_bos, without) == ([0, 1, 2], [1, 2])
+    long_text = "a" * 5000  # (tokenized off the event loop)
+    assert asyncio.run(prompt_token_ids(tokenizer, long_text, limits, True, False)) == [1] * 5000

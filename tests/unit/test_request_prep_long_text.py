@@ -27,9 +27,9 @@ class Recording:
         self.tokenizer = tokenizer
         self.calls: list[tuple[int, str]] = []
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.calls.append((len(text), threading.current_thread().name))
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ class LongTokens:
     def __init__(self) -> None:
         self.lengths: list[int] = []
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.lengths.append(len(text))
         return [7] * -(-len(text) // 32)
 
