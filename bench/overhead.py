@@ -3,7 +3,8 @@
 Starts a local Ray cluster, deploys 1 prefill + 1 decode worker on the same checkpoint, and sends
 requests one at a time through gRPC (one message per token, so every token's arrival is seen)
 and through the HTTP API (SSE; TTFT to the first chunk; through Ray Serve's Python proxy as
-`tandem serve` does by default, or `--ingress haproxy`). The baseline runs the same prompts in
+`tandem serve` does by default, or `--ingress haproxy`, and on the router's own port,
+`direct_port`, which skips Serve's proxy). The baseline runs the same prompts in
 this process with `LLMEngine.step()`, back to back, and again with the engine idle before each
 request as long as the cluster's prefill worker idles between requests (the decode time of the
 previous one): an engine that just woke computes a prefill about twice as slowly here (cold
@@ -158,6 +159,7 @@ def main() -> None:
     options = {k: json.loads(v) for k, _, v in (o.partition("=") for o in args.transport_option)}
     config = ClusterConfig(model=args.model, cache_dir=str(cache), transport=args.transport,
                            transport_options=options, served_model_name="bench", grpc_port=50151,
+                           direct_port=28001,
                            engine={"num_kv_blocks": 1024},
                            # every request takes the PD path (no local prefill on decode)
                            decode_routing={"conditional_prefill_max_tokens": 0})  # fmt: skip
@@ -182,6 +184,8 @@ def main() -> None:
         stages: dict[str, list[float]] = {}
         fresh = prompts_for(llm, args.requests, args.prompt_len, offset=7)  # no prefix hits
         http_ttft = through_http(28999, fresh, args.max_tokens, stages)
+        fresh = prompts_for(llm, args.requests, args.prompt_len, offset=11)
+        direct_ttft = through_http(28001, fresh, args.max_tokens, {})  # the router's own port
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -195,6 +199,8 @@ def main() -> None:
     print(f"bare gRPC round trip (no cluster), same pause: p50 {floor_ms} ms", flush=True)
     cluster["http_ttft_p50_ms"] = round(pct(http_ttft, 50) * 1e3, 3)
     cluster["http_ttft_p99_ms"] = round(pct(http_ttft, 99) * 1e3, 3)
+    cluster["direct_http_ttft_p50_ms"] = round(pct(direct_ttft, 50) * 1e3, 3)
+    cluster["direct_http_ttft_p99_ms"] = round(pct(direct_ttft, 99) * 1e3, 3)
     print(f"cluster (gRPC, 1 prefill + 1 decode, {args.transport}): {cluster}", flush=True)
     stage_p50 = {k: round(statistics.median(v), 3) for k, v in stages.items()}
     print(f"router stage timings over HTTP, p50 ms: {stage_p50}", flush=True)
@@ -202,6 +208,9 @@ def main() -> None:
         "ttft_p50_ms": round(cluster["ttft_p50_ms"] - base["ttft_p50_ms"], 3),
         "tpot_p50_ms": round(cluster["tpot_p50_ms"] - base["tpot_p50_ms"], 3),
         "http_ttft_p50_ms": round(cluster["http_ttft_p50_ms"] - base["ttft_p50_ms"], 3),
+        "direct_http_ttft_p50_ms": round(
+            cluster["direct_http_ttft_p50_ms"] - base["ttft_p50_ms"], 3
+        ),
     }
     added_vs_idle = {
         "ttft_p50_ms": round(cluster["ttft_p50_ms"] - idle["ttft_p50_ms"], 3),

@@ -118,6 +118,7 @@ def build_app(config: ClusterConfig) -> Application:
         "api_key_sha256": key_digest(config.api_key) if config.api_key else None,
         "host": config.host,
         "grpc_port": config.grpc_port,
+        "direct_port": config.direct_port,
         "request_timeout_s": config.router.request_timeout_s,
         "cors_allowed_origins": config.router.cors_allowed_origins,
         "responses_store_size": config.router.responses_store_size,

@@ -203,6 +203,13 @@ class ClusterConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     grpc_port: int | None = Field(50051, ge=0, le=65535, description="0 or null: no gRPC.")
+    direct_port: int | None = Field(
+        8001,
+        ge=0,
+        le=65535,
+        description="The OpenAI API served by each router replica itself, skipping Serve's "
+        "proxy (lower latency; replicas of one node share the port). 0 or null: none.",
+    )
     lease_s: float = Field(30.0, gt=0)
     stall_timeout_s: float = Field(10.0, gt=0)
     ack_timeout_s: float = Field(10.0, gt=0)
@@ -254,6 +261,12 @@ class ClusterConfig(BaseModel):
                 f"grpc_port and port are both {self.port}: the gRPC and HTTP servers need "
                 "a port each (grpc_port 0: no gRPC)"
             )
+        for name, other in (("port", self.port), ("grpc_port", self.grpc_port)):
+            if self.direct_port and self.direct_port == other:
+                raise ValueError(
+                    f"direct_port and {name} are both {other}: each server needs a port of "
+                    "its own (direct_port 0: no direct HTTP port)"
+                )
         return self
 
     @model_validator(mode="after")

@@ -109,6 +109,13 @@ def serve(
     grpc_port: Annotated[
         int | None, typer.Option(help="gRPC port (50051); 0 turns gRPC off.")
     ] = None,
+    direct_port: Annotated[
+        int | None,
+        typer.Option(
+            help="Port on which the router serves the OpenAI API itself, skipping Serve's "
+            "proxy: lower latency (8001); 0 turns it off."
+        ),
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -207,6 +214,7 @@ def serve(
         "host": host,
         "port": port,
         "grpc_port": grpc_port,
+        "direct_port": direct_port,
         "api_key": api_key,
         "chat_template": chat_template,
         "served_model_name": served_model_name,
@@ -309,6 +317,11 @@ def _print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress | None) -> 
         + (f" (through {ingress.value})" if ingress else "")
         + (" (API key required: 'Authorization: Bearer <key>')" if cfg.api_key else ""),
     ]
+    if cfg.direct_port:
+        lines.append(
+            f"[tandem]   OpenAI API:    http://{host}:{cfg.direct_port}/v1 (the router's own "
+            "port: lower latency)"
+        )
     if cfg.grpc_port:
         lines.append(f"[tandem]   gRPC:          {host}:{cfg.grpc_port} (tandem.v1.Generation)")
     lines.append(f"[tandem]   Metrics:       http://{host}:{cfg.port}/metrics (Prometheus)")

@@ -30,6 +30,7 @@ from tandem.engine.worker_registry import get_registry
 from tandem.router.admission import AdmissionConfig
 from tandem.router.api_keys import APIKeyMiddleware, key_digest
 from tandem.router.cors import LateCORS
+from tandem.router.direct_http import DirectHTTPServer, start_direct_http
 from tandem.router.errors import APIError
 from tandem.router.model_cards import model_card, models_body
 from tandem.router.openai_api import (
@@ -123,6 +124,8 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
 @serve.deployment(name="router", max_ongoing_requests=1024)
 @serve.ingress(api)
 class Router:
+    app: Any  # (Serve's ingress wrapper: the ASGI app this replica runs, its routes bound here)
+
     def __init__(self, settings: dict[str, Any], prefill: Any, decode: Any) -> None:
         """`prefill` / `decode` are the worker deployments' handles: binding them makes Serve
         deploy the workers with the router; requests reach workers over their RPC endpoints.
@@ -212,14 +215,29 @@ class Router:
         port = settings.get("grpc_port")
         if port:
             asyncio.get_running_loop().create_task(self._start_grpc(settings["host"], port))
+        self._direct_http: DirectHTTPServer | None = None
+        if settings.get("direct_port"):
+            asyncio.get_running_loop().create_task(
+                self._start_direct_http(settings["host"], settings["direct_port"])
+            )
 
     async def __del__(self) -> None:
         """Serve stops this replica (shutdown, redeploy, scale-down) once its HTTP requests
-        have ended (`graceful_shutdown_timeout_s`); gRPC streams in flight get as long to end
-        (new calls are refused meanwhile)."""
+        have ended (`graceful_shutdown_timeout_s`); gRPC streams and requests on the direct
+        HTTP port in flight get as long to end (new ones are refused meanwhile)."""
+        grace_s = float(self.settings.get("drain_timeout_s", 30.0))
         server, self._grpc_server = self._grpc_server, None
-        if server is not None:
-            await server.stop(float(self.settings.get("drain_timeout_s", 30.0)))
+        direct, self._direct_http = self._direct_http, None
+        await asyncio.gather(
+            *(s.stop(grace_s) for s in (server, direct) if s is not None),
+            return_exceptions=True,
+        )
+
+    async def _start_direct_http(self, host: str, port: int) -> None:
+        try:  # (`self.app`: the ASGI app Serve runs in this replica, routes bound to it)
+            self._direct_http = await start_direct_http(self.app, host, port)
+        except Exception:
+            logger.exception("the direct HTTP port did not open on %s:%s", host, port)
 
     async def _start_grpc(self, host: str, port: int) -> None:
         from tandem.router.grpc.server import start_grpc_server

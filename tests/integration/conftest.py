@@ -33,8 +33,11 @@ class Cluster:
     def __init__(self, http_port: int, grpc_port: int, model: Path) -> None:
         self.http_port = http_port
         self.grpc_port = grpc_port
+        self.direct_port = free_port()
         self.model = model
         self.base_url = f"http://127.0.0.1:{http_port}"
+        self.direct_url = f"http://127.0.0.1:{self.direct_port}"
+        """The router's own port (`direct_port`): the same API without Serve's proxy."""
         self.config: dict[str, Any] = {}
 
     def deploy(self, **overrides: Any) -> str:
@@ -47,6 +50,7 @@ class Cluster:
             "model": str(self.model),
             "served_model_name": "tiny",
             "grpc_port": self.grpc_port,
+            "direct_port": self.direct_port,
             "engine": {"num_kv_blocks": 512, "max_num_batched_tokens": 256},
             "prefill": {"num_cpus": 0.25},
             "decode": {"num_cpus": 0.25},
@@ -151,7 +155,12 @@ def expected(reference: Any) -> list[Any]:
     return reference.generate(PROMPTS, params, use_tqdm=False)
 
 
-@pytest.fixture(scope="module", params=["1x1", "2x2"])
+@pytest.fixture(scope="module", params=["1x1", "1x1-direct", "2x2"])
 def base_url(request: pytest.FixtureRequest, cluster: Cluster) -> str:
-    """1 prefill + 1 decode worker, then 2 + 2 (a deployment is kept while its config is)."""
-    return cluster.deploy_pd(int(request.param[0]))
+    """1 prefill + 1 decode worker through Serve's proxy, then the same on the router's own
+    port, then 2 + 2 (a deployment is kept while its config is)."""
+    url = cluster.deploy_pd(int(request.param[0]))
+    if request.param.endswith("-direct"):
+        wait_ready(cluster.direct_url)
+        return cluster.direct_url
+    return url

@@ -112,15 +112,18 @@ def bench(port: int, env: dict[str, str], result: Path) -> dict[str, Any]:
 def test_tandem_serve_answers_and_stops_on_ctrl_c(
     isolated_env: dict[str, str], tmp_path: Path
 ) -> None:
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port, direct_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
         [str(BIN / "tandem"), "serve", "--port", str(port), "--grpc-port", str(grpc_port),
+         "--direct-port", str(direct_port),
          "--dashboard-port", str(free_port()), "--num-cpus", "2", "--address", "local"],
         env=isolated_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         wait_ready(f"http://127.0.0.1:{port}", timeout=180)
-        complete(port, "tiny-llama")
+        text = complete(port, "tiny-llama")
+        wait_ready(f"http://127.0.0.1:{direct_port}", timeout=30)
+        assert complete(direct_port, "tiny-llama") == text  # the router's own port
         result = bench(port, isolated_env, tmp_path / "bench.json")
         streaming = streams_started(port, "tiny-llama", count=3, max_tokens=1500)
     except BaseException:
@@ -132,6 +135,7 @@ def test_tandem_serve_answers_and_stops_on_ctrl_c(
     assert ended == [(1500, "length")] * 3, ended
     assert "in-flight requests finish first" in out
     assert f"OpenAI API:    http://127.0.0.1:{port}/v1 (through {DEFAULT_INGRESS})" in out
+    assert f"OpenAI API:    http://127.0.0.1:{direct_port}/v1 (the router's own port" in out
     assert "Ray dashboard: http://" in out
     assert "/metrics (Prometheus)" in out
     assert "[tandem] stopped" in out
@@ -150,7 +154,7 @@ def test_serve_run_on_the_committed_config(isolated_env: dict[str, str], tmp_pat
     port = free_port()
     config["http_options"]["port"] = port  # only ports and the model cache move
     args = config["applications"][0]["args"]
-    args["grpc_port"] = free_port()
+    args["grpc_port"], args["direct_port"] = free_port(), free_port()
     args["cache_dir"] = isolated_env["TANDEM_CACHE_DIR"]
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))

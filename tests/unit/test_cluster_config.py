@@ -39,6 +39,8 @@ def test_the_serve_config_args_are_cluster_config_fields() -> None:
         {"transport": "ucx", "engine": {"device": "cuda"}},
         {"transport": "ucx", "decode": {"engine": {"device": "cuda:1"}}},
         {"port": 9000, "grpc_port": 9000},
+        {"port": 9000, "direct_port": 9000},
+        {"grpc_port": 8001},  # (the default direct_port)
     ],
 )
 def test_bad_settings_are_refused(bad: dict[str, object]) -> None:

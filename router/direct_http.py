@@ -1,0 +1,77 @@
+"""The router's own HTTP port: the same OpenAI API app, served by uvicorn in the router replica.
+
+Through Serve's proxy every request and every SSE chunk crosses an extra process (the proxy
+actor) and Ray's actor calls. A client that talks to a router replica's own port skips both,
+as gRPC clients do. The port is shared by every router replica on a node (`SO_REUSEPORT`: the
+kernel spreads connections among them). The app is the very ASGI app Serve runs in this
+replica, so routes, middleware (API key, CORS) and error handling are the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+logger = logging.getLogger("tandem.router")
+
+
+@dataclass
+class DirectHTTPServer:
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    port: int
+
+    async def stop(self, grace_s: float) -> None:
+        """Stops accepting, lets requests in flight end for up to `grace_s`, then closes."""
+        self.server.config.timeout_graceful_shutdown = max(1, math.ceil(grace_s))
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self.task), grace_s + 5.0)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "SO_REUSEPORT"):  # (every router replica of the node binds it)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def start_direct_http(app: Any, host: str, port: int) -> DirectHTTPServer:
+    """Serves `app` (ASGI) on `host:port` (0: a free port) on the running loop."""
+    sock = _listening_socket(host, port)
+    config = uvicorn.Config(
+        app,
+        lifespan="off",  # (Serve ran the app's lifespan already)
+        log_config=None,
+        access_log=False,
+        timeout_keep_alive=30,
+    )
+    server = uvicorn.Server(config)
+    # Signals stay the replica's: uvicorn would take SIGINT/SIGTERM on a main thread.
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            sock.close()
+            task.result()  # its error
+            raise OSError(f"the direct HTTP server on {host}:{port} stopped at start-up")
+        await asyncio.sleep(0.01)
+    bound = sock.getsockname()[1]
+    logger.info("OpenAI API served directly on http://%s:%d/v1", host, bound)
+    return DirectHTTPServer(server, task, bound)
