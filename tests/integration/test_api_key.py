@@ -34,6 +34,13 @@ def test_api_key_guards_http_and_grpc_but_not_health_or_metrics(cluster: Cluster
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
     out = client.completions.create(**body)
     assert out.usage is not None and out.usage.completion_tokens == 3
+    # the router's own port guards the same routes (the same app)
+    direct = f"{cluster.direct_url}/v1/completions"
+    assert requests.post(direct, json=body, timeout=30).status_code == 401
+    authorized = {"Authorization": f"Bearer {KEY}"}
+    resp = requests.post(direct, json=body, headers=authorized, timeout=30)
+    assert resp.json()["choices"][0]["text"] == out.choices[0].text
+    assert requests.get(f"{cluster.direct_url}/health", timeout=30).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{base_url}/v1", api_key="nope", max_retries=0).models.list()
 
