@@ -92,9 +92,17 @@ class _SamplingFields(UnicodeBody):
     def _no_seed(cls, value: int | None) -> int | None:
         return no_seed_as_none(value)  # (-1: unseeded, as vLLM's; n > 1 adds nothing to it)
 
+    use_beam_search: bool = False  # vLLM's: refused, not ignored (tandem samples)
+
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options needs stream=true", "stream_options")
+        if self.use_beam_search:
+            raise bad_request(
+                "use_beam_search is not supported: tandem samples (greedy with temperature 0)",
+                "use_beam_search",
+                "unsupported",
+            )
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request(
                 "prompt_logprobs is not supported when streaming", "prompt_logprobs", "unsupported"

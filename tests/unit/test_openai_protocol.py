@@ -98,3 +98,22 @@ def test_chat_echo_is_the_last_message_when_it_has_the_reply_s_role() -> None:
     assert echoed([user, {"role": "assistant", "content": None}]) == ""
     no_echo = ChatCompletionRequest.model_validate({"messages": [user, partial]})
     assert no_echo.echoed_text() == ""
+
+
+def test_beam_search_is_refused_not_ignored() -> None:
+    """vLLM's `use_beam_search`: tandem samples, so it is a 400 naming the field (it was
+    accepted and ignored); false is fine."""
+    for request in (
+        CompletionRequest(model="m", prompt="a", use_beam_search=True),
+        ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "a"}], use_beam_search=True
+        ),
+    ):
+        with pytest.raises(APIError) as refused:
+            request.check_supported()
+        assert (refused.value.status, refused.value.param, refused.value.code) == (
+            400,
+            "use_beam_search",
+            "unsupported",
+        )
+    CompletionRequest(model="m", prompt="a", use_beam_search=False).check_supported()
