@@ -17,6 +17,7 @@ import typer
 from pydantic import ValidationError
 
 from tandem.deploy.ingress import DEFAULT_INGRESS, STATE_DIR, Ingress, ingress_environment
+from tandem.deploy.serve_guards import app_conflict, busy_ports, unreachable
 from tandem.engine.errors import summarize_validation
 
 logger = logging.getLogger("tandem.deploy")
@@ -50,15 +51,22 @@ def _start_ray(
     dashboard_port: int,
     ingress: Ingress,
     needed: dict[str, float],
+    ports: dict[str, int | None],
 ) -> Any:
     """Joins `address` (or a cluster already running here); otherwise starts a local one
-    whose HTTP goes through `ingress`. `address="local"` always starts a new local cluster.
-    A local cluster gets the CPUs and custom resources the deployment asks for (`needed`),
-    at least one CPU per core: Ray's CPUs are a count for scheduling, not a limit."""
+    whose HTTP goes through `ingress`, once `ports` ({flag: port}) are free on `host`.
+    `address="local"` always starts a new local cluster. A local cluster gets the CPUs and
+    custom resources the deployment asks for (`needed`), at least one CPU per core: Ray's CPUs
+    are a count for scheduling, not a limit. Exits with a one-line error when it cannot."""
     import ray
 
     if address and address != "local":
-        return ray.init(address=address), False
+        _fail_if(unreachable(address))
+        try:
+            return ray.init(address=address), False
+        except (ConnectionError, RuntimeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            _fail_if(f"cannot join the Ray cluster at {address}: {first}")
     if address is None:
         try:
             ctx = ray.init(address="auto")
@@ -67,6 +75,7 @@ def _start_ray(
             return ctx, False
         except ConnectionError:
             pass
+    _fail_if(busy_ports(host, ports))
     env = ingress_environment(ingress, os.environ)
     os.environ.update(env)
     if STATE_DIR in env:  # HAProxy's files, made for this cluster: removed when it stops
@@ -81,6 +90,30 @@ def _start_ray(
         dashboard_port=dashboard_port,
     )
     return ctx, True
+
+
+def _fail_if(error: str | None) -> None:
+    """Exits with `error` (code 2) unless it is None."""
+    if error is not None:
+        typer.echo(f"Error: {error}", err=True)
+        raise typer.Exit(code=2)
+
+
+def _refuse_running_app(app_name: str, ctx: Any) -> None:
+    """Exits when the joined cluster already runs `app_name` (before anything is deployed or
+    shut down: Ray is left as it was)."""
+    import ray
+    from ray import serve as ray_serve
+
+    running = {
+        name: str(getattr(app.status, "value", app.status))
+        for name, app in ray_serve.status().applications.items()
+    }
+    address = getattr(ctx, "address_info", {}).get("gcs_address", "here")
+    error = app_conflict(app_name, address, running)
+    if error is not None:
+        ray.shutdown()
+        _fail_if(error)
 
 
 def serve(
@@ -249,7 +282,12 @@ def serve(
     from ray import serve as ray_serve
 
     needed = cfg.ray_resources_needed()
-    ctx, own_cluster = _start_ray(address, cfg.host, num_cpus, dashboard_port, ingress, needed)
+    ports = {"--port": cfg.port, "--grpc-port": cfg.grpc_port}
+    ctx, own_cluster = _start_ray(
+        address, cfg.host, num_cpus, dashboard_port, ingress, needed, ports
+    )
+    if not own_cluster:
+        _refuse_running_app(cfg.app_name, ctx)
     _warn_if_short(needed)
     stop = threading.Event()
 

@@ -1,0 +1,72 @@
+"""Checks `tandem serve` makes before it starts or joins a Ray cluster, so that a second server
+on the same machine fails with one line instead of sharing ports or replacing the first one."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Mapping
+
+# Serve application states in which the application is gone or going.
+_GONE_STATES = frozenset({"DELETING", "NOT_STARTED"})
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a server listens on `host`:`port`. A plain bind (no SO_REUSEPORT) is refused
+    also by a listener that set SO_REUSEPORT, as Ray Serve's proxy and gRPC servers do: those
+    would otherwise share the port with a second cluster and split its traffic silently."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False  # an unresolvable host fails later, with Ray's own message
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no owner
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def busy_ports(host: str, ports: Mapping[str, int | None]) -> str | None:
+    """One line naming the ports of `ports` ({flag: port}; None or 0: unused) that a server
+    on `host` holds already, or None when all are free."""
+    busy = [f"{port} ({flag})" for flag, port in ports.items() if port and port_in_use(host, port)]
+    if not busy:
+        return None
+    return (
+        f"port {', '.join(busy)} on {host} is already in use (another `tandem serve`, or another "
+        "server): stop it, or give this one other ports"
+    )
+
+
+def app_conflict(app_name: str, address: str, applications: Mapping[str, str]) -> str | None:
+    """One line when the cluster at `address` already runs a Serve application `app_name`
+    (`applications`: {name: status}): deploying would replace it, and stopping this command
+    would delete it. None when the name is free."""
+    status = applications.get(app_name)
+    if status is None or status in _GONE_STATES:
+        return None
+    return (
+        f"the Ray cluster at {address} already runs the Serve application '{app_name}' "
+        f"({status}), most likely another `tandem serve`: serving here would replace it, and "
+        "stopping would delete it. Stop that one first, or start a cluster of your own with "
+        "--address local and other --port / --grpc-port / --dashboard-port (`serve deploy` "
+        "upgrades a running application on purpose)"
+    )
+
+
+def unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why a Ray cluster at `address` (HOST:PORT, the GCS) cannot be reached, or None when it
+    answers or the address is another form (`auto`, `ray://...`). Ray itself would retry for
+    over a minute and end in a traceback."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        return f"cannot reach the Ray cluster at {address}: {reason}"
+    return None

@@ -1,0 +1,100 @@
+"""`tandem serve`'s checks before it starts or joins a Ray cluster: a second server on the
+machine fails with one line instead of sharing the first one's ports (Serve's proxy and gRPC
+set SO_REUSEPORT, so a second cluster's bind succeeded and split the traffic) or replacing
+and then deleting its application."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tandem.deploy.cli import app
+from tandem.deploy.serve_guards import app_conflict, busy_ports, port_in_use, unreachable
+
+
+@pytest.fixture
+def reuseport_listener() -> Iterator[int]:
+    """A listener that set SO_REUSEPORT, as Ray Serve's proxy does: its port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    try:
+        yield int(sock.getsockname()[1])
+    finally:
+        sock.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_port_held_with_so_reuseport_is_in_use(reuseport_listener: int) -> None:
+    port = reuseport_listener
+    assert port_in_use("127.0.0.1", port) is True
+    assert busy_ports("127.0.0.1", {"--port": port, "--grpc-port": 0}) == (
+        f"port {port} (--port) on 127.0.0.1 is already in use (another `tandem serve`, or "
+        "another server): stop it, or give this one other ports"
+    )
+
+
+def test_free_ports_pass() -> None:
+    port = _closed_port()
+    assert port_in_use("127.0.0.1", port) is False
+    assert busy_ports("127.0.0.1", {"--port": port, "--grpc-port": None}) is None
+
+
+def test_a_running_application_of_the_same_name_is_refused() -> None:
+    assert app_conflict("tandem", "10.0.0.1:6379", {"tandem": "RUNNING"}) == (
+        "the Ray cluster at 10.0.0.1:6379 already runs the Serve application 'tandem' "
+        "(RUNNING), most likely another `tandem serve`: serving here would replace it, and "
+        "stopping would delete it. Stop that one first, or start a cluster of your own with "
+        "--address local and other --port / --grpc-port / --dashboard-port (`serve deploy` "
+        "upgrades a running application on purpose)"
+    )
+    assert app_conflict("tandem", "x", {"bench": "RUNNING"}) is None
+    assert app_conflict("tandem", "x", {"tandem": "DELETING"}) is None
+
+
+def test_an_unreachable_address_is_named() -> None:
+    port = _closed_port()
+    assert unreachable(f"127.0.0.1:{port}") == (
+        f"cannot reach the Ray cluster at 127.0.0.1:{port}: Connection refused"
+    )
+    assert unreachable("auto") is None
+    assert unreachable("ray://head:10001") is None
+
+
+def _serve(checkpoint: Path, *args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["serve", "--model", str(checkpoint), *args])
+    return result.exit_code, result.output
+
+
+def test_serve_refuses_an_unreachable_address_in_one_line(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    port = _closed_port()
+    code, out = _serve(tiny_checkpoint(), "--address", f"127.0.0.1:{port}")
+    assert code == 2
+    assert out.splitlines()[-1] == (
+        f"Error: cannot reach the Ray cluster at 127.0.0.1:{port}: Connection refused"
+    )
+    assert "Traceback" not in out
+
+
+def test_serve_refuses_a_port_in_use_before_starting_ray(
+    tiny_checkpoint: Callable[..., Path], reuseport_listener: int
+) -> None:
+    port = reuseport_listener
+    code, out = _serve(tiny_checkpoint(), "--address", "local", "--port", str(port))
+    assert code == 2
+    assert out.splitlines()[-1] == (
+        f"Error: port {port} (--port) on 127.0.0.1 is already in use (another `tandem serve`, "
+        "or another server): stop it, or give this one other ports"
+    )
