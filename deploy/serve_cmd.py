@@ -61,7 +61,7 @@ def _start_ray(
     import ray
 
     if address and address != "local":
-        _fail_if(unreachable(address))
+        _fail_if(unreachable(address, _dialed(address)))
         try:
             return ray.init(address=address), False
         except (ConnectionError, RuntimeError) as exc:
@@ -90,6 +90,17 @@ def _start_ray(
         dashboard_port=dashboard_port,
     )
     return ctx, True
+
+
+def _dialed(address: str) -> str | None:
+    """The HOST:PORT Ray connects to for `address` (it swaps a loopback host for this
+    machine's IP, where a cluster bound to 127.0.0.1 does not listen); None if unknown."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address(address)
+    except Exception:  # a private helper: without it, the address as given
+        return None
 
 
 def _fail_if(error: str | None) -> None:

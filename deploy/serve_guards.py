@@ -35,9 +35,10 @@ def busy_ports(host: str, ports: Mapping[str, int | None]) -> str | None:
     busy = [f"{port} ({flag})" for flag, port in ports.items() if port and port_in_use(host, port)]
     if not busy:
         return None
+    held = f"port {busy[0]} is" if len(busy) == 1 else f"ports {' and '.join(busy)} are"
     return (
-        f"port {', '.join(busy)} on {host} is already in use (another `tandem serve`, or another "
-        "server): stop it, or give this one other ports"
+        f"{held} already in use on {host} (another `tandem serve`, or another server): stop "
+        "it, or give this one other ports"
     )
 
 
@@ -57,16 +58,19 @@ def app_conflict(app_name: str, address: str, applications: Mapping[str, str]) -
     )
 
 
-def unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+def unreachable(address: str, dialed: str | None = None, timeout_s: float = 5.0) -> str | None:
     """Why a Ray cluster at `address` (HOST:PORT, the GCS) cannot be reached, or None when it
-    answers or the address is another form (`auto`, `ray://...`). Ray itself would retry for
-    over a minute and end in a traceback."""
-    host, sep, port = address.rpartition(":")
+    answers or the address is another form (`auto`, `ray://...`). `dialed`: the HOST:PORT Ray
+    will connect to for it (Ray swaps a loopback host for the machine's IP), if another. Ray
+    itself would retry for minutes and end in a traceback."""
+    target = dialed or address
+    host, sep, port = target.rpartition(":")
     if not sep or "://" in address or not port.isdigit():
         return None
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
         reason = exc.strerror or str(exc) or type(exc).__name__
-        return f"cannot reach the Ray cluster at {address}: {reason}"
+        via = f" (Ray dials it as {target})" if target != address else ""
+        return f"cannot reach the Ray cluster at {address}{via}: {reason}"
     return None
