@@ -11,13 +11,13 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from pydantic import ValidationError
 
 from tandem.deploy.ingress import DEFAULT_INGRESS, STATE_DIR, Ingress, ingress_environment
-from tandem.deploy.serve_guards import app_conflict, busy_ports, unreachable
+from tandem.deploy.serve_guards import app_conflict, busy_ports, context_overrun, unreachable
 from tandem.engine.errors import summarize_validation
 
 logger = logging.getLogger("tandem.deploy")
@@ -101,6 +101,17 @@ def _dialed(address: str) -> str | None:
         return canonicalize_bootstrap_address(address)
     except Exception:  # a private helper: without it, the address as given
         return None
+
+
+def _context_overrun(cfg: Any) -> str | None:
+    """`context_overrun` for the roles `cfg` deploys, against its (resolved) model."""
+    from tandem.engine.model_config import load_model_spec
+
+    roles: tuple[Literal["prefill", "decode"], ...] = (
+        ("decode",) if cfg.mode == "colocated" else ("prefill", "decode")
+    )
+    lens = {role: cfg.engine_config(role, cfg.model).max_model_len for role in roles}
+    return context_overrun(lens, load_model_spec(cfg.model).context_length)
 
 
 def _fail_if(error: str | None) -> None:
@@ -280,6 +291,7 @@ def serve(
 
         typer.echo("[tandem] preparing the model ...")
         cfg = cfg.model_copy(update={"model": resolve_model(cfg)})
+        _fail_if(_context_overrun(cfg))
         app = build_app(cfg)
     except ValidationError as exc:
         typer.echo(f"Error: invalid configuration: {summarize_validation(exc)}", err=True)

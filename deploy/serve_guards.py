@@ -74,3 +74,17 @@ def unreachable(address: str, dialed: str | None = None, timeout_s: float = 5.0)
         via = f" (Ray dials it as {target})" if target != address else ""
         return f"cannot reach the Ray cluster at {address}{via}: {reason}"
     return None
+
+
+def context_overrun(max_model_lens: Mapping[str, int | None], context: int) -> str | None:
+    """One line when a role's `max_model_len` ({role: tokens}; None: the model's) exceeds the
+    model's `context`: each worker would fail to start, and Serve would retry it for good."""
+    over = {role: n for role, n in max_model_lens.items() if n is not None and n > context}
+    if not over:
+        return None
+    lengths = ", ".join(f"{n} ({role})" for role, n in over.items())
+    return (
+        f"max_model_len {lengths} exceeds the model's context of {context} tokens "
+        "(max_position_embeddings in its config.json, times a linear or yarn rope scaling "
+        "factor): lower --max-model-len or engine.max_model_len"
+    )

@@ -14,7 +14,13 @@ import pytest
 from typer.testing import CliRunner
 
 from tandem.deploy.cli import app
-from tandem.deploy.serve_guards import app_conflict, busy_ports, port_in_use, unreachable
+from tandem.deploy.serve_guards import (
+    app_conflict,
+    busy_ports,
+    context_overrun,
+    port_in_use,
+    unreachable,
+)
 
 
 @pytest.fixture
@@ -109,4 +115,25 @@ def test_serve_refuses_a_port_in_use_before_starting_ray(
     assert out.splitlines()[-1] == (
         f"Error: port {port} (--port) is already in use on 127.0.0.1 (another `tandem serve`, "
         "or another server): stop it, or give this one other ports"
+    )
+
+
+def test_max_model_len_over_the_context_is_refused() -> None:
+    assert context_overrun({"prefill": 4096, "decode": None}, 2048) == (
+        "max_model_len 4096 (prefill) exceeds the model's context of 2048 tokens "
+        "(max_position_embeddings in its config.json, times a linear or yarn rope scaling "
+        "factor): lower --max-model-len or engine.max_model_len"
+    )
+    assert context_overrun({"prefill": 2048, "decode": None}, 2048) is None
+
+
+def test_serve_refuses_max_model_len_over_the_context_before_starting_ray(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    code, out = _serve(tiny_checkpoint(), "--address", "local", "--max-model-len", "100000")
+    assert code == 2
+    assert out.splitlines()[-1] == (
+        "Error: max_model_len 100000 (prefill), 100000 (decode) exceeds the model's context of "
+        "2048 tokens (max_position_embeddings in its config.json, times a linear or yarn rope "
+        "scaling factor): lower --max-model-len or engine.max_model_len"
     )
