@@ -110,7 +110,9 @@ def _context_overrun(cfg: Any) -> str | None:
     roles: tuple[Literal["prefill", "decode"], ...] = (
         ("decode",) if cfg.mode == "colocated" else ("prefill", "decode")
     )
-    lens = {role: cfg.engine_config(role, cfg.model).max_model_len for role in roles}
+    lens: dict[str, int | None] = {
+        role: cfg.engine_config(role, cfg.model).max_model_len for role in roles
+    }
     return context_overrun(lens, load_model_spec(cfg.model).context_length)
 
 
