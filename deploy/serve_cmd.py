@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NoReturn
 
 import typer
 from pydantic import ValidationError
@@ -65,8 +65,7 @@ def _start_ray(
         try:
             return ray.init(address=address), False
         except (ConnectionError, RuntimeError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            _fail_if(f"cannot join the Ray cluster at {address}: {first}")
+            _fail(f"cannot join the Ray cluster at {address}: {_first_line(exc)}")
     if address is None:
         try:
             ctx = ray.init(address="auto")
@@ -75,6 +74,11 @@ def _start_ray(
             return ctx, False
         except ConnectionError:
             pass
+        except RuntimeError as exc:  # one is running, but refuses us (e.g. its auth token)
+            _fail(
+                f"cannot join the Ray cluster running here: {_first_line(exc)} (--address local "
+                "starts a cluster of its own)"
+            )
     _fail_if(busy_ports(host, ports))
     env = ingress_environment(ingress, os.environ)
     os.environ.update(env)
@@ -116,11 +120,21 @@ def _context_overrun(cfg: Any) -> str | None:
     return context_overrun(lens, load_model_spec(cfg.model).context_length)
 
 
+def _fail(error: str) -> NoReturn:
+    """Exits with `error` (code 2)."""
+    typer.echo(f"Error: {error}", err=True)
+    raise typer.Exit(code=2)
+
+
 def _fail_if(error: str | None) -> None:
     """Exits with `error` (code 2) unless it is None."""
     if error is not None:
-        typer.echo(f"Error: {error}", err=True)
-        raise typer.Exit(code=2)
+        _fail(error)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _refuse_running_app(app_name: str, ctx: Any) -> None:

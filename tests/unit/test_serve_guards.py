@@ -137,3 +137,22 @@ def test_serve_refuses_max_model_len_over_the_context_before_starting_ray(
         "2048 tokens (max_position_embeddings in its config.json, times a linear or yarn rope "
         "scaling factor): lower --max-model-len or engine.max_model_len"
     )
+
+
+def test_serve_names_a_cluster_that_refuses_it(
+    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a cluster running here that refuses the connection (e.g. another auth token): Ray's
+    # RuntimeError came out as a traceback
+    import ray
+
+    def refuse(**_: object) -> None:
+        raise RuntimeError("Failed to connect to GCS. Last connection error: Traceback ...\nmore")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    code, out = _serve(tiny_checkpoint())
+    assert code == 2
+    assert out.splitlines()[-1] == (
+        "Error: cannot join the Ray cluster running here: Failed to connect to GCS. Last "
+        "connection error: Traceback ... (--address local starts a cluster of its own)"
+    )
