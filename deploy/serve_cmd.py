@@ -321,7 +321,7 @@ def serve(
     from ray import serve as ray_serve
 
     needed = cfg.ray_resources_needed()
-    ports = {"--port": cfg.port, "--grpc-port": cfg.grpc_port}
+    ports = {"--port": cfg.port, "--grpc-port": cfg.grpc_port, "--direct-port": cfg.direct_port}
     ctx, own_cluster = _start_ray(
         address, cfg.host, num_cpus, dashboard_port, ingress, needed, ports
     )

@@ -156,3 +156,16 @@ def test_serve_names_a_cluster_that_refuses_it(
         "Error: cannot join the Ray cluster running here: Failed to connect to GCS. Last "
         "connection error: Traceback ... (--address local starts a cluster of its own)"
     )
+
+
+def test_serve_refuses_a_direct_port_in_use(
+    tiny_checkpoint: Callable[..., Path], reuseport_listener: int
+) -> None:
+    # the routers' own HTTP port is shared by SO_REUSEPORT as well
+    port = reuseport_listener
+    code, out = _serve(tiny_checkpoint(), "--address", "local", "--direct-port", str(port))
+    assert code == 2
+    assert out.splitlines()[-1] == (
+        f"Error: port {port} (--direct-port) is already in use on 127.0.0.1 (another `tandem "
+        "serve`, or another server): stop it, or give this one other ports"
+    )
