@@ -42,6 +42,16 @@ def _closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.fixture
+def refused_port() -> Iterator[int]:
+    """A port bound on every interface but not listening, for the test's length: connecting
+    to it is refused, and no other process can take it meanwhile (a port merely found free
+    could be, in a busy test run)."""
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        yield int(sock.getsockname()[1])
+
+
 def test_a_port_held_with_so_reuseport_is_in_use(reuseport_listener: int) -> None:
     port = reuseport_listener
     assert port_in_use("127.0.0.1", port) is True
@@ -73,8 +83,8 @@ def test_a_running_application_of_the_same_name_is_refused() -> None:
     assert app_conflict("tandem", "x", {"tandem": "DELETING"}) is None
 
 
-def test_an_unreachable_address_is_named() -> None:
-    port = _closed_port()
+def test_an_unreachable_address_is_named(refused_port: int) -> None:
+    port = refused_port
     assert unreachable(f"127.0.0.1:{port}") == (
         f"cannot reach the Ray cluster at 127.0.0.1:{port}: Connection refused"
     )
@@ -92,9 +102,9 @@ def _serve(checkpoint: Path, *args: str) -> tuple[int, str]:
 
 
 def test_serve_refuses_an_unreachable_address_in_one_line(
-    tiny_checkpoint: Callable[..., Path],
+    tiny_checkpoint: Callable[..., Path], refused_port: int
 ) -> None:
-    port = _closed_port()
+    port = refused_port
     code, out = _serve(tiny_checkpoint(), "--address", f"127.0.0.1:{port}")
     assert code == 2
     # (Ray dials a loopback address as this machine's IP, which the message names)

@@ -131,6 +131,9 @@ replicasPerPod); with Serve autoscaling the group's bounds follow the role's min
 {{- if $root.Values.ports.grpc -}}
 {{- $ports = append $ports (dict "name" "grpc" "containerPort" (int $root.Values.ports.grpc)) -}}
 {{- end -}}
+{{- if $root.Values.ports.direct -}}
+{{- $ports = append $ports (dict "name" "direct" "containerPort" (int $root.Values.ports.direct)) -}}
+{{- end -}}
 {{- $secret := include "tandem.apiKeySecret" $root -}}
 {{- if $secret -}}
 {{- $env = append $env (dict "name" "TANDEM_API_KEY" "valueFrom" (dict "secretKeyRef" (dict "name" $secret "key" $root.Values.apiKey.secretKey))) -}}

@@ -45,6 +45,7 @@ deployment override (its `ray_actor_options` replace the code's).
   "host" "0.0.0.0"
   "port" (int .Values.ports.http)
   "grpc_port" (int .Values.ports.grpc)
+  "direct_port" (int .Values.ports.direct)
   "lease_s" $s.leaseS
   "stall_timeout_s" $s.stallTimeoutS
   "ack_timeout_s" $s.ackTimeoutS

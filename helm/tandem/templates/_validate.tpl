@@ -21,7 +21,7 @@ render with a message naming the values to change.
 {{- end -}}
 {{- $p := .Values.ports -}}
 {{- $taken := dict -}}
-{{- range $name := list "http" "grpc" "metrics" "dashboard" -}}
+{{- range $name := list "http" "grpc" "direct" "metrics" "dashboard" -}}
 {{- $port := int (index $p $name) -}}
 {{- if $port -}}
 {{- $key := toString $port -}}
