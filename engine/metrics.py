@@ -94,6 +94,12 @@ class RouterMetrics:
         self.rejections = count(
             "admission_rejections", "Requests refused at arrival (429), by reason.", ("reason",)
         )
+        self.retries = count(
+            "request_retries",
+            "Requests that went on without a worker they lost, by the lost worker's role and "
+            "how: resumed (from the tokens sent) or restarted (nothing had been sent).",
+            ("lost_role", "how"),
+        )
         self.slo_met = count(
             "slo_met_requests", "Finished requests meeting the SLO (ttft, tpot, all).", ("slo",)
         )
@@ -109,6 +115,9 @@ class RouterMetrics:
             self._l(self.stage, stage=stage)
         for reason in ("stop", "length", "abort"):
             self._l(self.success, finished_reason=reason)
+        for lost_role in ("prefill", "decode"):
+            for how in ("resumed", "restarted"):
+                self._l(self.retries, lost_role=lost_role, how=how)
         for slo in ("ttft", "tpot", "all"):
             self._l(self.slo_met, slo=slo)
             self._l(self.slo_missed, slo=slo)
@@ -128,6 +137,12 @@ class RouterMetrics:
 
     def failed(self, code: str) -> None:
         self._l(self.failure, code=code).inc()
+
+    def retried(self, lost_worker_id: str, resumed: bool) -> None:
+        """A request goes on without `lost_worker_id` ("<role>/<replica>")."""
+        lost_role = lost_worker_id.partition("/")[0]
+        how = "resumed" if resumed else "restarted"
+        self._l(self.retries, lost_role=lost_role, how=how).inc()
 
     def arrived(self, user: str | None, now: float) -> None:
         """Tool wait: the gap since this user's previous request finished (within 10 min)."""

@@ -250,6 +250,7 @@ class Serving:
 
     def _starting_over(self, req: Prepared, exc: WorkerLost) -> None:
         req.start_over(self.tokenizer)
+        self.metrics.retried(exc.worker_id, resumed=req.resumed_tokens > 0)
         how = (
             f"continuing after {req.resumed_tokens} tokens"
             if req.resumed_tokens

@@ -97,8 +97,14 @@ OVERVIEW = Dashboard(
             (
                 _rate("tandem:request_failure_total", "code"),
                 _rate("tandem:admission_rejections_total", "reason"),
+                _rate(
+                    "tandem:request_retries_total",
+                    "lost_role, how",
+                    "{{how}} without a lost {{lost_role}} worker",
+                ),
             ),
-            "Failed requests by error code; requests refused at arrival (429) by reason.",
+            "Failed requests by error code; requests refused at arrival (429) by reason; "
+            "requests that went on without a worker they lost (it died), by its role.",
         ),
     ),
 )

@@ -223,3 +223,29 @@ def test_a_request_starts_over_once_at_most() -> None:
     with pytest.raises(WorkerLost):
         asyncio.run(_collect(serving, _prepared(planner)))
     assert orchestrator.generated == ["cmpl-1", "cmpl-1~1"]
+
+
+def test_requests_that_go_on_without_a_lost_worker_are_counted() -> None:
+    """`tandem:request_retries_total{lost_role, how}`: a cluster that keeps losing workers
+    shows in its metrics, not only in its logs."""
+    from prometheus_client import generate_latest
+
+    def retries(serving: Serving) -> dict[tuple[str, str], float]:
+        text = generate_latest(serving.metrics.registry).decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("tandem:request_retries_total{"):
+                labels = dict(
+                    part.split("=")
+                    for part in line[line.index("{") + 1 : line.index("}")].split(",")
+                )
+                key = (labels["lost_role"].strip('"'), labels["how"].strip('"'))
+                out[key] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    for lose, want in (("before", ("prefill", "restarted")), ("after", ("decode", "resumed"))):
+        serving, planner = _serving(FakeOrchestrator({0: lose}))
+        asyncio.run(_collect(serving, _prepared(planner, SamplingParams(max_tokens=3))))
+        counts = retries(serving)
+        assert counts.pop(want) == 1.0
+        assert set(counts.values()) == {0.0} and len(counts) == 3  # the other series, at 0
