@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from tandem.engine.errors import InvalidRequestError, summarize_validation
 
@@ -230,13 +238,14 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings need detokenize=True (they are found in the text)")
         return self
 
-    @model_validator(mode="after")
-    def _min_tokens_within_max(self) -> SamplingParams:
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
-            )
-        return self
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens_within_max(cls, value: int, info: ValidationInfo) -> int:
+        # (a field check, so that the error names min_tokens: max_tokens is read before it)
+        max_tokens = info.data.get("max_tokens")
+        if max_tokens is not None and value > max_tokens:
+            raise ValueError(f"min_tokens ({value}) must be <= max_tokens ({max_tokens})")
+        return value
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's `SamplingParams.clone`)."""

@@ -72,6 +72,14 @@ def test_bad_sampling_params(kwargs: dict[str, Any], message: str) -> None:
         SamplingParams(**kwargs)
 
 
+def test_min_tokens_over_max_tokens_names_min_tokens() -> None:
+    """The error's `param` (an HTTP 400's) is the field at fault; it was None."""
+    with pytest.raises(InvalidRequestError) as bad:
+        SamplingParams(min_tokens=5, max_tokens=4)
+    assert bad.value.param == "min_tokens"
+    assert SamplingParams(min_tokens=5, max_tokens=None).min_tokens == 5
+
+
 def test_seeds_at_the_ends_of_the_64_bit_range_sample(llm: LLM) -> None:
     for seed in (2**64 - 1, -(2**63)):
         params = SamplingParams(temperature=1.0, seed=seed, max_tokens=3, ignore_eos=True)
