@@ -68,11 +68,11 @@ async def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:
             body.prompt,
             add_special_tokens=body.add_special_tokens,
         )
-    out: dict[str, Any] = {"count": len(tokens), "max_model_len": limits.max_model_len,
-                           "tokens": tokens}  # fmt: skip
-    if body.return_token_strs:
-        out["token_strs"] = serving.tokenizer.hf.convert_ids_to_tokens(tokens)
-    return out
+    token_strs = (
+        serving.tokenizer.hf.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    )  # (null unless asked for, as in vLLM's reply)
+    return {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": tokens,
+            "token_strs": token_strs}  # fmt: skip
 
 
 async def detokenize(serving: Serving, body: DetokenizeRequest) -> dict[str, Any]:
