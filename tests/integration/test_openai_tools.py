@@ -132,16 +132,19 @@ def test_forced_tool_calls(base_url: str) -> None:
             tool_choice=named,  # type: ignore[arg-type]
             max_tokens=max_tokens,
         ).choices[0]
-        assert cut.finish_reason == "length" and cut.message.content is None
-        assert cut.message.tool_calls is not None
+        assert cut.message.content is None and cut.message.tool_calls is not None
         function = cut.message.tool_calls[0].function  # type: ignore[union-attr]
         assert function.name == "get_weather"
         if max_tokens == 1:
-            assert function.arguments == ""
+            assert function.arguments == "" and cut.finish_reason == "length"
         else:  # (the JSON so far; the tiny model's two cities are a near-tie)
             so_far = function.arguments.replace(" ", "")
             wholes = ('{"city":"Paris"}', '{"city":"Oslo"}')
             assert so_far and any(w.startswith(so_far) for w in wholes), so_far
+            # The shorter city may end the call within the cut ("stop"), or its JSON may be
+            # whole while its end is still to come ("length"); a call cut short is "length".
+            allowed = ("stop", "length") if so_far in wholes else ("length",)
+            assert cut.finish_reason in allowed, so_far
     # A conversation that goes on after the call: the tool's answer goes to the template.
     follow = messages + [
         {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
