@@ -116,14 +116,17 @@ def test_serve_refuses_an_unreachable_address_in_one_line(
     assert "Traceback" not in out
 
 
+@pytest.mark.parametrize("flag", ["--port", "--direct-port"])
 def test_serve_refuses_a_port_in_use_before_starting_ray(
-    tiny_checkpoint: Callable[..., Path], reuseport_listener: int
+    tiny_checkpoint: Callable[..., Path], reuseport_listener: int, flag: str
 ) -> None:
+    """Serve's proxy and the routers' own HTTP port both bind with SO_REUSEPORT: a second
+    server would share the port, so a port in use is refused."""
     port = reuseport_listener
-    code, out = _serve(tiny_checkpoint(), "--address", "local", "--port", str(port))
+    code, out = _serve(tiny_checkpoint(), "--address", "local", flag, str(port))
     assert code == 2
     assert out.splitlines()[-1] == (
-        f"Error: port {port} (--port) is already in use on 127.0.0.1 (another `tandem serve`, "
+        f"Error: port {port} ({flag}) is already in use on 127.0.0.1 (another `tandem serve`, "
         "or another server): stop it, or give this one other ports"
     )
 
@@ -165,17 +168,4 @@ def test_serve_names_a_cluster_that_refuses_it(
     assert out.splitlines()[-1] == (
         "Error: cannot join the Ray cluster running here: Failed to connect to GCS. Last "
         "connection error: Traceback ... (--address local starts a cluster of its own)"
-    )
-
-
-def test_serve_refuses_a_direct_port_in_use(
-    tiny_checkpoint: Callable[..., Path], reuseport_listener: int
-) -> None:
-    # the routers' own HTTP port is shared by SO_REUSEPORT as well
-    port = reuseport_listener
-    code, out = _serve(tiny_checkpoint(), "--address", "local", "--direct-port", str(port))
-    assert code == 2
-    assert out.splitlines()[-1] == (
-        f"Error: port {port} (--direct-port) is already in use on 127.0.0.1 (another `tandem "
-        "serve`, or another server): stop it, or give this one other ports"
     )
