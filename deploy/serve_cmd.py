@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
-import math
 import os
-import shutil
 import signal
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal, NoReturn
+from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
 
-from tandem.deploy.ingress import DEFAULT_INGRESS, STATE_DIR, Ingress, ingress_environment
-from tandem.deploy.serve_guards import app_conflict, busy_ports, context_overrun, unreachable
+from tandem.deploy.ingress import DEFAULT_INGRESS, Ingress
+from tandem.deploy.ray_cluster import refuse_running_app, shutdown, start_ray, warn_if_short
+from tandem.deploy.serve_guards import context_overrun_of, fail_if
 from tandem.engine.errors import summarize_validation
-
-logger = logging.getLogger("tandem.deploy")
 
 
 def _config(
@@ -42,116 +38,6 @@ def _config(
         if value is not None:
             data[section] = {**(data.get(section) or {}), field: value}
     return ClusterConfig.model_validate(data)
-
-
-def _start_ray(
-    address: str | None,
-    host: str,
-    num_cpus: float | None,
-    dashboard_port: int,
-    ingress: Ingress,
-    needed: dict[str, float],
-    ports: dict[str, int | None],
-) -> Any:
-    """Joins `address` (or a cluster already running here); otherwise starts a local one
-    whose HTTP goes through `ingress`, once `ports` ({flag: port}) are free on `host`.
-    `address="local"` always starts a new local cluster. A local cluster gets the CPUs and
-    custom resources the deployment asks for (`needed`), at least one CPU per core: Ray's CPUs
-    are a count for scheduling, not a limit. Exits with a one-line error when it cannot."""
-    import ray
-
-    if address and address != "local":
-        _fail_if(unreachable(address, _dialed(address)))
-        try:
-            return ray.init(address=address), False
-        except (ConnectionError, RuntimeError) as exc:
-            _fail(f"cannot join the Ray cluster at {address}: {_first_line(exc)}")
-    if address is None:
-        try:
-            ctx = ray.init(address="auto")
-            typer.echo("[tandem] joined the Ray cluster running here: its Serve ingress is the one "
-                       "it was started with (--ingress applies to clusters tandem starts)")  # fmt: skip
-            return ctx, False
-        except ConnectionError:
-            pass
-        except RuntimeError as exc:  # one is running, but refuses us (e.g. its auth token)
-            _fail(
-                f"cannot join the Ray cluster running here: {_first_line(exc)} (--address local "
-                "starts a cluster of its own)"
-            )
-    _fail_if(busy_ports(host, ports))
-    env = ingress_environment(ingress, os.environ)
-    os.environ.update(env)
-    if STATE_DIR in env:  # HAProxy's files, made for this cluster: removed when it stops
-        atexit.register(shutil.rmtree, env[STATE_DIR], ignore_errors=True)
-    cpus = num_cpus or max(os.cpu_count() or 1, math.ceil(needed.get("CPU", 0)))
-    custom = {k: float(math.ceil(v)) for k, v in needed.items() if k not in ("CPU", "GPU")}
-    ctx = ray.init(
-        num_cpus=int(cpus),
-        resources=custom or None,
-        include_dashboard=True,
-        dashboard_host=host,
-        dashboard_port=dashboard_port,
-    )
-    return ctx, True
-
-
-def _dialed(address: str) -> str | None:
-    """The HOST:PORT Ray connects to for `address` (it swaps a loopback host for this
-    machine's IP, where a cluster bound to 127.0.0.1 does not listen); None if unknown."""
-    try:
-        from ray._private.services import canonicalize_bootstrap_address
-
-        return canonicalize_bootstrap_address(address)
-    except Exception:  # a private helper: without it, the address as given
-        return None
-
-
-def _context_overrun(cfg: Any) -> str | None:
-    """`context_overrun` for the roles `cfg` deploys, against its (resolved) model."""
-    from tandem.engine.model_config import load_model_spec
-
-    roles: tuple[Literal["prefill", "decode"], ...] = (
-        ("decode",) if cfg.mode == "colocated" else ("prefill", "decode")
-    )
-    lens: dict[str, int | None] = {
-        role: cfg.engine_config(role, cfg.model).max_model_len for role in roles
-    }
-    return context_overrun(lens, load_model_spec(cfg.model).context_length)
-
-
-def _fail(error: str) -> NoReturn:
-    """Exits with `error` (code 2)."""
-    typer.echo(f"Error: {error}", err=True)
-    raise typer.Exit(code=2)
-
-
-def _fail_if(error: str | None) -> None:
-    """Exits with `error` (code 2) unless it is None."""
-    if error is not None:
-        _fail(error)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _refuse_running_app(app_name: str, ctx: Any) -> None:
-    """Exits when the joined cluster already runs `app_name` (before anything is deployed or
-    shut down: Ray is left as it was)."""
-    import ray
-    from ray import serve as ray_serve
-
-    running = {
-        name: str(getattr(app.status, "value", app.status))
-        for name, app in ray_serve.status().applications.items()
-    }
-    address = getattr(ctx, "address_info", {}).get("gcs_address", "here")
-    error = app_conflict(app_name, address, running)
-    if error is not None:
-        ray.shutdown()
-        _fail_if(error)
 
 
 def serve(
@@ -307,7 +193,7 @@ def serve(
 
         typer.echo("[tandem] preparing the model ...")
         cfg = cfg.model_copy(update={"model": resolve_model(cfg)})
-        _fail_if(_context_overrun(cfg))
+        fail_if(context_overrun_of(cfg))
         app = build_app(cfg)
     except ValidationError as exc:
         typer.echo(f"Error: invalid configuration: {summarize_validation(exc)}", err=True)
@@ -322,12 +208,12 @@ def serve(
 
     needed = cfg.ray_resources_needed()
     ports = {"--port": cfg.port, "--grpc-port": cfg.grpc_port, "--direct-port": cfg.direct_port}
-    ctx, own_cluster = _start_ray(
+    ctx, own_cluster = start_ray(
         address, cfg.host, num_cpus, dashboard_port, ingress, needed, ports
     )
     if not own_cluster:
-        _refuse_running_app(cfg.app_name, ctx)
-    _warn_if_short(needed)
+        refuse_running_app(cfg.app_name, ctx)
+    warn_if_short(needed)
     stop = threading.Event()
 
     def on_signal(*_: Any) -> None:
@@ -347,34 +233,8 @@ def serve(
         typer.echo(f"[tandem] stopping: in-flight requests finish first (at most {drain_s:g}s; "
                    "Ctrl-C again to stop at once) ...")  # fmt: skip
     finally:
-        _shutdown(cfg.app_name, registry_name(cfg))
+        shutdown(cfg.app_name, registry_name(cfg))
     typer.echo("[tandem] stopped")
-
-
-def resource_shortfall(needed: dict[str, float], total: dict[str, float]) -> dict[str, float]:
-    """What of `needed` a cluster with `total` resources lacks: {resource: missing amount}."""
-    return {
-        name: round(amount - total.get(name, 0.0), 6)
-        for name, amount in needed.items()
-        if total.get(name, 0.0) + 1e-9 < amount
-    }
-
-
-def _warn_if_short(needed: dict[str, float]) -> None:
-    """Says so when the cluster lacks resources the deployment asks for: Serve would wait for
-    them without a word beyond its own log (an autoscaling cluster may still add them)."""
-    import ray
-
-    total = {k: float(v) for k, v in ray.cluster_resources().items()}
-    missing = resource_shortfall(needed, total)
-    if missing:
-        asks = ", ".join(f"{k} {needed[k]:g} (has {total.get(k, 0):g})" for k in sorted(missing))
-        typer.echo(
-            f"[tandem] warning: the deployment asks for {asks}; replicas that do not fit wait "
-            "until the cluster has room (lower num_cpus / num_gpus / resources per role, or "
-            "--num-cpus for a cluster tandem starts)",
-            err=True,
-        )
 
 
 def _print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress | None) -> None:
@@ -409,24 +269,3 @@ def _print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress | None) -> 
     )
     lines.append("[tandem] press Ctrl-C to stop")
     typer.echo("\n".join(lines))
-
-
-def _shutdown(app_name: str, registry: str) -> None:
-    import ray
-    from ray import serve as ray_serve
-
-    from tandem.engine.worker_registry import kill_registry
-
-    try:
-        # Deleting the app first drains it (the router and the workers wait for the requests,
-        # streams and KV transfers in flight); Serve's own shutdown would stop its proxy first
-        # and cut every stream.
-        ray_serve.delete(app_name)
-        kill_registry(registry)
-        # Serve's controller and proxies go with a cluster this command started (`ray.shutdown`
-        # below tears it down); `serve.shutdown()` would only add a warning, as it kills its
-        # controller mid-call. On a cluster it joined, Serve stays for its other apps.
-    except Exception as exc:  # shutting down anyway: say what failed
-        logger.warning("clean shutdown incomplete: %s", exc)
-    finally:
-        ray.shutdown()

@@ -1,11 +1,18 @@
 """Checks `tandem serve` makes before it starts or joins a Ray cluster, so that a second server
-on the same machine fails with one line instead of sharing ports or replacing the first one."""
+on the same machine fails with one line instead of sharing ports or replacing the first one
+(and a deployment that could never start is refused before Ray starts); `fail` / `fail_if`
+end the command with such a line."""
 
 from __future__ import annotations
 
 import errno
 import socket
 from collections.abc import Mapping
+from typing import Any, Literal, NoReturn
+
+import typer
+
+from tandem.engine.model_config import CONTEXT_SOURCE
 
 # Serve application states in which the application is gone or going.
 _GONE_STATES = frozenset({"DELETING", "NOT_STARTED"})
@@ -85,6 +92,46 @@ def context_overrun(max_model_lens: Mapping[str, int | None], context: int) -> s
     lengths = ", ".join(f"{n} ({role})" for role, n in over.items())
     return (
         f"max_model_len {lengths} exceeds the model's context of {context} tokens "
-        "(max_position_embeddings in its config.json, times a linear or yarn rope scaling "
-        "factor): lower --max-model-len or engine.max_model_len"
+        f"({CONTEXT_SOURCE}): lower --max-model-len or engine.max_model_len"
     )
+
+
+def context_overrun_of(cfg: Any) -> str | None:
+    """`context_overrun` for the roles `cfg` deploys, against its (resolved) model."""
+    from tandem.engine.model_config import load_model_spec
+
+    roles: tuple[Literal["prefill", "decode"], ...] = (
+        ("decode",) if cfg.mode == "colocated" else ("prefill", "decode")
+    )
+    lens: dict[str, int | None] = {
+        role: cfg.engine_config(role, cfg.model).max_model_len for role in roles
+    }
+    return context_overrun(lens, load_model_spec(cfg.model).context_length)
+
+
+def dialed(address: str) -> str | None:
+    """The HOST:PORT Ray connects to for `address` (it swaps a loopback host for this
+    machine's IP, where a cluster bound to 127.0.0.1 does not listen); None if unknown."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address(address)
+    except Exception:  # a private helper: without it, the address as given
+        return None
+
+
+def fail(error: str) -> NoReturn:
+    """Exits with `error` (code 2)."""
+    typer.echo(f"Error: {error}", err=True)
+    raise typer.Exit(code=2)
+
+
+def fail_if(error: str | None) -> None:
+    """Exits with `error` (code 2) unless it is None."""
+    if error is not None:
+        fail(error)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

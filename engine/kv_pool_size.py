@@ -24,7 +24,7 @@ from tandem.engine.kv_memory import (
     kv_pool_bytes,
     peak_forward_bytes,
 )
-from tandem.engine.model_config import ModelSpec
+from tandem.engine.model_config import CONTEXT_SOURCE, ModelSpec
 from tandem.engine.model_runner import Model
 from tandem.kernels.kv_cache import KVCachePool
 
@@ -83,8 +83,7 @@ def pool_blocks(config: EngineConfig, spec: ModelSpec, kv_bytes: int | None) -> 
     if config.max_model_len is not None and config.max_model_len > context:
         raise InvalidRequestError(
             f"max_model_len={config.max_model_len} exceeds the model's context of {context} "
-            "tokens (max_position_embeddings in its config.json, times a linear or yarn "
-            "rope scaling factor)"
+            f"tokens ({CONTEXT_SOURCE})"
         )
     target_len = config.max_model_len or spec.max_position_embeddings
     blocks_per_seq = math.ceil(target_len / config.block_size)

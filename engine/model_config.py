@@ -22,6 +22,12 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+CONTEXT_SOURCE = (
+    "max_position_embeddings in its config.json, times a linear or yarn rope scaling factor"
+)
+"""Where a model's context length comes from, as errors about it say."""
+
+
 @dataclass(frozen=True)
 class RopeSpec:
     """Rotary embedding parameters (transformers 5.x `rope_parameters`, or legacy keys)."""

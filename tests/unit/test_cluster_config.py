@@ -183,7 +183,7 @@ def test_tandem_serve_flags_land_in_the_config(tmp_path: Path) -> None:
 def test_ray_resources_needed_sum_every_role_at_its_most_replicas() -> None:
     """What `tandem serve` sizes a local cluster by (and warns about when joining one short of
     it): router + prefill + decode, autoscaled roles at max_replicas, custom resources too."""
-    from tandem.deploy.serve_cmd import resource_shortfall
+    from tandem.deploy.ray_cluster import resource_shortfall
 
     default = ClusterConfig()
     assert default.ray_resources_needed() == {"CPU": 1.1}

@@ -1,0 +1,142 @@
+"""The Ray cluster `tandem serve` runs on: started here, or joined (refusing one that already
+runs the application), checked for room, and shut down (the application drained first)."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import shutil
+from typing import Any
+
+import typer
+
+from tandem.deploy.ingress import STATE_DIR, Ingress, ingress_environment
+from tandem.deploy.serve_guards import (
+    app_conflict,
+    busy_ports,
+    dialed,
+    fail,
+    fail_if,
+    first_line,
+    unreachable,
+)
+
+logger = logging.getLogger("tandem.deploy")
+
+
+def start_ray(
+    address: str | None,
+    host: str,
+    num_cpus: float | None,
+    dashboard_port: int,
+    ingress: Ingress,
+    needed: dict[str, float],
+    ports: dict[str, int | None],
+) -> Any:
+    """Joins `address` (or a cluster already running here); otherwise starts a local one
+    whose HTTP goes through `ingress`, once `ports` ({flag: port}) are free on `host`.
+    `address="local"` always starts a new local cluster. A local cluster gets the CPUs and
+    custom resources the deployment asks for (`needed`), at least one CPU per core: Ray's CPUs
+    are a count for scheduling, not a limit. Exits with a one-line error when it cannot."""
+    import ray
+
+    if address and address != "local":
+        fail_if(unreachable(address, dialed(address)))
+        try:
+            return ray.init(address=address), False
+        except (ConnectionError, RuntimeError) as exc:
+            fail(f"cannot join the Ray cluster at {address}: {first_line(exc)}")
+    if address is None:
+        try:
+            ctx = ray.init(address="auto")
+            typer.echo("[tandem] joined the Ray cluster running here: its Serve ingress is the one "
+                       "it was started with (--ingress applies to clusters tandem starts)")  # fmt: skip
+            return ctx, False
+        except ConnectionError:
+            pass
+        except RuntimeError as exc:  # one is running, but refuses us (e.g. its auth token)
+            fail(
+                f"cannot join the Ray cluster running here: {first_line(exc)} (--address local "
+                "starts a cluster of its own)"
+            )
+    fail_if(busy_ports(host, ports))
+    env = ingress_environment(ingress, os.environ)
+    os.environ.update(env)
+    if STATE_DIR in env:  # HAProxy's files, made for this cluster: removed when it stops
+        atexit.register(shutil.rmtree, env[STATE_DIR], ignore_errors=True)
+    cpus = num_cpus or max(os.cpu_count() or 1, math.ceil(needed.get("CPU", 0)))
+    custom = {k: float(math.ceil(v)) for k, v in needed.items() if k not in ("CPU", "GPU")}
+    ctx = ray.init(
+        num_cpus=int(cpus),
+        resources=custom or None,
+        include_dashboard=True,
+        dashboard_host=host,
+        dashboard_port=dashboard_port,
+    )
+    return ctx, True
+
+
+def refuse_running_app(app_name: str, ctx: Any) -> None:
+    """Exits when the joined cluster already runs `app_name` (before anything is deployed or
+    shut down: Ray is left as it was)."""
+    import ray
+    from ray import serve as ray_serve
+
+    running = {
+        name: str(getattr(app.status, "value", app.status))
+        for name, app in ray_serve.status().applications.items()
+    }
+    address = getattr(ctx, "address_info", {}).get("gcs_address", "here")
+    error = app_conflict(app_name, address, running)
+    if error is not None:
+        ray.shutdown()
+        fail_if(error)
+
+
+def resource_shortfall(needed: dict[str, float], total: dict[str, float]) -> dict[str, float]:
+    """What of `needed` a cluster with `total` resources lacks: {resource: missing amount}."""
+    return {
+        name: round(amount - total.get(name, 0.0), 6)
+        for name, amount in needed.items()
+        if total.get(name, 0.0) + 1e-9 < amount
+    }
+
+
+def warn_if_short(needed: dict[str, float]) -> None:
+    """Says so when the cluster lacks resources the deployment asks for: Serve would wait for
+    them without a word beyond its own log (an autoscaling cluster may still add them)."""
+    import ray
+
+    total = {k: float(v) for k, v in ray.cluster_resources().items()}
+    missing = resource_shortfall(needed, total)
+    if missing:
+        asks = ", ".join(f"{k} {needed[k]:g} (has {total.get(k, 0):g})" for k in sorted(missing))
+        typer.echo(
+            f"[tandem] warning: the deployment asks for {asks}; replicas that do not fit wait "
+            "until the cluster has room (lower num_cpus / num_gpus / resources per role, or "
+            "--num-cpus for a cluster tandem starts)",
+            err=True,
+        )
+
+
+def shutdown(app_name: str, registry: str) -> None:
+    import ray
+    from ray import serve as ray_serve
+
+    from tandem.engine.worker_registry import kill_registry
+
+    try:
+        # Deleting the app first drains it (the router and the workers wait for the requests,
+        # streams and KV transfers in flight); Serve's own shutdown would stop its proxy first
+        # and cut every stream.
+        ray_serve.delete(app_name)
+        kill_registry(registry)
+        # Serve's controller and proxies go with a cluster this command started (`ray.shutdown`
+        # below tears it down); `serve.shutdown()` would only add a warning, as it kills its
+        # controller mid-call. On a cluster it joined, Serve stays for its other apps.
+    except Exception as exc:  # shutting down anyway: say what failed
+        logger.warning("clean shutdown incomplete: %s", exc)
+    finally:
+        ray.shutdown()
