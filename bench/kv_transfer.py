@@ -3,7 +3,8 @@ hides behind prefill compute.
 
 1. For each transport, GB/s moving chunks of 64 KiB ... 64 MiB of KV pages from one process into
    another's pool, next to `numpy.copyto` into a preallocated buffer measured in the same run
-   (interleaved with the transports, size by size), with the ratio (targets: best CPU transport >= 80 % of memcpy at >= 1 MiB; ucx >= 60 %).
+   (interleaved with the transports, size by size), with the ratio (targets: best CPU
+   transport >= 80 % of memcpy at >= 1 MiB; ucx >= 60 %).
 2. For a 2,048-token prompt on the ~40M benchmark model, per transport: TTFT in one process
    (colocated) and with prefill and decode in two processes, and the share of the transfer
    time hidden behind prefill, 1 - (TTFT_disaggregated - TTFT_colocated) / transfer_time

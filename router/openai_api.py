@@ -123,9 +123,12 @@ async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
             raise
         if body.echo:  # (the prompt the model saw: a truncated one's text is that of its tail)
             prompt = prompts[index // body.n]
-            cut = body.truncate_prompt_tokens is not None
-            text = prompt if isinstance(prompt, str) and not cut else None
-            req.echo = text if text is not None else serving.prompt_text(req.prompt_token_ids)
+            whole = body.truncate_prompt_tokens is None
+            req.echo = (
+                prompt
+                if isinstance(prompt, str) and whole
+                else serving.prompt_text(req.prompt_token_ids)
+            )
             req.prompt_only = body.prompt_only
         return req
 

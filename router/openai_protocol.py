@@ -87,12 +87,12 @@ class _SamplingFields(UnicodeBody):
     return_token_ids: bool = False  # vLLM's: token ids next to the text
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
 
+    use_beam_search: bool = False  # vLLM's: refused, not ignored (tandem samples)
+
     @field_validator("seed")
     @classmethod
     def _no_seed(cls, value: int | None) -> int | None:
         return no_seed_as_none(value)  # (-1: unseeded, as vLLM's; n > 1 adds nothing to it)
-
-    use_beam_search: bool = False  # vLLM's: refused, not ignored (tandem samples)
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
