@@ -26,7 +26,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from tandem.router.errors import APIError
-from tandem.router.openai_api import ClosingStreamingResponse, create_chat_completion
+from tandem.router.openai_api import create_chat_completion
+from tandem.router.openai_stream import ClosingStreamingResponse
 from tandem.router.responses_protocol import ResponsesRequest
 from tandem.router.responses_store import ResponsesStore
 from tandem.router.serving import Serving

@@ -60,7 +60,7 @@ class Serving:
         sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.sse_keepalive_s = sse_keepalive_s
-        """How often a waiting SSE stream writes a comment (None: never; see `openai_api`)."""
+        """How often a waiting SSE stream writes a comment (None: never; see `openai_stream`)."""
         self.tool_parser = tool_parser or HermesParser()
         """How free replies to chats with tools write their calls (`tool_parsers.py`)."""
         self.reasoning_parser = reasoning_parser

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tandem.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
-from tandem.router import multi_choice, openai_api
+from tandem.router import multi_choice, openai_stream
 from tandem.router.errors import APIError
 from tandem.router.openai_format import ResponseHead, full_body, merged_usage
 from tandem.router.openai_protocol import CompletionRequest
@@ -149,7 +149,7 @@ def _stream(serving: FakeServing, count: int, n: int, kind: str = "completion") 
     async def main() -> list[str]:
         reqs = await multi_choice.prepare_all(serving, count, serving.prepare)  # type: ignore[arg-type]
         head = ResponseHead("cmpl-x", 0, "tiny", kind)  # type: ignore[arg-type]
-        gen = openai_api._sse_choices(serving, head, reqs, n, True)  # type: ignore[arg-type]
+        gen = openai_stream.sse_choices(serving, head, reqs, n, True)  # type: ignore[arg-type]
         return [event async for event in gen]
 
     events = asyncio.run(main())
@@ -261,7 +261,7 @@ def test_echoed_prompts_open_each_choice_s_stream_and_body() -> None:
         for i, req in enumerate(reqs):
             req.echo = f"prompt{i}:"
         head = ResponseHead("cmpl-x", 0, "tiny", "completion")
-        gen = openai_api._sse_choices(serving, head, reqs, 1, False)  # type: ignore[arg-type]
+        gen = openai_stream.sse_choices(serving, head, reqs, 1, False)  # type: ignore[arg-type]
         events = [event async for event in gen]
         return events, full_body(head, reqs, merged_usage(reqs, 1))
 
@@ -278,7 +278,7 @@ def _continuous_usage_chunks(count: int, kind: Any) -> list[dict[str, Any]]:
     async def main() -> list[str]:
         reqs = await multi_choice.prepare_all(serving, count, serving.prepare)  # type: ignore[arg-type]
         head = ResponseHead("x", 0, "tiny", kind)
-        gen = openai_api._sse_choices(serving, head, reqs, 1, False, True)  # type: ignore[arg-type]
+        gen = openai_stream.sse_choices(serving, head, reqs, 1, False, True)  # type: ignore[arg-type]
         return [event async for event in gen]
 
     return [json.loads(e.removeprefix("data: ")) for e in asyncio.run(main())[:-1]]
@@ -306,7 +306,7 @@ def test_a_chat_echo_opens_each_choice_s_stream_and_body() -> None:
     async def main() -> tuple[list[str], dict[str, Any]]:
         reqs = await multi_choice.prepare_all(serving, 2, serving.prepare)  # type: ignore[arg-type]
         head = ResponseHead("chatcmpl-x", 0, "tiny", "chat", echo="Hel")
-        gen = openai_api._sse_choices(serving, head, reqs, 2, False)  # type: ignore[arg-type]
+        gen = openai_stream.sse_choices(serving, head, reqs, 2, False)  # type: ignore[arg-type]
         events = [event async for event in gen]
         return events, full_body(head, reqs, merged_usage(reqs, 2))
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.router import openai_api
+from tandem.router import openai_stream
 from tandem.router.openai_format import ResponseHead
 from tandem.router.openai_logprobs import chat_logprobs, completion_logprobs
 from tandem.router.pd_orchestrator import RequestTimings
@@ -75,7 +75,7 @@ def test_a_stream_carries_each_token_s_logprobs_once_with_running_offsets() -> N
     head = ResponseHead.of(req, "tiny", "completion", token_text=text)
 
     async def main() -> list[str]:
-        gen = openai_api._sse(FakeServing(), req, "completion", False, head)  # type: ignore[arg-type]
+        gen = openai_stream.sse(FakeServing(), req, "completion", False, head)  # type: ignore[arg-type]
         return [e async for e in gen]
 
     events = asyncio.run(main())

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.router import openai_api
+from tandem.router import openai_stream
 from tandem.router.errors import APIError
 from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
@@ -47,7 +47,7 @@ def _prepared() -> Prepared:
 
 
 async def _events(serving: FakeServing) -> list[str]:
-    gen = openai_api._sse(serving, _prepared(), "completion", False)  # type: ignore[arg-type]
+    gen = openai_stream.sse(serving, _prepared(), "completion", False)  # type: ignore[arg-type]
     return [event async for event in gen]
 
 
@@ -82,7 +82,7 @@ def test_closing_a_waiting_stream_cancels_its_request() -> None:
     serving = FakeServing(wait_s=3600)
 
     async def main() -> None:
-        gen = openai_api._sse(serving, _prepared(), "completion", False)  # type: ignore[arg-type]
+        gen = openai_stream.sse(serving, _prepared(), "completion", False)  # type: ignore[arg-type]
         assert await gen.__anext__() == ": keep-alive\n\n"
         await gen.aclose()  # the client left during prefill
         await asyncio.sleep(0)

@@ -19,7 +19,7 @@ from ray.exceptions import TaskCancelledError
 from starlette.requests import ClientDisconnect
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.router.openai_api import ClosingStreamingResponse
+from tandem.router.openai_stream import ClosingStreamingResponse
 from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
 from tandem.router.prefill_call import PrefillCall
 from tandem.router.prepared import Prepared
@@ -132,7 +132,7 @@ def test_a_client_leaving_behind_serves_proxy_ends_the_stream_quietly(
         scope = {"type": "http", "asgi": {"spec_version": "2.3"}}  # as Serve's replicas run it
         await asyncio.wait_for(response(scope, receive, send), 10)  # returns, no exception
 
-    with caplog.at_level(logging.INFO, logger="tandem.router.openai_api"):
+    with caplog.at_level(logging.INFO, logger="tandem.router.openai_stream"):
         asyncio.run(main())
     assert body.closed == ["sse"]
     assert [r.getMessage() for r in caplog.records] == ["client left during the stream"]

@@ -157,8 +157,8 @@ def test_a_required_call_cut_short_finishes_with_length() -> None:
 
 def test_a_cut_required_call_s_body_and_stream_finish_with_length() -> None:
     from tandem.engine.sampling_params import SamplingParams
-    from tandem.router.openai_api import from_reply
     from tandem.router.openai_format import ResponseHead, full_body
+    from tandem.router.openai_stream import from_reply
     from tandem.router.pd_orchestrator import RequestTimings
     from tandem.router.prepared import Prepared
 
