@@ -22,6 +22,7 @@ app = typer.Typer(
     help="tandem: disaggregated prefill/decode LLM serving on Ray.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # plain help: paragraphs reflowed, option names never cut at 80 columns
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 

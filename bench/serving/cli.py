@@ -14,6 +14,7 @@ bench_app = typer.Typer(
     help="Benchmarks against a running server.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # plain help: paragraphs reflowed, option names never cut at 80 columns
 )
 
 
