@@ -167,7 +167,8 @@ def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     num_layers = int(cfg["num_hidden_layers"])
     is_qwen2 = arch == "Qwen2ForCausalLM"
-    attention_bias = bool(cfg.get("attention_bias", False))
+    # (transformers' Mistral has no biases: it ignores the key, and its checkpoints store none)
+    attention_bias = bool(cfg.get("attention_bias", False)) and arch != "MistralForCausalLM"
     return ModelSpec(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),

@@ -45,6 +45,17 @@ def test_keys_left_out_take_transformers_class_defaults() -> None:
     assert _spec("LlamaForCausalLM").num_kv_heads == 4
 
 
+def test_bias_keys_that_transformers_ignores_for_an_architecture_are_ignored() -> None:
+    """transformers' Mistral has no biases and its Qwen2 no o_proj or MLP bias, whatever
+    config.json says: a checkpoint of theirs that says otherwise stores none, and loads."""
+    mistral = _spec("MistralForCausalLM", attention_bias=True, mlp_bias=True)
+    assert (mistral.qkv_bias, mistral.o_bias, mistral.mlp_bias) == (False, False, False)
+    qwen2 = _spec("Qwen2ForCausalLM", attention_bias=True, mlp_bias=True)
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.mlp_bias) == (True, False, False)
+    llama = _spec("LlamaForCausalLM", attention_bias=True, mlp_bias=True)
+    assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias) == (True, True, True)
+
+
 def test_quantized_checkpoints_are_refused_by_name() -> None:
     quant = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     with pytest.raises(UnsupportedModelError, match="quantized checkpoints.*'fp8'"):
