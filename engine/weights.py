@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from tandem.engine.errors import CheckpointError, UnsupportedModelError
 from tandem.engine.model import CausalLM
+from tandem.engine.model_config import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +36,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         return [single]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{index} is not valid JSON: {exc}") from None
         files = sorted({model_dir / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -57,7 +63,7 @@ def stored_dtype(model_dir: Path) -> str:
     header ("" when there is none to read)."""
     names = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
     for file in checkpoint_files(model_dir):
-        with safe_open(str(file), framework="pt") as handle:
+        with _opened(file) as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                 stored = handle.get_slice(name).get_dtype()
                 if stored.startswith(("F", "BF")):
@@ -65,20 +71,60 @@ def stored_dtype(model_dir: Path) -> str:
     return ""
 
 
+@contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """`safe_open(file)`; a file safetensors cannot read (cut short by an interrupted
+    download, or not safetensors at all) is a CheckpointError naming it."""
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            yield handle
+    except SafetensorError as exc:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
+
+
+TensorSource = Callable[[list[Path]], Iterator[tuple[str, torch.Tensor]]]
+"""What `load_weights` reads a checkpoint's (name, tensor) pairs with."""
+
+
 def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
+        with _opened(file) as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                 yield name, handle.get_tensor(name)
 
 
-def load_weights(model: CausalLM, model_dir: Path, dtype: torch.dtype) -> None:
+def iter_checkpoint_shapes(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like `iter_checkpoint_tensors`, but meta tensors of the stored shapes, from the files'
+    headers alone (no weight is read)."""
+    for file in files:
+        with _opened(file) as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, torch.empty(handle.get_slice(name).get_shape(), device="meta")
+
+
+def check_weights(spec: ModelSpec, model_dir: Path) -> None:
+    """Raises what `load_weights` would (a tensor missing, unknown or of the wrong shape, an
+    unreadable file) from the safetensors headers and a model on the meta device: cheap for
+    any model size, for a process that checks a checkpoint without loading it (`tandem
+    serve`, before its workers start)."""
+    with torch.device("meta"):
+        model = CausalLM(spec, attention_backend="reference")
+    load_weights(model, model_dir, torch.float32, read=iter_checkpoint_shapes)
+
+
+def load_weights(
+    model: CausalLM,
+    model_dir: Path,
+    dtype: torch.dtype,
+    *,
+    read: TensorSource = iter_checkpoint_tensors,
+) -> None:
     """Copies every checkpoint tensor into `model`, fusing projections; strict about names."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     pending: dict[str, dict[str, torch.Tensor]] = {}
     tied: dict[str, torch.Tensor] = {}  # (with tied embeddings: those of `_TIED` stored)
-    for hf_name, tensor in iter_checkpoint_tensors(checkpoint_files(model_dir)):
+    for hf_name, tensor in read(checkpoint_files(model_dir)):
         name = hf_name.removeprefix("model.")
         if name.startswith("rotary_emb.") or name.endswith("rotary_emb.inv_freq"):
             continue
@@ -118,7 +164,12 @@ def _tied_weights(stored: dict[str, torch.Tensor], model_dir: Path) -> dict[str,
     checkpoint stores of them, as transformers 5 ties them: one stored serves as both; both
     stored and different are each used as stored (with a warning)."""
     embed, head = (stored.get(name) for name in _TIED)
-    if embed is not None and head is not None and not torch.equal(embed, head):
+    if (
+        embed is not None
+        and head is not None
+        and not embed.is_meta  # (`check_weights`: shapes only, no values to compare)
+        and not torch.equal(embed, head)
+    ):
         logger.warning(
             "%s: tie_word_embeddings is set, but lm_head.weight differs from "
             "embed_tokens.weight: each is used as stored (as transformers does)",

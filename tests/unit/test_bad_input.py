@@ -188,3 +188,52 @@ def test_sharded_checkpoint_loads(tiny_checkpoint: Any, tmp_path: Path) -> None:
     (path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="missing"):
         LLM(model=str(path))
+
+
+def test_unreadable_weight_files_are_named(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    """A garbage, truncated or cut-short safetensors file (an interrupted download) is a
+    CheckpointError naming the file, not safetensors' own exception."""
+    src = tiny_checkpoint()
+    data = (src / "model.safetensors").read_bytes()
+    for name, content in {"garbage": b"not safetensors" * 4, "truncated": data[: len(data) // 2],
+                          "tiny": b"abc"}.items():  # fmt: skip
+        path = _copy_checkpoint(src, tmp_path / name)
+        (path / "model.safetensors").write_bytes(content)
+        with pytest.raises(
+            CheckpointError, match=r"model\.safetensors.*not a readable safetensors"
+        ):
+            LLM(model=str(path), num_kv_blocks=16)
+    index = _copy_checkpoint(src, tmp_path / "index")
+    (index / "model.safetensors").unlink()
+    (index / "model.safetensors.index.json").write_text('{"weight_map": {')
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json is not valid JSON"):
+        LLM(model=str(index), num_kv_blocks=16)
+
+
+def test_weights_that_do_not_fit_the_config_are_refused_before_serving(
+    tiny_checkpoint: Any, tmp_path: Path
+) -> None:
+    """`tandem serve` refuses them in one line before Ray starts: each worker would fail at
+    start-up, and the deploy end in pages of Ray tracebacks."""
+    from safetensors.torch import load_file, save_file
+
+    from tandem.deploy.app_builder import resolve_model
+    from tandem.deploy.cluster_config import ClusterConfig
+
+    src = tiny_checkpoint()
+    assert resolve_model(ClusterConfig(model=str(src))) == str(src.resolve())
+    shape = _copy_checkpoint(src, tmp_path / "shape")
+    cfg = json.loads((shape / "config.json").read_text())
+    (shape / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    with pytest.raises(CheckpointError, match="shape mismatch for 'layers.0.mlp"):
+        resolve_model(ClusterConfig(model=str(shape)))
+    partial = _copy_checkpoint(src, tmp_path / "partial")
+    tensors = load_file(str(partial / "model.safetensors"))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="missing from the checkpoint: \\['norm.weight'\\]"):
+        resolve_model(ClusterConfig(model=str(partial)))
+    garbage = _copy_checkpoint(src, tmp_path / "garbage")
+    (garbage / "model.safetensors").write_bytes(b"not safetensors" * 4)
+    with pytest.raises(CheckpointError, match="not a readable safetensors"):
+        resolve_model(ClusterConfig(model=str(garbage)))
