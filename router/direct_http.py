@@ -4,7 +4,10 @@ Through Serve's proxy every request and every SSE chunk crosses an extra process
 actor) and Ray's actor calls. A client that talks to a router replica's own port skips both,
 as gRPC clients do. The port is shared by every router replica on a node (`SO_REUSEPORT`: the
 kernel spreads connections among them). The app is the very ASGI app Serve runs in this
-replica, so routes, middleware (API key, CORS) and error handling are the same.
+replica, so routes, middleware (API key, CORS) and error handling are the same. A client that
+leaves before its response starts (a non-streamed request, or one still being routed) has its
+request cancelled, as Serve's proxy cancels it (`CancelOnDisconnect`); uvicorn alone would let
+it run to its end.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("tandem.router")
 
@@ -34,6 +38,54 @@ class DirectHTTPServer:
         self.server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.shield(self.task), grace_s + 5.0)
+
+
+class CancelOnDisconnect:
+    """ASGI wrapper: an HTTP request whose client disconnects before the response has started
+    is cancelled (its task), as Serve's proxy cancels the replica's call; the app's own
+    clean-up (closing the request on its workers, its log line, the abort metric) then runs.
+    Once the response has started, the app sees the disconnect itself (a stream's
+    `listen_for_disconnect`). The app reads the request's messages through a queue that a
+    watcher task fills from the server's `receive`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        messages: asyncio.Queue[Message] = asyncio.Queue()
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        call = asyncio.ensure_future(self.app(scope, messages.get, sending))
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                messages.put_nowait(message)
+                if message["type"] == "http.disconnect":
+                    if not started:
+                        call.cancel()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.shield(call)
+        except asyncio.CancelledError:
+            if call.cancelled():  # the client left: its request was cancelled, not this task
+                return
+            call.cancel()  # this task was cancelled (the server stops): so is the call
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            raise
+        finally:
+            watcher.cancel()
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -56,7 +108,7 @@ async def start_direct_http(app: Any, host: str, port: int) -> DirectHTTPServer:
     """Serves `app` (ASGI) on `host:port` (0: a free port) on the running loop."""
     sock = _listening_socket(host, port)
     config = uvicorn.Config(
-        app,
+        CancelOnDisconnect(app),
         lifespan="off",  # (Serve ran the app's lifespan already)
         log_config=None,
         access_log=False,

@@ -1,5 +1,6 @@
 """The router's own HTTP port (`router/direct_http.py`): it serves the app it is given, two
-servers share one port, and stopping lets a stream in flight end before it closes."""
+servers share one port, stopping lets a stream in flight end before it closes, and a client
+that leaves before its response starts has its request cancelled."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ def _app(name: str, chunks: int = 3, gap_s: float = 0.0) -> FastAPI:
     @app.get("/who")
     async def who() -> dict[str, str]:
         return {"name": name}
+
+    @app.post("/echo")
+    async def echo(body: dict[str, int]) -> dict[str, int]:
+        return body
 
     @app.get("/stream")
     async def stream() -> StreamingResponse:
@@ -80,5 +85,39 @@ def test_stopping_lets_a_stream_in_flight_end() -> None:
             await stopping
         assert rest == ["data: 1", "data: 2", "data: 3", "data: 4", "data: [DONE]"]
         assert server.task.done()
+
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_before_the_response_cancels_its_request() -> None:
+    """As Serve's proxy does: a non-streamed request whose client gave up (a client-side
+    timeout) does not run on to its end (here: a 30 s wait) for nobody."""
+
+    async def main() -> None:
+        app = _app("a")
+        ended: asyncio.Queue[str] = asyncio.Queue()
+
+        @app.post("/slow")
+        async def slow(body: dict[str, int]) -> dict[str, int]:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                ended.put_nowait("cancelled")
+                raise
+            ended.put_nowait("ran to its end")
+            return body
+
+        server = await start_direct_http(app, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"{url}/echo", json={"x": 1}) as reply:
+                assert await reply.json() == {"x": 1}  # (the body still reaches the app)
+            with pytest.raises(asyncio.TimeoutError):
+                timeout = aiohttp.ClientTimeout(total=0.3)
+                await client.post(f"{url}/slow", json={"x": 2}, timeout=timeout)
+        assert await asyncio.wait_for(ended.get(), 5.0) == "cancelled"
+        async with aiohttp.ClientSession() as client, client.get(f"{url}/stream") as reply:
+            assert (await reply.text()).endswith("data: [DONE]\n\n")  # (it serves on)
+        await server.stop(1.0)
 
     asyncio.run(main())
