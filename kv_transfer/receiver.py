@@ -284,7 +284,13 @@ class KVReceiver:
         first = tuple(manifest.first_token_ids)
         logprobs = self._first_logprobs(res, manifest, header)
         if header.get("finished"):
-            self.engine.block_manager.free(res.block_table)
+            # (its pages are whole: cached, the conversation's next turn reuses them)
+            bm, prompt = self.engine.block_manager, res.prompt_token_ids
+            hashes = hash_full_blocks(
+                self.engine.namespace.root_hash(), prompt, self.engine.config.block_size
+            )
+            bm.cache_blocks(res.block_table, hashes, prompt, res.num_hit_blocks)
+            bm.free(res.block_table)
             self._ack(res, manifest.chunk_index)
             return TransferEvent("finished_early", res.request_id, first, logprobs=logprobs)
         req = commit_request(

@@ -178,6 +178,23 @@ def test_decode_side_prefix_reuse_sends_only_missing_blocks(model: str, colocate
     pair.idle()
 
 
+def test_a_first_token_finish_leaves_its_pages_cached(model: str, colocated: LLM) -> None:
+    """A request that ends at the first token (max_tokens 1, or EOS) never runs on decode, but
+    the pages it was sent are whole: the next turn of its conversation reuses them."""
+    pair = Pair(model)
+    shared = prompt_of(64, start=3)
+    pair.start("a", shared + [11, 12, 13], SamplingParams(temperature=0, max_tokens=1))
+    assert any(e.kind == "finished_early" and e.request_id == "a" for e in pair.pump())
+    pair.idle()
+    grant = pair.receiver.reserve("b", shared + [21, 22], GREEDY)
+    assert grant.num_hit_blocks == 4 and len(grant.dst_block_ids) == 1
+    pair.sender.start("b", shared + [21, 22], GREEDY, grant)
+    events = pair.pump()
+    first = next(e.token_ids for e in events if e.kind == "first_token" and e.request_id == "b")
+    assert list(first) + pair.decode_all()["b"] == expect(colocated, shared + [21, 22])
+    pair.idle()
+
+
 def test_seeded_sampling_continues_exactly(model: str, colocated: LLM) -> None:
     pair = Pair(model)
     params = SamplingParams(temperature=0.8, seed=77, max_tokens=12, ignore_eos=True)
