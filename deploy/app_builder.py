@@ -16,6 +16,7 @@ from ray.serve import Application
 from tandem.deploy.cluster_config import ClusterConfig, RoleConfig
 from tandem.deploy.embedded_model import ensure_embedded_model
 from tandem.engine.model_config import load_model_spec
+from tandem.engine.tokenizer import check_tokenizer_files
 from tandem.engine.weights import check_weights
 
 logger = logging.getLogger("tandem.deploy")
@@ -51,8 +52,9 @@ def resolve_model(config: ClusterConfig) -> str:
             raise ValueError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
         # What every worker would refuse at start-up, refused here in one line (an unsupported
         # architecture or rope, missing or unreadable weight files, tensors that do not fit the
-        # config) rather than after Ray and Serve started.
+        # config, no tokenizer) rather than after Ray and Serve started.
         check_weights(load_model_spec(path), path)
+        check_tokenizer_files(path)
         return str(path.resolve())
     return str(ensure_embedded_model(Path(config.cache_dir).expanduser()))
 

@@ -73,6 +73,17 @@ def generation_eos_token_ids(model_dir: str | Path) -> set[int]:
     return set()
 
 
+def check_tokenizer_files(root: Path) -> None:
+    """CheckpointError unless `root` is a directory with a tokenizer's model file: the check
+    `Tokenizer.from_pretrained` starts with, cheap for a process that loads no tokenizer."""
+    if not root.is_dir():
+        raise CheckpointError(f"tokenizer directory {str(root)!r} does not exist")
+    if not any((root / name).is_file() for name in _MODEL_FILES):
+        raise CheckpointError(
+            f"no tokenizer in {str(root)!r}: expected one of {', '.join(_MODEL_FILES)}"
+        )
+
+
 class Tokenizer:
     """A loaded tokenizer plus the checkpoint facts the engine needs (eos ids, digest).
 
@@ -108,12 +119,7 @@ class Tokenizer:
         Raises CheckpointError if the directory or its tokenizer files are missing or unreadable.
         """
         root = Path(path)
-        if not root.is_dir():
-            raise CheckpointError(f"tokenizer directory {str(root)!r} does not exist")
-        if not any((root / name).is_file() for name in _MODEL_FILES):
-            raise CheckpointError(
-                f"no tokenizer in {str(root)!r}: expected one of {', '.join(_MODEL_FILES)}"
-            )
+        check_tokenizer_files(root)
         from transformers import AutoTokenizer
 
         try:

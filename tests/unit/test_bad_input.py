@@ -210,11 +210,12 @@ def test_unreadable_weight_files_are_named(tiny_checkpoint: Any, tmp_path: Path)
         LLM(model=str(index), num_kv_blocks=16)
 
 
-def test_weights_that_do_not_fit_the_config_are_refused_before_serving(
+def test_checkpoints_every_worker_would_refuse_are_refused_before_serving(
     tiny_checkpoint: Any, tmp_path: Path
 ) -> None:
-    """`tandem serve` refuses them in one line before Ray starts: each worker would fail at
-    start-up, and the deploy end in pages of Ray tracebacks."""
+    """Weights that do not fit the config, an unreadable weight file, no tokenizer: `tandem
+    serve` refuses them in one line before Ray starts (each worker failed at start-up, and the
+    deploy ended in pages of Ray tracebacks)."""
     from safetensors.torch import load_file, save_file
 
     from tandem.deploy.app_builder import resolve_model
@@ -237,3 +238,7 @@ def test_weights_that_do_not_fit_the_config_are_refused_before_serving(
     (garbage / "model.safetensors").write_bytes(b"not safetensors" * 4)
     with pytest.raises(CheckpointError, match="not a readable safetensors"):
         resolve_model(ClusterConfig(model=str(garbage)))
+    no_tokenizer = _copy_checkpoint(src, tmp_path / "no-tokenizer")
+    (no_tokenizer / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="no tokenizer in .*expected one of tokenizer.json"):
+        resolve_model(ClusterConfig(model=str(no_tokenizer)))
