@@ -153,7 +153,8 @@ def load_weights(
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{model_dir}: weights missing from the checkpoint: {missing[:8]}")
-    logger.info("loaded %d tensors from %s", len(loaded), model_dir)
+    if not model.lm_head.weight.is_meta:  # (`check_weights` loads nothing)
+        logger.info("loaded %d tensors from %s", len(loaded), model_dir)
 
 
 _TIED = ("embed_tokens.weight", "lm_head.weight")
