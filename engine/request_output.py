@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tandem.engine.output_text import OutputText
 from tandem.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -21,8 +22,17 @@ def request_output(req: Request, tokenizer: Tokenizer, prompt: str | None = None
         text = ""
     elif req.output_text is not None:
         text = req.output_text.text
-    else:
-        text = tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
+    else:  # the text after the prompt, as a stream or a stop string writes it (and vLLM):
+        # in the prompt's context, so a decoder that strips a leading space (SentencePiece's
+        # Metaspace) keeps the first token's
+        after = OutputText.after(
+            tokenizer,
+            req.prompt_token_ids,
+            req.output_token_ids,
+            skip_special_tokens=req.params.skip_special_tokens,
+        )
+        after.flush()
+        text = after.text
     logprobs = None if req.logprobs is None else list(req.logprobs)
     entries = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
     sample = CompletionOutput(

@@ -62,4 +62,24 @@ def test_a_tokenizer_model_only_checkpoint_equals_transformers(tmp_path: Path) -
         out = llm.generate(text, params)[0]
         assert out.prompt_token_ids == ids[0].tolist()
         assert out.token_ids == ref[0, ids.shape[1] :].tolist()
-        assert out.text == hf_tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        # The text is the one a stream or a stop string writes (the server's): the same tokens
+        # decoded in the prompt's context (these random bytes decode alone to other U+FFFDs).
+        cut = llm.generate(text, params.model_copy(update={"stop": ["@@@"]}))[0]
+        assert out.text == cut.text
+
+
+def test_the_text_keeps_the_first_tokens_leading_space_as_a_stream_does(tmp_path: Path) -> None:
+    """SentencePiece's decoder strips the leading space of a text; after a prompt, the first
+    output token's space is the text's (as vLLM writes it), with or without a stop string."""
+    from transformers import AutoTokenizer
+
+    ckpt = _sentencepiece_checkpoint(tmp_path)
+    hf_tokenizer = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
+    world = hf_tokenizer.convert_tokens_to_ids("\u2581world")
+    llm = LLM(model=str(ckpt))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, allowed_token_ids=[world])
+    plain = llm.generate("hello", params)[0]
+    cut = llm.generate("hello", params.model_copy(update={"stop": ["@@@"]}))[0]
+    assert plain.token_ids == cut.token_ids == [world, world]
+    assert hf_tokenizer.decode(plain.token_ids) == "world world"  # (alone: stripped)
+    assert plain.text == cut.text == " world world"
