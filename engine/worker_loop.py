@@ -211,7 +211,11 @@ class WorkerLoop(ABC):
             command()
 
     def wait_for_command(self, timeout: float = IDLE_WAIT_S) -> None:
-        """Blocks the idle loop until a command arrives (or `timeout`), then runs commands."""
+        """Blocks the idle loop until a command arrives (or `timeout`), then runs commands.
+        Prefix-cache events not published yet go first: what the last step cached (a finished
+        turn's blocks) must reach the router before the conversation's next turn is routed,
+        not after this wait."""
+        self._flush_kv_events(force=True)
         try:
             command = self._commands.get(timeout=timeout)
         except queue.Empty:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 from tandem import LLM
@@ -14,6 +15,7 @@ from tandem.engine.block_manager import KVEvent
 from tandem.engine.hashing import hash_full_blocks, root_hash
 from tandem.engine.kv_event_publisher import KVEventPublisher
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.worker_loop import WorkerLoop
 from tandem.kv_transfer.local import LocalHub, LocalTransport
 from tandem.prefill_workers.prefill_service import PrefillService
 
@@ -88,3 +90,50 @@ def test_block_hashes_do_not_depend_on_the_process_or_hash_seed() -> None:
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         )
         assert json.loads(out.stdout) == here
+
+
+class _Events:
+    """A block manager's event source (`drain_events`), fed by the test."""
+
+    def __init__(self) -> None:
+        self.events: list[KVEvent] = []
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+
+class _IdleLoop(WorkerLoop):
+    def run_once(self) -> None:
+        self.wait_for_command()
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def on_death(self, exc: BaseException) -> None:
+        pass
+
+
+class _Inline:
+    """An event loop that runs `call_soon_threadsafe` callbacks at once."""
+
+    def call_soon_threadsafe(self, fn: Any, *args: Any) -> None:
+        fn(*args)
+
+
+def test_a_loop_going_idle_publishes_what_its_last_step_cached_at_once() -> None:
+    """A conversation's next turn comes right after the last one's end: the blocks that end
+    cached go to the router before the loop sleeps, not after its idle wait (the next turn
+    was routed without them and missed the decode worker holding its prefix)."""
+    loop = _IdleLoop("w0")
+    source = _Events()
+    loop.publish_kv_events(source, "ns")  # type: ignore[arg-type]
+    received: list[dict[str, Any]] = []
+    loop._kv_subscribers.append((_Inline(), SimpleNamespace(put_nowait=received.append)))  # type: ignore[arg-type]
+    loop._flush_kv_events(force=True)  # a batch just went: the next waits KV_EVENTS_INTERVAL_S
+    received.clear()  # (that flush's snapshot)
+    source.events = [KVEvent("stored", 7, None, 0)]  # the last step cached a block
+    loop._flush_kv_events()  # (the loop's flush after the step: too soon after the last)
+    assert received == []
+    loop.wait_for_command(timeout=0.0)  # going idle
+    assert [b["stored"] for b in received] == [[7]]
