@@ -109,17 +109,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             check_api_key(self.api_key_digest, metadata.get("authorization"))
         except APIError as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, exc.message)
-        if request is None:  # (`_parse_request` could not read the bytes)
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "the request is not a tandem.v1.GenerateRequest"
-            )
         timings = RequestTimings()
-        options = request.sampling
-        max_tokens = options.max_tokens if options.HasField("max_tokens") else 16
-        prompt: str | list[int] = (
-            list(request.prompt_token_ids) if request.prompt_token_ids else request.prompt
-        )
         try:
+            if request is None:  # (`_parse_request` could not read the bytes)
+                raise bad_request("the request is not a tandem.v1.GenerateRequest")
+            options = request.sampling
+            max_tokens = options.max_tokens if options.HasField("max_tokens") else 16
+            prompt: str | list[int] = (
+                list(request.prompt_token_ids) if request.prompt_token_ids else request.prompt
+            )
             if request.prompt_token_ids and request.prompt:
                 raise bad_request("give prompt or prompt_token_ids, not both", "prompt")
             if request.HasField("deadline_ms") and not request.deadline_ms > 0:
@@ -156,6 +154,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         logprobs=_logprobs(item.get("logprobs")),
                     )
         except APIError as exc:
+            # (refusals before `prepare` are counted here, as HTTP's error handler counts them)
+            exc.count(self.serving.metrics)
             code = _STATUS_CODES.get(exc.status, grpc.StatusCode.UNAVAILABLE)
             await context.abort(code, exc.message)
 

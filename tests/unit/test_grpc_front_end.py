@@ -61,3 +61,57 @@ def test_sampling_options_are_checked_as_http_checks_them() -> None:
         _sampling_fields(generation_pb2.SamplingOptions(temperature=2.5))
     assert err.value.status == 400 and err.value.param == "temperature"
     assert "at most 2" in err.value.message
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.failed_codes: list[str] = []
+
+    def failed(self, code: str) -> None:
+        self.failed_codes.append(code)
+
+    def rejected(self, reason: str) -> None:
+        raise AssertionError(f"not a refusal at admission: {reason}")
+
+
+class _RefusingServing:
+    """A `Serving` that a request refused before `prepare` must never reach."""
+
+    def __init__(self) -> None:
+        self.metrics = _Metrics()
+
+    async def prepare(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("prepare reached")
+
+
+def test_requests_refused_before_prepare_count_as_failures_as_http_counts_them() -> None:
+    # (HTTP counts its 400s in tandem:request_failure_total{code}, malformed bodies included;
+    # gRPC refused these without counting them)
+    serving = _RefusingServing()
+    opts = generation_pb2.SamplingOptions
+    refused = [
+        generation_pb2.GenerateRequest(prompt="hi", sampling=opts(temperature=5)),
+        generation_pb2.GenerateRequest(prompt="hi", sampling=opts(json_schema="[1]")),
+        generation_pb2.GenerateRequest(prompt="hi", sampling=opts(regex="a", choice=["a"])),
+        generation_pb2.GenerateRequest(prompt="hi", prompt_token_ids=[1]),
+        generation_pb2.GenerateRequest(prompt="hi", deadline_ms=0),
+    ]
+
+    async def run() -> list[grpc.StatusCode]:
+        running = await start_grpc_server(cast(Any, serving), "127.0.0.1", 0)
+        codes = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            method = "/tandem.v1.Generation/Generate"
+            calls = [r.SerializeToString() for r in refused] + [b"\xff\xff"]  # (+ not a message)
+            generate = channel.unary_stream(method)
+            for data in calls:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in generate(data):
+                        pass
+                codes.append(err.value.code())
+        await running.stop(0)
+        return codes
+
+    codes = asyncio.run(run())
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 6
+    assert serving.metrics.failed_codes == ["invalid_request_error"] * 6
