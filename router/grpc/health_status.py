@@ -8,16 +8,65 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 logger = logging.getLogger("tandem.router")
 
 SERVICE_NAME = "tandem.v1.Generation"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+_SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 
 HEALTH_EVERY_S = 1.0
 """How often the health service's status is brought in line with the router's `/health`."""
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1 `Check` and `Watch`, with grpc's reference servicer's `set` and
+    `enter_graceful_shutdown`. Its `Watch` streams end once they have sent the status of
+    shutdown (NOT_SERVING): the reference's never end, so one open watcher (a client doing
+    client-side health checking) held the server's `stop` for its whole grace."""
+
+    def __init__(self) -> None:
+        self._status: dict[str, int] = {"": _SERVING}
+        self._changed = asyncio.Condition()
+        self._stopping = False
+
+    async def set(self, service: str, status: int) -> None:
+        """Sets `service`'s status, unless shutdown has begun."""
+        async with self._changed:
+            if not self._stopping:
+                self._status[service] = status
+                self._changed.notify_all()
+
+    async def enter_graceful_shutdown(self) -> None:
+        """Every service NOT_SERVING from now on; watchers are told and their streams end."""
+        async with self._changed:
+            self._stopping = True
+            self._status = dict.fromkeys(self._status, _NOT_SERVING)
+            self._changed.notify_all()
+
+    async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802 - the RPC's name
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: Any, context: Any) -> None:  # noqa: N802 - the RPC's name
+        sent: int | None = None
+        while True:
+            async with self._changed:
+                while (
+                    status := self._status.get(request.service, _SERVICE_UNKNOWN)
+                ) == sent and not self._stopping:
+                    await self._changed.wait()
+                stopping = self._stopping
+            if status != sent:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                sent = status
+            if stopping:
+                return
 
 
 class GrpcServer:
@@ -42,7 +91,7 @@ class GrpcServer:
                 logger.exception("gRPC health: the readiness check failed")
                 now = False
             if now != serving:
-                status = health_pb2.HealthCheckResponse.SERVING if now else _NOT_SERVING
+                status = _SERVING if now else _NOT_SERVING
                 for service in ("", SERVICE_NAME):
                     await self.health.set(service, status)
                 if serving is not None:

@@ -14,12 +14,12 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from tandem.router.api_keys import check_api_key
 from tandem.router.errors import APIError, bad_request
 from tandem.router.grpc import generation_pb2, generation_pb2_grpc
-from tandem.router.grpc.health_status import SERVICE_NAME, GrpcServer
+from tandem.router.grpc.health_status import SERVICE_NAME, GrpcServer, HealthServicer
 from tandem.router.openai_protocol import MAX_TEMPERATURE
 from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.serving import Serving
@@ -180,7 +180,7 @@ async def start_grpc_server(
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -115,3 +115,27 @@ def test_requests_refused_before_prepare_count_as_failures_as_http_counts_them()
     codes = asyncio.run(run())
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 6
     assert serving.metrics.failed_codes == ["invalid_request_error"] * 6
+
+
+def test_an_open_health_watch_does_not_hold_the_stop_for_its_whole_grace() -> None:
+    # (gRPC clients with client-side health checking keep a Watch open: grpc's own servicer
+    # never ends one, so stopping the router waited out the whole drain timeout, 30 s)
+    async def run() -> tuple[list[int], float]:
+        running = await start_grpc_server(cast(Any, None), "127.0.0.1", 0)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+            seen = [(await watch.read()).status]
+            unknown = stub.Watch(health_pb2.HealthCheckRequest(service="nope"))
+            await unknown.read()
+            start = asyncio.get_running_loop().time()
+            await running.stop(5.0)
+            took = asyncio.get_running_loop().time() - start
+            while (reply := await watch.read()) is not grpc.aio.EOF:
+                seen.append(reply.status)
+            assert await watch.code() == grpc.StatusCode.OK
+        return seen, took
+
+    seen, took = asyncio.run(run())
+    assert seen == [SERVING, NOT_SERVING]  # (watchers hear NOT_SERVING, then the stream ends)
+    assert took < 2.0
