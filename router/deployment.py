@@ -224,8 +224,10 @@ class Router:
     async def __del__(self) -> None:
         """Serve stops this replica (shutdown, redeploy, scale-down) once its HTTP requests
         have ended (`graceful_shutdown_timeout_s`); gRPC streams and requests on the direct
-        HTTP port in flight get as long to end (new ones are refused meanwhile)."""
+        HTTP port in flight get as long to end (new ones are refused meanwhile). A request
+        still waiting for a worker (the app's are gone at shutdown) fails at once with a 503."""
         grace_s = float(self.settings.get("drain_timeout_s", 30.0))
+        self.directory.stop_waiting()  # (no worker comes back now: fail, don't hold the stop)
         server, self._grpc_server = self._grpc_server, None
         direct, self._direct_http = self._direct_http, None
         await asyncio.gather(

@@ -86,6 +86,7 @@ class WorkerDirectory:
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self._retiring: list[Worker] = []  # left the registry, still serving our requests
+        self._stopping = False  # (`stop_waiting`)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
@@ -205,8 +206,16 @@ class WorkerDirectory:
         workers = [w for w in self.workers.values() if not w.client.closed]
         return list(await asyncio.gather(*(one(w) for w in workers)))
 
+    def stop_waiting(self) -> None:
+        """The router is stopping: no worker is waited for from now on (a request that finds
+        none fails at once with a 503 instead of holding the replica's stop until it times out)."""
+        self._stopping = True
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     async def wait_for(self, role: str, timeout: float = 30.0) -> list[Worker]:
-        """The live workers of `role`, waiting up to `timeout` for a first one to appear."""
+        """The live workers of `role`, waiting up to `timeout` for a first one to appear
+        (not at all once `stop_waiting` was called)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
@@ -214,7 +223,7 @@ class WorkerDirectory:
             if candidates:
                 return candidates
             remaining = deadline - loop.time()
-            if remaining <= 0:
+            if remaining <= 0 or self._stopping:
                 raise unavailable(f"no {role} worker is available", f"no_{role}_worker")
             if self._task is None:
                 await self.refresh()

@@ -8,9 +8,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from tandem.engine.recent_mean import RecentMean
 from tandem.engine.rpc import RPCClient, RPCServer
 from tandem.engine.worker_drain import DRAINING, WorkTracker, drain
+from tandem.router.errors import APIError
 from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
 from tandem.router.route_planner import RoutePlan
 from tandem.router.worker_directory import Worker, WorkerDirectory
@@ -255,3 +258,25 @@ def test_recent_mean_forgets_old_samples() -> None:
     assert mean.mean() == 30.0
     now[0] = 6.0
     assert mean.mean() == 0.0  # idle: no latency to report
+
+
+def test_requests_waiting_for_a_worker_fail_at_once_when_the_router_stops() -> None:
+    """A request that came in as the app shut down (its workers already gone) waited the whole
+    30 s for a worker that would not come, and held the router replica's stop as long."""
+
+    async def main() -> None:
+        d = WorkerDirectory(FakeRegistry(), TOKEN)
+        d.start()  # (no worker registered)
+        waiting = asyncio.ensure_future(d.wait_for("decode", timeout=30.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        start = asyncio.get_running_loop().time()
+        d.stop_waiting()
+        with pytest.raises(APIError) as err:
+            await waiting
+        assert err.value.status == 503 and asyncio.get_running_loop().time() - start < 1.0
+        with pytest.raises(APIError):  # and one arriving later does not wait either
+            await asyncio.wait_for(d.wait_for("decode", timeout=30.0), 1.0)
+        await d.close()
+
+    asyncio.run(main())
