@@ -51,6 +51,21 @@ def _rate(metric: str, by: str = "", legend: str = "") -> Query:
     return Query(f"sum{group} (rate({metric}[1m]))", legend or (f"{{{{{by}}}}}" if by else metric))
 
 
+# Every router replica exports the workers' series (read from them at scrape time) with the
+# same labels, and the role counts: scraped from several router replicas, each is there once
+# per replica, so these take one copy (`max by`) before summing.
+def _workers(series: str) -> str:
+    return f"max by (role, replica) ({series})"
+
+
+def _worker_rate(metric: str, by: str = "", legend: str = "") -> Query:
+    group = f" by ({by})" if by else ""
+    return Query(
+        f"sum{group} ({_workers(f'rate({metric}[1m])')})",
+        legend or (f"{{{{{by}}}}}" if by else metric),
+    )
+
+
 OVERVIEW = Dashboard(
     "tandem-overview",
     "tandem / Overview",
@@ -116,15 +131,16 @@ KV_CACHE = Dashboard(
         Panel(
             "KV-cache usage",
             "percentunit",
-            (Query("max by (role, replica) (tandem:kv_cache_usage_perc)", "{{role}} {{replica}}"),),
+            (Query(_workers("tandem:kv_cache_usage_perc"), "{{role}} {{replica}}"),),
         ),
         Panel(
             "Prefix-cache hit rate",
             "percentunit",
             (
                 Query(
-                    "sum by (role) (rate(tandem:prefix_cache_hits_total[1m])) / clamp_min("
-                    "sum by (role) (rate(tandem:prefix_cache_queries_total[1m])), 1e-9)",
+                    f"sum by (role) ({_workers('rate(tandem:prefix_cache_hits_total[1m])')})"
+                    " / clamp_min(sum by (role) "
+                    f"({_workers('rate(tandem:prefix_cache_queries_total[1m])')}), 1e-9)",
                     "{{role}}",
                 ),
             ),
@@ -134,16 +150,22 @@ KV_CACHE = Dashboard(
             "Preemptions and evictions / s",
             "short",
             (
-                _rate("tandem:num_preemptions_total", "role", "preemptions {{role}}"),
-                _rate("tandem:prefix_cache_evictions_total", "role", "evicted blocks {{role}}"),
+                _worker_rate("tandem:num_preemptions_total", "role", "preemptions {{role}}"),
+                _worker_rate(
+                    "tandem:prefix_cache_evictions_total", "role", "evicted blocks {{role}}"
+                ),
             ),
         ),
         Panel(
             "Running and waiting requests",
             "short",
             (
-                Query("sum by (role) (tandem:num_requests_running)", "running {{role}}"),
-                Query("sum by (role) (tandem:num_requests_waiting)", "waiting {{role}}"),
+                Query(
+                    f"sum by (role) ({_workers('tandem:num_requests_running')})", "running {{role}}"
+                ),
+                Query(
+                    f"sum by (role) ({_workers('tandem:num_requests_waiting')})", "waiting {{role}}"
+                ),
             ),
         ),
     ),
@@ -156,7 +178,7 @@ DISAGGREGATION = Dashboard(
         Panel(
             "KV transfer throughput",
             "GBs",
-            (Query("sum(rate(tandem:kv_transfer_bytes_total[1m])) / 1e9", "GB/s"),),
+            (Query(f"sum({_workers('rate(tandem:kv_transfer_bytes_total[1m])')}) / 1e9", "GB/s"),),
         ),
         Panel(
             "KV transfer time after the first token",
@@ -174,9 +196,9 @@ DISAGGREGATION = Dashboard(
             "KV transfers: completed, failed, in flight",
             "short",
             (
-                _rate("tandem:kv_transfers_total", legend="completed / s"),
-                _rate("tandem:kv_transfer_failures_total", legend="failed / s"),
-                Query("sum(tandem:kv_transfers_in_flight)", "in flight"),
+                _worker_rate("tandem:kv_transfers_total", legend="completed / s"),
+                _worker_rate("tandem:kv_transfer_failures_total", legend="failed / s"),
+                Query(f"sum({_workers('tandem:kv_transfers_in_flight')})", "in flight"),
             ),
         ),
         Panel(
@@ -223,17 +245,19 @@ ROLES = Dashboard(
             "Replicas per role: target vs actual",
             "short",
             (
-                Query("sum by (role) (tandem:role_replicas)", "actual {{role}}"),
-                Query("sum by (role) (tandem:role_target_replicas)", "target {{role}}"),
+                Query("max by (role) (tandem:role_replicas)", "actual {{role}}"),
+                Query("max by (role) (tandem:role_target_replicas)", "target {{role}}"),
             ),
         ),
         Panel(
             "Queues",
             "short",
             (
-                Query("sum by (role) (tandem:num_requests_waiting)", "waiting {{role}}"),
                 Query(
-                    'sum(tandem:num_queued_prefill_tokens{role="prefill"})',
+                    f"sum by (role) ({_workers('tandem:num_requests_waiting')})", "waiting {{role}}"
+                ),
+                Query(
+                    "sum(" + _workers('tandem:num_queued_prefill_tokens{role="prefill"}') + ")",
                     "queued prefill tokens",
                 ),
             ),
@@ -248,7 +272,7 @@ ROLES = Dashboard(
             "short",
             (
                 Query(
-                    'sum by (replica) (tandem:prefill_tokens_per_second{role="prefill"})',
+                    _workers('tandem:prefill_tokens_per_second{role="prefill"}'),
                     "{{replica}} tokens/s",
                 ),
             ),
