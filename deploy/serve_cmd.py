@@ -186,8 +186,9 @@ def serve(
             ("router", "reasoning_parser"): reasoning_parser,
         }
         cfg = _config(config, overrides, roles, nested)
-        if cfg.mode == "colocated" and prefill_replicas is not None:
-            typer.echo("[tandem] note: --prefill-replicas is ignored in colocated mode (the "
+        ignored = _ignored_in_colocated(cfg, prefill_flag=prefill_replicas is not None)
+        if ignored:
+            typer.echo(f"[tandem] note: {', '.join(ignored)} ignored in colocated mode (the "
                        "decode workers prefill every request themselves)", err=True)  # fmt: skip
         from tandem.deploy.app_builder import build_app, registry_name, resolve_model
 
@@ -237,18 +238,42 @@ def serve(
     typer.echo("[tandem] stopped")
 
 
+def _scaling(role: Any) -> str:
+    """' (autoscaling MIN..MAX)' for an autoscaled role, else ''."""
+    scaling = role.autoscaling
+    return f" (autoscaling {scaling.min_replicas}..{scaling.max_replicas})" if scaling else ""
+
+
+def _workers_summary(cfg: Any) -> str:
+    """The roles as the start-up line names them: counts, and each autoscaled role's range."""
+    if cfg.mode == "colocated":
+        return f"{cfg.decode.replicas} colocated workers (prefill + decode){_scaling(cfg.decode)}"
+    return (
+        f"{cfg.prefill.replicas} prefill{_scaling(cfg.prefill)} + {cfg.decode.replicas} "
+        f"decode{_scaling(cfg.decode)} workers, {cfg.transport} KV transport"
+    )
+
+
+def _ignored_in_colocated(cfg: Any, prefill_flag: bool) -> list[str]:
+    """The prefill-role settings an operator gave that colocated mode (no prefill workers)
+    does not use: the config's `prefill.autoscaling` / `prefill.replicas`, `--prefill-replicas`."""
+    if cfg.mode != "colocated":
+        return []
+    ignored = ["prefill.autoscaling"] if cfg.prefill.autoscaling is not None else []
+    if prefill_flag:
+        ignored.append("--prefill-replicas")
+    elif "replicas" in cfg.prefill.model_fields_set:
+        ignored.append("prefill.replicas")
+    return ignored
+
+
 def _print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress | None) -> None:
     """`ingress`: what the cluster tandem started uses (None: a cluster it joined)."""
     host = cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
     dashboard = getattr(ctx, "dashboard_url", None)
-    workers = (
-        f"{cfg.decode.replicas} colocated workers (prefill + decode)"
-        if cfg.mode == "colocated"
-        else f"{cfg.prefill.replicas} prefill + {cfg.decode.replicas} decode workers, "
-        f"{cfg.transport} KV transport"
-    )
     lines = [
-        f"[tandem] serving {cfg.served_model_name or Path(cfg.model).name}: {workers}, "
+        f"[tandem] serving {cfg.served_model_name or Path(cfg.model).name}: "
+        f"{_workers_summary(cfg)}, "
         f"ready in {seconds:.1f}s",
         f"[tandem]   OpenAI API:    http://{host}:{cfg.port}/v1"
         + (f" (through {ingress.value})" if ingress else "")
