@@ -80,10 +80,13 @@ class CancelOnDisconnect:
         except asyncio.CancelledError:
             if call.cancelled():  # the client left: its request was cancelled, not this task
                 return
-            call.cancel()  # this task was cancelled (the server stops): so is the call
+            # This task was cancelled: the server stops and the grace is over (uvicorn logs
+            # 'Cancel N running task(s)' once). The call is cancelled too (its clean-up and log
+            # line run); returning, not raising, lets uvicorn close the connection with one
+            # line instead of a traceback for each request.
+            call.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await call
-            raise
         finally:
             watcher.cancel()
 

@@ -5,6 +5,7 @@ that leaves before its response starts has its request cancelled."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator
 
@@ -121,3 +122,28 @@ def test_a_client_that_leaves_before_the_response_cancels_its_request() -> None:
         await server.stop(1.0)
 
     asyncio.run(main())
+
+
+def test_a_stream_cut_at_the_end_of_the_grace_logs_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stream still open when the grace ends is cut (the client sees the connection close);
+    uvicorn says so in one line ('Cancel N running task(s)'): no traceback per request (a
+    `tandem serve` Ctrl-C with 16 streams open printed 16 'Exception in ASGI application')."""
+
+    async def main() -> None:
+        server = await start_direct_http(_app("a", chunks=100, gap_s=0.1), "127.0.0.1", 0)
+        async with aiohttp.ClientSession() as client:
+            async with client.get(f"http://127.0.0.1:{server.port}/stream") as reply:
+                assert await reply.content.readline() == b"data: 0\n"
+                stopping = asyncio.ensure_future(server.stop(1.0))
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    async for _ in reply.content:
+                        pass
+            await stopping
+        assert server.task.done()
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(main())
+    assert "timeout graceful shutdown exceeded" in caplog.text
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
