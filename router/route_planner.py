@@ -8,7 +8,8 @@
 - Prefill: the routing policy (cache affinity on the KV-event index by default).
 - Admission: the plan's predicted TTFT against the request's deadline, and the queue cap.
 - Colocated mode: there are no prefill workers; every request is prefilled locally by the
-  decode worker chosen as above (only the decode-side admission applies).
+  decode worker chosen as above (the decode-side admission, and the deadline against the
+  tail's prefill there).
 A plan holds its load on the chosen workers (so concurrent arrivals see each other) until
 `release()`; routing is synchronous and short, it never blocks the event loop.
 """
@@ -121,6 +122,12 @@ class RoutePlanner:
         num_blocks = -(-len(prompt_token_ids) // bs)
         cfg = self.decode_routing
         if self.colocated or (decode_hits > 0 and tail <= cfg.conditional_prefill_max_tokens):
+            # (the deadline holds here too: the tail's prefill on decode, no queue, no transfer)
+            rate = float(decode.stats.get("prefill_tokens_per_s") or 0) or None
+            self.admission.check(
+                queued_tokens=0, new_tokens=tail, tokens_per_s=rate, blocks=0,
+                deadline_ms=deadline_ms,
+            )  # fmt: skip
             plan = RoutePlan(decode, None, num_blocks, decode_hits, 0, tail)
         else:
             prefill_workers = await self.directory.wait_for("prefill")

@@ -107,3 +107,22 @@ def test_colocated_mode_prefills_every_request_on_its_decode_worker() -> None:
     assert (first.prefill_tokens, first.decode.queued_tokens) == (600, 608)
     turn = plan(p, history + list(range(300, 700)))  # a long tail stays with the holder too
     assert turn.decode.worker_id == "d0" and turn.local_prefill and turn.decode_hit_blocks == 12
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_a_prefill_on_decode_is_held_to_the_deadline_too(colocated: bool) -> None:
+    """A short tail prefilled by the decode worker holding the conversation (or any request in
+    colocated mode) is refused when even that prefill cannot meet the deadline: it was
+    admitted whatever its deadline."""
+    d = directory(*WORKERS)
+    history = list(range(10, 210))
+    publish(d, "d0", history)
+    p = RoutePlanner(
+        d, RoutingConfig(), DecodeRoutingConfig(), AdmissionConfig(), colocated=colocated
+    )
+    with pytest.raises(APIError) as info:
+        plan(p, history + list(range(300, 320)), deadline_ms=0.001)
+    assert info.value.status == 429 and info.value.code == "deadline_unmeetable"
+    assert all(w.in_flight == 0 and w.queued_tokens == 0 for w in d.workers.values())
+    turn = plan(p, history + list(range(300, 320)), deadline_ms=1000)
+    assert turn.local_prefill and turn.decode.worker_id == "d0"
