@@ -76,6 +76,7 @@ class _Reservation:
     prompt_token_ids: list[int]
     params: SamplingParams
     block_table: list[int]
+    block_hashes: list[int]  # the prompt's full blocks' (prefix-cache keys)
     num_hit_blocks: int
     deadline: float
     next_block: int
@@ -128,6 +129,7 @@ class KVReceiver:
             list(prompt_token_ids),
             params,
             table,
+            hashes,
             len(hits),
             deadline=self.clock() + self.lease_s,
             next_block=len(hits),
@@ -285,11 +287,10 @@ class KVReceiver:
         logprobs = self._first_logprobs(res, manifest, header)
         if header.get("finished"):
             # (its pages are whole: cached, the conversation's next turn reuses them)
-            bm, prompt = self.engine.block_manager, res.prompt_token_ids
-            hashes = hash_full_blocks(
-                self.engine.namespace.root_hash(), prompt, self.engine.config.block_size
+            bm = self.engine.block_manager
+            bm.cache_blocks(
+                res.block_table, res.block_hashes, res.prompt_token_ids, res.num_hit_blocks
             )
-            bm.cache_blocks(res.block_table, hashes, prompt, res.num_hit_blocks)
             bm.free(res.block_table)
             self._ack(res, manifest.chunk_index)
             return TransferEvent("finished_early", res.request_id, first, logprobs=logprobs)
