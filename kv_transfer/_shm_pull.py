@@ -30,7 +30,10 @@ import logging
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any, Literal
 
 import torch
@@ -68,6 +71,9 @@ MAX_LAYOUTS = 64
 """Layouts one link announces for compact records (a sender has one; beyond these, JSON)."""
 IDLE_CHECK_S = 0.05
 """How often a sleeping reader looks anyway (in case a wake frame crossed its going to sleep)."""
+GROUP_BYTES = 4 << 20
+"""Pages per read when a look finds several messages: the copy thread reads a group while the
+reader parses the next (see `PullReader._drain`)."""
 
 
 def can_pull_from(pool: KVCachePool | None) -> bool:
@@ -213,6 +219,7 @@ class PullReader:
         self._layouts: list[dict[str, Any]] = []  # announced for compact records, in order
         self._poll_s = POLL_S[1]  # while a stream is under way (until its chunks are timed)
         self._last_chunk_at = 0.0  # when the last chunk of a stream under way came
+        self._copy_thread: ThreadPoolExecutor | None = None  # started by the first backlog
 
     def wake(self) -> None:
         with self._lock:
@@ -222,6 +229,10 @@ class PullReader:
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
+        with self._lock:  # (after a drain under way: its reads are done)
+            copier, self._copy_thread = self._copy_thread, None
+        if copier is not None:
+            copier.shutdown(wait=False)
 
     def run(self) -> None:
         last = 0.0
@@ -259,13 +270,63 @@ class PullReader:
         self.ring.set_state(AWAKE)
 
     def _drain(self) -> int:
-        """Delivers what the ring holds; notes which streams are under way (hold `_lock`)."""
-        streams = self._streams
+        """Delivers what the ring holds, in ring order; notes which streams are under way (hold
+        `_lock`). Records that came together are read a group at a time (`GROUP_BYTES` of
+        pages), on the copy thread while this one parses the next group and delivers the one
+        before: a look that finds many messages (a backlog, a burst of large chunks) keeps
+        copying while the Python per record runs. A group is delivered once its pages are in."""
         records = self.ring.read()
+        if not records:
+            return 0
+        groups: deque[tuple[Future[None] | None, list[Message]]] = deque()
         runs: list[tuple[int, int, int]] = []
-        messages = [m for record in records if (m := self._message(record, runs)) is not None]
-        if runs:  # every page of the batch in one system call
-            _cross_memory.read(self.source.pid, runs)
+        messages: list[Message] = []
+        nbytes, last = 0, len(records) - 1
+        try:
+            for i, record in enumerate(records):
+                known = len(runs)
+                message = self._message(record, runs)
+                if message is not None:
+                    messages.append(message)
+                for run in runs[known:]:
+                    nbytes += run[2]
+                if nbytes >= GROUP_BYTES and i < last:  # more follow: read this group aside
+                    groups.append((self._read_aside(runs), messages))
+                    runs, messages, nbytes = [], [], 0
+                    if len(groups) > 1:  # one read running, one queued behind it
+                        self._deliver(*groups.popleft())
+            if groups and runs:
+                groups.append((self._read_aside(runs), messages))
+            else:
+                if runs:  # (one group: read here, no hand-off)
+                    self._read(runs)
+                groups.append((None, messages))
+            while groups:
+                self._deliver(*groups.popleft())
+        finally:  # (a read or a record that failed: no copy may land after the link is gone)
+            for future, _ in groups:
+                if future is not None:
+                    wait_futures([future])
+        return len(records)
+
+    def _read(self, runs: list[tuple[int, int, int]]) -> None:
+        _cross_memory.read(self.source.pid, runs)
+
+    def _read_aside(self, runs: list[tuple[int, int, int]]) -> Future[None] | None:
+        """Starts reading `runs` on the copy thread; None when read here (a stopped reader
+        starts no thread; `stop` shuts down one that a drain under way started)."""
+        if self._stopped:
+            self._read(runs)
+            return None
+        if self._copy_thread is None:
+            self._copy_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-kv-pull-copy")
+        return self._copy_thread.submit(self._read, runs)
+
+    def _deliver(self, pages_read: Future[None] | None, messages: list[Message]) -> None:
+        """Delivers `messages` once their pages are in (`pages_read` done)."""
+        if pages_read is not None:
+            pages_read.result()
+        streams = self._streams
         for message in messages:
             manifest = message.header.get("manifest")
             if isinstance(manifest, dict) and isinstance(manifest.get("request_id"), str):
@@ -277,7 +338,6 @@ class PullReader:
                 else:
                     streams.pop(manifest["request_id"], None)
             self.deliver(message)
-        return len(records)
 
     def _message(self, record: bytes, runs: list[tuple[int, int, int]]) -> Message | None:
         """The message of a ring record (None for a layout record); adds the copies its pages

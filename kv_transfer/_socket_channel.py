@@ -170,6 +170,11 @@ def dst_block_ids_of(header: Mapping[str, Any]) -> tuple[int, ...] | None:
 
 def consecutive_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """`(src_start, dst_start, length)` runs over which both id lists increase by one."""
+    n = len(src)
+    if n and len(dst) == n:  # one run (a chunk of fresh blocks, usually): checked at C speed
+        s0, d0 = src[0], dst[0]
+        if _is_range(src, s0, n) and _is_range(dst, d0, n):
+            return [(s0, d0, n)]
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src, dst, strict=True):
         if runs:
@@ -179,6 +184,15 @@ def consecutive_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, 
                 continue
         runs.append((s, d, 1))
     return runs
+
+
+def _is_range(ids: Sequence[int], start: int, n: int) -> bool:
+    """Whether `ids` (of length `n`) are the ints `start, start + 1, ...`."""
+    if type(ids) is range:
+        return ids.step == 1
+    if type(start) is not int or ids[-1] != start + n - 1:
+        return False
+    return list(ids) == list(range(start, start + n))
 
 
 def valid_block_ids(ids: Sequence[int], num_blocks: int) -> bool:

@@ -214,3 +214,90 @@ def test_a_receiver_gone_is_reported_by_poll_not_raised_by_send() -> None:
             time.sleep(0.05)
         errors = [m.header for m in h.collect(sender, 1, 10.0)]
         assert errors and errors[0]["type"] == "transport_error"
+
+
+def _reader(receiver: ShmTransport) -> Any:
+    """The receiver's pull reader (its one connection's)."""
+    (conn,) = list(receiver._conns)
+    assert conn.state.reader is not None
+    return conn.state.reader
+
+
+def _backlog(
+    monkeypatch: pytest.MonkeyPatch, reads: list[tuple[str, int]], fail_at: int | None = None
+) -> None:
+    """Groups of two blocks' pages; every page read recorded as (thread name, run count), the
+    read number `fail_at` (0-based) failing."""
+    import threading
+
+    from tandem.kv_transfer import _shm_pull
+
+    real_read = _shm_pull._cross_memory.read
+
+    def recording(pid: int, runs: Any) -> None:
+        reads.append((threading.current_thread().name, len(runs)))
+        if len(reads) - 1 == fail_at:
+            raise OSError("read failed (test)")
+        real_read(pid, runs)
+
+    monkeypatch.setattr(_shm_pull._cross_memory, "read", recording)
+    bytes_per_block = 2 * 16 * 4 * 64 * 2 * 4  # (h.POOL, float32)
+    monkeypatch.setattr(_shm_pull, "GROUP_BYTES", 2 * bytes_per_block)
+
+
+MOVES = [([2 * n, 2 * n + 1], [40 - 2 * n, 41 - 2 * n]) for n in range(8)] + [([30, 17], [5, 3])]
+"""Source and destination blocks of a backlog's messages (runs and scattered ids)."""
+
+
+@needs_pull
+def test_a_backlog_is_read_a_group_at_a_time_and_delivered_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Messages that a look finds together are read in groups of `GROUP_BYTES` on the copy
+    thread while the reader parses the next; they arrive in ring order, pages byte-exact. A
+    look that finds one message reads it on the reader's own thread."""
+    reads: list[tuple[str, int]] = []
+    _backlog(monkeypatch, reads)
+    with pull_link() as (sender, receiver, pool, target):
+        reader = _reader(receiver)
+        with reader._lock:  # (the reader cannot look until all are in the ring)
+            for n, (src, dst) in enumerate(MOVES):
+                sender.send(receiver.address, h.manifest_header(f"m{n}", dst), src)
+        got = h.collect(receiver, len(MOVES), 10.0)
+        assert [m.header["request_id"] for m in got] == [f"m{n}" for n in range(len(MOVES))]
+        assert all(m.header["direct"] is True and m.pages is None for m in got)
+        digests, source = h.block_digests(target), h.block_digests(pool)
+        for src, dst in MOVES:
+            assert [digests[d] for d in dst] == [source[s] for s in src]
+        # 9 messages of two blocks: 8 groups of one run each, the scattered one (two runs) last
+        assert [count for _, count in reads] == [1] * 8 + [2]
+        assert {name.split("_")[0] for name, _ in reads} == {"tandem-kv-pull-copy"}
+        del reads[:]
+        sender.send(receiver.address, h.manifest_header("alone", [7]), [8])
+        (alone,) = h.collect(receiver, 1, 10.0)
+        assert alone.header["request_id"] == "alone" and len(reads) == 1
+        assert not reads[0][0].startswith("tandem-kv-pull-copy")
+        assert h.block_digests(target)[7] == source[8]
+    time.sleep(0.2)
+    import threading
+
+    assert not [t for t in threading.enumerate() if t.name.startswith("tandem-kv-pull-copy")]
+
+
+@needs_pull
+def test_a_failed_group_read_delivers_none_of_that_group_and_ends_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The groups read before a failed read arrive; the failed one and those after it do not
+    (their pages may be partial), and the sender hears that the link broke."""
+    reads: list[tuple[str, int]] = []
+    _backlog(monkeypatch, reads, fail_at=3)
+    with pull_link() as (sender, receiver, _, _):
+        reader = _reader(receiver)
+        with reader._lock:
+            for n, (src, dst) in enumerate(MOVES):
+                sender.send(receiver.address, h.manifest_header(f"m{n}", dst), src)
+        got = [m.header["request_id"] for m in h.collect(receiver, len(MOVES), 2.0)]
+        assert got == ["m0", "m1", "m2"]
+        errors = [m.header for m in h.collect(sender, 1, 10.0)]
+        assert errors and errors[0]["type"] == "transport_error"
