@@ -224,10 +224,13 @@ def _reader(receiver: ShmTransport) -> Any:
 
 
 def _backlog(
-    monkeypatch: pytest.MonkeyPatch, reads: list[tuple[str, int]], fail_at: int | None = None
+    monkeypatch: pytest.MonkeyPatch,
+    reads: list[tuple[str, int]],
+    fail_at: int | None = None,
+    copy_threads: int = 1,
 ) -> None:
-    """Groups of two blocks' pages; every page read recorded as (thread name, run count), the
-    read number `fail_at` (0-based) failing."""
+    """Groups of two blocks' pages read by `copy_threads`; every page read recorded as (thread
+    name, run count), the read number `fail_at` (0-based) failing."""
     import threading
 
     from tandem.kv_transfer import _shm_pull
@@ -243,6 +246,7 @@ def _backlog(
     monkeypatch.setattr(_shm_pull._cross_memory, "read", recording)
     bytes_per_block = 2 * 16 * 4 * 64 * 2 * 4  # (h.POOL, float32)
     monkeypatch.setattr(_shm_pull, "GROUP_BYTES", 2 * bytes_per_block)
+    monkeypatch.setattr(_shm_pull, "COPY_THREADS", copy_threads)
 
 
 MOVES = [([2 * n, 2 * n + 1], [40 - 2 * n, 41 - 2 * n]) for n in range(8)] + [([30, 17], [5, 3])]
@@ -282,6 +286,48 @@ def test_a_backlog_is_read_a_group_at_a_time_and_delivered_in_order(
     import threading
 
     assert not [t for t in threading.enumerate() if t.name.startswith("tandem-kv-pull-copy")]
+
+
+@needs_pull
+def test_copy_threads_read_a_share_of_each_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two copy threads each group is read in two shares (here a block each), on those
+    threads; the pages land byte-exact and the messages arrive in ring order."""
+    reads: list[tuple[str, int]] = []
+    _backlog(monkeypatch, reads, copy_threads=2)
+    with pull_link() as (sender, receiver, pool, target):
+        reader = _reader(receiver)
+        with reader._lock:
+            for n, (src, dst) in enumerate(MOVES):
+                sender.send(receiver.address, h.manifest_header(f"m{n}", dst), src)
+        got = h.collect(receiver, len(MOVES), 10.0)
+        assert [m.header["request_id"] for m in got] == [f"m{n}" for n in range(len(MOVES))]
+        digests, source = h.block_digests(target), h.block_digests(pool)
+        for src, dst in MOVES:
+            assert [digests[d] for d in dst] == [source[s] for s in src]
+        assert sorted(count for _, count in reads) == [1] * 18
+        assert len({name for name, _ in reads}) == 2
+        assert all(name.startswith("tandem-kv-pull-copy") for name, _ in reads)
+
+
+def test_split_runs_cuts_copies_into_equal_shares_in_order() -> None:
+    from tandem.kv_transfer._shm_pull import split_runs
+
+    assert split_runs([(0, 1000, 8192)], 2) == [[(0, 1000, 4096)], [(4096, 5096, 4096)]]
+    three = [(0, 0, 4096), (10_000, 20_000, 12_288), (50_000, 60_000, 4096)]
+    assert split_runs(three, 2) == [
+        [(0, 0, 4096), (10_000, 20_000, 8192)],
+        [(18_192, 28_192, 4096), (50_000, 60_000, 4096)],
+    ]
+    assert split_runs(three, 1) == [three]
+    assert split_runs([(0, 0, 100)], 2) == [[(0, 0, 100)]]  # (cut at 4 KiB multiples only)
+    assert split_runs([(0, 0, 6000)], 2, align=1) == [[(0, 0, 3000)], [(3000, 3000, 3000)]]
+    assert split_runs([], 2) == []
+    for parts in (1, 2, 3, 5):
+        out = split_runs(three, parts, align=8)
+        assert len(out) <= parts
+        flat = [run for part in out for run in part]
+        assert sum(n for *_, n in flat) == 20_480
+        assert flat[0][:2] == (0, 0) and flat[-1][0] + flat[-1][2] == 54_096
 
 
 @needs_pull
