@@ -253,6 +253,13 @@ MOVES = [([2 * n, 2 * n + 1], [40 - 2 * n, 41 - 2 * n]) for n in range(8)] + [([
 """Source and destination blocks of a backlog's messages (runs and scattered ids)."""
 
 
+def _send_moves_at_once(sender: ShmTransport, receiver: ShmTransport) -> None:
+    """`MOVES` into the ring while its reader cannot look: one look finds them all."""
+    with _reader(receiver)._lock:
+        for n, (src, dst) in enumerate(MOVES):
+            sender.send(receiver.address, h.manifest_header(f"m{n}", dst), src)
+
+
 @needs_pull
 def test_a_backlog_is_read_a_group_at_a_time_and_delivered_in_order(
     monkeypatch: pytest.MonkeyPatch,
@@ -263,10 +270,7 @@ def test_a_backlog_is_read_a_group_at_a_time_and_delivered_in_order(
     reads: list[tuple[str, int]] = []
     _backlog(monkeypatch, reads)
     with pull_link() as (sender, receiver, pool, target):
-        reader = _reader(receiver)
-        with reader._lock:  # (the reader cannot look until all are in the ring)
-            for n, (src, dst) in enumerate(MOVES):
-                sender.send(receiver.address, h.manifest_header(f"m{n}", dst), src)
+        _send_moves_at_once(sender, receiver)
         got = h.collect(receiver, len(MOVES), 10.0)
         assert [m.header["request_id"] for m in got] == [f"m{n}" for n in range(len(MOVES))]
         assert all(m.header["direct"] is True and m.pages is None for m in got)
@@ -295,10 +299,7 @@ def test_copy_threads_read_a_share_of_each_group(monkeypatch: pytest.MonkeyPatch
     reads: list[tuple[str, int]] = []
     _backlog(monkeypatch, reads, copy_threads=2)
     with pull_link() as (sender, receiver, pool, target):
-        reader = _reader(receiver)
-        with reader._lock:
-            for n, (src, dst) in enumerate(MOVES):
-                sender.send(receiver.address, h.manifest_header(f"m{n}", dst), src)
+        _send_moves_at_once(sender, receiver)
         got = h.collect(receiver, len(MOVES), 10.0)
         assert [m.header["request_id"] for m in got] == [f"m{n}" for n in range(len(MOVES))]
         digests, source = h.block_digests(target), h.block_digests(pool)
@@ -339,10 +340,7 @@ def test_a_failed_group_read_delivers_none_of_that_group_and_ends_the_connection
     reads: list[tuple[str, int]] = []
     _backlog(monkeypatch, reads, fail_at=3)
     with pull_link() as (sender, receiver, _, _):
-        reader = _reader(receiver)
-        with reader._lock:
-            for n, (src, dst) in enumerate(MOVES):
-                sender.send(receiver.address, h.manifest_header(f"m{n}", dst), src)
+        _send_moves_at_once(sender, receiver)
         got = [m.header["request_id"] for m in h.collect(receiver, len(MOVES), 2.0)]
         assert got == ["m0", "m1", "m2"]
         errors = [m.header for m in h.collect(sender, 1, 10.0)]
