@@ -12,7 +12,6 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.ray
-DEPLOYMENT = "1x1"  # (conftest groups the tests by deployment)
 
 Samples = dict[str, float]
 
