@@ -122,7 +122,7 @@ def test_tandem_serve_answers_and_stops_on_ctrl_c(
     try:
         wait_ready(f"http://127.0.0.1:{port}", timeout=180)
         text = complete(port, "tiny-llama")
-        wait_ready(f"http://127.0.0.1:{direct_port}", timeout=30)
+        wait_ready(f"http://127.0.0.1:{direct_port}", timeout=90)
         assert complete(direct_port, "tiny-llama") == text  # the router's own port
         result = bench(port, isolated_env, tmp_path / "bench.json")
         streaming = streams_started(port, "tiny-llama", count=3, max_tokens=1500)
