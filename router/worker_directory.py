@@ -32,6 +32,12 @@ STALE_S = 10.0  # a worker silent this long (no heartbeat) is dropped
 REFUSING_S = 5.0  # how long a decode worker's refusal for want of room makes reserving serial
 
 
+WORKER_WAIT_S = 60.0
+"""How long a request waits for a worker of a role that has none live (a rolling update whose
+old workers all drain before the new ones are up; a new replica took 28-39 s to start on a
+slow 2-core host, past the 30 s this was)."""
+
+
 @dataclass
 class Worker:
     worker_id: str
@@ -213,7 +219,7 @@ class WorkerDirectory:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def wait_for(self, role: str, timeout: float = 30.0) -> list[Worker]:
+    async def wait_for(self, role: str, timeout: float = WORKER_WAIT_S) -> list[Worker]:
         """The live workers of `role`, waiting up to `timeout` for a first one to appear
         (not at all once `stop_waiting` was called)."""
         loop = asyncio.get_running_loop()
@@ -231,7 +237,7 @@ class WorkerDirectory:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), remaining)
 
-    async def pick(self, role: str, timeout: float = 30.0) -> Worker:
+    async def pick(self, role: str, timeout: float = WORKER_WAIT_S) -> Worker:
         """The least-loaded live worker of `role`."""
         return min(await self.wait_for(role, timeout), key=Worker.load)
 
