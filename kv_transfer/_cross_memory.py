@@ -221,3 +221,23 @@ def remote_pool(described: object, sock: socket.socket) -> RemotePool | None:
     if pid != peer_pid(sock) or not address:
         return None
     return place if allowed(pid, address) else None
+
+
+def split_runs(
+    runs: list[tuple[int, int, int]], parts: int, align: int = 4096
+) -> list[list[tuple[int, int, int]]]:
+    """`(local, remote, nbytes)` copies cut into at most `parts` lists of about equal bytes, in
+    order; a run is cut at a multiple of `align` bytes from its start. Empty lists are left out."""
+    total = sum(n for _, _, n in runs)
+    share = -(-total // max(1, parts) // align) * align if total else 0
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for local, remote, n in runs:
+        while n:
+            if room == 0:
+                out.append([])
+                room = share
+            take = min(n, room)
+            out[-1].append((local, remote, take))
+            local, remote, n, room = local + take, remote + take, n - take, room - take
+    return [part for part in out if part]

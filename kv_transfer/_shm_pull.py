@@ -326,7 +326,10 @@ class PullReader:
             self._copy_thread = ThreadPoolExecutor(
                 COPY_THREADS, thread_name_prefix="tandem-kv-pull-copy"
             )
-        return [self._copy_thread.submit(self._read, s) for s in split_runs(runs, COPY_THREADS)]
+        return [
+            self._copy_thread.submit(self._read, s)
+            for s in _cross_memory.split_runs(runs, COPY_THREADS)
+        ]
 
     def _deliver(self, pages_read: list[Future[None]], messages: list[Message]) -> None:
         """Delivers `messages` once their pages are in (`pages_read` done)."""
@@ -377,26 +380,6 @@ class PullReader:
         runs += source.runs(pages.data_ptr(), range(len(src)), src)
         header["direct"] = False
         return Message(self.peer, header, pages)
-
-
-def split_runs(
-    runs: list[tuple[int, int, int]], parts: int, align: int = 4096
-) -> list[list[tuple[int, int, int]]]:
-    """`(local, remote, nbytes)` copies cut into at most `parts` lists of about equal bytes, in
-    order; a run is cut at a multiple of `align` bytes from its start. Empty lists are left out."""
-    total = sum(n for _, _, n in runs)
-    share = -(-total // max(1, parts) // align) * align if total else 0
-    out: list[list[tuple[int, int, int]]] = [[]]
-    room = share
-    for local, remote, n in runs:
-        while n:
-            if room == 0:
-                out.append([])
-                room = share
-            take = min(n, room)
-            out[-1].append((local, remote, take))
-            local, remote, n, room = local + take, remote + take, n - take, room - take
-    return [part for part in out if part]
 
 
 def _json_record(record: bytes) -> tuple[dict[str, Any], list[int]]:

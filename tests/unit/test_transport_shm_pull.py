@@ -311,7 +311,7 @@ def test_copy_threads_read_a_share_of_each_group(monkeypatch: pytest.MonkeyPatch
 
 
 def test_split_runs_cuts_copies_into_equal_shares_in_order() -> None:
-    from tandem.kv_transfer._shm_pull import split_runs
+    from tandem.kv_transfer._cross_memory import split_runs
 
     assert split_runs([(0, 1000, 8192)], 2) == [[(0, 1000, 4096)], [(4096, 5096, 4096)]]
     three = [(0, 0, 4096), (10_000, 20_000, 12_288), (50_000, 60_000, 4096)]
