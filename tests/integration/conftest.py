@@ -2,6 +2,11 @@
 
 `deploy_tandem(**config)` (re)deploys the application with a `ClusterConfig` and returns its
 base URL; the cluster, Serve's HTTP port and the gRPC port stay the same across deployments.
+
+A deployment takes 15-30 s to start here, so the tests run grouped by the one they use (see
+`pytest_collection_modifyitems`): every test on 1 prefill + 1 decode, then every test on 2 + 2,
+then the modules that deploy their own configs. A module says which default it uses with
+`DEPLOYMENT = "1x1"` or `"2x2"`, or through the `base_url` fixture's parameter.
 """
 
 from __future__ import annotations
@@ -27,6 +32,28 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
     return port
+
+
+DEPLOYMENT_GROUPS = {"1x1": 0, "1x1-direct": 0, "2x2": 1}
+"""The order of the default deployments; tests on none of them (their own configs) come last."""
+
+
+def deployment_group(item: pytest.Item) -> int:
+    callspec = getattr(item, "callspec", None)
+    name = callspec.params.get("base_url") if callspec is not None else None
+    if name is None:
+        name = getattr(getattr(item, "module", None), "DEPLOYMENT", None)
+    return DEPLOYMENT_GROUPS.get(str(name), len(set(DEPLOYMENT_GROUPS.values())))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Integration tests grouped by deployment (stable: module and test order are kept within
+    a group), in the places the integration tests held among the others."""
+    here = Path(__file__).parent
+    places = [i for i, item in enumerate(items) if here in item.path.parents]
+    ordered = sorted((items[i] for i in places), key=deployment_group)
+    for place, item in zip(places, ordered, strict=True):
+        items[place] = item
 
 
 class Cluster:

@@ -12,6 +12,7 @@ import requests
 from tests.integration.conftest import Cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+DEPLOYMENT = "1x1"  # (conftest groups the tests by deployment)
 
 DEADLINE_MS = 600.0
 

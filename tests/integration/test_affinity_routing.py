@@ -13,6 +13,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tests.integration.conftest import Cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+DEPLOYMENT = "2x2"  # (conftest groups the tests by deployment)
 
 BS = 16
 

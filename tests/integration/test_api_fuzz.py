@@ -18,6 +18,7 @@ from tests.integration.conftest import Cluster
 from tests.integration.openai_shared import wait_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+DEPLOYMENT = "1x1"  # (conftest groups the tests by deployment)
 
 TOOL = {
     "type": "function",

@@ -11,6 +11,7 @@ import requests
 from tests.integration.conftest import Cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+DEPLOYMENT = "1x1"  # (conftest groups the tests by deployment)
 
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

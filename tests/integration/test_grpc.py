@@ -16,6 +16,7 @@ from tandem.router.grpc import generation_pb2, generation_pb2_grpc
 from tests.integration.conftest import Cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+DEPLOYMENT = "1x1"  # (conftest groups the tests by deployment)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.ray
+DEPLOYMENT = "1x1"  # (conftest groups the tests by deployment)
 
 Samples = dict[str, float]
 

@@ -16,6 +16,7 @@ from tests.integration.conftest import Cluster
 from tests.integration.openai_shared import TOOLS, client, wait_baseline
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+DEPLOYMENT = "1x1"  # (conftest groups the tests by deployment)
 
 QUESTION = "tandem serves prefill and decode on separate workers"
 WEATHER = {"type": "function", **TOOLS[0]["function"]}

@@ -22,6 +22,7 @@ from tandem.deploy.dashboards.panels import DASHBOARDS
 from tests.integration.conftest import free_port
 
 pytestmark = pytest.mark.ray
+DEPLOYMENT = "1x1"  # (conftest groups the tests by deployment)
 
 SCRAPE_S = 1
 
