@@ -63,6 +63,7 @@ def decode_main(
     conn.send(("ready", transport.address))
     tokens: dict[str, list[int]] = {}
     cancel_once_streaming: set[str] = set()
+    tell_once_streaming: set[str] = set()
     try:
         while True:
             for rid in list(cancel_once_streaming):  # a decode-side cancel mid-stream
@@ -70,12 +71,20 @@ def decode_main(
                 if res is None or res.peer is not None:
                     cancel_once_streaming.discard(rid)
                     receiver.cancel(rid)
+            for rid in list(tell_once_streaming):  # a "streaming" event once a chunk is in
+                res = receiver.reservations.get(rid)
+                if res is None or res.peer is not None:
+                    tell_once_streaming.discard(rid)
+                    streaming = res is not None
+                    conn.send(("event", {"kind": "streaming", "request_id": rid, "ok": streaming}))
             if conn.poll():
                 cmd, *args = conn.recv()
                 if cmd == "stop":
                     break
                 if cmd == "cancel":  # once the first chunk arrived, so the sender is known
                     cancel_once_streaming.add(args[0])
+                if cmd == "tell_streaming":
+                    tell_once_streaming.add(args[0])
                 if cmd == "reserve":
                     rid, prompt, params = args
                     conn.send(
@@ -242,6 +251,12 @@ class PDProcesses:
         """Prefill on the prefill side with no reservation (nothing is sent); end it with
         `cancel_prefill` once its first token is out."""
         self.prefill_conn.send(("start", rid, prompt, params, None))
+
+    def wait_streaming(self, rid: str, timeout: float = 30.0) -> bool:
+        """Until the decode side has the first chunk of `rid` (True), or no longer holds its
+        reservation (False)."""
+        self.decode_conn.send(("tell_streaming", rid))
+        return bool(self.wait_event(self.decode_conn, "streaming", rid, timeout)["ok"])
 
     def cancel_prefill(self, rid: str) -> None:
         self.prefill_conn.send(("cancel", rid))

@@ -153,9 +153,16 @@ def test_forced_tool_calls(base_url: str) -> None:
     again = c.chat.completions.create(model="tiny", messages=follow, max_tokens=4)  # type: ignore[arg-type]
     assert again.choices[0].finish_reason in ("length", "stop")
     # "auto" (the default with tools): the tiny model writes no call, so its text is the content
-    auto = c.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=6)  # type: ignore[arg-type]
+    # (it may end early: which of its near-tied tokens wins moves with the prefix cache's history)
+    auto = c.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        max_tokens=6,
+        temperature=0,
+    )
     assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content
-    assert auto.choices[0].finish_reason == "length"
+    assert auto.choices[0].finish_reason in ("length", "stop")
 
 
 def test_auto_tool_calls_stream_the_content_before_the_call(base_url: str) -> None:

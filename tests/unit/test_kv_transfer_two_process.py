@@ -61,15 +61,20 @@ def test_two_process_transfer_is_exact(transport: str, model: str) -> None:
 def test_sender_killed_mid_stream(transport: str, model: str) -> None:
     if not _available(transport):
         pytest.skip(f"transport {transport!r} is not installed here")
-    pd = PDProcesses(model, transport, chunk_blocks=2)
+    pd = PDProcesses(model, transport, chunk_blocks=2, lease_s=30.0)
     try:
-        prompt = [(3 * i) % 500 + 1 for i in range(16 * 60)]
+        prompt = [(3 * i) % 500 + 1 for i in range(16 * 120)]  # 120 blocks: 60 chunks
         pd.start("k", prompt, {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True})
-        pd.prefill.kill()
+        assert pd.wait_streaming("k"), "the reservation ended before its first chunk came"
+        pd.prefill.kill()  # mid-stream: pages have come, more are due
+        killed = time.monotonic()
         failed = pd.wait_event(pd.decode_conn, "failed", "k", timeout=30)
         assert failed["error"]
+        # Found by the stall timeout (3 s here) or the lost link, well before the 30 s lease.
+        assert time.monotonic() - killed < 15, failed
+        assert "lease" not in failed["error"], failed
         # Blocks a dead sender might still have been writing are held for the stall timeout.
-        deadline = time.monotonic() + 10  # the lease
+        deadline = time.monotonic() + 10
         while (free_total := pd.check_decode())[0] != free_total[1]:
             assert time.monotonic() < deadline, f"decode holds blocks: {free_total}"
             time.sleep(0.1)
