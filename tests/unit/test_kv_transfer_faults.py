@@ -2,8 +2,8 @@
 shared by the cases), each case followed by integrity checks on both sides and an exact request.
 
 Cases: the receiver cancels mid-stream (the sender unpins), a lease expires, a manifest that does
-not match the decode model, and a peer with the wrong cluster token. ("Sender killed" lives in
-`test_kv_transfer_two_process.py`: it ends its pair.)
+not match the decode model, a peer with the wrong cluster token, and last (it ends its pair) the
+sender killed mid-stream.
 """
 
 from __future__ import annotations
@@ -113,3 +113,23 @@ def test_wrong_cluster_token(pd: PDProcesses, expected_next: list[int]) -> None:
     event = _event(pd, "decode", "failed", "wt")
     assert "lease expired" in (event["error"] or "")
     _settled_and_exact(pd, expected_next, "wt-next")
+
+
+@pytest.mark.slow
+def test_sender_killed_mid_stream(pd: PDProcesses) -> None:
+    """The last case of each pair: its prefill process dies."""
+    prompt = [(3 * i) % 500 + 1 for i in range(16 * 120)]  # 120 blocks: 60 chunks
+    pd.start("k", prompt, {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True})
+    assert pd.wait_streaming("k"), "the reservation ended before its first chunk came"
+    pd.prefill.kill()  # mid-stream: pages have come, more are due
+    killed = time.monotonic()
+    failed = _event(pd, "decode", "failed", "k")
+    # Found by the stall timeout (1.5 s here) or the lost link: not by the lease, which ended
+    # with the first chunk.
+    assert failed["error"] and "lease" not in failed["error"], failed
+    assert time.monotonic() - killed < 15, failed
+    # Blocks a dead sender might still have been writing are held for the stall timeout.
+    deadline = time.monotonic() + 10
+    while (free_total := pd.check_decode())[0] != free_total[1]:
+        assert time.monotonic() < deadline, f"decode holds blocks: {free_total}"
+        time.sleep(0.1)
