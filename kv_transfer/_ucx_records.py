@@ -29,10 +29,6 @@ class _Out:
     staging: torch.Tensor | None = None
     deadline: float = 0.0
 
-    def completed(self) -> bool:
-        """UCX is done with every frame of the message (sent, or failed)."""
-        return all(r.completed for r in self.requests)
-
 
 @dataclass
 class _Link:

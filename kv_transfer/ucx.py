@@ -47,13 +47,7 @@ from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer._hugepages import allocate_hugepage_pool
 from tandem.kv_transfer._socket_channel import request_id_of
 from tandem.kv_transfer._ucx_records import _Conn, _Link, _Out, _run_start, _Rx
-from tandem.kv_transfer.base import (
-    EncodedHeader,
-    KVTransport,
-    Message,
-    drain_inbox,
-    header_json,
-)
+from tandem.kv_transfer.base import EncodedHeader, KVTransport, Message, drain_inbox
 from tandem.kv_transfer.manifest import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets variables UCX 1.21 lacks
@@ -103,7 +97,6 @@ class UcxTransport(KVTransport):
         self._address = "ucx:" + self._worker.address.tobytes().hex()
         self._pool: KVCachePool | None = None
         self._pool_rows: np.ndarray | None = None  # the pool's blocks as rows of bytes (a view)
-        self._dtype_name = ""
         self._lock = threading.Lock()  # every UCX call; all state but _commands and _inbox
         self._commands: deque[tuple[str, _Out]] = deque()  # appended to without the lock
         self._inbox: queue.Queue[Message] = queue.Queue()
@@ -145,7 +138,6 @@ class UcxTransport(KVTransport):
             raise TransferError("the ucx transport moves CPU pools only")
         self._pool = pool
         self._pool_rows = pool.tensor.view(torch.uint8).reshape(pool.num_blocks, -1).numpy()
-        self._dtype_name = str(pool.dtype).removeprefix("torch.")
 
     def send(self, peer: str, header: dict[str, Any], src_block_ids: Sequence[int] = ()) -> None:
         if self._closed:
@@ -153,12 +145,9 @@ class UcxTransport(KVTransport):
         ids = list(map(int, src_block_ids))
         if ids and not (min(ids) >= 0 and max(ids) < (self._pool.num_blocks if self._pool else 0)):
             raise TransferError(f"block ids {ids} are not in the registered pool")
-        # Encoded now, with a copy to read (the caller may change its dict later), unless it
-        # comes encoded already; the progress thread only splices the text into its frame.
-        if not isinstance(header, EncodedHeader):
-            text = header_json(header)
-            header = EncodedHeader(json.loads(text), text)
-        self._commands.append((peer, _Out(header, ids)))
+        # A JSON copy (the caller may change its dict later), unless it comes encoded already.
+        copy = header if isinstance(header, EncodedHeader) else json.loads(json.dumps(header))
+        self._commands.append((peer, _Out(copy, ids)))
         self._wake.set()
 
     def poll(self, timeout: float = 0.0) -> list[Message]:
@@ -278,20 +267,16 @@ class UcxTransport(KVTransport):
         link.inflight.append(self._send_frames(link, _Out({}, []), hello))
         return link
 
-    def _send_frames(
-        self, link: _Link, out: _Out, body: dict[str, Any] | str, pages: Any = None, seq: int = 0
-    ) -> _Out:
-        """Sends a JSON frame (`body`, or its text) and then, if any, the pages of frame `seq`."""
+    def _send_frames(self, link: _Link, out: _Out, body: dict[str, Any], pages: Any = None) -> _Out:
         out.deadline = time.monotonic() + self.send_timeout_s
-        text = body if isinstance(body, str) else json.dumps(body)
-        frames = [(np.frombuffer(bytearray(text.encode()), dtype=np.uint8), 0)]
+        frames = [(np.frombuffer(bytearray(json.dumps(body).encode()), dtype=np.uint8), 0)]
         if pages is not None:
             raw = (
                 pages
                 if isinstance(pages, np.ndarray)
                 else pages.reshape(-1).view(torch.uint8).numpy()
             )
-            frames.append((raw, _PAGES | seq % _PAGES))
+            frames.append((raw, _PAGES | body["seq"] % _PAGES))
         for raw, low in frames:
             out.keep.append(raw)
             out.requests.append(link.ep.tag_send(Array(raw), _tag(link.conn, low)))
@@ -299,14 +284,14 @@ class UcxTransport(KVTransport):
 
     def _pump_link(self, peer: str, link: _Link) -> bool:
         active = False
-        while link.inflight and link.inflight[0].completed():
-            try:
+        while link.inflight and all(r.completed for r in link.inflight[0].requests):
+            with contextlib.suppress(Exception):
                 for r in link.inflight[0].requests:
                     r.check_error()
-            except Exception:
-                return self._fail_link(peer, link, "send failed")
-            done, active = link.inflight.popleft(), True
-            link.spare = link.spare if done.staging is None else done.staging
+                done, active = link.inflight.popleft(), True
+                link.spare = link.spare if done.staging is None else done.staging
+                continue
+            return self._fail_link(peer, link, "send failed")
         late = time.monotonic() > (link.inflight[0].deadline if link.inflight else link.deadline)
         if not link.watch.alive or (late and (link.inflight or not link.welcomed)):
             why = "timed out" if link.welcomed else "no welcome (wrong cluster token?)"
@@ -333,12 +318,11 @@ class UcxTransport(KVTransport):
                 torch.index_select(pool.tensor, 0, torch.tensor(msg.block_ids), out=pages)
             manifest = msg.header.get("manifest")
             dst = manifest.get("dst_block_ids") if isinstance(manifest, dict) else None
-            meta = {"shape": pool.blocks_shape(n), "dtype": self._dtype_name}
+            meta = {"shape": pool.blocks_shape(n), "dtype": str(pool.dtype)[6:]}
             meta["direct"] = msg.header.get("direct") is not False
             meta["dst_start"] = _run_start(dst) if isinstance(dst, list) and len(dst) == n else None
-        # {"seq", "pages", "header"}, the header's text spliced in as it came
-        text = f'{{"seq": {seq}, "pages": {json.dumps(meta)}, "header": {header_json(msg.header)}}}'
-        return self._send_frames(link, msg, text, pages, seq)
+        body = {"seq": seq, "header": msg.header, "pages": meta}
+        return self._send_frames(link, msg, body, pages)
 
     def _fail_link(self, peer: str, link: _Link, error: str) -> bool:
         rids = [request_id_of(m.header) for m in [*link.inflight, *link.queue]]
