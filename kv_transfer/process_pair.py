@@ -62,29 +62,27 @@ def decode_main(
     receiver = KVReceiver(engine, transport, lease_s=lease_s, stall_timeout_s=stall_timeout_s)
     conn.send(("ready", transport.address))
     tokens: dict[str, list[int]] = {}
-    cancel_once_streaming: set[str] = set()
-    tell_once_streaming: set[str] = set()
+    # What to do once a request's first chunk has arrived (so the sender is known), or its
+    # reservation ended: "cancel" (a decode-side cancel mid-stream) or "tell_streaming" (an event)
+    once_streaming: dict[str, str] = {}
     try:
         while True:
-            for rid in list(cancel_once_streaming):  # a decode-side cancel mid-stream
+            for rid, action in list(once_streaming.items()):
                 res = receiver.reservations.get(rid)
-                if res is None or res.peer is not None:
-                    cancel_once_streaming.discard(rid)
+                if res is not None and res.peer is None:
+                    continue
+                del once_streaming[rid]
+                if action == "cancel":
                     receiver.cancel(rid)
-            for rid in list(tell_once_streaming):  # a "streaming" event once a chunk is in
-                res = receiver.reservations.get(rid)
-                if res is None or res.peer is not None:
-                    tell_once_streaming.discard(rid)
-                    streaming = res is not None
-                    conn.send(("event", {"kind": "streaming", "request_id": rid, "ok": streaming}))
+                else:
+                    streaming = {"kind": "streaming", "request_id": rid, "ok": res is not None}
+                    conn.send(("event", streaming))
             if conn.poll():
                 cmd, *args = conn.recv()
                 if cmd == "stop":
                     break
-                if cmd == "cancel":  # once the first chunk arrived, so the sender is known
-                    cancel_once_streaming.add(args[0])
-                if cmd == "tell_streaming":
-                    tell_once_streaming.add(args[0])
+                if cmd in ("cancel", "tell_streaming"):
+                    once_streaming[args[0]] = cmd
                 if cmd == "reserve":
                     rid, prompt, params = args
                     conn.send(

@@ -51,14 +51,13 @@ def stop(
     """Ctrl-C, and the process's output once it has stopped (AssertionError if it does not in
     `timeout` s). `second_after`: a second Ctrl-C if it still runs after that many seconds."""
     proc.send_signal(signal.SIGINT)
+    if second_after is not None:
+        try:
+            return proc.communicate(timeout=second_after)[0]
+        except subprocess.TimeoutExpired:
+            print(f"still running {second_after} s after Ctrl-C: a second one")
+            proc.send_signal(signal.SIGINT)
     try:
-        if second_after is not None:
-            try:
-                out, _ = proc.communicate(timeout=second_after)
-                return out
-            except subprocess.TimeoutExpired:
-                print(f"still running {second_after} s after Ctrl-C: a second one")
-                proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
