@@ -6,6 +6,7 @@ joining the one the other integration tests share.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,30 +41,57 @@ def isolated_env() -> Iterator[dict[str, str]]:
         "TANDEM_CACHE_DIR": f"{tmp}/cache",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_AUTH_MODE": "disabled",
+        "PYTHONUNBUFFERED": "1",  # its own lines in order with Ray's, should it fail to stop
     }
     env.pop("RAY_ADDRESS", None)
     yield env
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def stop(
-    proc: subprocess.Popen[str], timeout: float = 60, second_after: float | None = None
-) -> str:
+def stop(proc: subprocess.Popen[str], timeout: float = 60) -> str:
     """Ctrl-C, and the process's output once it has stopped (AssertionError if it does not in
-    `timeout` s). `second_after`: a second Ctrl-C if it still runs after that many seconds."""
+    `timeout` s)."""
     proc.send_signal(signal.SIGINT)
-    if second_after is not None:
-        try:
-            return proc.communicate(timeout=second_after)[0]
-        except subprocess.TimeoutExpired:
-            print(f"still running {second_after} s after Ctrl-C: a second one")
-            proc.send_signal(signal.SIGINT)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, _ = proc.communicate()
         raise AssertionError(f"did not stop on SIGINT within {timeout}s:\n{out[-3000:]}") from None
+    return out
+
+
+# The `serve` console script, plus a stack dump of every thread on SIGUSR1.
+SERVE_CLI = (
+    "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+    "from ray.serve.scripts import cli; sys.argv[0] = 'serve'; sys.exit(cli())"
+)
+
+
+def stop_ray_serve_run(proc: subprocess.Popen[str]) -> str:
+    """Stop Ray's `serve run` as a user would: Ctrl-C, again after 30 s, then `kill` (its
+    SIGTERM handler exits too); then SIGKILL to its process group (the Ray cluster it started).
+
+    Ray's CLI, not ours, decides how Ctrl-C is handled; it stops in ~5 s here, but twice in CI
+    it went on for 90 s with no sign of it, so a hang prints every thread's stack and warns
+    instead of failing: `tandem serve`'s own Ctrl-C is held to account in the test above."""
+    steps = [(signal.SIGINT, 30.0), (signal.SIGINT, 30.0), (signal.SIGUSR1, 2.0),
+             (signal.SIGTERM, 30.0)]  # fmt: skip
+    stopped_by = None
+    for step, (sig, wait_s) in enumerate(steps):
+        proc.send_signal(sig)
+        try:
+            proc.communicate(timeout=wait_s)  # (reads on: a full pipe would block its logger)
+            stopped_by = f"{sig.name} (step {step + 1})"
+            break
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # Ray made the driver its group's leader
+    out, _ = proc.communicate(timeout=30)  # (all of it: communicate keeps what it read so far)
+    if stopped_by != "SIGINT (step 1)":
+        warnings.warn(f"`serve run` went on after Ctrl-C; stopped by {stopped_by or 'SIGKILL'}"
+                      f":\n{out[-8000:]}", stacklevel=1)  # fmt: skip
     return out
 
 
@@ -169,13 +198,11 @@ def test_serve_run_on_the_committed_config(isolated_env: dict[str, str], tmp_pat
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     proc = subprocess.Popen(
-        [str(BIN / "serve"), "run", str(path)],
+        [sys.executable, "-c", SERVE_CLI, "run", str(path)],
         env=isolated_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         wait_ready(f"http://127.0.0.1:{port}", timeout=180)
         complete(port, "tiny-llama")
     finally:
-        # Ray's `serve run` stops in ~8 s here, but once in a CI run it showed no sign of the
-        # Ctrl-C for 60 s (not even its "Got KeyboardInterrupt"): a user presses it again.
-        stop(proc, second_after=30)
+        stop_ray_serve_run(proc)
