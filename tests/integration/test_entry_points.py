@@ -68,31 +68,34 @@ SERVE_CLI = (
 )
 
 
-def stop_ray_serve_run(proc: subprocess.Popen[str]) -> str:
-    """Stop Ray's `serve run` as a user would: Ctrl-C, again after 30 s, then `kill` (its
-    SIGTERM handler exits too); then SIGKILL to its process group (the Ray cluster it started).
+def stop_ray_serve_run(proc: subprocess.Popen[str]) -> None:
+    """Stop Ray's `serve run` as a user would: Ctrl-C, again after 30 s, a stack dump of every
+    thread (SIGUSR1), then `kill` (its SIGTERM handler exits too); then SIGKILL to its process
+    group (the Ray cluster it started).
 
     Ray's CLI, not ours, decides how Ctrl-C is handled; it stops in ~5 s here, but twice in CI
-    it went on for 90 s with no sign of it, so a hang prints every thread's stack and warns
+    it went on for 90 s with no sign of it, so a hang warns with its output (and the stacks)
     instead of failing: `tandem serve`'s own Ctrl-C is held to account in the test above."""
     steps = [(signal.SIGINT, 30.0), (signal.SIGINT, 30.0), (signal.SIGUSR1, 2.0),
              (signal.SIGTERM, 30.0)]  # fmt: skip
-    stopped_by = None
+    stopped_by: int | None = None  # the step that stopped it
     for step, (sig, wait_s) in enumerate(steps):
         proc.send_signal(sig)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.communicate(timeout=wait_s)  # (reads on: a full pipe would block its logger)
-            stopped_by = f"{sig.name} (step {step + 1})"
+            stopped_by = step
             break
-        except subprocess.TimeoutExpired:
-            pass
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # Ray made the driver its group's leader
     out, _ = proc.communicate(timeout=30)  # (all of it: communicate keeps what it read so far)
-    if stopped_by != "SIGINT (step 1)":
-        warnings.warn(f"`serve run` went on after Ctrl-C; stopped by {stopped_by or 'SIGKILL'}"
-                      f":\n{out[-8000:]}", stacklevel=1)  # fmt: skip
-    return out
+    if stopped_by != 0:
+        how = (
+            "SIGKILL"
+            if stopped_by is None
+            else f"{steps[stopped_by][0].name} (step {stopped_by + 1})"
+        )
+        warnings.warn(f"`serve run` went on after Ctrl-C; stopped by {how}:\n{out[-8000:]}",
+                      stacklevel=1)  # fmt: skip
 
 
 def streams_started(port: int, model: str, count: int, max_tokens: int) -> list[Any]:
