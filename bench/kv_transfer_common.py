@@ -35,7 +35,10 @@ BLOCK_BYTES = 64 * 1024
 POOL_BYTES = 256 << 20
 TOKEN = "bench-token"
 NAMES = ("memcpy", "memcpy-shm", "shm", "shm-region", "shm-staged", "torch")
-OPTIONS: dict[str, dict[str, Any]] = {"shm-region": {"cross_memory": False}}
+OPTIONS: dict[str, dict[str, Any]] = {
+    "shm-region": {"cross_memory": False},
+    "ucx-onelane": {"split_min_bytes": 0},  # every message on lane 0 (as before session 24)
+}
 """Options of the receiving endpoint for bench names that are variants of a transport."""
 
 

@@ -41,6 +41,7 @@ class _Link:
     inflight: deque[_Out] = field(default_factory=deque)
     seq: int = 0
     spare: torch.Tensor | None = None  # a staging buffer to reuse
+    ep_second: Any = None  # to the peer's lane 1, where it has one (pages' second shares)
 
     def settled(self) -> bool:
         """No send of this link's is still in UCX's hands."""
@@ -52,7 +53,7 @@ class _Rx:
     header: dict[str, Any]
     deadline: float = 0.0
     pages: torch.Tensor | None = None
-    request: Any = None
+    requests: list[Any] = field(default_factory=list)  # the pages' receives (one per share)
     direct: bool = False
     failed: str | None = None
 
@@ -93,14 +94,16 @@ class _Conn:
         count = len(self.rx)
         while self.rx:
             rx = self.rx[0]
-            if rx.failed is None and rx.request is not None and not rx.request.completed:
+            pending = [r for r in rx.requests if not r.completed]
+            if rx.failed is None and pending:
                 if time.monotonic() <= rx.deadline:
                     break
-                busy.append((rx.request, rx.pages))
+                busy.extend((r, rx.pages) for r in pending)
                 rx.failed = "pages receive timed out (sender gone?)"
-            elif rx.failed is None and rx.request is not None:
+            elif rx.failed is None:
                 try:
-                    rx.request.check_error()
+                    for request in rx.requests:
+                        request.check_error()
                     rx.header["direct"] = rx.direct
                 except Exception as exc:
                     rx.failed = f"pages receive failed: {exc}"

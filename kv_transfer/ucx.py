@@ -1,8 +1,12 @@
 """UCX transport (ucxx low-level API): worker-address endpoints, tag messages, own polling thread.
 
-Address `ucx:<hex worker address>`. A link to a peer draws a random 48-bit `conn`; tags are
-`conn << 16 | low`: `low` 0 for JSON header frames, `0x8000 | seq % 32768` for the pages of header
-`seq` (the pool slice for one run of src blocks, else a gather), 0x4000 for a welcome. A link
+Address `ucx:<hex worker address>[.<hex worker address>]`: lane 0, and lane 1 where there is one
+(a second UCX worker, progressed by the same thread, whose rendezvous has the receiver read).
+A link to a peer draws a random 48-bit `conn`; tags are `conn << 16 | low`: `low` 0 for JSON
+header frames, `0x8000 | seq % 32768` for the pages of header `seq` (the pool slice for one run
+of src blocks, else a gather), 0x4000 for a welcome. Pages of `split_min_bytes` or more go in
+two shares, the first on lane 0 (the sender's thread copies it into the receiver) and the
+second on lane 1 (the receiver's thread copies it out of the sender) at the same time. A link
 sends `{"hello": {"token", "address"}}`; once the peer welcomes it (over its own link to us) its
 `{"seq", "header", "pages": null | {"shape", "dtype", "direct", "dst_start"}}` frames follow.
 Without the token no welcome comes, frames are received into 1 byte (UCX truncates them), and
@@ -12,7 +16,7 @@ and torch transports (a sender opts out with `header["direct"] = False`), else i
 (`header["direct"]` False). That happens before the protocol sees the manifest: the receiver
 holds blocks of ended reservations until the sender confirms it stopped (`receiver.py`).
 
-Speed (see docs/benchmarks.md): one thread makes every UCX call (`send` only queues) and *polls*:
+Speed (see docs/benchmarks.md): one thread per transport makes every UCX call (`send` only queues) and *polls*:
 it steps without pausing while there is work and pauses for at most `idle_sleep_s` when idle
 (UCX's WAKEUP feature, needed to sleep on the worker's fd, halves its shared-memory throughput);
 an endpoint with a send-only pool (a prefill worker's) pauses for up to `quiet_sleep_s` while
@@ -56,14 +60,23 @@ from ucxx._lib.arr import Array  # noqa: E402
 
 logger = logging.getLogger(__name__)
 _PAGES, _WELCOME, _HELLO_MAX, _HEADER_MAX = 0x8000, 0x4000, 4096, 16 << 20
-_UCX_DEFAULTS: dict[str, str] = {"RNDV_SCHEME": "put_zcopy"}
-"""UCX options unless the environment sets them (``UCX_<name>``; `ucx_config` overrides both).
-With `put_zcopy` rendezvous the sender writes the pages while the receiver's thread handles the
-next header (~15 % faster at 1 MiB here than UCX's default, which has the receiver read them)."""
+_LANE_SCHEMES = ("put_zcopy", "get_zcopy")
+"""Each lane's UCX rendezvous unless the environment sets ``UCX_RNDV_SCHEME`` (`ucx_config`
+overrides both): on lane 0 the sender writes the pages into the receiver (~15 % faster at 1 MiB
+here than UCX's default, which has the receiver read them), on lane 1 the receiver reads them,
+so a split message is copied by both processes' threads at once (see `split_min_bytes`)."""
 
 
 def _tag(conn: int, low: int) -> Any:
     return ucx_api.UCXXTag((conn << 16) | low)
+
+
+def _new_worker(scheme: str, ucx_config: dict[str, str]) -> Any:
+    # No WAKEUP feature: it halves UCX's shared-memory throughput here, so the thread polls.
+    config = {} if "UCX_RNDV_SCHEME" in os.environ else {"RNDV_SCHEME": scheme}
+    config.update(ucx_config)
+    context = ucx_api.UCXContext(config_dict=config, feature_flags=(ucx_api.Feature.TAG,))
+    return ucx_api.UCXWorker(context)
 
 
 class UcxTransport(KVTransport):
@@ -81,6 +94,7 @@ class UcxTransport(KVTransport):
         idle_sleep_s: float = 0.001,
         quiet_sleep_s: float = 0.02,
         ucx_config: dict[str, str] | None = None,
+        split_min_bytes: int = 256 << 10,
     ) -> None:
         super().__init__(auth_token)
         self.send_timeout_s, self.hello_timeout_s = send_timeout_s, hello_timeout_s
@@ -88,13 +102,11 @@ class UcxTransport(KVTransport):
         self.idle_sleep_s = max(0.0, idle_sleep_s)
         self.quiet_sleep_s = max(self.idle_sleep_s, quiet_sleep_s)
         self._send_only = False  # set by `allocate_pool(send_only=True)`
-        # No WAKEUP feature: it halves UCX's shared-memory throughput here, so the thread polls.
-        features = (ucx_api.Feature.TAG,)
-        config = {k: v for k, v in _UCX_DEFAULTS.items() if f"UCX_{k}" not in os.environ}
-        config.update(ucx_config or {})
-        context = ucx_api.UCXContext(config_dict=config, feature_flags=features)
-        self._worker = ucx_api.UCXWorker(context)
-        self._address = "ucx:" + self._worker.address.tobytes().hex()
+        self.split_min_bytes = split_min_bytes
+        lanes = _LANE_SCHEMES if split_min_bytes > 0 else _LANE_SCHEMES[:1]
+        self._workers = [_new_worker(scheme, ucx_config or {}) for scheme in lanes]
+        self._worker = self._workers[0]  # every header frame; the pages' first share
+        self._address = "ucx:" + ".".join(w.address.tobytes().hex() for w in self._workers)
         self._pool: KVCachePool | None = None
         self._pool_rows: np.ndarray | None = None  # the pool's blocks as rows of bytes (a view)
         self._lock = threading.Lock()  # every UCX call; all state but _commands and _inbox
@@ -170,25 +182,30 @@ class UcxTransport(KVTransport):
         self._thread.join(timeout=10.0)
         with self._lock:
             for _ in range(20):
-                self._worker.progress()
-            self._drain_unexpected()
-            self._worker.cancel_inflight_requests()
+                self._progress()
+            for worker in self._workers:
+                self._drain_unexpected(worker)
+                worker.cancel_inflight_requests()
             # Endpoints go before the worker, and only now that no request is in flight.
             self._links, self._conns, self._busy, self._retired = {}, {}, [], []
 
-    def _drain_unexpected(self) -> None:
+    def _progress(self) -> None:
+        for worker in self._workers:
+            worker.progress()
+
+    def _drain_unexpected(self, worker: Any) -> None:
         # Rendezvous messages nobody received (e.g. pages of a refused peer) keep a put_zcopy
         # worker from being destroyed: take them now (up to 64 MiB each; larger ones truncated).
         deadline = time.monotonic() + 1.0
         taken: list[tuple[Any, Any]] = []
         while time.monotonic() < deadline:
-            probe = self._worker.tag_probe(_tag(0, 0), ucx_api.UCXXTagMask(0), True)
+            probe = worker.tag_probe(_tag(0, 0), ucx_api.UCXXTagMask(0), True)
             if not probe.matched:
                 break
             buffer = np.empty(max(1, min(probe.length, 64 << 20)), dtype=np.uint8)
-            taken.append((self._worker.tag_recv_with_handle(Array(buffer), probe), buffer))
+            taken.append((worker.tag_recv_with_handle(Array(buffer), probe), buffer))
         while taken and time.monotonic() < deadline:
-            self._worker.progress()
+            worker.progress()
             taken = [(r, b) for r, b in taken if not r.completed]
 
     def _run(self) -> None:
@@ -220,10 +237,11 @@ class UcxTransport(KVTransport):
         active = self._take_commands()
         for peer, link in list(self._links.items()):
             active |= self._pump_link(peer, link)
-        for _ in range(1000):
-            if not self._worker.progress_once():
-                break
-            active = True
+        for worker in self._workers:
+            for _ in range(1000):
+                if not worker.progress_once():
+                    break
+                active = True
         for _ in range(64):  # header frames and welcomes (low 0 or 0x4000), in arrival order
             probe = self._worker.tag_probe(_tag(0, 0), ucx_api.UCXXTagMask(0xBFFF), True)
             if not probe.matched:
@@ -258,28 +276,41 @@ class UcxTransport(KVTransport):
         return taken
 
     def _connect(self, peer: str) -> _Link:
-        addr = ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(peer[4:]))
+        lanes = [
+            ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(a)) for a in peer[4:].split(".")
+        ]
         new_endpoint = self._worker.create_endpoint_from_worker_address
-        ep, watch = new_endpoint(addr, False), new_endpoint(addr, True)
+        ep, watch = new_endpoint(lanes[0], False), new_endpoint(lanes[0], True)
         deadline = time.monotonic() + self.hello_timeout_s
         link = self._links[peer] = _Link(ep, watch, secrets.randbits(48) | 1, deadline)
+        if len(lanes) > 1 and len(self._workers) > 1:  # pages of `split_min_bytes` are split
+            link.ep_second = self._workers[1].create_endpoint_from_worker_address(lanes[1], False)
         hello = {"hello": {"token": self.auth_token, "address": self.address}}
         link.inflight.append(self._send_frames(link, _Out({}, []), hello))
         return link
 
     def _send_frames(self, link: _Link, out: _Out, body: dict[str, Any], pages: Any = None) -> _Out:
+        """The JSON frame of `body`, then the pages: in two shares, one on each lane, when they
+        are `split_min_bytes` or more and the peer has a second lane (`body["pages"]["split"]`:
+        where the second share starts)."""
         out.deadline = time.monotonic() + self.send_timeout_s
-        frames = [(np.frombuffer(bytearray(json.dumps(body).encode()), dtype=np.uint8), 0)]
+        sends: list[tuple[Any, np.ndarray, int]] = []
         if pages is not None:
             raw = (
                 pages
                 if isinstance(pages, np.ndarray)
                 else pages.reshape(-1).view(torch.uint8).numpy()
             )
-            frames.append((raw, _PAGES | body["seq"] % _PAGES))
-        for raw, low in frames:
-            out.keep.append(raw)
-            out.requests.append(link.ep.tag_send(Array(raw), _tag(link.conn, low)))
+            low = _PAGES | body["seq"] % _PAGES
+            if link.ep_second is not None and raw.nbytes >= self.split_min_bytes:
+                cut = body["pages"]["split"] = raw.nbytes // 2 // 4096 * 4096
+                sends += [(link.ep, raw[:cut], low), (link.ep_second, raw[cut:], low)]
+            else:
+                sends.append((link.ep, raw, low))
+        header = np.frombuffer(bytearray(json.dumps(body).encode()), dtype=np.uint8)
+        for ep, data, low in [(link.ep, header, 0), *sends]:
+            out.keep.append(data)
+            out.requests.append(ep.tag_send(Array(data), _tag(link.conn, low)))
         return out
 
     def _pump_link(self, peer: str, link: _Link) -> bool:
@@ -382,9 +413,15 @@ class UcxTransport(KVTransport):
         self._busy.append((self._worker.tag_recv_with_handle(Array(buffer), probe), buffer))
 
     def _post_pages(self, conn_id: int, rx: _Rx, meta: dict[str, Any], seq: int) -> None:
-        buffer = Array(rx.buffer(self._pool, self._pool_rows, meta))
+        raw, cut = rx.buffer(self._pool, self._pool_rows, meta), meta.get("split")
+        shares = [raw]
+        if cut is not None:  # the second share comes on lane 1
+            if not (len(self._workers) > 1 and isinstance(cut, int) and 0 < cut < raw.nbytes):
+                raise ValueError(f"pages split at {cut!r} of {raw.nbytes} bytes")
+            shares = [raw[:cut], raw[cut:]]
         tag = _tag(conn_id, _PAGES | seq % _PAGES)
-        rx.request = self._worker.tag_recv(buffer, tag, ucx_api.UCXXTagMaskFull)
+        for worker, share in zip(self._workers, shares, strict=False):
+            rx.requests.append(worker.tag_recv(Array(share), tag, ucx_api.UCXXTagMaskFull))
 
     def _deliver(self, conn: _Conn) -> bool:  # completed messages, oldest first, to the inbox
         return conn.deliver(

@@ -188,3 +188,44 @@ def test_a_quiet_send_only_endpoint_polls_rarely_and_still_hears_replies() -> No
     finally:
         a.close()
         b.close()
+
+
+def test_pages_of_split_min_bytes_go_half_on_each_lane() -> None:
+    """Pages of `split_min_bytes` or more go in two shares, the second over lane 1 (which the
+    receiver reads); smaller ones, and any to or from a one-lane endpoint, go whole. Every
+    message lands byte-exact."""
+    a, b = UcxTransport(h.TOKEN), UcxTransport(h.TOKEN)
+    one = UcxTransport(h.TOKEN, split_min_bytes=0)
+    splits: list[Any] = []
+    post = b._post_pages
+
+    def spy(conn_id: int, rx: Any, meta: dict[str, Any], seq: int) -> None:
+        splits.append(meta.get("split"))
+        post(conn_id, rx, meta, seq)
+
+    b._post_pages = spy  # type: ignore[method-assign]
+    try:
+        assert a.address.count(".") == 1 and "." not in one.address
+        pools = [KVCachePool(**h.POOL), KVCachePool(**h.POOL)]
+        for seed, (transport, pool) in enumerate(zip((a, one), pools, strict=True)):
+            h.fill_pool(pool, seed + 3)
+            transport.register_pool(pool)
+        block_bytes = pools[0].bytes_per_block
+        sends = [
+            (a, b, list(range(16))),  # 16 blocks: split in the middle
+            (a, b, [40, 2, 33, 17, 5]),  # gathered, 5 blocks: split at a 4 KiB boundary
+            (a, b, [1, 2, 3]),  # under 256 KiB: whole
+            (one, b, list(range(16))),  # from a one-lane sender: whole
+            (a, one, list(range(16))),  # to a one-lane receiver: whole
+        ]
+        for i, (sender, receiver, ids) in enumerate(sends):
+            sender.send(receiver.address, {"n": i}, ids)
+        got = h.collect(b, 4, 5.0) + h.collect(one, 1, 5.0)
+        assert [m.header["n"] for m in got] == [0, 1, 2, 3, 4]
+        for m, (sender, _, ids) in zip(got, sends, strict=True):
+            assert m.pages is not None
+            assert m.pages.equal(pools[sender is one].export_blocks(ids))
+        assert splits == [8 * block_bytes, 5 * block_bytes // 2 // 4096 * 4096, None, None]
+    finally:
+        for transport in (a, b, one):
+            transport.close()
