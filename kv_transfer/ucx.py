@@ -16,17 +16,17 @@ and torch transports (a sender opts out with `header["direct"] = False`), else i
 (`header["direct"]` False). That happens before the protocol sees the manifest: the receiver
 holds blocks of ended reservations until the sender confirms it stopped (`receiver.py`).
 
-Speed (see docs/benchmarks.md): one thread per transport makes every UCX call (`send` only queues) and *polls*:
-it steps without pausing while there is work and pauses for at most `idle_sleep_s` when idle
-(UCX's WAKEUP feature, needed to sleep on the worker's fd, halves its shared-memory throughput);
-an endpoint with a send-only pool (a prefill worker's) pauses for up to `quiet_sleep_s` while
-nothing of its own is queued or in flight, since only acknowledgements can arrive then (each
-wake-up takes the GIL from the engine: 1,000 a second cost a 1.7 s CPU prefill ~2.5 ms).
-`allocate_pool` gives pools on transparent huge pages (UCX's CMA copies pin pages one at a
-time). Data endpoints skip UCX error handling (it limits UCX to TCP); an idle second
-endpoint with it reports a dead peer at once. Lost links, no welcome in `hello_timeout_s`, sends
-or page receives not done in `send_timeout_s` come back from `poll()` as `transport_error`s. At
-most `max_inflight` messages per peer are handed to UCX at once. `ucx_config` adds UCX options.
+Speed (see docs/benchmarks.md): one thread per transport makes every UCX call (`send` only queues)
+and *polls*: it steps without pausing while there is work and pauses for at most `idle_sleep_s`
+when idle (UCX's WAKEUP feature, needed to sleep on the worker's fd, halves its shared-memory
+throughput); an endpoint with a send-only pool (a prefill worker's) pauses for up to
+`quiet_sleep_s` while nothing of its own is queued or in flight, since only acknowledgements can
+arrive then (each wake-up takes the GIL from the engine: 1,000 a second cost a 1.7 s CPU prefill
+~2.5 ms). `allocate_pool` gives pools on transparent huge pages (UCX's CMA copies pin pages one at
+a time). Data endpoints skip UCX error handling (it limits UCX to TCP); an idle second endpoint
+with it reports a dead peer at once. Lost links, no welcome in `hello_timeout_s`, sends or page
+receives not done in `send_timeout_s` come back from `poll()` as `transport_error`s. At most
+`max_inflight` messages per peer are handed to UCX at once. `ucx_config` adds UCX options.
 """
 
 from __future__ import annotations
