@@ -35,7 +35,6 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import queue
 import secrets
 import threading
@@ -50,33 +49,17 @@ import torch
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer._hugepages import allocate_hugepage_pool
 from tandem.kv_transfer._socket_channel import request_id_of
+from tandem.kv_transfer._ucx_lanes import LANE_SCHEMES, Array, drain_unexpected, new_worker, ucx_api
 from tandem.kv_transfer._ucx_records import _Conn, _Link, _Out, _run_start, _Rx
 from tandem.kv_transfer.base import EncodedHeader, KVTransport, Message, drain_inbox
 from tandem.kv_transfer.manifest import TransferError
 
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets variables UCX 1.21 lacks
-import ucxx._lib.libucxx as ucx_api  # noqa: E402
-from ucxx._lib.arr import Array  # noqa: E402
-
 logger = logging.getLogger(__name__)
 _PAGES, _WELCOME, _HELLO_MAX, _HEADER_MAX = 0x8000, 0x4000, 4096, 16 << 20
-_LANE_SCHEMES = ("put_zcopy", "get_zcopy")
-"""Each lane's UCX rendezvous unless the environment sets ``UCX_RNDV_SCHEME`` (`ucx_config`
-overrides both): on lane 0 the sender writes the pages into the receiver (~15 % faster at 1 MiB
-here than UCX's default, which has the receiver read them), on lane 1 the receiver reads them,
-so a split message is copied by both processes' threads at once (see `split_min_bytes`)."""
 
 
 def _tag(conn: int, low: int) -> Any:
     return ucx_api.UCXXTag((conn << 16) | low)
-
-
-def _new_worker(scheme: str, ucx_config: dict[str, str]) -> Any:
-    # No WAKEUP feature: it halves UCX's shared-memory throughput here, so the thread polls.
-    config = {} if "UCX_RNDV_SCHEME" in os.environ else {"RNDV_SCHEME": scheme}
-    config.update(ucx_config)
-    context = ucx_api.UCXContext(config_dict=config, feature_flags=(ucx_api.Feature.TAG,))
-    return ucx_api.UCXWorker(context)
 
 
 class UcxTransport(KVTransport):
@@ -103,8 +86,8 @@ class UcxTransport(KVTransport):
         self.quiet_sleep_s = max(self.idle_sleep_s, quiet_sleep_s)
         self._send_only = False  # set by `allocate_pool(send_only=True)`
         self.split_min_bytes = split_min_bytes
-        lanes = _LANE_SCHEMES if split_min_bytes > 0 else _LANE_SCHEMES[:1]
-        self._workers = [_new_worker(scheme, ucx_config or {}) for scheme in lanes]
+        lanes = LANE_SCHEMES if split_min_bytes > 0 else LANE_SCHEMES[:1]
+        self._workers = [new_worker(scheme, ucx_config or {}) for scheme in lanes]
         self._worker = self._workers[0]  # every header frame; the pages' first share
         self._address = "ucx:" + ".".join(w.address.tobytes().hex() for w in self._workers)
         self._pool: KVCachePool | None = None
@@ -184,7 +167,7 @@ class UcxTransport(KVTransport):
             for _ in range(20):
                 self._progress()
             for worker in self._workers:
-                self._drain_unexpected(worker)
+                drain_unexpected(worker)
                 worker.cancel_inflight_requests()
             # Endpoints go before the worker, and only now that no request is in flight.
             self._links, self._conns, self._busy, self._retired = {}, {}, [], []
@@ -192,21 +175,6 @@ class UcxTransport(KVTransport):
     def _progress(self) -> None:
         for worker in self._workers:
             worker.progress()
-
-    def _drain_unexpected(self, worker: Any) -> None:
-        # Rendezvous messages nobody received (e.g. pages of a refused peer) keep a put_zcopy
-        # worker from being destroyed: take them now (up to 64 MiB each; larger ones truncated).
-        deadline = time.monotonic() + 1.0
-        taken: list[tuple[Any, Any]] = []
-        while time.monotonic() < deadline:
-            probe = worker.tag_probe(_tag(0, 0), ucx_api.UCXXTagMask(0), True)
-            if not probe.matched:
-                break
-            buffer = np.empty(max(1, min(probe.length, 64 << 20)), dtype=np.uint8)
-            taken.append((worker.tag_recv_with_handle(Array(buffer), probe), buffer))
-        while taken and time.monotonic() < deadline:
-            worker.progress()
-            taken = [(r, b) for r, b in taken if not r.completed]
 
     def _run(self) -> None:
         # Polling progress: after any activity the thread keeps stepping with short pauses that
