@@ -1,6 +1,7 @@
 """OpenAI-compatible responses: JSON bodies and SSE streams (`openai_stream`) for completions
 and chat. Every response carries the request's stage timings: the `x-tandem-timings` header
-(non-streaming) and a `tandem_timings` field (of the first choice, when there are several).
+(non-streaming) and a `tandem_timings` field (of the first choice, when there are several);
+an error answered instead carries the header too, `{"e2e": ms}` from arrival to the refusal.
 Behind Ray's HAProxy ingress a stream that waits writes SSE comments (`sse_keepalive`).
 Several choices (a batch of prompts, `n` > 1) are requests of their own, run together
 (`multi_choice`); one choice takes the direct way.
@@ -9,11 +10,12 @@ Several choices (a batch of prompts, `n` > 1) are requests of their own, run tog
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -46,6 +48,29 @@ def error_response(exc: APIError) -> JSONResponse:
     return _ErrorJSON(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _timed_errors(create: Callable[_P, Awaitable[_R]]) -> Callable[_P, Awaitable[_R]]:
+    """`create`, whose APIErrors (a refusal at admission above all) carry `x-tandem-timings`
+    with the time from arrival to the refusal, so that "refused at once" can be told apart
+    from "refused after waiting" whatever lies between the client and the router."""
+
+    @functools.wraps(create)
+    async def timed(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        arrival = time.time()
+        try:
+            return await create(*args, **kwargs)
+        except APIError as exc:
+            e2e = {"e2e": round((time.time() - arrival) * 1000, 3)}
+            exc.headers = {**(exc.headers or {}), "x-tandem-timings": json.dumps(e2e)}
+            raise
+
+    return timed
+
+
+@_timed_errors
 async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
     arrival = time.time()
     body.check_supported()
@@ -87,6 +112,7 @@ async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
     return await _serve(serving, response_id, count, body.n, prepare, "completion", body)
 
 
+@_timed_errors
 async def create_chat_completion(serving: Serving, body: ChatCompletionRequest) -> Any:
     arrival = time.time()
     body.check_supported()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 from typing import Any
 
@@ -49,7 +50,7 @@ def test_overload_is_refused_at_arrival_and_the_rest_meets_its_deadline(cluster:
         r[:2] for r in results if r[0] not in (200, 429)
     ]
     assert served and refused
-    for _, body, headers, elapsed in refused:
+    for _, body, headers, _ in refused:
         assert body["error"]["code"] in (
             "deadline_unmeetable",
             "queue_full",
@@ -57,7 +58,12 @@ def test_overload_is_refused_at_arrival_and_the_rest_meets_its_deadline(cluster:
             "decode_queue_full",
         )
         assert int(headers["retry-after"]) >= 1
-        assert elapsed < 1.0  # refused at arrival, not after waiting
+    # Refused at arrival, not after waiting in a queue (which takes a served request's time: a
+    # prefill of 1,800 tokens behind others), by the router's own clock (`x-tandem-timings`:
+    # arrival to refusal). At the client, through Serve's proxy with 24 clients on 2 cores, a
+    # refusal takes 0.2-0.7 s here (and once 1.07 s), against 0.4-20 ms in the router.
+    refused_ms = sorted(json.loads(r[2]["x-tandem-timings"])["e2e"] for r in refused)
+    assert refused_ms[-1] < 250.0, refused_ms
     # Admission predicts from measured throughput with a safety factor, so a served request
     # meets its deadline up to what no prediction sees: on a slow 2-core CI host, 24 clients
     # at once, one of four served came at 762 ms (the others at 67-667 ms). Far past it (the

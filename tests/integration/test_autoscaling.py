@@ -92,14 +92,21 @@ def decode_replicas(cluster: Cluster) -> tuple[int, int]:
 
 
 async def watch_until(
-    cluster: Cluster, want: int, timeline: list[tuple[float, int, int]], start: float
+    cluster: Cluster,
+    want: int,
+    timeline: list[tuple[float, int, int]],
+    start: float,
+    on_drain: asyncio.Event | None = None,
 ) -> None:
-    """Polls the router until exactly `want` decode workers take requests and none drains."""
+    """Polls the router until exactly `want` decode workers take requests and none drains;
+    sets `on_drain` once it sees one draining."""
     deadline = time.monotonic() + PHASE_TIMEOUT_S
     while time.monotonic() < deadline:
         live, draining = await asyncio.to_thread(decode_replicas, cluster)
         if not timeline or timeline[-1][1:] != (live, draining):
             timeline.append((round(time.monotonic() - start, 1), live, draining))
+        if draining and on_drain is not None:
+            on_drain.set()
         if (live, draining) == (want, 0):
             return
         await asyncio.sleep(0.25)
@@ -150,12 +157,14 @@ def test_a_burst_scales_decode_up_and_the_scale_down_drains_its_streams(cluster:
             burst.stop.set()
             await asyncio.gather(*burst_tasks)
         # After the burst: a few long streams keep both replicas busy while decode scales
-        # back down, so the replica Serve removes has streams in flight when it drains.
+        # back down, so the replica Serve removes has streams in flight when it drains. Once
+        # the drain shows, the keepers start no new stream: those in flight (on both replicas,
+        # started together) are the ones the drain waits for, so the last ends with it.
         keeper_tasks = [
             asyncio.create_task(keepers.loop(100 + i, KEEPER_TOKENS)) for i in range(KEEPERS)
         ]
         try:
-            await watch_until(cluster, 1, timeline, start)
+            await watch_until(cluster, 1, timeline, start, on_drain=keepers.stop)
         finally:
             keepers.stop.set()
             await asyncio.gather(*keeper_tasks)

@@ -10,8 +10,11 @@ import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import pytest
+
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router import openai_api
+from tandem.router.errors import APIError
 from tandem.router.openai_protocol import CompletionRequest
 from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
@@ -122,3 +125,21 @@ def test_add_special_tokens_false_tokenizes_a_text_prompt_without_bos() -> None:
     assert (with_bos, without) == ([0, 1, 2], [1, 2])
     long_text = "a" * 5000  # (tokenized off the event loop)
     assert asyncio.run(prompt_token_ids(tokenizer, long_text, limits, True, False)) == [1] * 5000
+
+
+class RefusingServing(LetterServing):
+    """Admission refuses every request, 30 ms after it arrives."""
+
+    async def prepare(self, *args: Any, **kw: Any) -> Prepared:
+        await asyncio.sleep(0.03)
+        raise APIError(429, "no room", code="queue_full", headers={"Retry-After": "2"})
+
+
+def test_a_refusal_carries_the_time_from_arrival_to_it() -> None:
+    body = CompletionRequest.model_validate({"max_tokens": 1, "prompt": "ab"})
+    with pytest.raises(APIError) as refused:
+        asyncio.run(openai_api.create_completion(RefusingServing(), body))  # type: ignore[arg-type]
+    headers = refused.value.headers or {}
+    assert (refused.value.status, headers["Retry-After"]) == (429, "2")
+    assert set(json.loads(headers["x-tandem-timings"])) == {"e2e"}
+    assert 30.0 <= json.loads(headers["x-tandem-timings"])["e2e"] < 30_000.0
