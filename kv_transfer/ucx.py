@@ -26,7 +26,8 @@ arrive then (each wake-up takes the GIL from the engine: 1,000 a second cost a 1
 a time). Data endpoints skip UCX error handling (it limits UCX to TCP); an idle second endpoint
 with it reports a dead peer at once. Lost links, no welcome in `hello_timeout_s`, sends or page
 receives not done in `send_timeout_s` come back from `poll()` as `transport_error`s. At most
-`max_inflight` messages per peer are handed to UCX at once. `ucx_config` adds UCX options.
+`max_inflight` messages per peer (32: more overlapped rendezvous; 8 moved 16 MiB chunks ~25 %
+slower here) are handed to UCX at once. `ucx_config` adds UCX options.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class UcxTransport(KVTransport):
         *,
         send_timeout_s: float = 10.0,
         hello_timeout_s: float = 3.0,
-        max_inflight: int = 8,
+        max_inflight: int = 32,
         idle_sleep_s: float = 0.001,
         quiet_sleep_s: float = 0.02,
         ucx_config: dict[str, str] | None = None,
