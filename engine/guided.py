@@ -23,12 +23,12 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.reasoning_gate import ReasoningGate
 
 if TYPE_CHECKING:
+    import torch
+
     from tandem.engine.request import Request
     from tandem.engine.sampling_params import SamplingParams
 
