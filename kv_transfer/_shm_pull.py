@@ -75,8 +75,8 @@ GROUP_BYTES = 8 << 20
 """Pages per read when a look finds several messages: copy threads read a group while the
 reader parses the next (see `PullReader._drain`). A look that finds less is read in one call on
 the reader's thread. 8 MiB: 1 MiB messages read at 0.92-1.13 of memcpy in eight runs here
-against 0.64-1.18 with 4 MiB (more hand-offs to the copy threads per byte); a backlog's first
-message then waits for at most ~1.5 ms of copying."""
+against 0.64-1.18 with 4 MiB (not traced: fewer hand-offs to the copy threads, presumably); a
+backlog's first message then waits for at most ~1.5 ms of copying."""
 COPY_THREADS = 2
 """Threads that read a group aside, each a share of its pages: one thread's copy is bound by
 the latency of its memory accesses, not by the memory's bandwidth (in a 2-core VM one read
