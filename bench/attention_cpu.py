@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from tandem.kernels import paged_attention, paged_attention_reference, write_kv
+from tandem.kernels.kv_write import write_kv
+from tandem.kernels.paged_attention import paged_attention, paged_attention_reference
 from tandem.kernels.testing import PagedBatch, make_paged_batch
 
 

@@ -10,6 +10,12 @@ Built in:
 * ``"reference"``: slow, float32, validating attention; torch KV write;
 * ``"triton"``: always the Triton kernels, loaded on first use (needs ``triton``; on CPU
   tensors only under the Triton interpreter, ``TRITON_INTERPRET=1``, for tests).
+
+``tandem.kernels`` has no ``__init__.py`` on purpose (a namespace package): import from its
+modules (``tandem.kernels.kv_cache``, ``.paged_attention``, ``.kv_write``, this one). A regular
+package named ``kernels`` at the repository root would shadow Hugging Face's ``kernels``
+distribution, which transformers imports, whenever the root is on ``sys.path`` (``python -m``,
+pytest, Ray workers started from the checkout).
 """
 
 from __future__ import annotations

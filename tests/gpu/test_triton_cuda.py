@@ -17,7 +17,8 @@ pytestmark = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_auto_backend_on_cuda_matches_the_reference(dtype: torch.dtype, block_size: int) -> None:
-    from tandem.kernels import get_kernel_backend, paged_attention_reference
+    from tandem.kernels.backends import get_kernel_backend
+    from tandem.kernels.paged_attention import paged_attention_reference
     from tandem.kernels.testing import make_paged_batch
 
     batch = make_paged_batch(

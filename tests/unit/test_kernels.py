@@ -9,18 +9,17 @@ import math
 import pytest
 import torch
 
-from tandem.kernels import (
+from tandem.kernels.backends import (
     KERNEL_BACKENDS,
     KernelBackend,
-    KVCachePool,
     get_attention_backend,
     get_kernel_backend,
-    paged_attention,
-    paged_attention_reference,
     register_kernel_backend,
-    write_kv,
 )
 from tandem.kernels.dispatch import paged_attention_auto, write_kv_auto
+from tandem.kernels.kv_cache import KVCachePool
+from tandem.kernels.kv_write import write_kv
+from tandem.kernels.paged_attention import paged_attention, paged_attention_reference
 from tandem.kernels.testing import PagedBatch, dense_attention, make_paged_batch
 
 FP32_TOL = 1e-5

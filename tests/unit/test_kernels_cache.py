@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels import KVCachePool, num_blocks_for_memory, write_kv
+from tandem.kernels.kv_cache import KVCachePool, num_blocks_for_memory
+from tandem.kernels.kv_write import write_kv
 
 NL, BS, KVH, HD = 3, 4, 2, 8
 

@@ -28,14 +28,11 @@ for _name in (  # the jit kernels first: the launcher imports them by name
     if _name in sys.modules:  # imported earlier without the interpreter: decorate again
         importlib.reload(sys.modules[_name])
 
-from tandem.kernels import (  # noqa: E402
-    KERNEL_BACKENDS,
-    paged_attention,
-    paged_attention_reference,
-    write_kv,  # noqa: E402
-)
+from tandem.kernels.backends import KERNEL_BACKENDS  # noqa: E402
 from tandem.kernels.dispatch import triton_kernels  # noqa: E402
 from tandem.kernels.kv_cache import KVCachePool  # noqa: E402
+from tandem.kernels.kv_write import write_kv  # noqa: E402
+from tandem.kernels.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
 from tandem.kernels.testing import PagedBatch, dense_attention, make_paged_batch  # noqa: E402
 from tandem.kernels.triton_attention import paged_attention_triton  # noqa: E402
 from tandem.kernels.triton_kv_write import write_kv_triton  # noqa: E402
@@ -262,7 +259,7 @@ import sys
 sys.modules["triton"] = None  # as if not installed: import fails, find_spec returns None
 import tandem
 from tandem import LLM, SamplingParams
-from tandem.kernels import get_kernel_backend
+from tandem.kernels.backends import get_kernel_backend
 llm = LLM(model={str(path)!r}, num_kv_blocks=64)
 out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
 print("tokens", out[0].token_ids)
