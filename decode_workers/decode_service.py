@@ -143,7 +143,23 @@ class DecodeService(WorkerLoop):
             if not finished:
                 self.post(lambda: self._cancel(request_id))
 
+    async def release_unwritten(self, request_id: str) -> int:
+        """The router never handed `request_id`'s grant to a prefill worker (the client left
+        during the reservation, or the worker refused the grant): no pages can come, so its
+        blocks go back now rather than after the stall timeout. Ends the request here if its
+        stream is still open. Returns how many blocks were released."""
+        return await self.submit(lambda: self._release_unwritten(request_id))
+
     # ---- the loop thread -----------------------------------------------------------------------
+    def _release_unwritten(self, request_id: str) -> int:
+        self._cancel(request_id)  # (if the stream's close has not reached this thread yet)
+        released = self.receiver.release_unwritten(request_id)
+        if released:
+            logger.info(
+                "decode: %s's %d reserved blocks released (never granted)", request_id, released
+            )
+        return released
+
     def _reserve(self, request_id: str, stream: _Stream) -> Any:
         grant = self.receiver.reserve(request_id, stream.prompt_token_ids, stream.params)
         stream.num_cached_tokens = grant.num_hit_blocks * self.engine.config.block_size

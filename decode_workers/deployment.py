@@ -50,6 +50,7 @@ class DecodeWorker(WorkerDeployment):
         return {
             "generate": self.tracked(self.generate),
             "info": self._rpc_info,
+            "release_unwritten": self._rpc_release_unwritten,  # (frees: answered while draining)
             "kv_events": self._rpc_kv_events,
             "stats": self._rpc_stats,
         }
@@ -98,6 +99,10 @@ class DecodeWorker(WorkerDeployment):
                         self.itl_ms.add((now - last) * 1000 / tokens, weight=tokens)
                     last = now
                 yield item
+
+    async def _rpc_release_unwritten(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
+        """The router never handed this request's grant to a prefill worker (one item)."""
+        yield {"released_blocks": await self.service.release_unwritten(request_id)}
 
     async def _rpc_info(self) -> AsyncIterator[dict[str, Any]]:
         """What the router validates and routes requests with (one item)."""

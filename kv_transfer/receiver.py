@@ -9,7 +9,8 @@
    decode engine's running batch. Its acknowledgement covers every chunk before it (the chunks
    arrive in order), so a stream costs the sender's engine thread one reply, not one per chunk.
 4. Cancel from either side releases the reservation and is acknowledged; a reservation that sees
-   no chunk within its lease, or whose stream stalls, is released by itself.
+   no chunk within its lease, or whose stream stalls, is released by itself. One whose grant the
+   router never handed to a prefill worker is released at once (`release_unwritten`).
 
 Transports may write pages straight into the pool before this side reads the manifest (shm, torch
 and ucx do). So blocks given up while the sender may still be streaming (decode-side cancel, a
@@ -147,6 +148,17 @@ class KVReceiver:
         if res.peer is not None:
             self._tell_cancel(res.peer, request_id, reason)
         return True
+
+    def release_unwritten(self, request_id: str) -> int:
+        """The router says no sender was ever given `request_id`'s grant (it never went out,
+        or the prefill worker refused it): held blocks that no pages reached go back to the
+        engine now instead of after `stall_timeout_s`. Returns how many blocks were released.
+        A live reservation is left alone: `cancel` it first."""
+        released = 0
+        for held in [h for h in self.held if h.request_id == request_id and h.peer is None]:
+            released += len(held.block_table)
+            self._unhold(held)
+        return released
 
     @property
     def busy(self) -> bool:

@@ -43,6 +43,9 @@ logger = logging.getLogger("tandem.router")
 DRAINING = "draining"  # what a worker that is shutting down answers new work with
 NO_CAPACITY = "no_capacity"  # what a decode worker without room for a reservation answers
 MAX_DRAIN_RETRIES = 3
+UNWRITTEN_RELEASE_S = 5.0
+"""How long the router waits for a decode worker to release a reservation no prefill worker
+was handed (it only logs a failure: the worker's stall timeout frees the blocks anyway)."""
 
 
 @dataclass
@@ -123,25 +126,32 @@ class PDOrchestrator:
                 await plan.decode_stream.aclose()
                 await self._move(plan, "decode")
                 _open_decode(plan, request_id, prompt_token_ids, params, priority)
-        except BaseException:
+        except BaseException as exc:
             futures = set() if call is None else call.futures()
-            await to_completion(_close_calls(futures, plan.decode_stream))
+            # Left before decode's answer came (the client went): a reservation made meanwhile
+            # was handed to no prefill worker. (An API error is decode's own refusal, or a
+            # broken connection to it.)
+            unwritten = None if isinstance(exc, APIError) else (plan.decode, request_id)
+            await to_completion(_close_calls(futures, plan.decode_stream, unwritten))
             raise
         plan.decode.note_reservation(refused=False)
         plan.grant = first["grant"]
         if call is not None:
+            plan.grant_handed = True
             call.grant_task = asyncio.ensure_future(
                 send_grant(plan.prefill, request_id, first["grant"])
             )
         timings.mark("reserved")
 
-    async def abandon(self, plan: RoutePlan) -> None:
+    async def abandon(self, plan: RoutePlan, request_id: str) -> None:
         """For a reserved request whose `generate` never started (its client left in between):
         closes its calls on the workers and releases its load."""
         call = plan.prefill_call
         pending = set() if call is None else call.futures()
         try:
-            await to_completion(_close_calls(pending, plan.decode_stream))
+            await to_completion(
+                _close_calls(pending, plan.decode_stream, _unwritten(plan, request_id))
+            )
         finally:
             plan.release()
 
@@ -180,6 +190,7 @@ class PDOrchestrator:
         streamed: dict[str, Any] | None = None
         prompt_logprobs: list[Any] | None = None  # from the prefill worker's outcome
         first_out = False
+        completed = False
         try:
             prefill_task: asyncio.Future[Any] | None = None
 
@@ -193,6 +204,7 @@ class PDOrchestrator:
                     call = start_prefill_call(
                         plan.prefill, request_id, prompt_token_ids, params, plan.grant, priority
                     )
+                    plan.grant_handed = plan.grant_handed or plan.grant is not None
                 early = call.early
                 pending.update((early, call.task))
                 return call.task
@@ -273,6 +285,7 @@ class PDOrchestrator:
                             prompt_logprobs = outcome.get("prompt_logprobs", prompt_logprobs)
                     if prompt_logprobs is not None:
                         item = {**item, "prompt_logprobs": prompt_logprobs}
+                    completed = True  # (decode ended the request: nothing of it is left there)
                     yield item
                     return
                 if item["token_ids"] or item["text"]:
@@ -283,7 +296,11 @@ class PDOrchestrator:
             if plan.prefill_call is not None:  # (its task and early may be done: no matter)
                 pending |= plan.prefill_call.futures()
             try:
-                await to_completion(_close_calls(pending, stream))
+                await to_completion(
+                    _close_calls(
+                        pending, stream, None if completed else _unwritten(plan, request_id)
+                    )
+                )
             finally:
                 plan.release()
 
@@ -302,15 +319,35 @@ async def to_completion(cleanup: Awaitable[None]) -> None:
 
 
 async def _close_calls(
-    pending: set[asyncio.Future[Any]], stream: AsyncGenerator[dict[str, Any], None] | None
+    pending: set[asyncio.Future[Any]],
+    stream: AsyncGenerator[dict[str, Any], None] | None,
+    unwritten: tuple[Worker, str] | None = None,
 ) -> None:
     """Cancels the request's calls in flight and closes its decode stream (if opened);
-    closing a call cancels it on its worker."""
+    closing a call cancels it on its worker. With `unwritten` (decode worker, request id), no
+    prefill worker was handed the request's grant: that worker releases the reserved blocks
+    at once (else it holds them for its stall timeout, as pages might still come)."""
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    if stream is not None:
-        await stream.aclose()
+    if stream is None:
+        return
+    await stream.aclose()
+    if unwritten is not None:
+        worker, request_id = unwritten
+        try:
+            async with asyncio.timeout(UNWRITTEN_RELEASE_S):
+                await worker.client.call("release_unwritten", request_id=request_id)
+        except (RPCError, TimeoutError) as exc:  # (its stall timeout frees them anyway)
+            logger.info(
+                "%s: release of %s's blocks not taken: %s", worker.worker_id, request_id, exc
+            )
+
+
+def _unwritten(plan: RoutePlan, request_id: str) -> tuple[Worker, str] | None:
+    """(decode worker, request id) when decode reserved for the request but no prefill worker
+    was handed the grant."""
+    return None if plan.grant is None or plan.grant_handed else (plan.decode, request_id)
 
 
 def _open_decode(

@@ -52,6 +52,7 @@ class RoutePlan:
     decode_stream: Any = None  # the request's open decode call (`PDOrchestrator.reserve`)
     grant: dict[str, Any] | None = None  # the decode worker's reservation
     prefill_call: Any = None  # the prefill call started with the reservation (PDOrchestrator)
+    grant_handed: bool = False  # a prefill worker may have the grant (it may write the blocks)
     hold_timer: asyncio.TimerHandle | None = None  # releases a plan whose request never ran
     _released_prefill: bool = False
     _released: bool = False

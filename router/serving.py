@@ -270,7 +270,7 @@ class Serving:
         if req.plan is not None and not req.started:
             req.started = True  # once
             try:
-                await self.orchestrator.abandon(req.plan)
+                await self.orchestrator.abandon(req.plan, req.worker_request_id)
             finally:
                 log_request(req, "cancelled(client left before the first byte)")
                 self._record(req)

@@ -29,7 +29,7 @@ class HangingOrchestrator:
         if self.hang:
             await asyncio.Event().wait()  # (decode never answers)
 
-    async def abandon(self, plan: Any) -> None:
+    async def abandon(self, plan: Any, request_id: str) -> None:
         self.abandoned += 1
 
 

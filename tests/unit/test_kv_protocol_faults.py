@@ -160,3 +160,28 @@ def test_wrong_token_cannot_connect(model: str) -> None:
     hub = LocalHub(TOKEN)
     with pytest.raises(TransferError, match="wrong cluster token"):
         FakeTransport("not-the-token", hub=hub)
+
+
+def test_a_reservation_no_sender_was_granted_is_released_at_once(model: str) -> None:
+    """Held blocks wait for the stall timeout only while a sender might still write them: told
+    that no sender was handed the grant, the receiver frees them now. Blocks a sender's pages
+    reached stay held."""
+    pair = Pair(model)
+    pair.receiver.reserve("never", prompt_of(16 * 5 + 3), GREEDY)
+    assert pair.receiver.release_unwritten("never") == 0  # a live reservation: cancel it first
+    assert pair.receiver.cancel("never", "client left")
+    assert pair.decode.block_manager.num_free_blocks == 256 - 6
+    assert pair.receiver.release_unwritten("never") == 6
+    assert not pair.receiver.held and not pair.receiver.busy
+    pair.idle()
+    assert pair.receiver.release_unwritten("never") == 0  # (once)
+
+    pair.start("written", prompt_of(16 * 30, start=3))
+    pair.events += pair.sender.step()  # the first chunk goes
+    pair.events += pair.receiver.poll()
+    assert pair.receiver.reservations["written"].peer is not None
+    assert pair.receiver.cancel("written", "client left")
+    assert pair.receiver.release_unwritten("written") == 0  # pages came: held for the sender
+    assert pair.receiver.held
+    pair.pump()  # the sender confirms the cancel: then they are free
+    pair.idle()

@@ -328,3 +328,35 @@ def test_cancel_or_bad_grant_before_the_reservation_releases_prefill(
     assert outcome["status"] == "failed" and "reservation has 1 blocks" in outcome["error"]
     p, _ = asyncio.run(wait_idle(prefill, decode))
     assert p["num_transfers"] == 0
+
+
+@pytest.mark.parametrize("close_first", [True, False])
+def test_a_reservation_never_granted_to_prefill_is_released_at_once(
+    services: Any, reference: LLM, close_first: bool
+) -> None:
+    """The router closes a request whose grant it never handed to a prefill worker, and says
+    so: decode's reservation is released at once, whichever of the two reaches it first
+    (without the word it would be held for the stall timeout, 10 s)."""
+    prefill, decode = services
+    prompt = reference.tokenizer.encode(PROMPTS[1] * 2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def main() -> None:
+        stream = decode.generate("left", prompt, params)
+        first = await anext(stream)
+        assert first["type"] == "grant"
+        blocks = len(first["grant"]["dst_block_ids"])
+        if close_first:
+            await stream.aclose()
+            assert await decode.release_unwritten("left") == blocks
+        else:
+            assert await decode.release_unwritten("left") == blocks
+            await stream.aclose()
+        stats = await decode.get_stats()
+        assert stats["num_held_reservations"] == stats["num_reservations"] == 0
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+        await wait_idle(prefill, decode)
+
+    asyncio.run(main())
+    tokens, *_ = asyncio.run(run_pd(prefill, decode, "after", prompt, params))
+    assert tokens == reference.generate([prompt], params)[0].token_ids
