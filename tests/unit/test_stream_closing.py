@@ -214,6 +214,7 @@ def test_a_client_gone_before_the_first_byte_closes_the_reserved_calls() -> None
         prefill = SimpleNamespace(worker_id="prefill/x")
         decode = SimpleNamespace(worker_id="decode/x")
         prefill_hit_blocks = decode_hit_blocks = 0
+        grant, grant_handed = {"dst_block_ids": [1]}, True  # (no release on decode to ask for)
 
         def __init__(self) -> None:
             self.decode_stream = decode_stream()
