@@ -20,6 +20,7 @@ from typing import Any
 
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
+from tandem.engine.outputs import StepOutput
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.base import KVTransport, Message
@@ -211,13 +212,16 @@ class KVSender:
         """One engine step, then streams what it completed and handles replies."""
         return self.compute() + self.stream()
 
-    def compute(self) -> list[TransferEvent]:
+    def compute(self, others: list[StepOutput] | None = None) -> list[TransferEvent]:
         """One engine step: a `first_token` event for each prefill it ended. A caller that
-        hands first tokens on before their last pages go calls `stream()` after that."""
+        hands first tokens on before their last pages go calls `stream()` after that. The
+        outputs of the engine's requests that have no transfer go to `others` (if given)."""
         events: list[TransferEvent] = []
         for result in self.engine.step():
             out = self.outgoing.get(result.request_id)
-            if out is not None and result.finished:
+            if out is None and others is not None:
+                others.append(result)
+            elif out is not None and result.finished:
                 out.finished = True
                 events.append(
                     TransferEvent("first_token", result.request_id, tuple(result.new_token_ids))

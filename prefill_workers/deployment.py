@@ -87,11 +87,13 @@ class PrefillWorker(WorkerDeployment):
         grant: dict[str, Any] | None = None,
         priority: int = 0,
         stream_first_token: bool = False,
+        finish_here: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
         """The outcome (sent | failed | cancelled, first token ids, timings) as the last item;
         with `stream_first_token`, first {"type": "first_token", "token_ids", "text"} as soon
         as it is sampled (when it can be streamed from here). Without `grant`, prefill starts
-        at once and the pages wait for a `grant` call with decode's reservation."""
+        at once and the pages wait for a `grant` call with decode's reservation. With
+        `finish_here` the request (one token) ends here: outcome "finished", its "item"."""
         start = time.monotonic()
         loop = asyncio.get_running_loop()
         first: asyncio.Future[dict[str, Any] | None] | None = (
@@ -104,6 +106,7 @@ class PrefillWorker(WorkerDeployment):
             ReservationGrant(**grant) if grant is not None else None,
             priority,
             first_token=first,
+            finish_here=finish_here,
         )
         task = asyncio.ensure_future(self.service.outcome(request_id, future))
         try:
@@ -117,7 +120,7 @@ class PrefillWorker(WorkerDeployment):
             if not task.done():  # cancelled by the router: cancel the prefill too
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        if outcome["status"] == "sent":  # arrival to first token: the prefill share of TTFT
+        if outcome["status"] in ("sent", "finished"):  # arrival to first token: prefill's TTFT
             tail = float(outcome.get("timings", {}).get("transfer_tail_s", 0.0))
             self.ttft_ms.add((time.monotonic() - start - tail) * 1000)
         yield outcome

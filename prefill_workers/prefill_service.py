@@ -20,12 +20,14 @@ from tandem.engine.engine_stats import engine_queue_stats, scheduling_stages
 from tandem.engine.errors import StepFailedError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
+from tandem.engine.outputs import StepOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.worker_loop import WorkerLoop, resolve
 from tandem.kv_transfer.base import KVTransport
 from tandem.kv_transfer.events import TransferEvent
 from tandem.kv_transfer.receiver import ReservationGrant
 from tandem.kv_transfer.sender import KVSender
+from tandem.prefill_workers.finishing_here import FinishingHere, failed
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class PrefillService(WorkerLoop):
         )
         self._pending: dict[str, _Pending] = {}
         self._early_grants: dict[str, tuple[ReservationGrant, float]] = {}  # (loop thread)
+        self._here: dict[str, FinishingHere] = {}  # requests that end here (loop thread)
         self.num_cancelled = 0
         self.num_failed = 0
         self.prefill_tokens_per_s: float | None = None
@@ -88,11 +91,14 @@ class PrefillService(WorkerLoop):
         grant: ReservationGrant | None,
         priority: int = 0,
         first_token: asyncio.Future[dict[str, Any] | None] | None = None,
+        finish_here: bool = False,
     ) -> dict[str, Any]:
         """Prefills and streams; returns {status: sent|failed|cancelled, first_token_ids, error,
-        timings}. Cancelling the awaiting task cancels the request (and tells decode).
-        See `begin` for the arguments."""
-        future = self.begin(request_id, prompt_token_ids, params, grant, priority, first_token)
+        timings} (or "finished" and the token "item": `finish_here`). Cancelling the awaiting
+        task cancels the request (and tells decode). See `begin` for the arguments."""
+        future = self.begin(
+            request_id, prompt_token_ids, params, grant, priority, first_token, finish_here
+        )
         return await self.outcome(request_id, future)
 
     def begin(
@@ -103,10 +109,12 @@ class PrefillService(WorkerLoop):
         grant: ReservationGrant | None,
         priority: int = 0,
         first_token: asyncio.Future[dict[str, Any] | None] | None = None,
+        finish_here: bool = False,
     ) -> asyncio.Future[dict[str, Any]]:
         """Queues the request now (an `attach_grant` queued after this finds it); await its
         outcome with `outcome`. With `grant=None`, prefill runs while decode reserves and the
-        pages go out once `attach_grant` brings the reservation.
+        pages go out once `attach_grant` brings the reservation. With `finish_here` (and no
+        grant) the request runs to its end here and nothing is sent (`finishing_here`).
 
         `first_token`, if given, gets {"token_ids", "text"} as soon as the first token is
         sampled, or None when it cannot be streamed from here: the request has stop strings
@@ -115,6 +123,20 @@ class PrefillService(WorkerLoop):
         future: asyncio.Future[dict[str, Any]] = loop.create_future()
 
         def start() -> None:
+            if finish_here:
+                try:
+                    req = self.engine.add_request(
+                        prompt_token_ids,
+                        params,
+                        request_id=request_id,
+                        stream_text=True,
+                        priority=priority,
+                    )
+                except Exception as exc:
+                    resolve(loop, future, exc)
+                    return
+                self._here[request_id] = FinishingHere(loop, future, req)
+                return
             early = self._early_grants.pop(request_id, None)
             try:
                 self.sender.start(request_id, prompt_token_ids, params, grant, priority)
@@ -157,6 +179,10 @@ class PrefillService(WorkerLoop):
         self._early_grants[request_id] = (grant, now)
 
     def _cancel(self, request_id: str) -> bool:
+        if self._here.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+            self.num_cancelled += 1
+            return True
         return request_id in self.sender.outgoing and self.sender.cancel(request_id)
 
     # ---- the loop thread -----------------------------------------------------------------------
@@ -177,11 +203,19 @@ class PrefillService(WorkerLoop):
         """One step, measuring prompt tokens computed per second (for admission control).
         First tokens go to their callers before the step's pages are handed to the transport."""
         start = time.perf_counter()
-        first_tokens = self.sender.compute()
+        others: list[StepOutput] = []
+        first_tokens = self.sender.compute(others)
         elapsed = time.perf_counter() - start
         for event in first_tokens:
             self._on_event(event)
-        if first_tokens:
+        ended_here = False
+        for output in others:
+            here = self._here.get(output.request_id)
+            if here is not None and (outcome := here.add(output)) is not None:
+                del self._here[output.request_id]
+                resolve(here.loop, here.future, outcome)
+                ended_here = True
+        if first_tokens or ended_here:
             # Drop the GIL once, so the event loop's thread (woken by `resolve`) sends the
             # first tokens on now, not after this thread's pages, events and stats work.
             time.sleep(0)
@@ -272,7 +306,10 @@ class PrefillService(WorkerLoop):
 
     def on_step_failed(self, exc: StepFailedError) -> None:
         for rid in exc.request_ids:
-            if rid in self.sender.outgoing:
+            if (here := self._here.pop(rid, None)) is not None:
+                self.engine.abort(rid)
+                resolve(here.loop, here.future, failed(f"prefill worker: {exc}"))
+            elif rid in self.sender.outgoing:
                 self.sender.fail(rid, f"prefill worker: {exc}")
             else:
                 self.engine.abort(rid)
@@ -286,6 +323,9 @@ class PrefillService(WorkerLoop):
                 {"status": "failed", "first_token_ids": [], "error": f"prefill worker died: {exc}"},
             )
             del self._pending[rid]
+        for here in self._here.values():
+            resolve(here.loop, here.future, failed(f"prefill worker died: {exc}"))
+        self._here.clear()
 
     def close(self) -> None:
         self.stop()

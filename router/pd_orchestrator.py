@@ -99,7 +99,15 @@ class PDOrchestrator:
         timings: RequestTimings,
     ) -> None:
         """Opens the request's decode stream; with a prefill worker, waits for the decode
-        worker's reservation (so "no room" is refused at arrival, 429). Kept on the plan."""
+        worker's reservation (so "no room" is refused at arrival, 429). Kept on the plan.
+        A one-token request (`plan.prefill_only`) only starts its call on the prefill worker."""
+        if plan.prefill_only:
+            assert plan.prefill is not None
+            plan.prefill_call = start_prefill_call(
+                plan.prefill, request_id, prompt_token_ids, params, None, priority, True
+            )
+            timings.mark("reserved")
+            return
         if plan.prefill is None:
             _open_decode(plan, request_id, prompt_token_ids, params, priority)
             return
@@ -180,6 +188,11 @@ class PDOrchestrator:
     ) -> AsyncGenerator[dict[str, Any], None]:
         """After `reserve`: yields decode's token items; the last carries `finish_reason`.
         Raises APIError. Leaving early cancels the request on its workers."""
+        if plan.prefill_only:
+            yield await self._finished_on_prefill(
+                request_id, prompt_token_ids, params, timings, plan, priority
+            )
+            return
         stream = plan.decode_stream
         assert stream is not None
         pending: set[asyncio.Future[Any]] = set()
@@ -301,6 +314,44 @@ class PDOrchestrator:
                         pending, stream, None if completed else _unwritten(plan, request_id)
                     )
                 )
+            finally:
+                plan.release()
+
+    async def _finished_on_prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        timings: RequestTimings,
+        plan: RoutePlan,
+        priority: int,
+    ) -> dict[str, Any]:
+        """A one-token request's only item, from its prefill worker (decode is not used)."""
+        try:
+            for attempt in range(MAX_DRAIN_RETRIES + 1):
+                assert plan.prefill is not None and plan.prefill_call is not None
+                outcome = await plan.prefill_call.task
+                if outcome.get("code") != DRAINING or attempt == MAX_DRAIN_RETRIES:
+                    break
+                await self._move(plan, "prefill")  # nothing started there: another one runs it
+                plan.prefill_call = start_prefill_call(
+                    plan.prefill, request_id, prompt_token_ids, params, None, priority, True
+                )
+            plan.release_prefill()
+            assert plan.prefill is not None
+            if outcome.get("status") != "finished":
+                raise _failed(
+                    plan.prefill, f"prefill failed: {outcome.get('error')}", "prefill_failed"
+                )
+            item: dict[str, Any] = outcome["item"]
+            timings.mark("first_token")
+            timings.mark("finished")
+            timings.worker.update(item.get("timings", {}))
+            return item
+        finally:
+            call = plan.prefill_call
+            try:
+                await to_completion(_close_calls(set() if call is None else call.futures(), None))
             finally:
                 plan.release()
 

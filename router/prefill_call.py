@@ -38,10 +38,13 @@ def start_prefill_call(
     params: dict[str, Any],
     grant: dict[str, Any] | None,
     priority: int,
+    finish_here: bool = False,
 ) -> PrefillCall:
+    """With `finish_here` (a one-token request, no grant) the request ends on the prefill
+    worker: its outcome is "finished" with the token item, and no early first token comes."""
     early: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
     task = asyncio.ensure_future(
-        _prefill(worker, request_id, prompt, params, grant, priority, early)
+        _prefill(worker, request_id, prompt, params, grant, priority, early, finish_here)
     )
     return PrefillCall(task, early)
 
@@ -64,8 +67,10 @@ async def _prefill(
     grant: dict[str, Any] | None,
     priority: int,
     first_token: asyncio.Future[dict[str, Any]],
+    finish_here: bool = False,
 ) -> dict[str, Any]:
     """The prefill call's outcome; its early first token (if any) resolves `first_token`."""
+    how = {"finish_here": True} if finish_here else {"stream_first_token": True}
     call = worker.client.stream(
         "prefill",
         request_id=request_id,
@@ -73,7 +78,7 @@ async def _prefill(
         params=params,
         grant=grant,
         priority=priority,
-        stream_first_token=True,
+        **how,
     )
     try:
         async with contextlib.aclosing(call):

@@ -6,6 +6,8 @@
 - Conditional prefill: when that worker holds a prefix and the uncached tail is at most
   `conditional_prefill_max_tokens`, it prefills the tail itself; no prefill worker, no transfer.
 - Prefill: the routing policy (cache affinity on the KV-event index by default).
+- One token (max_tokens=1): the request ends on its prefill worker (`RoutePlan.prefill_only`);
+  decode reserves nothing, no pages move, and decode's load and admission are not involved.
 - Admission: the plan's predicted TTFT against the request's deadline, and the queue cap.
 - Colocated mode: there are no prefill workers; every request is prefilled locally by the
   decode worker chosen as above (the decode-side admission, and the deadline against the
@@ -53,6 +55,7 @@ class RoutePlan:
     grant: dict[str, Any] | None = None  # the decode worker's reservation
     prefill_call: Any = None  # the prefill call started with the reservation (PDOrchestrator)
     grant_handed: bool = False  # a prefill worker may have the grant (it may write the blocks)
+    prefill_only: bool = False  # one token: it ends on the prefill worker, decode is not used
     hold_timer: asyncio.TimerHandle | None = None  # releases a plan whose request never ran
     _released_prefill: bool = False
     _released: bool = False
@@ -74,8 +77,9 @@ class RoutePlan:
             if self.hold_timer is not None:
                 self.hold_timer.cancel()
             self.release_prefill()
-            self.decode.in_flight -= 1
-            self.decode.queued_tokens -= self.decode_tokens
+            if not self.prefill_only:
+                self.decode.in_flight -= 1
+                self.decode.queued_tokens -= self.decode_tokens
 
 
 class RoutePlanner:
@@ -118,11 +122,14 @@ class RoutePlanner:
             decode_workers, index.match(namespace, hashes, [w.worker_id for w in decode_workers])
         )
         decode_tokens = len(prompt_token_ids) + max_tokens
-        self.admission.check_decode(decode.queued_tokens, decode_tokens)
+        one_token = max_tokens == 1 and not self.colocated  # (decode is not used)
+        if not one_token:
+            self.admission.check_decode(decode.queued_tokens, decode_tokens)
         tail = len(prompt_token_ids) - decode_hits * bs
         num_blocks = -(-len(prompt_token_ids) // bs)
         cfg = self.decode_routing
-        if self.colocated or (decode_hits > 0 and tail <= cfg.conditional_prefill_max_tokens):
+        local = decode_hits > 0 and tail <= cfg.conditional_prefill_max_tokens and not one_token
+        if self.colocated or local:
             # (the deadline holds here too: the tail's prefill on decode, no queue, no transfer)
             rate = float(decode.stats.get("prefill_tokens_per_s") or 0) or None
             self.admission.check(
@@ -151,15 +158,17 @@ class RoutePlanner:
                 queued_tokens=prefill.queued_tokens,
                 new_tokens=new_tokens,
                 tokens_per_s=float(prefill.stats.get("prefill_tokens_per_s") or 0) or None,
-                blocks=num_blocks - decode_hits,
+                blocks=0 if one_token else num_blocks - decode_hits,  # (pages sent)
                 deadline_ms=deadline_ms,
             )
             plan = RoutePlan(decode, prefill, num_blocks, decode_hits, prefill_hits, new_tokens)
+            plan.prefill_only = one_token
             prefill.queued_tokens += new_tokens
             prefill.in_flight += 1
-        decode.in_flight += 1
-        decode.queued_tokens += decode_tokens
-        plan.decode_tokens = decode_tokens
+        if not plan.prefill_only:
+            decode.in_flight += 1
+            decode.queued_tokens += decode_tokens
+            plan.decode_tokens = decode_tokens
         plan.hold_timer = asyncio.get_running_loop().call_later(hold_s, plan.release)
         return plan
 

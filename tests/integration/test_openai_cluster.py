@@ -188,3 +188,51 @@ def _disconnect_mid_stream(base_url: str, cluster: Cluster, n: int) -> None:
         model="tiny", prompt="hello", max_tokens=4, temperature=0
     )
     assert out.usage is not None and out.usage.completion_tokens == 4
+
+
+def test_one_token_requests_end_on_prefill_exactly(
+    base_url: str, cluster: Cluster, reference: LLM
+) -> None:
+    """max_tokens=1 needs no decode worker: nothing is reserved there and no page moves, and
+    the answer (text, logprobs, usage, streamed or not, chat too) is the colocated one."""
+    replicas = int(cluster.config["decode"]["replicas"])
+
+    def counters() -> tuple[int, int]:
+        workers = wait_baseline(cluster, replicas)
+        queried = sum(w["prefix_cache_queried_blocks"] for w in workers if w["role"] == "decode")
+        sent = sum(w["kv_transfer_bytes"] for w in workers if w["role"] == "prefill")
+        return queried, sent
+
+    before = counters()
+    c = client(base_url)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=2)
+    for prompt in PROMPTS[2:6]:
+        exp = reference.generate([prompt], params, use_tqdm=False)[0]
+        out = c.completions.create(
+            model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=2
+        )
+        choice = out.choices[0]
+        assert (choice.text, choice.finish_reason) == (exp.text, exp.finish_reason), prompt
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        assert choice.logprobs.token_logprobs[0] == pytest.approx(exp.logprobs[0][0], abs=1e-4)
+        assert out.usage is not None and out.usage.completion_tokens == 1
+        assert out.usage.prompt_tokens == len(exp.prompt_token_ids)
+    stream = c.completions.create(
+        model="tiny",
+        prompt=PROMPTS[7],
+        max_tokens=1,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    exp = reference.generate([PROMPTS[7]], params, use_tqdm=False)[0]
+    assert text == exp.text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 1
+    chat = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1, temperature=0
+    )
+    assert chat.usage is not None and chat.usage.completion_tokens == 1
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    assert counters() == before  # decode reserved nothing, prefill sent no page

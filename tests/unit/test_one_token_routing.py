@@ -1,0 +1,120 @@
+"""A one-token request (max_tokens=1) is planned for its prefill worker alone and ends there:
+decode gets no call, holds no load, and its admission cap does not apply."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from tandem.router.errors import APIError
+from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
+from tests.unit.test_drain import FakeWorker, held_plan, start
+from tests.unit.test_route_planner import INFO, WORKERS, directory, planner, publish
+
+
+def _plan(p: Any, prompt: list[int], max_tokens: int) -> Any:
+    async def main() -> Any:
+        return await p.plan(prompt, INFO, None, hold_s=60, max_tokens=max_tokens)
+
+    return asyncio.run(main())
+
+
+def test_a_one_token_request_is_planned_for_prefill_alone() -> None:
+    d = directory(*WORKERS)
+    history = list(range(10, 210))
+    publish(d, "d0", history)  # a tail short enough to stay on d0, were it decoded
+    route = _plan(planner(d), history + list(range(300, 310)), max_tokens=1)
+    assert route.prefill_only and route.prefill is not None
+    assert (route.decode.in_flight, route.decode.queued_tokens, route.decode_tokens) == (0, 0, 0)
+    assert route.prefill.in_flight == 1
+    route.release()
+    assert all((w.in_flight, w.queued_tokens) == (0, 0) for w in d.workers.values())
+    two = _plan(planner(d), history + list(range(300, 310)), max_tokens=2)
+    assert not two.prefill_only and two.local_prefill and two.decode.in_flight == 1
+
+
+def test_the_decode_cap_does_not_refuse_a_one_token_request() -> None:
+    d = directory(*WORKERS)
+    for w in d.workers.values():
+        if w.role == "decode":
+            w.queued_tokens = 1000
+    p = planner(d, max_decode_tokens=1000)
+    with pytest.raises(APIError) as refused:
+        _plan(p, list(range(50)), max_tokens=2)
+    assert refused.value.code == "decode_queue_full"
+    assert _plan(p, list(range(50)), max_tokens=1).prefill_only
+
+
+class FinishingPrefill(FakeWorker):
+    """A prefill worker that ends one-token requests itself (refusing `refusals` first)."""
+
+    def __init__(self, worker_id: str, refusals: int = 0, error: str | None = None) -> None:
+        super().__init__(worker_id)
+        self.refusals = refusals
+        self.error = error
+        self.finish_here: list[bool] = []
+
+    async def prefill(self, grant: dict[str, Any], **kw: Any) -> AsyncIterator[dict[str, Any]]:
+        self.finish_here.append(bool(kw.get("finish_here")))
+        if self.refusals:
+            self.refusals -= 1
+            yield self.refuse_prefill()
+            return
+        if self.error is not None:
+            yield {"status": "failed", "first_token_ids": [], "error": self.error}
+            return
+        item = {"type": "tokens", "token_ids": [7], "text": self.worker_id}
+        item |= {"finish_reason": "length", "num_cached_tokens": 16, "timings": {"prefill_s": 0.01}}
+        yield {"status": "finished", "first_token_ids": [7], "item": item}
+
+
+def one_token_plan(d: Any, decode: str, prefill: str) -> Any:
+    """As the planner makes it: load held on the prefill worker only."""
+    plan = held_plan(d, decode, prefill)
+    plan.prefill_only, plan.decode_tokens = True, 0
+    plan.decode.in_flight, plan.decode.queued_tokens = 0, 0
+    return plan
+
+
+def test_a_one_token_request_ends_on_its_prefill_worker() -> None:
+    async def main() -> None:
+        decode, p0, p1 = (
+            FakeWorker("d0"),
+            FinishingPrefill("p0", refusals=1),
+            FinishingPrefill("p1"),
+        )
+        d = await start(decode, p0, p1, roles="decode prefill prefill")
+        orchestrator = PDOrchestrator(d)
+        plan = one_token_plan(d, "d0", "p0")
+        timings = RequestTimings()
+        await orchestrator.reserve(plan, "one", [1, 2, 3], {"max_tokens": 1}, 0, timings)
+        items = [i async for i in orchestrator.generate("one", [1, 2, 3], {}, timings, plan)]
+        assert [(i["token_ids"], i["text"], i["finish_reason"]) for i in items] == [
+            ([7], "p1", "length")  # p0 was draining: the request moved to p1
+        ]
+        assert decode.calls == 0 and p0.finish_here == p1.finish_here == [True]
+        assert timings.stages_ms()["prefill"] == 10.0
+        assert all((w.in_flight, w.queued_tokens) == (0, 0) for w in d.workers.values())
+        await d.close()
+
+    asyncio.run(main())
+
+
+def test_a_failed_one_token_request_is_a_503() -> None:
+    async def main() -> None:
+        decode, p0 = FakeWorker("d0"), FinishingPrefill("p0", error="step failed")
+        d = await start(decode, p0, roles="decode prefill")
+        plan = one_token_plan(d, "d0", "p0")
+        orchestrator, timings = PDOrchestrator(d), RequestTimings()
+        await orchestrator.reserve(plan, "one", [1, 2, 3], {}, 0, timings)
+        with pytest.raises(APIError) as failed:
+            [i async for i in orchestrator.generate("one", [1, 2, 3], {}, timings, plan)]
+        assert (failed.value.status, failed.value.code) == (503, "prefill_failed")
+        assert "prefill failed: step failed" in str(failed.value)
+        assert all((w.in_flight, w.queued_tokens) == (0, 0) for w in d.workers.values())
+        await d.close()
+
+    asyncio.run(main())
