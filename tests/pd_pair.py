@@ -8,11 +8,30 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
+
 from tandem import LLM
 from tandem.decode_workers.decode_service import DecodeService
 from tandem.kv_transfer.local import LocalHub, LocalTransport
 from tandem.kv_transfer.receiver import ReservationGrant
 from tandem.prefill_workers.prefill_service import PrefillService
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint: Any) -> str:
+    return str(tiny_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def reference(model: str) -> LLM:
+    return LLM(model=model, num_kv_blocks=128)
+
+
+@pytest.fixture()
+def services(model: str) -> Iterator[tuple[PrefillService, DecodeService]]:
+    """A started pair on the module's tiny model (fixtures for the modules that use this)."""
+    with pd_pair(model) as pair:
+        yield pair
 
 
 @contextmanager

@@ -4,33 +4,19 @@ and logprobs as through decode, with nothing reserved on decode and no page sent
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tandem import LLM
-from tandem.decode_workers.decode_service import DecodeService
 from tandem.engine.output_text import OutputText
 from tandem.engine.sampling_params import SamplingParams
-from tandem.prefill_workers.prefill_service import PrefillService
-from tests.pd_pair import pd_pair, run_pd, wait_idle
+from tests import pd_pair as pd_pair_module
+from tests.pd_pair import run_pd, wait_idle
 
-
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint: Any) -> str:
-    return str(tiny_checkpoint())
-
-
-@pytest.fixture(scope="module")
-def reference(model: str) -> LLM:
-    return LLM(model=model, num_kv_blocks=128)
-
-
-@pytest.fixture()
-def services(model: str) -> Iterator[tuple[PrefillService, DecodeService]]:
-    with pd_pair(model) as pair:
-        yield pair
+model = pd_pair_module.model  # the shared fixtures
+reference = pd_pair_module.reference
+services = pd_pair_module.services
 
 
 def _prompt(reference: LLM, i: int) -> list[int]:

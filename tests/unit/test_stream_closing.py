@@ -159,6 +159,7 @@ def test_a_request_cancelled_by_its_http_server_closes_its_decode_call() -> None
         prefill = None
         grant = None
         prefill_call = None
+        prefill_only = False
 
         def __init__(self) -> None:
             self.decode_stream = decode_stream()
