@@ -42,21 +42,25 @@ def test_health_reports_serving(channel: grpc.Channel) -> None:
 def test_generate_streams_the_same_tokens(channel: grpc.Channel, cluster: Cluster) -> None:
     llm = LLM(model=str(cluster.model), num_kv_blocks=256)
     stub = generation_pb2_grpc.GenerationStub(channel)
-    for prompt in ("hello grpc", "tandem streams tokens over grpc " * 5):
+    cases = [("hello grpc", 10), ("tandem streams tokens over grpc " * 5, 10), ("one", 1)]
+    for prompt, n in cases:  # (one token: it ends on the prefill worker)
         exp = llm.generate(
-            [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+            [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False
         )[0]
         request = generation_pb2.GenerateRequest(
             model="tiny",
             prompt=prompt,
-            sampling=generation_pb2.SamplingOptions(temperature=0, max_tokens=10, ignore_eos=True),
+            sampling=generation_pb2.SamplingOptions(temperature=0, max_tokens=n, ignore_eos=True),
         )
         replies = list(stub.Generate(request, timeout=60))
         assert [t for r in replies for t in r.token_ids] == exp.token_ids
         assert "".join(r.text for r in replies) == exp.text
         assert replies[-1].finish_reason == "length"
-        assert replies[-1].usage.completion_tokens == 10
+        assert replies[-1].usage.completion_tokens == n
         assert replies[-1].usage.prompt_tokens == len(exp.prompt_token_ids)
+    exp = llm.generate(
+        [cases[1][0]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )[0]
     ids_request = generation_pb2.GenerateRequest(
         prompt_token_ids=exp.prompt_token_ids,
         sampling=generation_pb2.SamplingOptions(temperature=0, max_tokens=10, ignore_eos=True),
