@@ -122,20 +122,12 @@ class PrefillService(WorkerLoop):
         loop = asyncio.get_running_loop()
         future: asyncio.Future[dict[str, Any]] = loop.create_future()
 
+        if finish_here and grant is not None:
+            raise ValueError("a request that ends on the prefill worker takes no reservation")
+
         def start() -> None:
             if finish_here:
-                try:
-                    req = self.engine.add_request(
-                        prompt_token_ids,
-                        params,
-                        request_id=request_id,
-                        stream_text=True,
-                        priority=priority,
-                    )
-                except Exception as exc:
-                    resolve(loop, future, exc)
-                    return
-                self._here[request_id] = FinishingHere(loop, future, req)
+                self._start_here(request_id, prompt_token_ids, params, priority, future)
                 return
             early = self._early_grants.pop(request_id, None)
             try:
@@ -178,6 +170,24 @@ class PrefillService(WorkerLoop):
                 del self._early_grants[rid]
         self._early_grants[request_id] = (grant, now)
 
+    def _start_here(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        future: asyncio.Future[dict[str, Any]],
+    ) -> None:
+        loop = future.get_loop()
+        try:
+            req = self.engine.add_request(
+                prompt_token_ids, params, request_id=request_id, stream_text=True, priority=priority
+            )
+        except Exception as exc:
+            resolve(loop, future, exc)
+            return
+        self._here[request_id] = FinishingHere(loop, future, req)
+
     def _cancel(self, request_id: str) -> bool:
         if self._here.pop(request_id, None) is not None:
             self.engine.abort(request_id)
@@ -208,14 +218,7 @@ class PrefillService(WorkerLoop):
         elapsed = time.perf_counter() - start
         for event in first_tokens:
             self._on_event(event)
-        ended_here = False
-        for output in others:
-            here = self._here.get(output.request_id)
-            if here is not None and (outcome := here.add(output)) is not None:
-                del self._here[output.request_id]
-                resolve(here.loop, here.future, outcome)
-                ended_here = True
-        if first_tokens or ended_here:
+        if self._end_here(others) or first_tokens:
             # Drop the GIL once, so the event loop's thread (woken by `resolve`) sends the
             # first tokens on now, not after this thread's pages, events and stats work.
             time.sleep(0)
@@ -225,6 +228,17 @@ class PrefillService(WorkerLoop):
             old = self.prefill_tokens_per_s
             self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
         return self.sender.stream()
+
+    def _end_here(self, outputs: list[StepOutput]) -> bool:
+        """Hands the outcome of each request that ended here to its caller; whether any did."""
+        ended = False
+        for output in outputs:
+            here = self._here.get(output.request_id)
+            if here is not None and (outcome := here.add(output)) is not None:
+                del self._here[output.request_id]
+                resolve(here.loop, here.future, outcome)
+                ended = True
+        return ended
 
     def _on_event(self, event: TransferEvent) -> None:
         if event.kind == "cancelled":  # by the router (here) or by decode (over the transport)
@@ -317,11 +331,7 @@ class PrefillService(WorkerLoop):
 
     def on_death(self, exc: BaseException) -> None:
         for rid, pending in list(self._pending.items()):
-            resolve(
-                pending.loop,
-                pending.future,
-                {"status": "failed", "first_token_ids": [], "error": f"prefill worker died: {exc}"},
-            )
+            resolve(pending.loop, pending.future, failed(f"prefill worker died: {exc}"))
             del self._pending[rid]
         for here in self._here.values():
             resolve(here.loop, here.future, failed(f"prefill worker died: {exc}"))

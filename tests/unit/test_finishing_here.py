@@ -11,6 +11,7 @@ import pytest
 from tandem import LLM
 from tandem.engine.output_text import OutputText
 from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer.receiver import ReservationGrant
 from tests import pd_pair as pd_pair_module
 from tests.pd_pair import run_pd, wait_idle
 
@@ -121,3 +122,14 @@ def test_cancelling_a_one_token_request_mid_prefill_frees_its_blocks(
     asyncio.run(main())
     tokens, *_ = asyncio.run(run_pd(prefill, decode, "after", prompt, params))
     assert tokens == reference.generate([prompt], params)[0].token_ids
+
+
+def test_a_request_that_ends_here_takes_no_reservation(services: Any) -> None:
+    prefill, _ = services
+    grant = ReservationGrant("g", "local:x", [1], 0, 30.0)
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="takes no reservation"):
+            prefill.begin("g", [1, 2, 3], SamplingParams(max_tokens=1), grant, finish_here=True)
+
+    asyncio.run(main())
