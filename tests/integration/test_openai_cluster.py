@@ -197,11 +197,14 @@ def test_one_token_requests_end_on_prefill_exactly(
     the answer (text, logprobs, usage, streamed or not, chat too) is the colocated one."""
     replicas = int(cluster.config["decode"]["replicas"])
 
-    def counters() -> tuple[int, int]:
-        workers = wait_baseline(cluster, replicas)
-        queried = sum(w["prefix_cache_queried_blocks"] for w in workers if w["role"] == "decode")
-        sent = sum(w["kv_transfer_bytes"] for w in workers if w["role"] == "prefill")
-        return queried, sent
+    def counters() -> dict[str, int]:
+        """Decode's prefix lookups (one per reservation) and prefill's bytes sent, per worker."""
+        return {
+            w["worker_id"]: w[
+                "prefix_cache_queried_blocks" if w["role"] == "decode" else "kv_transfer_bytes"
+            ]
+            for w in wait_baseline(cluster, replicas)
+        }
 
     before = counters()
     c = client(base_url)
@@ -235,4 +238,7 @@ def test_one_token_requests_end_on_prefill_exactly(
     )
     assert chat.usage is not None and chat.usage.completion_tokens == 1
     assert chat.choices[0].finish_reason in ("length", "stop")
-    assert counters() == before  # decode reserved nothing, prefill sent no page
+    after = counters()  # (a replica of a previous deployment may have left meanwhile)
+    kept = sorted(before.keys() & after.keys())
+    assert any(w.startswith("decode") for w in kept) and any(w.startswith("prefill") for w in kept)
+    assert [after[w] for w in kept] == [before[w] for w in kept]  # nothing reserved, sent
