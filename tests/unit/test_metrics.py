@@ -114,3 +114,14 @@ def test_worker_series_come_from_the_reported_stats() -> None:
     assert got[("tandem:role_replicas", (("model_name", "m"), ("role", "decode")))] == 1
     # The router reports no worker stats: its live count comes from Serve's status.
     assert got[("tandem:role_replicas", (("model_name", "m"), ("role", "router")))] == 2
+
+
+def test_no_created_series_beside_the_counters_and_histograms() -> None:
+    m = RouterMetrics("m", "r1")
+    m.finished(
+        user=None, arrival=1.0, first_token=1.1, end=1.5, prompt_tokens=4, output_tokens=2,
+        finish_reason="stop", stages_s={}, transferred_blocks=0, slo_ttft_s=None, slo_tpot_s=None,
+    )  # fmt: skip
+    names = {name for name, _ in samples(m)}
+    assert "tandem:request_success_total" in names
+    assert not [n for n in names if n.endswith("_created")]
