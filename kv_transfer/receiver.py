@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from pydantic import ValidationError
@@ -37,6 +36,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.logprobs import parse_entries
 from tandem.engine.outputs import TokenLogprob
 from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer._receiver_records import Held, Reservation
 from tandem.kv_transfer.base import KVTransport, Message
 from tandem.kv_transfer.events import TransferEvent
 from tandem.kv_transfer.manifest import (
@@ -60,32 +60,6 @@ class ReservationGrant(NamedTuple):
     lease_s: float
 
 
-@dataclass
-class _Held:
-    """Blocks of an ended reservation a sender might still be writing into."""
-
-    request_id: str
-    peer: str | None
-    block_table: list[int]
-    deadline: float
-    cancel_reason: str | None = None  # ended by a decode-side cancel (else by a failure)
-
-
-@dataclass
-class _Reservation:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    block_table: list[int]
-    block_hashes: list[int]  # the prompt's full blocks' (prefix-cache keys)
-    num_hit_blocks: int
-    deadline: float
-    next_block: int
-    next_chunk: int = 0
-    peer: str | None = None
-    matcher: Any = None  # a JSON-schema request's grammar, past the first tokens (checked)
-
-
 class KVReceiver:
     def __init__(
         self,
@@ -104,8 +78,8 @@ class KVReceiver:
         self.verify_checksums = verify_checksums
         self.clock = clock
         self.layout = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
-        self.reservations: dict[str, _Reservation] = {}
-        self.held: list[_Held] = []
+        self.reservations: dict[str, Reservation] = {}
+        self.held: list[Held] = []
         """Blocks of ended reservations waiting for the sender's confirmation (see above)."""
         transport.register_pool(engine.kv_pool)
 
@@ -125,7 +99,7 @@ class KVReceiver:
             raise NoFreeBlocksError(
                 f"no room to reserve {request_id!r} ({len(prompt_token_ids)} tokens)"
             )
-        self.reservations[request_id] = _Reservation(
+        self.reservations[request_id] = Reservation(
             request_id,
             list(prompt_token_ids),
             params,
@@ -251,7 +225,7 @@ class KVReceiver:
         return self._commit(res, manifest, message.header)
 
     def _check_chunk(
-        self, res: _Reservation, manifest: ChunkManifest, message: Message
+        self, res: Reservation, manifest: ChunkManifest, message: Message
     ) -> str | None:
         if manifest.chunk_index > res.next_chunk:
             return f"chunk {manifest.chunk_index} arrived out of order (expected {res.next_chunk})"
@@ -291,7 +265,7 @@ class KVReceiver:
         return None
 
     def _commit(
-        self, res: _Reservation, manifest: ChunkManifest, header: dict[str, Any]
+        self, res: Reservation, manifest: ChunkManifest, header: dict[str, Any]
     ) -> TransferEvent:
         del self.reservations[res.request_id]
         assert res.peer is not None
@@ -322,7 +296,7 @@ class KVReceiver:
         self._ack(res, manifest.chunk_index)
         return TransferEvent("committed", res.request_id, first, logprobs=logprobs)
 
-    def _check_grammar(self, res: _Reservation, tokens: list[int]) -> str | None:
+    def _check_grammar(self, res: Reservation, tokens: list[int]) -> str | None:
         """Why the first tokens cannot start output that follows the request's structure
         (None: they can; the matcher, past them, is kept for the commit)."""
         structure = res.params.structure
@@ -338,7 +312,7 @@ class KVReceiver:
 
     @staticmethod
     def _first_logprobs(
-        res: _Reservation, manifest: ChunkManifest, header: dict[str, Any]
+        res: Reservation, manifest: ChunkManifest, header: dict[str, Any]
     ) -> list[TokenLogprob] | None:
         """The first tokens' logprobs the last chunk carries (None: not asked, or malformed)."""
         if res.params.logprobs is None:
@@ -362,7 +336,7 @@ class KVReceiver:
             events.append(self._fail(res, why))
         return events
 
-    def _fail(self, res: _Reservation, error: str, *, notify: bool = True) -> TransferEvent:
+    def _fail(self, res: Reservation, error: str, *, notify: bool = True) -> TransferEvent:
         logger.warning("KV transfer of %s failed: %s", res.request_id, error)
         self.reservations.pop(res.request_id, None)
         if notify:
@@ -373,9 +347,9 @@ class KVReceiver:
             self._reply_error(res.peer, res.request_id, error)
         return TransferEvent("failed", res.request_id, error=error)
 
-    def _hold(self, res: _Reservation, cancel_reason: str | None = None) -> None:
+    def _hold(self, res: Reservation, cancel_reason: str | None = None) -> None:
         deadline = self.clock() + self.stall_timeout_s
-        self.held.append(_Held(res.request_id, res.peer, res.block_table, deadline, cancel_reason))
+        self.held.append(Held(res.request_id, res.peer, res.block_table, deadline, cancel_reason))
 
     def _cancel_reason(self, request_id: str, peer: str) -> str | None:
         """Why `request_id` was cancelled here, if it was and `peer` may be its sender."""
@@ -384,11 +358,11 @@ class KVReceiver:
                 return held.cancel_reason
         return None
 
-    def _unhold(self, held: _Held) -> None:
+    def _unhold(self, held: Held) -> None:
         self.held.remove(held)
         self.engine.block_manager.free(held.block_table)
 
-    def _ack(self, res: _Reservation, chunk_index: int) -> None:
+    def _ack(self, res: Reservation, chunk_index: int) -> None:
         assert res.peer is not None
         self.transport.send(
             res.peer, {"type": "ack", "request_id": res.request_id, "chunk_index": chunk_index}

@@ -65,7 +65,3 @@ class FinishingHere:
             "timings": timings,
             "item": item,
         }
-
-
-def failed(error: str) -> dict[str, Any]:
-    return {"status": "failed", "first_token_ids": [], "error": error}

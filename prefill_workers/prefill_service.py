@@ -27,7 +27,7 @@ from tandem.kv_transfer.base import KVTransport
 from tandem.kv_transfer.events import TransferEvent
 from tandem.kv_transfer.receiver import ReservationGrant
 from tandem.kv_transfer.sender import KVSender
-from tandem.prefill_workers.finishing_here import FinishingHere, failed
+from tandem.prefill_workers.finishing_here import FinishingHere
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,11 @@ class _Pending:
     stages: dict[str, float] = field(default_factory=dict)  # queue_s, prefix_lookup_s
     first_token: asyncio.Future[dict[str, Any] | None] | None = None
     prompt_logprobs: list[Any] | None = None  # when the request asks
+
+
+def _failed(error: str) -> dict[str, Any]:
+    """A prefill call's outcome when the worker could not finish it."""
+    return {"status": "failed", "first_token_ids": [], "error": error}
 
 
 EARLY_GRANT_S = 60.0
@@ -322,7 +327,7 @@ class PrefillService(WorkerLoop):
         for rid in exc.request_ids:
             if (here := self._here.pop(rid, None)) is not None:
                 self.engine.abort(rid)
-                resolve(here.loop, here.future, failed(f"prefill worker: {exc}"))
+                resolve(here.loop, here.future, _failed(f"prefill worker: {exc}"))
             elif rid in self.sender.outgoing:
                 self.sender.fail(rid, f"prefill worker: {exc}")
             else:
@@ -331,10 +336,10 @@ class PrefillService(WorkerLoop):
 
     def on_death(self, exc: BaseException) -> None:
         for rid, pending in list(self._pending.items()):
-            resolve(pending.loop, pending.future, failed(f"prefill worker died: {exc}"))
+            resolve(pending.loop, pending.future, _failed(f"prefill worker died: {exc}"))
             del self._pending[rid]
         for here in self._here.values():
-            resolve(here.loop, here.future, failed(f"prefill worker died: {exc}"))
+            resolve(here.loop, here.future, _failed(f"prefill worker died: {exc}"))
         self._here.clear()
 
     def close(self) -> None:

@@ -20,8 +20,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
 
 from tandem.engine.sampling_params import sample_seed
+from tandem.router.call_cleanup import to_completion
 from tandem.router.errors import bad_request
-from tandem.router.pd_orchestrator import to_completion
 from tandem.router.prepared import Prepared
 from tandem.router.serving import Serving
 

@@ -29,8 +29,8 @@ from tandem.router.openai_format import (
 )
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.router.openai_stream import ClosingStreamingResponse, sse, sse_choices
-from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
+from tandem.router.request_timings import RequestTimings
 from tandem.router.serving import Serving
 from tandem.router.tool_calls import ReplyParser, template_tools
 from tandem.router.tool_parsers import ToolParser

@@ -22,12 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncGenerator, Awaitable
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from tandem.engine.rpc import RPCError
+from tandem.router.call_cleanup import close_calls, to_completion, unwritten_release
 from tandem.router.errors import RETRY_AFTER, APIError, WorkerLost, unavailable
 from tandem.router.prefill_call import (
     PrefillCall,
@@ -35,6 +34,7 @@ from tandem.router.prefill_call import (
     start_prefill_call,
     without_streamed,
 )
+from tandem.router.request_timings import RequestTimings
 from tandem.router.route_planner import RoutePlan
 from tandem.router.worker_directory import Worker, WorkerDirectory
 
@@ -43,39 +43,6 @@ logger = logging.getLogger("tandem.router")
 DRAINING = "draining"  # what a worker that is shutting down answers new work with
 NO_CAPACITY = "no_capacity"  # what a decode worker without room for a reservation answers
 MAX_DRAIN_RETRIES = 3
-UNWRITTEN_RELEASE_S = 5.0
-"""How long the router waits for a decode worker to release a reservation no prefill worker
-was handed (it only logs a failure: the worker's stall timeout frees the blocks anyway)."""
-
-
-@dataclass
-class RequestTimings:
-    """Wall-clock marks of one request's lifecycle (DESIGN §2) and its per-stage durations."""
-
-    arrival: float = field(default_factory=time.time)
-    marks: dict[str, float] = field(default_factory=dict)
-    worker: dict[str, float] = field(default_factory=dict)
-
-    def mark(self, name: str) -> None:
-        self.marks.setdefault(name, time.time())
-
-    def stages_ms(self) -> dict[str, float]:
-        m, start = self.marks, self.arrival
-        out: dict[str, float] = {}
-
-        def span(name: str, a: float | None, b: float | None) -> None:
-            if a is not None and b is not None:
-                out[name] = round((b - a) * 1000, 3)
-
-        span("tokenize", start, m.get("tokenized"))
-        span("reserve", m.get("tokenized"), m.get("reserved"))
-        for key in ("prefill_s", "transfer_tail_s", "transfer_wait_s", "decode_s"):
-            if key in self.worker:
-                out[key.removesuffix("_s")] = round(self.worker[key] * 1000, 3)
-        span("ttft", start, m.get("first_token"))
-        span("decode_stream", m.get("first_token"), m.get("finished"))
-        span("e2e", start, m.get("finished"))
-        return out
 
 
 class PDOrchestrator:
@@ -140,7 +107,7 @@ class PDOrchestrator:
             # was handed to no prefill worker. (An API error is decode's own refusal, or a
             # broken connection to it.)
             unwritten = None if isinstance(exc, APIError) else (plan.decode, request_id)
-            await to_completion(_close_calls(futures, plan.decode_stream, unwritten))
+            await to_completion(close_calls(futures, plan.decode_stream, unwritten))
             raise
         plan.decode.note_reservation(refused=False)
         plan.grant = first["grant"]
@@ -158,7 +125,7 @@ class PDOrchestrator:
         pending = set() if call is None else call.futures()
         try:
             await to_completion(
-                _close_calls(pending, plan.decode_stream, _unwritten(plan, request_id))
+                close_calls(pending, plan.decode_stream, unwritten_release(plan, request_id))
             )
         finally:
             plan.release()
@@ -217,7 +184,7 @@ class PDOrchestrator:
                     call = start_prefill_call(
                         plan.prefill, request_id, prompt_token_ids, params, plan.grant, priority
                     )
-                    plan.grant_handed = plan.grant_handed or plan.grant is not None
+                    plan.grant_handed = True  # (`reserve` set the grant before any `generate`)
                 early = call.early
                 pending.update((early, call.task))
                 return call.task
@@ -310,8 +277,8 @@ class PDOrchestrator:
                 pending |= plan.prefill_call.futures()
             try:
                 await to_completion(
-                    _close_calls(
-                        pending, stream, None if completed else _unwritten(plan, request_id)
+                    close_calls(
+                        pending, stream, None if completed else unwritten_release(plan, request_id)
                     )
                 )
             finally:
@@ -351,54 +318,9 @@ class PDOrchestrator:
         finally:
             call = plan.prefill_call
             try:
-                await to_completion(_close_calls(set() if call is None else call.futures(), None))
+                await to_completion(close_calls(set() if call is None else call.futures(), None))
             finally:
                 plan.release()
-
-
-_cleanups: set[asyncio.Future[None]] = set()  # strong references while they run
-
-
-async def to_completion(cleanup: Awaitable[None]) -> None:
-    """Runs `cleanup` to its end in its own task. When the HTTP server cancels a request
-    (anyio cancel scopes), every later await of that request is cancelled too, so a clean-up
-    awaited inline could stop half-way and leave the call running on its worker."""
-    task = asyncio.ensure_future(cleanup)
-    _cleanups.add(task)
-    task.add_done_callback(_cleanups.discard)
-    await asyncio.shield(task)
-
-
-async def _close_calls(
-    pending: set[asyncio.Future[Any]],
-    stream: AsyncGenerator[dict[str, Any], None] | None,
-    unwritten: tuple[Worker, str] | None = None,
-) -> None:
-    """Cancels the request's calls in flight and closes its decode stream (if opened);
-    closing a call cancels it on its worker. With `unwritten` (decode worker, request id), no
-    prefill worker was handed the request's grant: that worker releases the reserved blocks
-    at once (else it holds them for its stall timeout, as pages might still come)."""
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
-    if stream is None:
-        return
-    await stream.aclose()
-    if unwritten is not None:
-        worker, request_id = unwritten
-        try:
-            async with asyncio.timeout(UNWRITTEN_RELEASE_S):
-                await worker.client.call("release_unwritten", request_id=request_id)
-        except (RPCError, TimeoutError) as exc:  # (its stall timeout frees them anyway)
-            logger.info(
-                "%s: release of %s's blocks not taken: %s", worker.worker_id, request_id, exc
-            )
-
-
-def _unwritten(plan: RoutePlan, request_id: str) -> tuple[Worker, str] | None:
-    """(decode worker, request id) when decode reserved for the request but no prefill worker
-    was handed the grant."""
-    return None if plan.grant is None or plan.grant_handed else (plan.decode, request_id)
 
 
 def _open_decode(

@@ -10,7 +10,7 @@ from typing import Any
 from tandem.engine.output_text import OutputText
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
-from tandem.router.pd_orchestrator import RequestTimings
+from tandem.router.request_timings import RequestTimings
 from tandem.router.route_planner import RoutePlan
 
 

@@ -7,8 +7,8 @@ import logging
 import time
 from typing import Any
 
-from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
+from tandem.router.request_timings import RequestTimings
 from tandem.router.route_planner import RoutePlan
 
 logger = logging.getLogger("tandem.router")  # (the router's one log of requests)

@@ -14,7 +14,7 @@ from jinja2 import TemplateError
 from tandem.engine.metrics import RouterMetrics
 from tandem.engine.tokenizer import Tokenizer
 from tandem.router.errors import APIError, WorkerLost, bad_request
-from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
+from tandem.router.pd_orchestrator import PDOrchestrator
 from tandem.router.prepared import Prepared
 from tandem.router.reasoning import REASONING_TAGS, ReasoningParser
 from tandem.router.request_prep import (
@@ -31,6 +31,7 @@ from tandem.router.request_record import (
     log_request,
     routing_decision,
 )
+from tandem.router.request_timings import RequestTimings
 from tandem.router.route_planner import RoutePlanner
 from tandem.router.tool_parsers import HermesParser, ToolParser
 

@@ -21,7 +21,7 @@ from tandem.router.errors import APIError, bad_request
 from tandem.router.grpc import generation_pb2, generation_pb2_grpc
 from tandem.router.grpc.health_status import SERVICE_NAME, GrpcServer, HealthServicer
 from tandem.router.openai_protocol import MAX_TEMPERATURE
-from tandem.router.pd_orchestrator import RequestTimings
+from tandem.router.request_timings import RequestTimings
 from tandem.router.serving import Serving
 from tandem.router.structured_output import Structure, one_structure, parse_schema
 

@@ -16,9 +16,9 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.router import openai_api
 from tandem.router.errors import APIError
 from tandem.router.openai_protocol import CompletionRequest
-from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
 from tandem.router.request_prep import ModelLimits, prompt_token_ids
+from tandem.router.request_timings import RequestTimings
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

@@ -14,7 +14,8 @@ from tandem.engine.recent_mean import RecentMean
 from tandem.engine.rpc import RPCClient, RPCServer
 from tandem.engine.worker_drain import DRAINING, WorkTracker, drain
 from tandem.router.errors import APIError
-from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
+from tandem.router.pd_orchestrator import PDOrchestrator
+from tandem.router.request_timings import RequestTimings
 from tandem.router.route_planner import RoutePlan
 from tandem.router.worker_directory import Worker, WorkerDirectory
 

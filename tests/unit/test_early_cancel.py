@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tandem.router.pd_orchestrator import RequestTimings
+from tandem.router.request_timings import RequestTimings
 from tandem.router.serving import Serving
 
 

@@ -16,7 +16,7 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.engine.generation_defaults import sampling_defaults
 from tandem.router.admission import Admission, AdmissionConfig
-from tandem.router.pd_orchestrator import RequestTimings
+from tandem.router.request_timings import RequestTimings
 from tandem.router.serving import Serving
 
 QWEN3_LIKE = {

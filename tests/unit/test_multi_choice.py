@@ -16,8 +16,8 @@ from tandem.router import multi_choice, openai_stream
 from tandem.router.errors import APIError
 from tandem.router.openai_format import ResponseHead, full_body, merged_usage
 from tandem.router.openai_protocol import CompletionRequest
-from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
+from tandem.router.request_timings import RequestTimings
 
 
 class FakeServing:

@@ -13,8 +13,8 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.router import openai_stream
 from tandem.router.openai_format import ResponseHead
 from tandem.router.openai_logprobs import chat_logprobs, completion_logprobs
-from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
+from tandem.router.request_timings import RequestTimings
 
 NAMES = {1: "a", 2: "bc", 3: "é", 4: "<s>"}
 

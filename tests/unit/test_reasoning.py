@@ -72,8 +72,8 @@ def test_a_reply_under_structured_output_is_split_like_any_other() -> None:
     any: inside the thoughts until `</think>`."""
     from tandem.engine.sampling_params import SamplingParams
     from tandem.router.openai_format import ResponseHead, full_body
-    from tandem.router.pd_orchestrator import RequestTimings
     from tandem.router.prepared import Prepared
+    from tandem.router.request_timings import RequestTimings
 
     parser = ReasoningParser("deepseek_r1")
     bodies = []

@@ -13,8 +13,8 @@ from typing import Any
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router import openai_stream
 from tandem.router.errors import APIError
-from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
+from tandem.router.request_timings import RequestTimings
 
 
 class FakeServing:

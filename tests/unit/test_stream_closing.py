@@ -20,9 +20,10 @@ from starlette.requests import ClientDisconnect
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.openai_stream import ClosingStreamingResponse
-from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
+from tandem.router.pd_orchestrator import PDOrchestrator
 from tandem.router.prefill_call import PrefillCall
 from tandem.router.prepared import Prepared
+from tandem.router.request_timings import RequestTimings
 from tandem.router.serving import Serving
 
 

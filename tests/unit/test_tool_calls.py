@@ -159,8 +159,8 @@ def test_a_cut_required_call_s_body_and_stream_finish_with_length() -> None:
     from tandem.engine.sampling_params import SamplingParams
     from tandem.router.openai_format import ResponseHead, full_body
     from tandem.router.openai_stream import from_reply
-    from tandem.router.pd_orchestrator import RequestTimings
     from tandem.router.prepared import Prepared
+    from tandem.router.request_timings import RequestTimings
 
     head = ResponseHead("chatcmpl-1", 0, "m", "chat", read_calls=forced_call)
     req = Prepared("r", [1, 2], SamplingParams(max_tokens=4), RequestTimings(0.0))

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from tandem.router.pd_orchestrator import PDOrchestrator, RequestTimings
+from tandem.router.pd_orchestrator import PDOrchestrator
+from tandem.router.request_timings import RequestTimings
 from tests.unit.test_drain import FakeWorker, held_plan, run, start
 
 

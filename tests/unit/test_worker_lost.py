@@ -16,8 +16,8 @@ import pytest
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.errors import WorkerLost
-from tandem.router.pd_orchestrator import RequestTimings
 from tandem.router.prepared import Prepared
+from tandem.router.request_timings import RequestTimings
 from tandem.router.serving import Serving
 
 
