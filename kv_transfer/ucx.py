@@ -57,6 +57,7 @@ from tandem.kv_transfer.manifest import TransferError
 
 logger = logging.getLogger(__name__)
 _PAGES, _WELCOME, _HELLO_MAX, _HEADER_MAX = 0x8000, 0x4000, 4096, 16 << 20
+_ONE_CONN_PAGES = 0xFFFF_FFFF_FFFF_8000  # tag mask: a connection's page frames, any sequence
 
 
 def _tag(conn: int, low: int) -> Any:
@@ -222,8 +223,10 @@ class UcxTransport(KVTransport):
                     link.welcomed |= link.conn == probe.sender_tag.value >> 16
             else:
                 self._on_header_frame(probe)
-        for conn in self._conns.values():
+        for conn_id, conn in self._conns.items():
             active |= self._deliver(conn)
+            if conn.state == "refused":
+                active |= self._discard_pages(conn_id)
         self._busy = [(r, b) for r, b in self._busy if not r.completed]
         self._retired = [link for link in self._retired if not link.settled()]
         return active
@@ -377,9 +380,26 @@ class UcxTransport(KVTransport):
             except Exception as exc:
                 rx.failed = f"refused message: {exc}"
 
-    def _discard(self, probe: Any) -> None:  # receive into one byte: UCX truncates the rest
-        buffer = np.zeros(1, dtype=np.uint8)
-        self._busy.append((self._worker.tag_recv_with_handle(Array(buffer), probe), buffer))
+    def _discard(self, probe: Any, worker: Any = None) -> None:  # receive into one byte: UCX
+        buffer = np.zeros(1, dtype=np.uint8)  # truncates the rest
+        worker = worker or self._worker
+        self._busy.append((worker.tag_recv_with_handle(Array(buffer), probe), buffer))
+
+    def _discard_pages(self, conn_id: int) -> bool:
+        """Takes the page frames a refused peer sent anyway (a sender that did not wait for
+        the welcome) off every lane, so that none stays in UCX's unexpected queue holding
+        memory until the transport closes. Whether any was found."""
+        found = False
+        for worker in self._workers:
+            for _ in range(64):
+                probe = worker.tag_probe(
+                    _tag(conn_id, _PAGES), ucx_api.UCXXTagMask(_ONE_CONN_PAGES), True
+                )
+                if not probe.matched:
+                    break
+                self._discard(probe, worker)
+                found = True
+        return found
 
     def _post_pages(self, conn_id: int, rx: _Rx, meta: dict[str, Any], seq: int) -> None:
         raw, cut = rx.buffer(self._pool, self._pool_rows, meta), meta.get("split")

@@ -91,9 +91,24 @@ def test_frames_of_an_unauthenticated_peer_are_dropped() -> None:
         intruder.send(receiver.address, {"request_id": "x3"})
         assert h.collect(receiver, 1, 1.5) == []
         assert h.block_digests(pool) == before
+        # Its frames were taken off UCX's unexpected queue too (they would hold memory until
+        # the receiver closes): no frame of any kind is left on any lane.
+        deadline = time.monotonic() + 5.0
+        while any(unexpected_frames(receiver)):
+            assert time.monotonic() < deadline, f"left unreceived: {unexpected_frames(receiver)}"
+            time.sleep(0.05)
     finally:
         intruder.close()
         receiver.close()
+
+
+def unexpected_frames(transport: Any) -> list[bool]:
+    """Per lane, whether a frame waits in the worker's unexpected queue (not taken off)."""
+    from tandem.kv_transfer._ucx_lanes import ucx_api
+
+    with transport._lock:
+        anything = (ucx_api.UCXXTag(0), ucx_api.UCXXTagMask(0), False)
+        return [bool(w.tag_probe(*anything).matched) for w in transport._workers]
 
 
 def test_cancel_drops_queued_sends(peer: h.PeerProcess) -> None:
