@@ -1,11 +1,12 @@
 """Hands a prefill's chunks of pages to the transport from a thread of their own.
 
-A prefill engine streams a request's pages as a chunk after every step. Writing the chunk's
-header and handing it to the transport on the engine's thread costs ~100 us a chunk on a CPU
-host: it runs right after a forward pass, when every line of Python meets cold caches, and it
-is on the first token's path. With a `ChunkPublisher` the engine's thread only pins the blocks,
-notes the chunk (`KVSender`'s bookkeeping) and appends it here; this thread writes the header
-and calls `send` while the engine computes the next chunk (torch releases the GIL in its ops).
+A prefill engine streams a request's pages as a chunk after every step. Everything a chunk needs
+beyond pinning its blocks (its index, destination blocks, the records the acknowledgement is
+matched against, the header, the `send`) costs ~25 us on the engine's thread on a CPU host: it
+runs right after a forward pass, when every line of Python meets cold caches, and it is on the
+first token's path. With a `ChunkPublisher` the engine's thread only pins the blocks and appends
+them here (`add`); this thread turns each into a message with the sender's `prepare` and sends
+it while the engine computes the next chunk (torch releases the GIL in its ops).
 
 The thread does not need waking for every chunk, which would cost the engine's thread a system
 call each time: while chunks keep coming it looks every quarter of a step (`POLL_S`), and it
@@ -16,7 +17,8 @@ Ordering: chunks of one request leave in order. Whatever the engine's thread sen
 peer (a request's last chunk, a cancel) must not overtake chunks still queued here: it calls
 `flush` (send what is queued, now, on its own thread) or `drop` (forget a request's queued
 chunks, before its blocks are unpinned) first. Both wait for the chunk this thread may be
-sending, and no longer.
+sending, and no longer; so does `exclusive`, under which no chunk is prepared or sent (the
+engine's thread reads or writes what `prepare` writes).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 from tandem.kv_transfer.base import KVTransport
 from tandem.kv_transfer.manifest import TransferError
@@ -42,7 +45,7 @@ STREAM_GAP_S = 2.0
 
 
 class QueuedChunk(NamedTuple):
-    """A chunk the engine's thread noted (its blocks pinned), to be sent as it says."""
+    """A chunk as it goes out: where, which request, its index and blocks."""
 
     peer: str
     request_id: str
@@ -52,32 +55,36 @@ class QueuedChunk(NamedTuple):
     dst_block_ids: list[int]
 
 
+Prepared = tuple[str, dict[str, Any], list[int]]
+"""(peer, header, source block ids): one `send`."""
+
+
 class ChunkPublisher:
-    """`add` queues a chunk; a thread writes its header with `write_header` and sends it.
-    Failures come back through `failures()`. `add`, `flush` and `drop` are for one thread
-    (the engine's)."""
+    """`add` queues an item of a request; a thread turns it into a message with `prepare` and
+    sends it. Failures come back through `failures()`. `add`, `flush`, `drop` and `exclusive`
+    are for one thread (the engine's)."""
 
     def __init__(
         self,
         transport: KVTransport,
-        write_header: Callable[[QueuedChunk], dict[str, object]],
+        prepare: Callable[[Any], Prepared],
     ) -> None:
         self.transport = transport
-        self.write_header = write_header
-        self._queue: deque[QueuedChunk] = deque()
+        self.prepare = prepare
+        self._queue: deque[tuple[str, Any]] = deque()  # (request id, item)
         self._lock = threading.Lock()  # held while a chunk is being sent
         self._wake = threading.Event()
         self._asleep = False
         self._closed = False
-        self._last_add = 0.0
         self._failed: deque[tuple[str, str]] = deque()  # (request id, error)
         self._thread = threading.Thread(target=self._run, name="kv-chunk-publisher", daemon=True)
         self._thread.start()
 
     # ---- the engine's thread
-    def add(self, chunk: QueuedChunk) -> None:
-        self._queue.append(chunk)
-        self._last_add = time.monotonic()
+    def add(self, request_id: str, item: Any) -> None:
+        """Queues `item` (`prepare` makes it a message). The fewest lines: this runs on the
+        engine's thread after each step of a streaming prefill, with cold caches."""
+        self._queue.append((request_id, item))
         if self._asleep:
             self._wake.set()
 
@@ -86,15 +93,24 @@ class ChunkPublisher:
         with self._lock:
             self._publish()
 
-    def drop(self, request_id: str) -> int:
-        """Forgets `request_id`'s queued chunks (it ended); returns how many."""
+    def drop(self, request_id: str) -> list[Any]:
+        """Forgets `request_id`'s queued items (it ended); returns them, in order."""
         with self._lock:
-            kept = [c for c in self._queue if c.request_id != request_id]
-            dropped = len(self._queue) - len(kept)
+            dropped = [item for rid, item in self._queue if rid == request_id]
             if dropped:
+                kept = [entry for entry in self._queue if entry[0] != request_id]
                 self._queue.clear()
                 self._queue.extend(kept)
             return dropped
+
+    @contextmanager
+    def exclusive(self, flush: bool = False) -> Iterator[None]:
+        """Within it, this thread prepares and sends nothing (`flush`: after sending what is
+        queued, on the calling thread)."""
+        with self._lock:
+            if flush:
+                self._publish()
+            yield
 
     def failures(self) -> list[tuple[str, str]]:
         """(request id, error) of the chunks whose `send` failed since the last call."""
@@ -111,32 +127,33 @@ class ChunkPublisher:
 
     # ---- the thread
     def _publish(self, count: int | None = None) -> None:
-        """Sends the first `count` queued chunks (all: None); hold `_lock`."""
+        """Sends the first `count` queued items (all: None); hold `_lock`."""
         queue = self._queue
         while queue and (count is None or count > 0):
-            chunk = queue[0]
+            request_id, item = queue[0]
             try:
-                header = self.write_header(chunk)
+                peer, header, src_block_ids = self.prepare(item)
                 # Drop the GIL between the two halves of the work: an engine thread that wants
                 # it back (a torch op ended) waits for half of it at most.
                 time.sleep(0)
-                self.transport.send(chunk.peer, header, chunk.src_block_ids)
+                self.transport.send(peer, header, src_block_ids)
             except Exception as exc:  # (a bug too: the request fails, the thread goes on)
                 if not isinstance(exc, TransferError):
-                    log.exception("sending a chunk of %s failed", chunk.request_id)
-                self._failed.append((chunk.request_id, f"could not send the pages: {exc}"))
+                    log.exception("sending a chunk of %s failed", request_id)
+                self._failed.append((request_id, f"could not send the pages: {exc}"))
             queue.popleft()
             count = None if count is None else count - 1
 
     def _run(self) -> None:
         low, poll_s, high = POLL_S
-        seen = 0.0  # the last chunk's `add` time this thread saw
+        last = 0.0  # when this thread last found a chunk queued (it times the stream's pace:
+        # the engine's thread stamps nothing)
         while not self._closed:
-            last = self._last_add
-            if last != seen:
-                if 0 < last - seen < STREAM_GAP_S:
-                    poll_s = min(max((last - seen) / 4, low), high)
-                seen = last
+            if self._queue:
+                now = time.monotonic()
+                if 0 < now - last < STREAM_GAP_S:
+                    poll_s = min(max((now - last) / 4, low), high)
+                last = now
             while self._queue:  # one at a time: `flush` and `drop` may cut in between
                 with self._lock:
                     self._publish(1)

@@ -11,6 +11,7 @@ A cancel from the receiver, an error reply or a missing acknowledgement releases
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -24,7 +25,7 @@ from tandem.engine.outputs import StepOutput
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.base import KVTransport, Message
-from tandem.kv_transfer.chunk_publisher import ChunkPublisher, QueuedChunk
+from tandem.kv_transfer.chunk_publisher import ChunkPublisher, Prepared, QueuedChunk
 from tandem.kv_transfer.events import TransferEvent
 from tandem.kv_transfer.manifest import (
     KVLayout,
@@ -51,6 +52,12 @@ class _Outgoing:
     cancelling: bool = False
     failure: str | None = None  # set by `fail`: the request ends "failed" with this error
     deadline: float = math.inf
+
+
+_Pinned = tuple[_Outgoing, int, list[int], bool]
+"""Blocks the engine's thread pinned for a chunk: (request, index of the first block in its
+block table, the blocks, whether it is the last chunk). The rest of the chunk is made where it
+is sent (`_take`). A plain tuple: a named one costs a Python call on the engine's thread."""
 
 
 class KVSender:
@@ -81,20 +88,33 @@ class KVSender:
         self.num_transfers_done = 0  # requests whose pages all arrived ("sent")
         self.num_transfers_failed = 0  # ended by an error or a timeout (not a cancel)
         transport.register_pool(engine.kv_pool)
-        # hand_off: chunks other than a request's last are sent from a thread of their own
-        # (`ChunkPublisher`); the engine's thread only pins and notes them.
-        self._publisher = ChunkPublisher(transport, self._header) if hand_off else None
+        # hand_off: chunks other than a request's last are made and sent on a thread of their
+        # own (`ChunkPublisher`); the engine's thread only pins their blocks.
+        self._publisher = ChunkPublisher(transport, self._take) if hand_off else None
 
     def close(self) -> None:
         """Stops the publishing thread (if any); the transport is the caller's to close."""
         if self._publisher is not None:
             self._publisher.close()
 
+    def _exclusive(self, flush: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Within it the publishing thread makes and sends no chunk (it writes the records of
+        what it sends: `_Outgoing.next_chunk`, `unacked`, `deadline`); `flush`: what it has
+        queued is sent first, on this thread."""
+        if self._publisher is None:
+            return contextlib.nullcontext()
+        return self._publisher.exclusive(flush)
+
+    def _drop_queued(self, request_id: str) -> None:
+        """Forgets the request's chunks not made yet, and unpins their blocks (never sent)."""
+        if self._publisher is not None:
+            for _, _, blocks, _ in self._publisher.drop(request_id):
+                self.engine.block_manager.unpin(blocks)
+
     def _stop_and_tell(self, request_id: str, peer: str, kind: str) -> None:
         """Drops the request's pages still queued in the transport, then sends `kind`
         ("cancel": we stopped; "cancelled": we confirm the receiver's stop) to `peer`."""
-        if self._publisher is not None:
-            self._publisher.drop(request_id)
+        self._drop_queued(request_id)
         self.transport.cancel(request_id)
         try:
             self.transport.send(peer, {"type": kind, "request_id": request_id})
@@ -258,47 +278,73 @@ class KVSender:
         return events
 
     def _stream(self, out: _Outgoing) -> None:
+        """Pins the blocks the steps completed since the last chunk and sends them. With a
+        publishing thread, which makes and sends every chunk but the last, the engine's thread
+        runs only the lines up to `add` (each costs ~1 us here: caches are cold after a step)."""
         start = time.perf_counter()
         try:
-            self._send_chunk(out)
+            if out.finished:
+                self._send_last(out)
+                return
+            req, first = out.request, out.next_block
+            end = req.num_computed_tokens // self._block_size
+            if end <= first:
+                return
+            blocks = req.block_table[first:end]
+            self.engine.block_manager.pin(blocks)
+            out.next_block = end
+            if self._publisher is not None:
+                self._publisher.add(req.request_id, (out, first, blocks, False))
+                return
+            peer, header, blocks = self._take((out, first, blocks, False))
+            if (error := self._send(peer, header, blocks)) is not None:
+                self._events.append(self._close(out, "failed", error))
         finally:
             self.send_work_s += time.perf_counter() - start
 
-    def _send_chunk(self, out: _Outgoing) -> None:
-        req, bs, grant = out.request, self._block_size, out.grant
-        assert grant is not None, "streams only once the reservation is known"
-        if out.finished:
-            end, last = math.ceil(req.num_prompt_tokens / bs), True
-        else:
-            end, last = req.num_computed_tokens // bs, False
-        if end <= out.next_block and not last:
-            return
-        blocks = req.block_table[out.next_block : end]
-        offset = out.next_block - grant.num_hit_blocks
-        dst = grant.dst_block_ids[offset : offset + len(blocks)]
+    def _send_last(self, out: _Outgoing) -> None:
+        """The last chunk: the partial last block, the first token and the sampler state; it
+        goes after every chunk still queued."""
+        req, start = out.request, out.next_block
+        end = math.ceil(req.num_prompt_tokens / self._block_size)
+        blocks = req.block_table[start:end]
         self.engine.block_manager.pin(blocks)
-        index = out.next_chunk
-        num_tokens = min(end * bs, req.num_prompt_tokens) if last else end * bs
-        out.unacked[index] = blocks  # (a failed send releases them with the request)
-        out.next_chunk += 1
         out.next_block = end
-        out.last_sent = last
+        out.last_sent = True
+        with self._exclusive(flush=True):
+            peer, header, blocks = self._take((out, start, blocks, True))
+            error = self._send(peer, header, blocks)
+        if error is not None:  # (closed outside: `_close` waits for the publishing thread)
+            self._events.append(self._close(out, "failed", error))
+
+    def _send(self, peer: str, header: dict[str, Any], blocks: list[int]) -> str | None:
+        """Sends a chunk; what went wrong, if it did."""
+        try:
+            self.transport.send(peer, header, blocks)
+        except TransferError as exc:  # e.g. an address the transport cannot reach
+            return f"could not send the pages: {exc}"
+        return None
+
+    def _take(self, pinned: _Pinned) -> Prepared:
+        """Makes a chunk of pinned blocks (on the thread that sends it; the publishing thread's
+        under its lock): its index, destination blocks and header; records it as awaiting
+        acknowledgement."""
+        out, first, blocks, last = pinned
+        grant = out.grant
+        assert grant is not None, "streams only once the reservation is known"
+        index = out.next_chunk
+        out.next_chunk += 1
+        offset = first - grant.num_hit_blocks
+        dst = grant.dst_block_ids[offset : offset + len(blocks)]
+        end_tokens = (first + len(blocks)) * self._block_size
+        num_tokens = min(end_tokens, out.request.num_prompt_tokens) if last else end_tokens
+        out.unacked[index] = blocks  # (a failed send releases them with the request)
         out.deadline = self.clock() + self.ack_timeout_s
-        chunk = QueuedChunk(grant.address, req.request_id, index, num_tokens, blocks, dst)
-        publisher = self._publisher
-        if publisher is not None and not last:
-            publisher.add(chunk)
-        else:
-            if publisher is not None:  # (the last chunk goes after the queued ones)
-                publisher.flush()
-            try:
-                header = self._header(chunk, out if last else None)
-                self.transport.send(grant.address, header, blocks)
-            except TransferError as exc:  # e.g. an address the transport cannot reach
-                self._events.append(self._close(out, "failed", f"could not send the pages: {exc}"))
-                return
         self.num_chunks_sent += 1
         self.num_bytes_sent += len(blocks) * self._block_bytes
+        rid = out.request.request_id
+        chunk = QueuedChunk(grant.address, rid, index, num_tokens, blocks, dst)
+        return grant.address, self._header(chunk, out if last else None), blocks
 
     def _header(self, chunk: QueuedChunk, last_of: _Outgoing | None = None) -> dict[str, Any]:
         """A chunk's header; the last one's (`last_of` its request) carries the first token
@@ -344,12 +390,12 @@ class KVSender:
             return None
         if kind == "ack" and not out.cancelling:  # cumulative: chunks up to this one arrived
             acked = int(header.get("chunk_index", -1))
-            for index in [i for i in out.unacked if i <= acked]:
-                self.engine.block_manager.unpin(out.unacked.pop(index))
-            out.deadline = self.clock() + self.ack_timeout_s if out.unacked else math.inf
-            if out.last_sent and not out.unacked:
-                return self._close(out, "sent")
-            return None
+            with self._exclusive():  # (the publishing thread adds to `unacked`)
+                for index in [i for i in out.unacked if i <= acked]:
+                    self.engine.block_manager.unpin(out.unacked.pop(index))
+                out.deadline = self.clock() + self.ack_timeout_s if out.unacked else math.inf
+                done = out.last_sent and not out.unacked
+            return self._close(out, "sent") if done else None
         if kind == "cancelled":
             return self._close(out, "cancelled", "cancelled by prefill")
         if kind == "cancel":
@@ -365,8 +411,7 @@ class KVSender:
         if out.failure is not None and kind == "cancelled":
             kind, error = "failed", out.failure
         del self.outgoing[rid]
-        if self._publisher is not None:  # (none of its chunks may be sent once unpinned)
-            self._publisher.drop(rid)
+        self._drop_queued(rid)  # (none of its chunks may be sent once unpinned)
         for blocks in out.unacked.values():
             self.engine.block_manager.unpin(blocks)
         if rid in self.engine.requests:
