@@ -131,3 +131,27 @@ def test_a_quiet_publisher_sleeps_and_the_next_chunk_wakes_it(
     finally:
         publisher.close()
     assert not publisher._thread.is_alive()
+
+
+def test_nothing_is_made_or_sent_inside_exclusive_and_flush_goes_first() -> None:
+    """`exclusive()` keeps the thread from making or sending anything until it ends (the
+    engine's thread reads what `prepare` writes); `exclusive(flush=True)` first sends what is
+    queued, on the calling thread."""
+    transport = Recorder()
+    publisher = publisher_for(transport)
+    try:
+        with publisher.exclusive():
+            publisher.add("a", chunk("a", 0))
+            time.sleep(0.1)  # (the thread looks every few ms while a stream is under way)
+            assert transport.sent == []
+        wait_for(lambda: len(transport.sent) == 1)
+        assert transport.sent[0][2] == "kv-chunk-publisher"
+        with publisher.exclusive():  # held: what is added now waits for the flush below
+            publisher.add("a", chunk("a", 1))
+            publisher.add("b", chunk("b", 0))
+        with publisher.exclusive(flush=True):
+            sent_inside = [(rid, i) for rid, i, _ in transport.sent]
+        assert sent_inside[:1] == [("a", 0)] and set(sent_inside) == {("a", 0), ("a", 1), ("b", 0)}
+        assert [(rid, i) for rid, i, _ in transport.sent] == [("a", 0), ("a", 1), ("b", 0)]
+    finally:
+        publisher.close()
