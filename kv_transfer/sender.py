@@ -390,12 +390,14 @@ class KVSender:
             return None
         if kind == "ack" and not out.cancelling:  # cumulative: chunks up to this one arrived
             acked = int(header.get("chunk_index", -1))
-            with self._exclusive():  # (the publishing thread adds to `unacked`)
-                for index in [i for i in out.unacked if i <= acked]:
-                    self.engine.block_manager.unpin(out.unacked.pop(index))
-                out.deadline = self.clock() + self.ack_timeout_s if out.unacked else math.inf
-                done = out.last_sent and not out.unacked
-            return self._close(out, "sent") if done else None
+            # No lock: the publishing thread may add a later chunk to `unacked` meanwhile (a
+            # snapshot of its keys is taken at once; dict operations are atomic), and a deadline
+            # it sets may be overwritten here, but the last chunk, sent from this thread after
+            # all queued ones, sets it again. The engine's thread never waits for a slow send.
+            for index in [i for i in list(out.unacked) if i <= acked]:
+                self.engine.block_manager.unpin(out.unacked.pop(index))
+            out.deadline = self.clock() + self.ack_timeout_s if out.unacked else math.inf
+            return self._close(out, "sent") if out.last_sent and not out.unacked else None
         if kind == "cancelled":
             return self._close(out, "cancelled", "cancelled by prefill")
         if kind == "cancel":
