@@ -413,7 +413,8 @@ class KVSender:
         if out.failure is not None and kind == "cancelled":
             kind, error = "failed", out.failure
         del self.outgoing[rid]
-        self._drop_queued(rid)  # (none of its chunks may be sent once unpinned)
+        if not out.last_sent:  # (none of its chunks may be sent once unpinned; the last chunk
+            self._drop_queued(rid)  # sent what was queued, so nothing is left to wait for)
         for blocks in out.unacked.values():
             self.engine.block_manager.unpin(blocks)
         if rid in self.engine.requests:
