@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = (0.001, 0.01, 0.05)
 """How often the thread looks for chunks while a stream is under way: a quarter of the time
-between the last two chunks (a prefill step) within the first and last of these bounds; the
-middle one until two chunks were timed. Each look takes the GIL."""
+between the last two looks that found some (about a prefill step) within the first and last of
+these bounds; the middle one until two were timed. Each look takes the GIL."""
 STREAM_GAP_S = 2.0
 """With no chunk for this long, the thread sleeps until the next one wakes it."""
 
