@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 from tandem.kv_transfer.base import KVTransport
 from tandem.kv_transfer.manifest import TransferError
@@ -42,17 +42,6 @@ between the last two looks that found some (about a prefill step) within the fir
 these bounds; the middle one until two were timed. Each look takes the GIL."""
 STREAM_GAP_S = 2.0
 """With no chunk for this long, the thread sleeps until the next one wakes it."""
-
-
-class QueuedChunk(NamedTuple):
-    """A chunk as it goes out: where, which request, its index and blocks."""
-
-    peer: str
-    request_id: str
-    chunk_index: int
-    num_tokens: int
-    src_block_ids: list[int]
-    dst_block_ids: list[int]
 
 
 Prepared = tuple[str, dict[str, Any], list[int]]

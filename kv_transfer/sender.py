@@ -16,16 +16,15 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
 from tandem.engine.outputs import StepOutput
-from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer._sender_records import Outgoing, Pinned
 from tandem.kv_transfer.base import KVTransport, Message
-from tandem.kv_transfer.chunk_publisher import ChunkPublisher, Prepared, QueuedChunk
+from tandem.kv_transfer.chunk_publisher import ChunkPublisher, Prepared
 from tandem.kv_transfer.events import TransferEvent
 from tandem.kv_transfer.manifest import (
     KVLayout,
@@ -37,27 +36,6 @@ from tandem.kv_transfer.manifest import (
 from tandem.kv_transfer.receiver import ReservationGrant
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Outgoing:
-    request: Request
-    params: SamplingParams  # the request's own; the prefill engine runs it with max_tokens=1
-    grant: ReservationGrant | None  # None until `attach_grant`
-    next_block: int
-    next_chunk: int = 0
-    unacked: dict[int, list[int]] = field(default_factory=dict)  # chunk index -> pinned blocks
-    last_sent: bool = False
-    finished: bool = False
-    cancelling: bool = False
-    failure: str | None = None  # set by `fail`: the request ends "failed" with this error
-    deadline: float = math.inf
-
-
-_Pinned = tuple[_Outgoing, int, list[int], bool]
-"""Blocks the engine's thread pinned for a chunk: (request, index of the first block in its
-block table, the blocks, whether it is the last chunk). The rest of the chunk is made where it
-is sent (`_take`). A plain tuple: a named one costs a Python call on the engine's thread."""
 
 
 class KVSender:
@@ -79,7 +57,7 @@ class KVSender:
         self.layout = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
         self._block_size = engine.config.block_size
         self._block_bytes = engine.kv_pool.bytes_per_block
-        self.outgoing: dict[str, _Outgoing] = {}
+        self.outgoing: dict[str, Outgoing] = {}
         self._events: list[TransferEvent] = []  # ended outside a poll, reported by the next
         self.num_chunks_sent = 0
         self.num_bytes_sent = 0  # page bytes handed to the transport
@@ -99,7 +77,7 @@ class KVSender:
 
     def _exclusive(self, flush: bool = False) -> contextlib.AbstractContextManager[None]:
         """Within it the publishing thread makes and sends no chunk (it writes the records of
-        what it sends: `_Outgoing.next_chunk`, `unacked`, `deadline`); `flush`: what it has
+        what it sends: `Outgoing.next_chunk`, `unacked`, `deadline`); `flush`: what it has
         queued is sent first, on this thread."""
         if self._publisher is None:
             return contextlib.nullcontext()
@@ -138,7 +116,7 @@ class KVSender:
         req = self.engine.add_request(
             prompt_token_ids, prefill_params, request_id=request_id, keep_kv=True, priority=priority
         )
-        self.outgoing[request_id] = _Outgoing(
+        self.outgoing[request_id] = Outgoing(
             req, params, grant, next_block=grant.num_hit_blocks if grant else 0
         )
 
@@ -211,7 +189,7 @@ class KVSender:
         out.failure = error
         return self.cancel(request_id)
 
-    def first_token_ends(self, out: _Outgoing) -> bool:
+    def first_token_ends(self, out: Outgoing) -> bool:
         """The sampled first token already finishes the request: end of sequence, one token
         asked for, or its text holds a stop string (the prefill engine runs without them)."""
         if out.request.finish_reason == "stop" or out.params.max_tokens == 1:
@@ -277,7 +255,7 @@ class KVSender:
                 )
         return events
 
-    def _stream(self, out: _Outgoing) -> None:
+    def _stream(self, out: Outgoing) -> None:
         """Pins the blocks the steps completed since the last chunk and sends them. With a
         publishing thread, which makes and sends every chunk but the last, the engine's thread
         runs only the lines up to `add` (each costs ~1 us here: caches are cold after a step)."""
@@ -302,7 +280,7 @@ class KVSender:
         finally:
             self.send_work_s += time.perf_counter() - start
 
-    def _send_last(self, out: _Outgoing) -> None:
+    def _send_last(self, out: Outgoing) -> None:
         """The last chunk: the partial last block, the first token and the sampler state; it
         goes after every chunk still queued."""
         req, start = out.request, out.next_block
@@ -325,7 +303,7 @@ class KVSender:
             return f"could not send the pages: {exc}"
         return None
 
-    def _take(self, pinned: _Pinned) -> Prepared:
+    def _take(self, pinned: Pinned) -> Prepared:
         """Makes a chunk of pinned blocks (on the thread that sends it; the publishing thread's
         under its lock): its index, destination blocks and header; records it as awaiting
         acknowledgement."""
@@ -343,29 +321,33 @@ class KVSender:
         self.num_chunks_sent += 1
         self.num_bytes_sent += len(blocks) * self._block_bytes
         rid = out.request.request_id
-        chunk = QueuedChunk(grant.address, rid, index, num_tokens, blocks, dst)
-        return grant.address, self._header(chunk, out if last else None), blocks
+        header: dict[str, Any]
+        if not last and not self.checksums:
+            header = self._headers.plain_chunk(rid, index, num_tokens, blocks, dst)
+        else:
+            header = self._header(rid, index, num_tokens, blocks, dst, out if last else None)
+        return grant.address, header, blocks
 
-    def _header(self, chunk: QueuedChunk, last_of: _Outgoing | None = None) -> dict[str, Any]:
-        """A chunk's header; the last one's (`last_of` its request) carries the first token
-        and the sampler state."""
+    def _header(
+        self,
+        request_id: str,
+        index: int,
+        num_tokens: int,
+        blocks: list[int],
+        dst: list[int],
+        last_of: Outgoing | None,
+    ) -> dict[str, Any]:
+        """A chunk's full header (checksums, or the last chunk: `last_of` its request, whose
+        first token and sampler state it carries)."""
         req = last_of.request if last_of is not None else None
-        if req is None and not self.checksums:
-            return self._headers.plain_chunk(
-                chunk.request_id,
-                chunk.chunk_index,
-                chunk.num_tokens,
-                chunk.src_block_ids,
-                chunk.dst_block_ids,
-            )
         return self._headers.write(
-            chunk.request_id,
-            chunk.chunk_index,
+            request_id,
+            index,
             last=req is not None,
-            num_tokens=chunk.num_tokens,
-            src_block_ids=chunk.src_block_ids,
-            dst_block_ids=chunk.dst_block_ids,
-            checksum=self._checksum(chunk.src_block_ids),
+            num_tokens=num_tokens,
+            src_block_ids=blocks,
+            dst_block_ids=dst,
+            checksum=self._checksum(blocks),
             first_token_ids=req.output_token_ids if req is not None else (),
             sampler_state=encode_state(req.generator.get_state())
             if req is not None and req.generator
@@ -407,7 +389,7 @@ class KVSender:
             return self._close(out, "failed", str(header.get("error", "transfer error")))
         return None
 
-    def _close(self, out: _Outgoing, kind: str, error: str | None = None) -> TransferEvent:
+    def _close(self, out: Outgoing, kind: str, error: str | None = None) -> TransferEvent:
         """Unpins everything in flight and gives the request's blocks back to the engine."""
         rid = out.request.request_id
         if out.failure is not None and kind == "cancelled":

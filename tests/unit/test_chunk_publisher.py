@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
 from tandem.kv_transfer import chunk_publisher
-from tandem.kv_transfer.chunk_publisher import ChunkPublisher, QueuedChunk
+from tandem.kv_transfer.chunk_publisher import ChunkPublisher
 from tandem.kv_transfer.manifest import TransferError
 
 
@@ -30,8 +30,17 @@ class Recorder:
         self.sent.append((header["request_id"], header["chunk"], threading.current_thread().name))
 
 
+class QueuedChunk(NamedTuple):
+    """What the tests queue: where it goes, its request, its index and blocks."""
+
+    peer: str
+    request_id: str
+    chunk_index: int
+    src_block_ids: list[int]
+
+
 def chunk(rid: str, index: int) -> QueuedChunk:
-    return QueuedChunk("fake:d", rid, index, 16 * (index + 1), [index], [index])
+    return QueuedChunk("fake:d", rid, index, [index])
 
 
 def prepare(c: QueuedChunk) -> tuple[str, dict[str, Any], list[int]]:
