@@ -1,5 +1,6 @@
-"""The UCX transport's workers ("lanes", see `ucx.py`): how each is made, and how one is emptied
-of the messages nobody received before it is destroyed. Importing this imports ucxx."""
+"""The UCX transport's workers ("lanes", see `ucx.py`): how each is made, how frames nobody may
+receive are thrown away, and how one is emptied of the messages nobody received before it is
+destroyed. Importing this imports ucxx."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets variables UC
 import ucxx._lib.libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
-__all__ = ["LANE_SCHEMES", "Array", "drain_unexpected", "new_worker", "ucx_api"]
+__all__ = [
+    "LANE_SCHEMES",
+    "Array",
+    "discard",
+    "discard_matching",
+    "drain_unexpected",
+    "new_worker",
+    "ucx_api",
+]
 
 LANE_SCHEMES = ("put_zcopy", "get_zcopy")
 """Each lane's UCX rendezvous unless the environment sets ``UCX_RNDV_SCHEME`` (`ucx_config`
@@ -45,3 +54,22 @@ def drain_unexpected(worker: Any) -> None:
     while taken and time.monotonic() < deadline:
         worker.progress()
         taken = [(r, b) for r, b in taken if not r.completed]
+
+
+def discard(worker: Any, probe: Any, busy: list[tuple[Any, Any]]) -> None:
+    """Receives the probed frame into one byte (UCX truncates the rest); the request and its
+    buffer go to `busy` until UCX completes it."""
+    buffer = np.zeros(1, dtype=np.uint8)
+    busy.append((worker.tag_recv_with_handle(Array(buffer), probe), buffer))
+
+
+def discard_matching(worker: Any, tag: Any, mask: Any, busy: list[tuple[Any, Any]]) -> bool:
+    """`discard`s up to 64 frames waiting on `worker` whose tag matches; whether any did."""
+    found = False
+    for _ in range(64):
+        probe = worker.tag_probe(tag, mask, True)
+        if not probe.matched:
+            break
+        discard(worker, probe, busy)
+        found = True
+    return found

@@ -50,7 +50,15 @@ import torch
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer._hugepages import allocate_hugepage_pool
 from tandem.kv_transfer._socket_channel import request_id_of
-from tandem.kv_transfer._ucx_lanes import LANE_SCHEMES, Array, drain_unexpected, new_worker, ucx_api
+from tandem.kv_transfer._ucx_lanes import (
+    LANE_SCHEMES,
+    Array,
+    discard,
+    discard_matching,
+    drain_unexpected,
+    new_worker,
+    ucx_api,
+)
 from tandem.kv_transfer._ucx_records import _Conn, _Link, _Out, _run_start, _Rx
 from tandem.kv_transfer.base import EncodedHeader, KVTransport, Message, drain_inbox
 from tandem.kv_transfer.manifest import TransferError
@@ -218,7 +226,7 @@ class UcxTransport(KVTransport):
                 break
             active = True
             if probe.sender_tag.value & _WELCOME:  # for one of our links
-                self._discard(probe)
+                discard(self._worker, probe, self._busy)
                 for link in self._links.values():
                     link.welcomed |= link.conn == probe.sender_tag.value >> 16
             else:
@@ -356,7 +364,7 @@ class UcxTransport(KVTransport):
                 request.check_error()
                 body = json.loads(buf.tobytes())
         else:
-            self._discard(probe)
+            discard(self._worker, probe, self._busy)
         body = body if isinstance(body, dict) else None
         if conn.state == "hello":
             hello = body["hello"] if body and isinstance(body.get("hello"), dict) else {}
@@ -380,26 +388,12 @@ class UcxTransport(KVTransport):
             except Exception as exc:
                 rx.failed = f"refused message: {exc}"
 
-    def _discard(self, probe: Any, worker: Any = None) -> None:  # receive into one byte: UCX
-        buffer = np.zeros(1, dtype=np.uint8)  # truncates the rest
-        worker = worker or self._worker
-        self._busy.append((worker.tag_recv_with_handle(Array(buffer), probe), buffer))
-
     def _discard_pages(self, conn_id: int) -> bool:
         """Takes the page frames a refused peer sent anyway (a sender that did not wait for
         the welcome) off every lane, so that none stays in UCX's unexpected queue holding
         memory until the transport closes. Whether any was found."""
-        found = False
-        for worker in self._workers:
-            for _ in range(64):
-                probe = worker.tag_probe(
-                    _tag(conn_id, _PAGES), ucx_api.UCXXTagMask(_ONE_CONN_PAGES), True
-                )
-                if not probe.matched:
-                    break
-                self._discard(probe, worker)
-                found = True
-        return found
+        tag, mask = _tag(conn_id, _PAGES), ucx_api.UCXXTagMask(_ONE_CONN_PAGES)
+        return any([discard_matching(w, tag, mask, self._busy) for w in self._workers])
 
     def _post_pages(self, conn_id: int, rx: _Rx, meta: dict[str, Any], seq: int) -> None:
         raw, cut = rx.buffer(self._pool, self._pool_rows, meta), meta.get("split")
