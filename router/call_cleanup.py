@@ -67,4 +67,4 @@ async def close_calls(
 def unwritten_release(plan: RoutePlan, request_id: str) -> tuple[Worker, str] | None:
     """(decode worker, request id) when decode reserved for the request but no prefill worker
     was handed the grant."""
-    return None if plan.grant is None or plan.grant_handed else (plan.decode, request_id)
+    return None if plan.grant is None or plan.grant_handed else (plan.decoder, request_id)

@@ -83,7 +83,7 @@ class PDOrchestrator:
         # Not while the decode worker is refusing for want of room: a refusal would throw
         # the prefill's work away, so the prefill waits for the grant and starts with it.
         call: PrefillCall | None = None
-        if not plan.decode.refusing():
+        if not plan.decoder.refusing():
             call = start_prefill_call(
                 plan.prefill, request_id, prompt_token_ids, params, None, priority
             )
@@ -92,11 +92,11 @@ class PDOrchestrator:
             await asyncio.sleep(0)
             _open_decode(plan, request_id, prompt_token_ids, params, priority)
             for attempt in range(MAX_DRAIN_RETRIES + 1):
-                first = await _next(plan.decode_stream, plan.decode)
+                first = await _next(plan.decode_stream, plan.decoder)
                 if first["type"] != "error":
                     break
                 if first.get("code") != DRAINING or attempt == MAX_DRAIN_RETRIES:
-                    plan.decode.note_reservation(refused=first.get("code") == NO_CAPACITY)
+                    plan.decoder.note_reservation(refused=first.get("code") == NO_CAPACITY)
                     raise _worker_error(first)
                 await plan.decode_stream.aclose()
                 await self._move(plan, "decode")
@@ -106,10 +106,10 @@ class PDOrchestrator:
             # Left before decode's answer came (the client went): a reservation made meanwhile
             # was handed to no prefill worker. (An API error is decode's own refusal, or a
             # broken connection to it.)
-            unwritten = None if isinstance(exc, APIError) else (plan.decode, request_id)
+            unwritten = None if isinstance(exc, APIError) else (plan.decoder, request_id)
             await to_completion(close_calls(futures, plan.decode_stream, unwritten))
             raise
-        plan.decode.note_reservation(refused=False)
+        plan.decoder.note_reservation(refused=False)
         plan.grant = first["grant"]
         if call is not None:
             plan.grant_handed = True
@@ -132,7 +132,7 @@ class PDOrchestrator:
 
     async def _move(self, plan: RoutePlan, role: str) -> None:
         """The plan's `role` worker is draining: another one takes the request (and its load)."""
-        old = plan.decode if role == "decode" else plan.prefill
+        old = plan.decoder if role == "decode" else plan.prefill
         assert old is not None
         self.directory.mark_draining(old.worker_id)
         new = await self.directory.pick(role)
@@ -191,7 +191,7 @@ class PDOrchestrator:
 
             if plan.prefill is not None:
                 prefill_task = start_prefill(plan.prefill_call)
-            next_item = asyncio.ensure_future(_next(stream, plan.decode))
+            next_item = asyncio.ensure_future(_next(stream, plan.decoder))
             pending.add(next_item)
             while True:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -241,7 +241,7 @@ class PDOrchestrator:
                     await stream.aclose()
                     await self._move(plan, "decode")
                     stream = _open_decode(plan, request_id, prompt_token_ids, params, priority)
-                    next_item = asyncio.ensure_future(_next(stream, plan.decode))
+                    next_item = asyncio.ensure_future(_next(stream, plan.decoder))
                     pending.add(next_item)
                     continue
                 if item["type"] == "error":
@@ -270,7 +270,7 @@ class PDOrchestrator:
                     return
                 if item["token_ids"] or item["text"]:
                     yield item
-                next_item = asyncio.ensure_future(_next(stream, plan.decode))
+                next_item = asyncio.ensure_future(_next(stream, plan.decoder))
                 pending.add(next_item)
         finally:
             if plan.prefill_call is not None:  # (its task and early may be done: no matter)
@@ -331,7 +331,7 @@ def _open_decode(
     priority: int,
 ) -> AsyncGenerator[dict[str, Any], None]:
     """The request's `generate` call on the plan's decode worker (kept on the plan)."""
-    plan.decode_stream = plan.decode.client.stream(
+    plan.decode_stream = plan.decoder.client.stream(
         "generate",
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,

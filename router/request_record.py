@@ -91,7 +91,9 @@ def _route(plan: RoutePlan | None) -> str:
     if plan is None:
         return "-"
     if plan.prefill is None:
-        return f"local@{plan.decode.worker_id}(hit={plan.decode_hit_blocks})"
+        return f"local@{plan.decoder.worker_id}(hit={plan.decode_hit_blocks})"
+    if plan.decode is None:  # one token: it ended on the prefill worker
+        return f"{plan.prefill.worker_id}(hit={plan.prefill_hit_blocks})"
     return (
         f"{plan.prefill.worker_id}(hit={plan.prefill_hit_blocks})"
         f"->{plan.decode.worker_id}(hit={plan.decode_hit_blocks})"

@@ -7,7 +7,8 @@
   `conditional_prefill_max_tokens`, it prefills the tail itself; no prefill worker, no transfer.
 - Prefill: the routing policy (cache affinity on the KV-event index by default).
 - One token (max_tokens=1): the request ends on its prefill worker (`RoutePlan.prefill_only`);
-  decode reserves nothing, no pages move, and decode's load and admission are not involved.
+  no decode worker is chosen or needed (such requests are served while none is live), decode
+  reserves nothing, no pages move, and decode's load and admission are not involved.
 - Admission: the plan's predicted TTFT against the request's deadline, and the queue cap.
 - Colocated mode: there are no prefill workers; every request is prefilled locally by the
   decode worker chosen as above (the decode-side admission, and the deadline against the
@@ -44,7 +45,7 @@ class DecodeRoutingConfig(BaseModel):
 
 @dataclass
 class RoutePlan:
-    decode: Worker
+    decode: Worker | None  # None: a one-token request (`prefill_only`), decode is not used
     prefill: Worker | None  # None: the decode worker prefills locally
     prompt_blocks: int
     decode_hit_blocks: int
@@ -64,6 +65,13 @@ class RoutePlan:
     def local_prefill(self) -> bool:
         return self.prefill is None
 
+    @property
+    def decoder(self) -> Worker:
+        """The decode worker of a plan that has one (every plan but a one-token request's)."""
+        if self.decode is None:
+            raise RuntimeError("a one-token request's plan has no decode worker")
+        return self.decode
+
     def release_prefill(self) -> None:
         """Prefill is done: its tokens no longer queue on the prefill worker."""
         if self.prefill is not None and not self._released_prefill:
@@ -77,7 +85,7 @@ class RoutePlan:
             if self.hold_timer is not None:
                 self.hold_timer.cancel()
             self.release_prefill()
-            if not self.prefill_only:
+            if self.decode is not None and not self.prefill_only:
                 self.decode.in_flight -= 1
                 self.decode.queued_tokens -= self.decode_tokens
 
@@ -113,23 +121,28 @@ class RoutePlanner:
     ) -> RoutePlan:
         """Chooses workers and admits (or raises 429/503). The plan's load is held until
         `release()`, or `hold_s` at most (a request that never runs gives it back)."""
-        decode_workers = await self.directory.wait_for("decode")
         bs = int(info["block_size"])
         namespace = str(info["namespace"])
         hashes = hash_full_blocks(int(info["root_hash"]), prompt_token_ids, bs)
-        index = self.directory.index
+        if max_tokens == 1 and not self.colocated:  # (no decode worker is needed, or chosen)
+            plan = await self._plan_prefill(
+                None, namespace, hashes, len(prompt_token_ids), bs, 0, deadline_ms
+            )
+            plan.prefill_only = True
+            plan.hold_timer = asyncio.get_running_loop().call_later(hold_s, plan.release)
+            return plan
+        decode_workers = await self.directory.wait_for("decode")
         decode, decode_hits = self._choose_decode(
-            decode_workers, index.match(namespace, hashes, [w.worker_id for w in decode_workers])
+            decode_workers,
+            self.directory.index.match(namespace, hashes, [w.worker_id for w in decode_workers]),
         )
         decode_tokens = len(prompt_token_ids) + max_tokens
-        one_token = max_tokens == 1 and not self.colocated  # (decode is not used)
-        if not one_token:
-            self.admission.check_decode(decode.queued_tokens, decode_tokens)
+        self.admission.check_decode(decode.queued_tokens, decode_tokens)
         tail = len(prompt_token_ids) - decode_hits * bs
         num_blocks = -(-len(prompt_token_ids) // bs)
-        cfg = self.decode_routing
-        local = decode_hits > 0 and tail <= cfg.conditional_prefill_max_tokens and not one_token
-        if self.colocated or local:
+        if self.colocated or (
+            0 < decode_hits and tail <= self.decode_routing.conditional_prefill_max_tokens
+        ):
             # (the deadline holds here too: the tail's prefill on decode, no queue, no transfer)
             rate = float(decode.stats.get("prefill_tokens_per_s") or 0) or None
             self.admission.check(
@@ -138,38 +151,54 @@ class RoutePlanner:
             )  # fmt: skip
             plan = RoutePlan(decode, None, num_blocks, decode_hits, 0, tail)
         else:
-            prefill_workers = await self.directory.wait_for("prefill")
-            matched = None
-            if self.policy.uses_prefix_match:
-                ids = [w.worker_id for w in prefill_workers]
-                matched = index.match(namespace, hashes, ids)
-                if self.pending is not None:
-                    matched = merge_matches(matched, self.pending.match(namespace, hashes, ids))
-            loads = {
-                w.worker_id: WorkerLoad(w.worker_id, w.queued_tokens, w.in_flight)
-                for w in prefill_workers
-            }
-            prefill = self.directory.workers[self.policy.choose(loads, matched)]
-            if self.pending is not None:
-                self.pending.record(prefill.worker_id, namespace, hashes)
-            prefill_hits = (matched or {}).get(prefill.worker_id, 0)
-            new_tokens = len(prompt_token_ids) - prefill_hits * bs
-            self.admission.check(
-                queued_tokens=prefill.queued_tokens,
-                new_tokens=new_tokens,
-                tokens_per_s=float(prefill.stats.get("prefill_tokens_per_s") or 0) or None,
-                blocks=0 if one_token else num_blocks - decode_hits,  # (pages sent)
-                deadline_ms=deadline_ms,
+            plan = await self._plan_prefill(
+                decode, namespace, hashes, len(prompt_token_ids), bs, decode_hits, deadline_ms
             )
-            plan = RoutePlan(decode, prefill, num_blocks, decode_hits, prefill_hits, new_tokens)
-            plan.prefill_only = one_token
-            prefill.queued_tokens += new_tokens
-            prefill.in_flight += 1
-        if not plan.prefill_only:
-            decode.in_flight += 1
-            decode.queued_tokens += decode_tokens
-            plan.decode_tokens = decode_tokens
+        decode.in_flight += 1
+        decode.queued_tokens += decode_tokens
+        plan.decode_tokens = decode_tokens
         plan.hold_timer = asyncio.get_running_loop().call_later(hold_s, plan.release)
+        return plan
+
+    async def _plan_prefill(
+        self,
+        decode: Worker | None,
+        namespace: str,
+        hashes: list[int],
+        prompt_tokens: int,
+        block_size: int,
+        decode_hits: int,
+        deadline_ms: float | None,
+    ) -> RoutePlan:
+        """The prefill worker (by the routing policy), admitted; its load held. `decode` None:
+        a one-token request, whose pages go nowhere."""
+        prefill_workers = await self.directory.wait_for("prefill")
+        matched = None
+        if self.policy.uses_prefix_match:
+            ids = [w.worker_id for w in prefill_workers]
+            matched = self.directory.index.match(namespace, hashes, ids)
+            if self.pending is not None:
+                matched = merge_matches(matched, self.pending.match(namespace, hashes, ids))
+        loads = {
+            w.worker_id: WorkerLoad(w.worker_id, w.queued_tokens, w.in_flight)
+            for w in prefill_workers
+        }
+        prefill = self.directory.workers[self.policy.choose(loads, matched)]
+        if self.pending is not None:
+            self.pending.record(prefill.worker_id, namespace, hashes)
+        prefill_hits = (matched or {}).get(prefill.worker_id, 0)
+        new_tokens = prompt_tokens - prefill_hits * block_size
+        num_blocks = -(-prompt_tokens // block_size)
+        self.admission.check(
+            queued_tokens=prefill.queued_tokens,
+            new_tokens=new_tokens,
+            tokens_per_s=float(prefill.stats.get("prefill_tokens_per_s") or 0) or None,
+            blocks=0 if decode is None else num_blocks - decode_hits,  # (pages sent)
+            deadline_ms=deadline_ms,
+        )
+        plan = RoutePlan(decode, prefill, num_blocks, decode_hits, prefill_hits, new_tokens)
+        prefill.queued_tokens += new_tokens
+        prefill.in_flight += 1
         return plan
 
     def _choose_decode(self, workers: list[Worker], matched: dict[str, int]) -> tuple[Worker, int]:

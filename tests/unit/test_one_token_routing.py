@@ -1,5 +1,6 @@
 """A one-token request (max_tokens=1) is planned for its prefill worker alone and ends there:
-decode gets no call, holds no load, and its admission cap does not apply."""
+no decode worker is chosen (none need be live), decode gets no call, holds no load, and its
+admission cap does not apply."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from tandem.router.errors import APIError
 from tandem.router.pd_orchestrator import PDOrchestrator
 from tandem.router.request_timings import RequestTimings
-from tests.unit.test_drain import FakeWorker, held_plan, start
+from tandem.router.route_planner import RoutePlan
+from tests.unit.test_drain import FakeWorker, start
 from tests.unit.test_route_planner import INFO, WORKERS, directory, planner, publish
 
 
@@ -28,13 +30,29 @@ def test_a_one_token_request_is_planned_for_prefill_alone() -> None:
     history = list(range(10, 210))
     publish(d, "d0", history)  # a tail short enough to stay on d0, were it decoded
     route = _plan(planner(d), history + list(range(300, 310)), max_tokens=1)
-    assert route.prefill_only and route.prefill is not None
-    assert (route.decode.in_flight, route.decode.queued_tokens, route.decode_tokens) == (0, 0, 0)
-    assert route.prefill.in_flight == 1
+    assert route.prefill_only and route.prefill is not None and route.decode is None
+    assert route.decode_tokens == 0 and route.prefill.in_flight == 1
+    assert all(
+        (w.in_flight, w.queued_tokens) == (0, 0) for w in d.workers.values() if w.role == "decode"
+    )
     route.release()
     assert all((w.in_flight, w.queued_tokens) == (0, 0) for w in d.workers.values())
     two = _plan(planner(d), history + list(range(300, 310)), max_tokens=2)
-    assert not two.prefill_only and two.local_prefill and two.decode.in_flight == 1
+    assert not two.prefill_only and two.local_prefill and two.decoder.worker_id == "d0"
+    assert two.decoder.in_flight == 1
+
+
+def test_a_one_token_request_needs_no_live_decode_worker() -> None:
+    d = directory(*(w for w in WORKERS if w[1] == "prefill"))
+    d.stop_waiting()  # (a role with no live worker is refused at once, not after a wait)
+    p = planner(d)
+    with pytest.raises(APIError) as refused:
+        _plan(p, list(range(50)), max_tokens=2)
+    assert (refused.value.status, refused.value.code) == (503, "no_decode_worker")
+    route = _plan(p, list(range(50)), max_tokens=1)
+    assert route.prefill_only and route.decode is None and route.prefill.worker_id == "p0"
+    route.release()
+    assert all((w.in_flight, w.queued_tokens) == (0, 0) for w in d.workers.values())
 
 
 def test_the_decode_cap_does_not_refuse_a_one_token_request() -> None:
@@ -72,11 +90,11 @@ class FinishingPrefill(FakeWorker):
         yield {"status": "finished", "first_token_ids": [7], "item": item}
 
 
-def one_token_plan(d: Any, decode: str, prefill: str) -> Any:
-    """As the planner makes it: load held on the prefill worker only."""
-    plan = held_plan(d, decode, prefill)
-    plan.prefill_only, plan.decode_tokens = True, 0
-    plan.decode.in_flight, plan.decode.queued_tokens = 0, 0
+def one_token_plan(d: Any, prefill: str) -> RoutePlan:
+    """As the planner makes it: no decode worker, load held on the prefill worker only."""
+    plan = RoutePlan(None, d.workers[prefill], 1, 0, 0, 10, prefill_only=True)
+    plan.prefill.in_flight += 1
+    plan.prefill.queued_tokens += 10
     return plan
 
 
@@ -89,7 +107,7 @@ def test_a_one_token_request_ends_on_its_prefill_worker() -> None:
         )
         d = await start(decode, p0, p1, roles="decode prefill prefill")
         orchestrator = PDOrchestrator(d)
-        plan = one_token_plan(d, "d0", "p0")
+        plan = one_token_plan(d, "p0")
         timings = RequestTimings()
         await orchestrator.reserve(plan, "one", [1, 2, 3], {"max_tokens": 1}, 0, timings)
         items = [i async for i in orchestrator.generate("one", [1, 2, 3], {}, timings, plan)]
@@ -108,7 +126,7 @@ def test_a_failed_one_token_request_is_a_503() -> None:
     async def main() -> None:
         decode, p0 = FakeWorker("d0"), FinishingPrefill("p0", error="step failed")
         d = await start(decode, p0, roles="decode prefill")
-        plan = one_token_plan(d, "d0", "p0")
+        plan = one_token_plan(d, "p0")
         orchestrator, timings = PDOrchestrator(d), RequestTimings()
         await orchestrator.reserve(plan, "one", [1, 2, 3], {}, 0, timings)
         with pytest.raises(APIError) as failed:
@@ -116,6 +134,22 @@ def test_a_failed_one_token_request_is_a_503() -> None:
         assert (failed.value.status, failed.value.code) == (503, "prefill_failed")
         assert "prefill failed: step failed" in str(failed.value)
         assert all((w.in_flight, w.queued_tokens) == (0, 0) for w in d.workers.values())
+        await d.close()
+
+    asyncio.run(main())
+
+
+def test_a_one_token_request_is_served_with_no_decode_worker_at_all() -> None:
+    async def main() -> None:
+        p0 = FinishingPrefill("p0")
+        d = await start(p0, roles="prefill")
+        plan = one_token_plan(d, "p0")
+        orchestrator, timings = PDOrchestrator(d), RequestTimings()
+        await orchestrator.reserve(plan, "one", [1, 2, 3], {"max_tokens": 1}, 0, timings)
+        items = [i async for i in orchestrator.generate("one", [1, 2, 3], {}, timings, plan)]
+        assert [(i["token_ids"], i["finish_reason"]) for i in items] == [([7], "length")]
+        worker = d.workers["p0"]
+        assert p0.finish_here == [True] and (worker.in_flight, worker.queued_tokens) == (0, 0)
         await d.close()
 
     asyncio.run(main())

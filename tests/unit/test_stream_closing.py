@@ -53,9 +53,8 @@ class FakeOrchestrator(Tracked):
 
 
 def prepared() -> Prepared:
-    plan = SimpleNamespace(
-        prefill=None, decode=SimpleNamespace(worker_id="decode/x"), decode_hit_blocks=0
-    )
+    decode = SimpleNamespace(worker_id="decode/x")
+    plan = SimpleNamespace(prefill=None, decode=decode, decoder=decode, decode_hit_blocks=0)
     return Prepared(
         "cmpl-1", [1, 2, 3], SamplingParams(max_tokens=100), RequestTimings(), plan=plan
     )  # type: ignore[arg-type]
@@ -164,7 +163,7 @@ def test_a_request_cancelled_by_its_http_server_closes_its_decode_call() -> None
 
         def __init__(self) -> None:
             self.decode_stream = decode_stream()
-            self.decode = SimpleNamespace(worker_id="decode/x")
+            self.decode = self.decoder = SimpleNamespace(worker_id="decode/x")
             self.released = False
 
         def release(self) -> None:
@@ -214,7 +213,7 @@ def test_a_client_gone_before_the_first_byte_closes_the_reserved_calls() -> None
 
     class Plan:
         prefill = SimpleNamespace(worker_id="prefill/x")
-        decode = SimpleNamespace(worker_id="decode/x")
+        decode = decoder = SimpleNamespace(worker_id="decode/x")
         prefill_hit_blocks = decode_hit_blocks = 0
         grant, grant_handed = {"dst_block_ids": [1]}, True  # (no release on decode to ask for)
 
