@@ -103,15 +103,3 @@ class DecodeWorker(WorkerDeployment):
     async def _rpc_release_unwritten(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
         """The router never handed this request's grant to a prefill worker (one item)."""
         yield {"released_blocks": await self.service.release_unwritten(request_id)}
-
-    async def _rpc_info(self) -> AsyncIterator[dict[str, Any]]:
-        """What the router validates and routes requests with (one item)."""
-        engine = self.service.engine
-        yield {
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.spec.vocab_size,
-            "block_size": engine.config.block_size,
-            "num_blocks": engine.block_manager.num_blocks,
-            "namespace": engine.namespace.digest(),
-            "root_hash": engine.namespace.root_hash(),
-        }

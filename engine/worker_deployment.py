@@ -49,6 +49,7 @@ class WorkerDeployment(ABC):
         if self._registry is not None and cfg.auth_token:  # (a redeploy without a token of
             self._registry.cluster_token.remote(cfg.auth_token)  # its own takes this one)
         self.work = WorkTracker()
+        self._info = _model_info(engine)
         self._left = False  # no more registry reports once the worker departed
         self.rpc = RPCServer(self.rpc_handlers(), cfg.auth_token)
         self.service = self.make_service(engine, transport, self._report)
@@ -99,6 +100,11 @@ class WorkerDeployment(ABC):
         """One item: the worker's stats now (the registry's copy may lag by ~0.1 s)."""
         yield {**await self.service.get_stats(), "worker_id": self.worker_id}
 
+    async def _rpc_info(self) -> AsyncIterator[dict[str, Any]]:
+        """What the router validates and routes requests with (one item; the same from every
+        worker of a cluster but `num_blocks`, this worker's KV pool)."""
+        yield self._info
+
     async def _rpc_kv_events(self) -> AsyncIterator[dict[str, Any]]:
         async with contextlib.aclosing(self.service.kv_events()) as items:
             async for batch in items:
@@ -147,3 +153,14 @@ class WorkerDeployment(ABC):
                 self._registry.remove.remote(self.worker_id)
         await self.rpc.close()
         service.close()
+
+
+def _model_info(engine: Any) -> dict[str, Any]:
+    return {
+        "max_model_len": engine.max_model_len,
+        "vocab_size": engine.spec.vocab_size,
+        "block_size": engine.config.block_size,
+        "num_blocks": engine.block_manager.num_blocks,
+        "namespace": engine.namespace.digest(),
+        "root_hash": engine.namespace.root_hash(),
+    }

@@ -52,6 +52,7 @@ class PrefillWorker(WorkerDeployment):
         return {
             "prefill": self.tracked(self._rpc_prefill),
             "grant": self._rpc_grant,
+            "info": self._rpc_info,
             "kv_events": self._rpc_kv_events,
             "stats": self._rpc_stats,
         }

@@ -50,11 +50,14 @@ class PDOrchestrator:
         self.directory = directory
 
     async def limits(self) -> dict[str, Any]:
-        worker = await self.directory.pick("decode")
+        """The model's limits and cache key, from a decode worker (or a prefill worker while
+        none is live: a one-token request needs no decode worker)."""
+        live = self.directory.live("decode") or self.directory.live("prefill")
+        worker = min(live, key=Worker.load) if live else await self.directory.pick("decode")
         try:
             return await worker.client.call("info")
         except RPCError as exc:
-            raise unavailable(f"decode worker {worker.worker_id}: {exc}", "decode_failed") from None
+            raise unavailable(f"{worker.worker_id}: {exc}", f"{worker.role}_failed") from None
 
     async def reserve(
         self,

@@ -34,9 +34,13 @@ class FakeWorker:
             {
                 "generate": self.work.wrap(self.generate, self.refuse_generate),
                 "prefill": self.work.wrap(self.prefill, self.refuse_prefill),
+                "info": self.info,
             },
             TOKEN,
         )
+
+    async def info(self) -> AsyncIterator[dict[str, Any]]:
+        yield {"from": self.worker_id}
 
     def refuse_generate(self) -> dict[str, Any]:
         return {"type": "error", "code": DRAINING, "error": f"{self.worker_id} is draining"}

@@ -153,3 +153,16 @@ def test_a_one_token_request_is_served_with_no_decode_worker_at_all() -> None:
         await d.close()
 
     asyncio.run(main())
+
+
+def test_the_model_limits_come_from_a_prefill_worker_while_no_decode_worker_is_live() -> None:
+    async def main() -> None:
+        d0, p0 = FakeWorker("d0"), FakeWorker("p0")
+        d = await start(d0, p0, roles="decode prefill")
+        orchestrator = PDOrchestrator(d)
+        assert await orchestrator.limits() == {"from": "d0"}
+        d.mark_draining("d0")
+        assert await orchestrator.limits() == {"from": "p0"}
+        await d.close()
+
+    asyncio.run(main())
