@@ -61,11 +61,24 @@ def test_two_stages_from_one_python_base() -> None:
     assert ("ARG", "TORCH_VERSION=2.13.0") in BUILD
 
 
+INSTALL = 'pip install -c "$pins" ".'
+
+
 def test_torch_is_installed_before_tandem() -> None:
     torch = _run_index(BUILD, "torch==${TORCH_VERSION}")
-    tandem = _run_index(BUILD, 'pip install ".')
-    copies = [i for i, (word, _) in enumerate(BUILD) if word == "COPY"]
-    assert torch < min(copies) < tandem  # source changes do not invalidate the torch layer
+    tandem = _run_index(BUILD, INSTALL)
+    copies = [i for i, (word, args) in enumerate(BUILD) if word == "COPY"]
+    (pins,) = [i for i in copies if "constraints" in BUILD[i][1]]
+    sources = [i for i in copies if i != pins]
+    # Source changes do not invalidate the torch layer; the versions both installs take do.
+    assert pins < torch < min(sources) < tandem
+
+
+def test_both_installs_take_the_pinned_versions() -> None:
+    (copied,) = [args for word, args in BUILD if word == "COPY" and "constraints" in args]
+    assert copied == "scripts/constraints.txt deploy/constraints-cuda.txt constraints/"
+    for path in copied.split()[:-1]:
+        assert (REPO / path).is_file()
 
 
 def test_every_package_folder_is_copied_and_in_the_build_context() -> None:
@@ -75,7 +88,9 @@ def test_every_package_folder_is_copied_and_in_the_build_context() -> None:
     }
     assert linked | {"tandem", "pyproject.toml", "README.md"} <= sources
     allowed = {line[1:] for line in DOCKERIGNORE.read_text().splitlines() if line[:1] == "!"}
-    assert sources <= allowed
+    for source in sources:  # (in the context: itself, or a folder above it, is let in)
+        parts = Path(source).parts
+        assert any("/".join(parts[:n]) in allowed for n in range(1, len(parts) + 1)), source
 
 
 def test_runtime_stage_is_lean_and_not_root() -> None:
@@ -95,7 +110,7 @@ def _install(tmp_path: Path, variant: str, extras: str = "") -> tuple[int, list[
     fake = bin_dir / "pip"
     fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
     fake.chmod(0o755)
-    steps = [BUILD[_run_index(BUILD, "torch==")][1], BUILD[_run_index(BUILD, 'pip install ".')][1]]
+    steps = [BUILD[_run_index(BUILD, "torch==")][1], BUILD[_run_index(BUILD, INSTALL)][1]]
     env = {
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "VARIANT": variant,
@@ -106,15 +121,23 @@ def _install(tmp_path: Path, variant: str, extras: str = "") -> tuple[int, list[
     return done.returncode, log.read_text().splitlines()
 
 
+CPU_TORCH = "install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+CUDA_TORCH = "install torch==2.13.0 -c constraints/constraints-cuda.txt"
+CPU_PINS, CUDA_PINS = (
+    "install -c constraints/constraints.txt",
+    "install -c constraints/constraints-cuda.txt",
+)
+
+
 @pytest.mark.parametrize(
     ("variant", "extras", "want"),
     [
-        ("cpu", "", ["install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
-                     "install ."]),
-        ("cuda", "", ["install torch==2.13.0", "install .[gpu]"]),
-        ("cuda", "ucx", ["install torch==2.13.0", "install .[gpu,ucx]"]),
-        ("cpu", "ucx", ["install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
-                        "install .[ucx]"]),
+        ("cpu", "", [CPU_TORCH, f"{CPU_PINS} ."]),
+        ("cuda", "", [CUDA_TORCH, f"{CUDA_PINS} .[gpu]"]),
+        ("cuda", "ucx", [CUDA_TORCH, f"{CUDA_PINS} .[gpu,ucx-cu13]"]),
+        ("cuda", "bench,ucx", [CUDA_TORCH, f"{CUDA_PINS} .[gpu,bench,ucx-cu13]"]),
+        ("cuda", "ucx-cu13", [CUDA_TORCH, f"{CUDA_PINS} .[gpu,ucx-cu13]"]),
+        ("cpu", "ucx", [CPU_TORCH, f"{CPU_PINS} .[ucx]"]),
     ],
 )  # fmt: skip
 def test_variants_install_the_right_torch_and_extras(
