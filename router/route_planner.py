@@ -141,7 +141,7 @@ class RoutePlanner:
         tail = len(prompt_token_ids) - decode_hits * bs
         num_blocks = -(-len(prompt_token_ids) // bs)
         if self.colocated or (
-            0 < decode_hits and tail <= self.decode_routing.conditional_prefill_max_tokens
+            decode_hits > 0 and tail <= self.decode_routing.conditional_prefill_max_tokens
         ):
             # (the deadline holds here too: the tail's prefill on decode, no queue, no transfer)
             rate = float(decode.stats.get("prefill_tokens_per_s") or 0) or None
