@@ -89,3 +89,30 @@ def test_a_stream_whose_decode_worker_dies_goes_on_exactly(cluster: Cluster) -> 
         len(expected.prompt_token_ids),
         max_tokens,
     )
+
+
+def test_one_token_requests_are_served_while_no_decode_worker_is_up(cluster: Cluster) -> None:
+    base_url = cluster.deploy(prefill={"replicas": 1, "num_cpus": 0.25},
+                              decode={"replicas": 1, "num_cpus": 0.25})  # fmt: skip
+    prompts = [f"a short question, number {i}" for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    expected = LLM(model=str(cluster.model), num_kv_blocks=512).generate(
+        prompts, params, use_tqdm=False
+    )
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+    def one_token(prompt: str) -> str:
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
+                                        extra_body={"ignore_eos": True}, timeout=20)  # fmt: skip
+        assert out.usage is not None and out.usage.completion_tokens == 1
+        return out.choices[0].text
+
+    assert one_token(prompts[0]) == expected[0].text
+    (decode,) = [w["worker_id"] for w in cluster.workers() if w["role"] == "decode"]
+    _kill_replica(decode)
+    # No decode worker is up until Serve replaces it (seconds): one-token requests need none.
+    texts = [one_token(prompt) for prompt in prompts]
+    decode_now = [w for w in cluster.workers() if w["role"] == "decode" and "error" not in w]
+    cluster.config = {}  # the next test deploys afresh (Serve is replacing the replica)
+    assert texts == [ref.text for ref in expected]
+    assert decode_now == []  # (served in the gap: they did not wait for the new decode worker)
