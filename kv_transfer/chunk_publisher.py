@@ -121,10 +121,11 @@ class ChunkPublisher:
         while queue and (count is None or count > 0):
             request_id, item = queue[0]
             try:
+                # Made and sent in one hold of the GIL: a `time.sleep(0)` between the two
+                # halves cost this thread ~30 of its ~130 us a chunk here and did not lower the
+                # engine's stall (docs/benchmarks.md, session 29): each hand-off of the GIL
+                # costs the thread that waits for it a wake-up.
                 peer, header, src_block_ids = self.prepare(item)
-                # Drop the GIL between the two halves of the work: an engine thread that wants
-                # it back (a torch op ended) waits for half of it at most.
-                time.sleep(0)
                 self.transport.send(peer, header, src_block_ids)
             except Exception as exc:  # (a bug too: the request fails, the thread goes on)
                 if not isinstance(exc, TransferError):
