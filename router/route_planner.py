@@ -56,7 +56,6 @@ class RoutePlan:
     grant: dict[str, Any] | None = None  # the decode worker's reservation
     prefill_call: Any = None  # the prefill call started with the reservation (PDOrchestrator)
     grant_handed: bool = False  # a prefill worker may have the grant (it may write the blocks)
-    prefill_only: bool = False  # one token: it ends on the prefill worker, decode is not used
     hold_timer: asyncio.TimerHandle | None = None  # releases a plan whose request never ran
     _released_prefill: bool = False
     _released: bool = False
@@ -64,6 +63,11 @@ class RoutePlan:
     @property
     def local_prefill(self) -> bool:
         return self.prefill is None
+
+    @property
+    def prefill_only(self) -> bool:
+        """A one-token request: it ends on its prefill worker, decode is not used."""
+        return self.decode is None
 
     @property
     def decoder(self) -> Worker:
@@ -85,7 +89,7 @@ class RoutePlan:
             if self.hold_timer is not None:
                 self.hold_timer.cancel()
             self.release_prefill()
-            if self.decode is not None and not self.prefill_only:
+            if self.decode is not None:
                 self.decode.in_flight -= 1
                 self.decode.queued_tokens -= self.decode_tokens
 
@@ -128,9 +132,24 @@ class RoutePlanner:
             plan = await self._plan_prefill(
                 None, namespace, hashes, len(prompt_token_ids), bs, 0, deadline_ms
             )
-            plan.prefill_only = True
-            plan.hold_timer = asyncio.get_running_loop().call_later(hold_s, plan.release)
-            return plan
+        else:
+            plan = await self._plan_decode(
+                prompt_token_ids, namespace, hashes, bs, deadline_ms, max_tokens
+            )
+        plan.hold_timer = asyncio.get_running_loop().call_later(hold_s, plan.release)
+        return plan
+
+    async def _plan_decode(
+        self,
+        prompt_token_ids: list[int],
+        namespace: str,
+        hashes: list[int],
+        bs: int,
+        deadline_ms: float | None,
+        max_tokens: int,
+    ) -> RoutePlan:
+        """The decode worker, and the prefill worker unless decode prefills the tail itself;
+        admitted, the load held on both."""
         decode_workers = await self.directory.wait_for("decode")
         decode, decode_hits = self._choose_decode(
             decode_workers,
@@ -157,7 +176,6 @@ class RoutePlanner:
         decode.in_flight += 1
         decode.queued_tokens += decode_tokens
         plan.decode_tokens = decode_tokens
-        plan.hold_timer = asyncio.get_running_loop().call_later(hold_s, plan.release)
         return plan
 
     async def _plan_prefill(

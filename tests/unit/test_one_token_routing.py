@@ -92,7 +92,7 @@ class FinishingPrefill(FakeWorker):
 
 def one_token_plan(d: Any, prefill: str) -> RoutePlan:
     """As the planner makes it: no decode worker, load held on the prefill worker only."""
-    plan = RoutePlan(None, d.workers[prefill], 1, 0, 0, 10, prefill_only=True)
+    plan = RoutePlan(None, d.workers[prefill], 1, 0, 0, 10)
     plan.prefill.in_flight += 1
     plan.prefill.queued_tokens += 10
     return plan
