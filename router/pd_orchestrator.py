@@ -52,8 +52,9 @@ class PDOrchestrator:
     async def limits(self) -> dict[str, Any]:
         """The model's limits and cache key, from a decode worker (or a prefill worker while
         none is live: a one-token request needs no decode worker)."""
-        live = self.directory.live("decode") or self.directory.live("prefill")
-        worker = min(live, key=Worker.load) if live else await self.directory.pick("decode")
+        directory = self.directory
+        role = "prefill" if directory.live("prefill") and not directory.live("decode") else "decode"
+        worker = await directory.pick(role)
         try:
             return await worker.client.call("info")
         except RPCError as exc:

@@ -90,10 +90,9 @@ def _span(start: float | None, end: float | None) -> float | None:
 def _route(plan: RoutePlan | None) -> str:
     if plan is None:
         return "-"
-    decode, prefill = plan.decode, plan.prefill
-    if prefill is None:
-        return f"local@{decode.worker_id if decode else '-'}(hit={plan.decode_hit_blocks})"
-    route = f"{prefill.worker_id}(hit={plan.prefill_hit_blocks})"
-    if decode is None:  # one token: it ended on the prefill worker
+    prefill = plan.prefill
+    route = "local" if prefill is None else f"{prefill.worker_id}(hit={plan.prefill_hit_blocks})"
+    if plan.decode is None:  # one token: it ended on the prefill worker
         return route
-    return f"{route}->{decode.worker_id}(hit={plan.decode_hit_blocks})"
+    joint = "@" if prefill is None else "->"
+    return f"{route}{joint}{plan.decode.worker_id}(hit={plan.decode_hit_blocks})"
