@@ -1,13 +1,15 @@
-"""What `KVSender` keeps per request it streams, and what its engine's thread queues for the
-publishing thread."""
+"""What `KVSender` keeps per request it streams (and whether its first token ends it), and what
+its engine's thread queues for the publishing thread."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+from tandem.engine.output_text import OutputText
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tokenizer import Tokenizer
 from tandem.kv_transfer.receiver import ReservationGrant
 
 
@@ -24,6 +26,22 @@ class Outgoing:
     cancelling: bool = False
     failure: str | None = None  # set by `fail`: the request ends "failed" with this error
     deadline: float = math.inf
+
+    def first_token_ends(self, tokenizer: Tokenizer) -> bool:
+        """The sampled first token already finishes the request: end of sequence, one token
+        asked for, or its text holds a stop string (the prefill engine runs without them)."""
+        req, params = self.request, self.params
+        if req.finish_reason == "stop" or params.max_tokens == 1:
+            return True
+        if not params.stop or params.min_tokens > 1 or not req.output_token_ids:
+            return False
+        text = OutputText.after(
+            tokenizer,
+            req.prompt_token_ids,
+            req.output_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+        ).text
+        return any(stop in text for stop in params.stop)
 
 
 Pinned = tuple[Outgoing, int, list[int], bool]

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.output_text import OutputText
 from tandem.engine.outputs import StepOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer._sender_records import Outgoing, Pinned
@@ -189,22 +188,6 @@ class KVSender:
         out.failure = error
         return self.cancel(request_id)
 
-    def first_token_ends(self, out: Outgoing) -> bool:
-        """The sampled first token already finishes the request: end of sequence, one token
-        asked for, or its text holds a stop string (the prefill engine runs without them)."""
-        if out.request.finish_reason == "stop" or out.params.max_tokens == 1:
-            return True
-        params = out.params
-        if not params.stop or params.min_tokens > 1 or not out.request.output_token_ids:
-            return False
-        text = OutputText.after(
-            self.engine.tokenizer,
-            out.request.prompt_token_ids,
-            out.request.output_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-        ).text
-        return any(stop in text for stop in params.stop)
-
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[TransferEvent]:
         """One engine step, then streams what it completed and handles replies."""
@@ -352,7 +335,7 @@ class KVSender:
             sampler_state=encode_state(req.generator.get_state())
             if req is not None and req.generator
             else None,
-            finished=self.first_token_ends(last_of) if last_of is not None else None,
+            finished=last_of.first_token_ends(self.engine.tokenizer) if last_of else None,
             first_token_logprobs=req.logprobs if req is not None else None,
         )
 

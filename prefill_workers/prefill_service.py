@@ -286,7 +286,7 @@ class PrefillService(WorkerLoop):
     def _first_token_item(self, event: TransferEvent) -> dict[str, Any] | None:
         """The first token as decode will stream it, if it does not end the request."""
         out = self.sender.outgoing.get(event.request_id)
-        if out is None or out.params.stop or self.sender.first_token_ends(out):
+        if out is None or out.params.stop or out.first_token_ends(self.engine.tokenizer):
             return None
         text = OutputText.after(
             self.engine.tokenizer,
