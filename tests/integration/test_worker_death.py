@@ -31,14 +31,14 @@ def _kill_replica(worker_id: str) -> None:
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
 
 
-def test_requests_after_a_prefill_worker_dies_all_succeed_exactly(cluster: Cluster) -> None:
+def test_requests_after_a_prefill_worker_dies_all_succeed_exactly(
+    cluster: Cluster, reference: LLM
+) -> None:
     base_url = cluster.deploy(prefill={"replicas": 2, "num_cpus": 0.25},
                               decode={"replicas": 1, "num_cpus": 0.25})  # fmt: skip
     prompts = [f"request number {i} about the weather" for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    expected = LLM(model=str(cluster.model), num_kv_blocks=512).generate(
-        prompts, params, use_tqdm=False
-    )
+    expected = reference.generate(prompts, params, use_tqdm=False)
     prefill = sorted(w["worker_id"] for w in cluster.workers() if w["role"] == "prefill")
     assert len(prefill) == 2
     _kill_replica(prefill[0])
@@ -57,14 +57,14 @@ def test_requests_after_a_prefill_worker_dies_all_succeed_exactly(cluster: Clust
     assert prefill[0] not in {w["worker_id"] for w in live}
 
 
-def test_a_stream_whose_decode_worker_dies_goes_on_exactly(cluster: Cluster) -> None:
+def test_a_stream_whose_decode_worker_dies_goes_on_exactly(
+    cluster: Cluster, reference: LLM
+) -> None:
     base_url = cluster.deploy(prefill={"replicas": 1, "num_cpus": 0.25},
                               decode={"replicas": 2, "num_cpus": 0.25})  # fmt: skip
     prompt, max_tokens = "the story of a long walk through the hills and the valleys", 1800
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    expected = LLM(model=str(cluster.model), num_kv_blocks=512).generate(
-        [prompt], params, use_tqdm=False
-    )[0]
+    expected = reference.generate([prompt], params, use_tqdm=False)[0]
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
                                        temperature=0, stream=True,
@@ -91,14 +91,14 @@ def test_a_stream_whose_decode_worker_dies_goes_on_exactly(cluster: Cluster) -> 
     )
 
 
-def test_one_token_requests_are_served_while_no_decode_worker_is_up(cluster: Cluster) -> None:
+def test_one_token_requests_are_served_while_no_decode_worker_is_up(
+    cluster: Cluster, reference: LLM
+) -> None:
     base_url = cluster.deploy(prefill={"replicas": 1, "num_cpus": 0.25},
                               decode={"replicas": 1, "num_cpus": 0.25})  # fmt: skip
     prompts = [f"a short question, number {i}" for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    expected = LLM(model=str(cluster.model), num_kv_blocks=512).generate(
-        prompts, params, use_tqdm=False
-    )
+    expected = reference.generate(prompts, params, use_tqdm=False)
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
     def one_token(prompt: str) -> str:
