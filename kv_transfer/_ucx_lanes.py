@@ -1,9 +1,10 @@
-"""The UCX transport's workers ("lanes", see `ucx.py`): how each is made, how frames nobody may
-receive are thrown away, and how one is emptied of the messages nobody received before it is
-destroyed. Importing this imports ucxx."""
+"""The UCX transport's workers ("lanes", see `ucx.py`): how each is made, how a header frame is
+read, how frames nobody may receive are thrown away, and how one is emptied of the messages
+nobody received before it is destroyed. Importing this imports ucxx."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -21,6 +22,7 @@ __all__ = [
     "discard_matching",
     "drain_unexpected",
     "new_worker",
+    "receive_json",
     "ucx_api",
 ]
 
@@ -73,3 +75,19 @@ def discard_matching(worker: Any, tag: Any, mask: Any, busy: list[tuple[Any, Any
         discard(worker, probe, busy)
         found = True
     return found
+
+
+def receive_json(worker: Any, probe: Any, timeout_s: float) -> dict[str, Any] | None:
+    """The probed frame as a JSON object, or None (not one, or not received in `timeout_s`:
+    frames over 8 KiB, UCX's rendezvous threshold, take a round trip)."""
+    buffer = np.empty(probe.length, dtype=np.uint8)
+    request = worker.tag_recv_with_handle(Array(buffer), probe)
+    deadline = time.monotonic() + timeout_s
+    while not request.completed and time.monotonic() < deadline:
+        worker.progress()
+    try:
+        request.check_error()
+        body = json.loads(buffer.tobytes())
+    except Exception:
+        return None
+    return body if isinstance(body, dict) else None

@@ -57,6 +57,7 @@ from tandem.kv_transfer._ucx_lanes import (
     discard_matching,
     drain_unexpected,
     new_worker,
+    receive_json,
     ucx_api,
 )
 from tandem.kv_transfer._ucx_records import _Conn, _Link, _Out, _run_start, _Rx
@@ -353,19 +354,11 @@ class UcxTransport(KVTransport):
     def _on_header_frame(self, probe: Any) -> None:
         conn_id = probe.sender_tag.value >> 16
         conn = self._conns.setdefault(conn_id, _Conn())
-        body: Any = None
+        body: dict[str, Any] | None = None
         if conn.state != "refused" and probe.length <= (_HEADER_MAX if conn.peer else _HELLO_MAX):
-            buf = np.empty(probe.length, dtype=np.uint8)  # frames over 8 KiB (UCX's rendezvous
-            request = self._worker.tag_recv_with_handle(Array(buf), probe)  # threshold) take
-            deadline = time.monotonic() + min(1.0, self.send_timeout_s)  # a round trip
-            while not request.completed and time.monotonic() < deadline:
-                self._worker.progress()
-            with contextlib.suppress(Exception):
-                request.check_error()
-                body = json.loads(buf.tobytes())
+            body = receive_json(self._worker, probe, min(1.0, self.send_timeout_s))
         else:
             discard(self._worker, probe, self._busy)
-        body = body if isinstance(body, dict) else None
         if conn.state == "hello":
             hello = body["hello"] if body and isinstance(body.get("hello"), dict) else {}
             token, peer = str(hello.get("token")).encode(), str(hello.get("address"))
