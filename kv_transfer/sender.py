@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,9 @@ from tandem.kv_transfer.manifest import (
 from tandem.kv_transfer.receiver import ReservationGrant
 
 logger = logging.getLogger(__name__)
+
+ENDED_UNGRANTED_KEPT = 4096
+"""Requests remembered as ended before their reservation came (a late grant is refused)."""
 
 
 class KVSender:
@@ -57,6 +61,9 @@ class KVSender:
         self._block_size = engine.config.block_size
         self._block_bytes = engine.kv_pool.bytes_per_block
         self.outgoing: dict[str, Outgoing] = {}
+        # Requests that ended before their reservation came (most recent last): a grant that
+        # comes for one later is refused, and its decode worker told at once.
+        self._ended_ungranted: OrderedDict[str, None] = OrderedDict()
         self._events: list[TransferEvent] = []  # ended outside a poll, reported by the next
         self.num_chunks_sent = 0
         self.num_bytes_sent = 0  # page bytes handed to the transport
@@ -111,6 +118,7 @@ class KVSender:
         `priority` orders the engine's waiting queue (lower first)."""
         if grant is not None:
             self._check_grant(len(prompt_token_ids), grant)
+        self._ended_ungranted.pop(request_id, None)
         prefill_params = params.model_copy(update={"max_tokens": 1, "stop": None})
         req = self.engine.add_request(
             prompt_token_ids, prefill_params, request_id=request_id, keep_kv=True, priority=priority
@@ -123,6 +131,12 @@ class KVSender:
         """The reservation of a request started without one: what prefill completed so far
         streams now. A reservation that does not fit the prompt fails the request."""
         out = self.outgoing.get(request_id)
+        if out is None and request_id in self._ended_ungranted:
+            self.release_grant(request_id, grant)
+            raise KeyError(
+                f"the prefill of {request_id!r} ended before its reservation came "
+                "(the decode worker is told to release it)"
+            )
         if out is None or out.cancelling:
             raise KeyError(f"no prefill of {request_id!r} waits for a reservation")
         if out.grant is not None:
@@ -163,6 +177,21 @@ class KVSender:
             raise ValueError(
                 f"reservation has {len(grant.dst_block_ids)} blocks, prompt needs {expected}"
             )
+
+    def ended_without_grant(self, request_id: str) -> bool:
+        """Whether `request_id` ended here (recently) before its reservation came."""
+        return request_id in self._ended_ungranted
+
+    def release_grant(self, request_id: str, grant: ReservationGrant) -> None:
+        """Tells the decode worker of `grant` that no page of `request_id` will come: it frees
+        the reserved blocks now instead of holding them for its stall timeout."""
+        try:
+            self.transport.send(
+                grant.address,
+                {"type": "cancel", "request_id": request_id, "reason": "prefill ended unsent"},
+            )
+        except TransferError as exc:  # (its lease or stall timeout frees them anyway)
+            logger.warning("could not release %s's reservation: %s", request_id, exc)
 
     def cancel(self, request_id: str) -> bool:
         """Prefill-side cancel: stops prefill, tells the receiver, unpins once it acknowledges."""
@@ -378,6 +407,10 @@ class KVSender:
         if out.failure is not None and kind == "cancelled":
             kind, error = "failed", out.failure
         del self.outgoing[rid]
+        if out.grant is None:
+            self._ended_ungranted[rid] = None
+            if len(self._ended_ungranted) > ENDED_UNGRANTED_KEPT:
+                self._ended_ungranted.popitem(last=False)
         if not out.last_sent:  # (none of its chunks may be sent once unpinned; the last chunk
             self._drop_queued(rid)  # sent what was queued, so nothing is left to wait for)
         for blocks in out.unacked.values():

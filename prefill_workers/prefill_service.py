@@ -162,17 +162,21 @@ class PrefillService(WorkerLoop):
     async def attach_grant(self, request_id: str, grant: ReservationGrant) -> None:
         """The decode worker's reservation for a prefill started without one. One that comes
         before its prefill call (the router's two calls can cross on their way) is kept for
-        it, `EARLY_GRANT_S` at most."""
+        it, `EARLY_GRANT_S` at most (then its decode worker is told to release it). One that
+        comes after its prefill ended (the client left) is refused with KeyError, and its
+        decode worker told: it frees the blocks now, not after its stall timeout."""
         await self.submit(lambda: self._attach_grant(request_id, grant))
 
     def _attach_grant(self, request_id: str, grant: ReservationGrant) -> None:
-        if request_id in self.sender.outgoing:
-            self.sender.attach_grant(request_id, grant)
+        sender = self.sender
+        if request_id in sender.outgoing or sender.ended_without_grant(request_id):
+            sender.attach_grant(request_id, grant)  # (KeyError for an ended one: decode is told)
             return
         now = time.monotonic()
-        for rid, (_, since) in list(self._early_grants.items()):
+        for rid, (stale, since) in list(self._early_grants.items()):
             if now - since > EARLY_GRANT_S:  # (its prefill never came: the router gave up)
                 del self._early_grants[rid]
+                sender.release_grant(rid, stale)
         self._early_grants[request_id] = (grant, now)
 
     def _start_here(

@@ -347,3 +347,69 @@ def test_a_reservation_never_granted_to_prefill_is_released_at_once(
     asyncio.run(main())
     tokens, *_ = asyncio.run(run_pd(prefill, decode, "after", prompt, params))
     assert tokens == reference.generate([prompt], params)[0].token_ids
+
+
+@pytest.mark.parametrize("decode_closed_first", [True, False])
+def test_a_grant_that_comes_after_prefill_ended_is_released_on_decode_at_once(
+    services: Any, reference: LLM, decode_closed_first: bool
+) -> None:
+    """The client leaves while prefill runs without its reservation: the prefill ends before
+    the router's `grant` call reaches it. The prefill worker refuses that grant and tells the
+    decode worker, whose reserved blocks come back now, not after its stall timeout (10 s)."""
+    prefill, decode = services
+    ids = reference.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def main() -> None:
+        task = asyncio.create_task(prefill.prefill("late", ids, params, None))
+        await asyncio.sleep(0.05)
+        task.cancel()  # the client left: the router closes the prefill call
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stream = decode.generate("late", ids, params)
+        grant = ReservationGrant(**(await anext(stream))["grant"])
+        if decode_closed_first:
+            await stream.aclose()  # decode cancels its reservation: held, no sender known
+        with pytest.raises(KeyError, match="ended"):
+            await prefill.attach_grant("late", grant)  # the router's grant call, late
+        if not decode_closed_first:
+            item = await asyncio.wait_for(anext(stream), 5)
+            assert item["type"] == "error" and item["code"] == "cancelled"
+        p, d = await wait_idle(prefill, decode)  # (2 s at most here, not the 10 s hold)
+        assert d["num_held_reservations"] == 0
+
+    asyncio.run(main())
+    decode.post(decode.check_integrity)
+    tokens, *_ = asyncio.run(run_pd(prefill, decode, "after", ids, params))
+    assert tokens == reference.generate([ids], params)[0].token_ids
+
+
+def test_a_grant_whose_prefill_never_comes_is_released_when_it_expires(
+    services: Any, reference: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grant kept for a prefill call that never came (`EARLY_GRANT_S`) is dropped with a
+    word to its decode worker, which frees the blocks then."""
+    from tandem.prefill_workers import prefill_service
+
+    monkeypatch.setattr(prefill_service, "EARLY_GRANT_S", 0.0)
+    prefill, decode = services
+    ids = reference.tokenizer.encode(PROMPTS[3])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = reference.generate([ids], params)[0].token_ids
+
+    async def main() -> list[int]:
+        orphan = decode.generate("orphan", ids, params)
+        await prefill.attach_grant("orphan", ReservationGrant(**(await anext(orphan))["grant"]))
+        await orphan.aclose()  # the router gave up before its prefill call went out
+        assert (await decode.get_stats())["num_held_reservations"] == 1
+        stream = decode.generate("next", ids, params)
+        grant = ReservationGrant(**(await anext(stream))["grant"])
+        await prefill.attach_grant("next", grant)  # comes early too; the orphan's expired
+        task = asyncio.create_task(prefill.prefill("next", ids, params, None))
+        tokens = [t async for item in stream for t in item["token_ids"]]
+        assert (await task)["status"] == "sent"
+        _, d = await wait_idle(prefill, decode)
+        assert d["num_held_reservations"] == 0
+        return tokens
+
+    assert asyncio.run(main()) == expected
