@@ -1,5 +1,5 @@
-"""What `KVSender` keeps per request it streams (and whether its first token ends it), and what
-its engine's thread queues for the publishing thread."""
+"""What `KVSender` keeps per request it streams (and whether its first token ends it), what
+its engine's thread queues for the publishing thread, and the full header of a chunk."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from tandem.engine.output_text import OutputText
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
+from tandem.kv_transfer.base import EncodedHeader
+from tandem.kv_transfer.manifest import PagesHeaderWriter, encode_state
 from tandem.kv_transfer.receiver import ReservationGrant
 
 
@@ -48,3 +50,35 @@ Pinned = tuple[Outgoing, int, list[int], bool]
 """Blocks the engine's thread pinned for a chunk: (request, index of the first block in its
 block table, the blocks, whether it is the last chunk). The rest of the chunk is made where it
 is sent (`_take`). A plain tuple: a named one costs a Python call on the engine's thread."""
+
+
+def full_header(
+    headers: PagesHeaderWriter,
+    out: Outgoing,
+    index: int,
+    num_tokens: int,
+    blocks: list[int],
+    dst: list[int],
+    *,
+    last: bool,
+    checksum: str | None,
+    tokenizer: Tokenizer,
+) -> EncodedHeader:
+    """A chunk's full header (with a checksum, or the request's last chunk, which carries the
+    first token, its logprobs, the sampler state and whether the token ends the request)."""
+    req = out.request if last else None
+    return headers.write(
+        out.request.request_id,
+        index,
+        last=last,
+        num_tokens=num_tokens,
+        src_block_ids=blocks,
+        dst_block_ids=dst,
+        checksum=checksum,
+        first_token_ids=req.output_token_ids if req is not None else (),
+        sampler_state=encode_state(req.generator.get_state())
+        if req is not None and req.generator
+        else None,
+        finished=out.first_token_ends(tokenizer) if last else None,
+        first_token_logprobs=req.logprobs if req is not None else None,
+    )

@@ -22,7 +22,7 @@ from typing import Any
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import StepOutput
 from tandem.engine.sampling_params import SamplingParams
-from tandem.kv_transfer._sender_records import Outgoing, Pinned
+from tandem.kv_transfer._sender_records import Outgoing, Pinned, full_header
 from tandem.kv_transfer.base import KVTransport, Message
 from tandem.kv_transfer.chunk_publisher import ChunkPublisher, Prepared
 from tandem.kv_transfer.events import TransferEvent
@@ -30,12 +30,16 @@ from tandem.kv_transfer.manifest import (
     KVLayout,
     PagesHeaderWriter,
     TransferError,
-    encode_state,
     pages_checksum,
 )
 from tandem.kv_transfer.receiver import ReservationGrant
 
 logger = logging.getLogger(__name__)
+
+
+class UnknownRequest(KeyError):
+    """A grant for a request this sender has not started (nor recently ended)."""
+
 
 ENDED_UNGRANTED_KEPT = 4096
 """Requests remembered as ended before their reservation came (a late grant is refused)."""
@@ -129,7 +133,9 @@ class KVSender:
 
     def attach_grant(self, request_id: str, grant: ReservationGrant) -> None:
         """The reservation of a request started without one: what prefill completed so far
-        streams now. A reservation that does not fit the prompt fails the request."""
+        streams now. A reservation that does not fit the prompt fails the request (ValueError).
+        KeyError for a request that is not streaming: `UnknownRequest` if it never started
+        here; for one that ended before its reservation came, the decode worker is told."""
         out = self.outgoing.get(request_id)
         if out is None and request_id in self._ended_ungranted:
             self.release_grant(request_id, grant)
@@ -137,8 +143,10 @@ class KVSender:
                 f"the prefill of {request_id!r} ended before its reservation came "
                 "(the decode worker is told to release it)"
             )
-        if out is None or out.cancelling:
-            raise KeyError(f"no prefill of {request_id!r} waits for a reservation")
+        if out is None:
+            raise UnknownRequest(f"no prefill of {request_id!r} here")
+        if out.cancelling:
+            raise KeyError(f"the prefill of {request_id!r} is being cancelled")
         if out.grant is not None:
             raise ValueError(f"{request_id!r} already has a reservation")
         try:
@@ -178,20 +186,10 @@ class KVSender:
                 f"reservation has {len(grant.dst_block_ids)} blocks, prompt needs {expected}"
             )
 
-    def ended_without_grant(self, request_id: str) -> bool:
-        """Whether `request_id` ended here (recently) before its reservation came."""
-        return request_id in self._ended_ungranted
-
     def release_grant(self, request_id: str, grant: ReservationGrant) -> None:
-        """Tells the decode worker of `grant` that no page of `request_id` will come: it frees
-        the reserved blocks now instead of holding them for its stall timeout."""
-        try:
-            self.transport.send(
-                grant.address,
-                {"type": "cancel", "request_id": request_id, "reason": "prefill ended unsent"},
-            )
-        except TransferError as exc:  # (its lease or stall timeout frees them anyway)
-            logger.warning("could not release %s's reservation: %s", request_id, exc)
+        """Tells `grant`'s decode worker that no page of `request_id` will come: it frees the
+        reserved blocks now, not after its stall timeout."""
+        self._stop_and_tell(request_id, grant.address, "cancel")
 
     def cancel(self, request_id: str) -> bool:
         """Prefill-side cancel: stops prefill, tells the receiver, unpins once it acknowledges."""
@@ -337,36 +335,18 @@ class KVSender:
         if not last and not self.checksums:
             header = self._headers.plain_chunk(rid, index, num_tokens, blocks, dst)
         else:
-            header = self._header(rid, index, num_tokens, blocks, dst, out if last else None)
+            header = full_header(
+                self._headers,
+                out,
+                index,
+                num_tokens,
+                blocks,
+                dst,
+                last=last,
+                checksum=self._checksum(blocks),
+                tokenizer=self.engine.tokenizer,
+            )
         return grant.address, header, blocks
-
-    def _header(
-        self,
-        request_id: str,
-        index: int,
-        num_tokens: int,
-        blocks: list[int],
-        dst: list[int],
-        last_of: Outgoing | None,
-    ) -> dict[str, Any]:
-        """A chunk's full header (checksums, or the last chunk: `last_of` its request, whose
-        first token and sampler state it carries)."""
-        req = last_of.request if last_of is not None else None
-        return self._headers.write(
-            request_id,
-            index,
-            last=req is not None,
-            num_tokens=num_tokens,
-            src_block_ids=blocks,
-            dst_block_ids=dst,
-            checksum=self._checksum(blocks),
-            first_token_ids=req.output_token_ids if req is not None else (),
-            sampler_state=encode_state(req.generator.get_state())
-            if req is not None and req.generator
-            else None,
-            finished=last_of.first_token_ends(self.engine.tokenizer) if last_of else None,
-            first_token_logprobs=req.logprobs if req is not None else None,
-        )
 
     def _checksum(self, blocks: list[int]) -> str | None:
         if not self.checksums or not blocks:

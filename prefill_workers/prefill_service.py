@@ -26,7 +26,7 @@ from tandem.engine.worker_loop import WorkerLoop, resolve
 from tandem.kv_transfer.base import KVTransport
 from tandem.kv_transfer.events import TransferEvent
 from tandem.kv_transfer.receiver import ReservationGrant
-from tandem.kv_transfer.sender import KVSender
+from tandem.kv_transfer.sender import KVSender, UnknownRequest
 from tandem.prefill_workers.finishing_here import FinishingHere
 
 logger = logging.getLogger(__name__)
@@ -169,9 +169,11 @@ class PrefillService(WorkerLoop):
 
     def _attach_grant(self, request_id: str, grant: ReservationGrant) -> None:
         sender = self.sender
-        if request_id in sender.outgoing or sender.ended_without_grant(request_id):
+        try:
             sender.attach_grant(request_id, grant)  # (KeyError for an ended one: decode is told)
             return
+        except UnknownRequest:  # not started yet: kept for its prefill call
+            pass
         now = time.monotonic()
         for rid, (stale, since) in list(self._early_grants.items()):
             if now - since > EARLY_GRANT_S:  # (its prefill never came: the router gave up)
