@@ -5,6 +5,10 @@ prefix this engine already caches), yields the reservation grant for the router 
 prefill worker, then yields token events once the pages are committed, until the request ends.
 Closing the stream early (client gone, router cancelled) cancels the request here and, through
 the transfer protocol, on the prefill side.
+
+With no KV room for a prompt now, its reservation waits its turn (`ReservationQueue`): the
+stream yields ``{"type": "queued"}`` first, then the grant once it is made, or an error
+("no_capacity") after `reserve_wait_s` (0: at once).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.decode_workers.reservation_queue import ReservationQueue, WaitEnded
 from tandem.engine.engine_stats import engine_queue_stats, scheduling_stages
 from tandem.engine.errors import StepFailedError
 from tandem.engine.kv_io import NoFreeBlocksError
@@ -24,6 +29,7 @@ from tandem.engine.output_text import OutputText
 from tandem.engine.outputs import StepOutput
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.worker_drain import DRAINING
 from tandem.engine.worker_loop import WorkerLoop
 from tandem.kv_transfer.base import KVTransport
 from tandem.kv_transfer.events import TransferEvent
@@ -77,6 +83,7 @@ class DecodeService(WorkerLoop):
         *,
         lease_s: float = 30.0,
         stall_timeout_s: float = 10.0,
+        reserve_wait_s: float = 60.0,
         name: str = "decode",
         on_stats: Any = None,
     ) -> None:
@@ -87,6 +94,9 @@ class DecodeService(WorkerLoop):
             engine, transport, lease_s=lease_s, stall_timeout_s=stall_timeout_s
         )
         self._streams: dict[str, _Stream] = {}
+        self.waiting = ReservationQueue(
+            self._reserve, engine.block_manager, engine.config.block_size, reserve_wait_s
+        )
         self.num_cancelled = 0
         if engine.config.enable_kv_events:
             self.publish_kv_events(engine.block_manager, engine.namespace.digest())
@@ -102,6 +112,8 @@ class DecodeService(WorkerLoop):
         params: SamplingParams,
         local_prefill: bool = False,
         priority: int = 0,
+        *,
+        wait_for_room: bool = True,
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Yields {"type": "grant"}, then {"type": "tokens"} events (the last has a
         `finish_reason`), or a single {"type": "error"}. With `local_prefill` this engine
@@ -112,11 +124,23 @@ class DecodeService(WorkerLoop):
             if local_prefill:
                 await self.submit(lambda: self._add_local(request_id, stream, priority))
             else:
+                granted: asyncio.Future[Any] = stream.loop.create_future()
                 try:
-                    grant = await self.submit(lambda: self._reserve(request_id, stream))
+                    grant = await self.submit(
+                        lambda: self.waiting.reserve_or_wait(
+                            request_id, len(prompt_token_ids), stream, granted, wait_for_room
+                        )
+                    )
+                    if grant is None:  # no room now: it waits its turn
+                        yield {"type": "queued"}
+                        grant = await granted
                 except NoFreeBlocksError as exc:
                     finished = True
                     yield _error("no_capacity", str(exc))
+                    return
+                except WaitEnded as exc:
+                    finished = True
+                    yield exc.item
                     return
                 yield {
                     "type": "grant",
@@ -167,6 +191,11 @@ class DecodeService(WorkerLoop):
         self._streams[request_id] = stream
         return grant
 
+    def refuse_waiting(self) -> None:
+        """Draining: reservations still waiting for room are answered "draining" (the router
+        takes them to another worker)."""
+        self.waiting.end_all(DRAINING, f"{self.name} is draining: retry on another worker")
+
     def _add_local(self, request_id: str, stream: _Stream, priority: int) -> None:
         stream.request = self.engine.add_request(
             stream.prompt_token_ids,
@@ -180,6 +209,9 @@ class DecodeService(WorkerLoop):
         self._streams[request_id] = stream
 
     def _cancel(self, request_id: str) -> bool:
+        if self.waiting.cancel(request_id):
+            self.num_cancelled += 1
+            return True
         stream = self._streams.pop(request_id, None)
         if self.receiver.cancel(request_id, "cancelled by the client") or self.engine.abort(
             request_id
@@ -190,6 +222,8 @@ class DecodeService(WorkerLoop):
         return stream is not None
 
     def run_once(self) -> None:
+        if self.waiting:
+            self.waiting.grant_ready()
         busy = self.engine.has_unfinished_requests()
         if not busy and not self.receiver.busy:
             self.wait_for_command()
@@ -309,6 +343,8 @@ class DecodeService(WorkerLoop):
 
     def stats(self) -> dict[str, Any]:
         bm = self.engine.block_manager
+        queues = engine_queue_stats(self.engine)
+        queues["num_requests_waiting"] += len(self.waiting)  # (and those waiting for KV room)
         return {
             "role": "decode",
             "address": self.transport.address,
@@ -317,12 +353,13 @@ class DecodeService(WorkerLoop):
             "num_requests": len(self.engine.requests),
             "num_reservations": len(self.receiver.reservations),
             "num_held_reservations": len(self.receiver.held),
+            "num_waiting_reservations": len(self.waiting),
             "num_streams": len(self._streams),
             "prefix_cache_queried_blocks": bm.prefix_cache_stats.queried_blocks,
             "prefix_cache_hit_blocks": bm.prefix_cache_stats.hit_blocks,
             "num_cancelled": self.num_cancelled,
             "num_step_failures": self.num_step_failures,
-            **engine_queue_stats(self.engine),
+            **queues,
         }
 
     def check_integrity(self) -> None:
@@ -338,6 +375,7 @@ class DecodeService(WorkerLoop):
         self.check_integrity()
 
     def on_death(self, exc: BaseException) -> None:
+        self.waiting.end_all("worker_died", f"decode worker died: {exc}")
         for stream in self._streams.values():
             stream.put(_error("worker_died", f"decode worker died: {exc}"))
         self._streams.clear()

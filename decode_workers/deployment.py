@@ -42,6 +42,7 @@ class DecodeWorker(WorkerDeployment):
             transport,
             lease_s=cfg.lease_s,
             stall_timeout_s=cfg.stall_timeout_s,
+            reserve_wait_s=cfg.reserve_wait_s,
             name=self.worker_id,
             on_stats=on_stats,
         )
@@ -61,6 +62,9 @@ class DecodeWorker(WorkerDeployment):
             "code": DRAINING,
             "error": f"{self.worker_id} is draining (shutting down): retry on another worker",
         }
+
+    def on_drain(self) -> None:
+        self.service.post(self.service.refuse_waiting)  # (they move to another worker)
 
     def autoscaling_signals(self, stats: dict[str, Any]) -> dict[str, float]:
         return {
@@ -84,11 +88,17 @@ class DecodeWorker(WorkerDeployment):
         params: dict[str, Any],
         local_prefill: bool = False,
         priority: int = 0,
+        wait_for_room: bool = True,
     ) -> AsyncIterator[dict[str, Any]]:
         last: float | None = None  # when the previous token item went out
         async with contextlib.aclosing(
             self.service.generate(
-                request_id, prompt_token_ids, SamplingParams(**params), local_prefill, priority
+                request_id,
+                prompt_token_ids,
+                SamplingParams(**params),
+                local_prefill,
+                priority,
+                wait_for_room=wait_for_room,
             )
         ) as items:
             async for item in items:

@@ -212,6 +212,13 @@ class ClusterConfig(BaseModel):
     )
     lease_s: float = Field(30.0, gt=0)
     stall_timeout_s: float = Field(10.0, gt=0)
+    reserve_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="A request for which its decode worker has no KV room now waits this long "
+        "for room, in arrival order, as in vLLM's queue (then 429 with Retry-After); 0: refused "
+        "at once.",
+    )
     ack_timeout_s: float = Field(10.0, gt=0)
     checksums: bool = Field(
         False,
@@ -351,6 +358,7 @@ class ClusterConfig(BaseModel):
             torch_threads=role_cfg.torch_threads,
             lease_s=self.lease_s,
             stall_timeout_s=self.stall_timeout_s,
+            reserve_wait_s=self.reserve_wait_s,
             ack_timeout_s=self.ack_timeout_s,
             drain_timeout_s=role_cfg.drain_timeout_s,
             checksums=self.checksums,

@@ -78,6 +78,9 @@ class WorkerDeployment(ABC):
     def in_flight(self, stats: dict[str, Any]) -> dict[str, int]:
         """What the drain waits for, besides work calls (engine requests, KV transfers)."""
 
+    def on_drain(self) -> None:  # noqa: B027 (a hook: most roles have nothing to do)
+        """The drain starts (new work calls are refused from now on)."""
+
     def tracked(self, handler: Handler) -> Handler:
         return self.work.wrap(handler, self.refusal)
 
@@ -131,6 +134,7 @@ class WorkerDeployment(ABC):
         if service is None:  # the constructor failed: nothing started
             return
         self.work.draining = True
+        self.on_drain()
         try:
             announced = self._report(await self.service.get_stats())
             if announced is not None:

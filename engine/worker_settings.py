@@ -24,6 +24,7 @@ class WorkerSettings(BaseModel):
     torch_threads: int = Field(1, ge=1)
     lease_s: float = Field(30.0, gt=0)
     stall_timeout_s: float = Field(10.0, gt=0)
+    reserve_wait_s: float = Field(60.0, ge=0)  # decode: how long a reservation waits for room
     ack_timeout_s: float = Field(10.0, gt=0)
     drain_timeout_s: float = Field(30.0, gt=0)
     checksums: bool = False

@@ -204,7 +204,15 @@ class PrefillService(WorkerLoop):
             self.engine.abort(request_id)
             self.num_cancelled += 1
             return True
-        return request_id in self.sender.outgoing and self.sender.cancel(request_id)
+        if request_id not in self.sender.outgoing or not self.sender.cancel(request_id):
+            return False
+        # A cancel before the reservation ends the request now: its event goes out now too,
+        # not with the next step's, which a new call for the same request id (the router
+        # starts it again with its grant) may precede: that event would end the new call.
+        if self.sender.has_events:
+            for event in self.sender.poll():
+                self._on_event(event)
+        return True
 
     # ---- the loop thread -----------------------------------------------------------------------
     def run_once(self) -> None:

@@ -70,7 +70,8 @@ class PDOrchestrator:
         timings: RequestTimings,
     ) -> None:
         """Opens the request's decode stream; with a prefill worker, waits for the decode
-        worker's reservation (so "no room" is refused at arrival, 429). Kept on the plan.
+        worker's reservation (with no KV room there now, the request waits its turn for it,
+        `reserve_wait_s` at most: then 429). Kept on the plan.
         A one-token request (`plan.prefill_only`) only starts its call on the prefill worker."""
         if plan.prefill_only:
             assert plan.prefill is not None
@@ -86,6 +87,7 @@ class PDOrchestrator:
         # out first (one loop turn before decode's): it is the longer way to the first token.
         # Not while the decode worker is refusing for want of room: a refusal would throw
         # the prefill's work away, so the prefill waits for the grant and starts with it.
+        queued = False  # decode had no room at first: the request waited for it
         call: PrefillCall | None = None
         if not plan.decoder.refusing():
             call = start_prefill_call(
@@ -97,6 +99,17 @@ class PDOrchestrator:
             _open_decode(plan, request_id, prompt_token_ids, params, priority)
             for attempt in range(MAX_DRAIN_RETRIES + 1):
                 first = await _next(plan.decode_stream, plan.decoder)
+                if first["type"] == "queued":  # no KV room now: it waits its turn there
+                    queued = True
+                    plan.decoder.note_reservation(refused=True)  # (prefills wait for grants)
+                    if call is not None:
+                        # Its prefill would hold KV pages on the prefill worker while this
+                        # waits, and prefills that hold pages for reservations that wait for
+                        # room can starve the granted ones of prefill room: it starts again
+                        # with its grant.
+                        await to_completion(close_calls(call.futures(), None))
+                        call = plan.prefill_call = None
+                    first = await _next(plan.decode_stream, plan.decoder)
                 if first["type"] != "error":
                     break
                 if first.get("code") != DRAINING or attempt == MAX_DRAIN_RETRIES:
@@ -113,7 +126,8 @@ class PDOrchestrator:
             unwritten = None if isinstance(exc, APIError) else (plan.decoder, request_id)
             await to_completion(close_calls(futures, plan.decode_stream, unwritten))
             raise
-        plan.decoder.note_reservation(refused=False)
+        if not queued:  # (granted at once: there is room again)
+            plan.decoder.note_reservation(refused=False)
         plan.grant = first["grant"]
         if call is not None:
             plan.grant_handed = True
@@ -342,6 +356,7 @@ def _open_decode(
         params=params,
         local_prefill=plan.prefill is None,
         priority=priority,
+        wait_for_room=plan.wait_for_room,
     )
     return plan.decode_stream
 

@@ -57,6 +57,7 @@ class RoutePlan:
     prefill_call: Any = None  # the prefill call started with the reservation (PDOrchestrator)
     grant_handed: bool = False  # a prefill worker may have the grant (it may write the blocks)
     hold_timer: asyncio.TimerHandle | None = None  # releases a plan whose request never ran
+    wait_for_room: bool = True  # no deadline: with no KV room on decode now, wait for it
     _released_prefill: bool = False
     _released: bool = False
 
@@ -137,6 +138,7 @@ class RoutePlanner:
                 prompt_token_ids, namespace, hashes, bs, deadline_ms, max_tokens
             )
         plan.hold_timer = asyncio.get_running_loop().call_later(hold_s, plan.release)
+        plan.wait_for_room = deadline_ms is None
         return plan
 
     async def _plan_decode(

@@ -65,3 +65,58 @@ def test_a_refusing_decode_worker_gets_reservations_before_prefill_work() -> Non
         await d.close()
 
     asyncio.run(main())
+
+
+class QueueingDecode(FakeWorker):
+    """No KV room now: the reservation waits (`queued`), then is granted or ends `then`."""
+
+    def __init__(self, worker_id: str, then: str = "grant") -> None:
+        super().__init__(worker_id)
+        self.then = then
+        self.wait_for_room: list[bool] = []
+
+    async def generate(
+        self, local_prefill: bool = False, wait_for_room: bool = True, **kw: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        self.wait_for_room.append(wait_for_room)
+        yield {"type": "queued"}
+        await asyncio.sleep(0.05)
+        if self.then != "grant":
+            yield {"type": "error", "code": self.then, "error": f"{self.worker_id}: {self.then}"}
+            return
+        async for item in super().generate(local_prefill, **kw):
+            yield item
+
+
+def test_a_waiting_reservation_is_awaited_and_its_prefill_starts_with_the_grant() -> None:
+    async def main() -> None:
+        decode, prefill = QueueingDecode("d0"), RecordingPrefill("p0")
+        d = await start(decode, prefill, roles="decode prefill")
+        orchestrator = PDOrchestrator(d)
+        for _ in range(2):
+            items = await run(orchestrator, held_plan(d, "d0", "p0"))
+            assert [i["token_ids"] for i in items] == [[0], [1], [2]]
+        # the first started its prefill in parallel: stopped when decode said it queues, and
+        # started again with its grant; the next one's prefill waited for its grant (no
+        # prefill pages held for a reservation that waits for room)
+        assert prefill.grants == [None, {"from": "d0"}, {"from": "d0"}]
+        plan = held_plan(d, "d0", "p0")
+        plan.wait_for_room = False  # (a request with a deadline: the decode worker refuses)
+        await run(orchestrator, plan)
+        assert decode.wait_for_room == [True, True, False]
+        await d.close()
+
+    asyncio.run(main())
+
+
+def test_a_waiting_reservation_refused_by_a_draining_worker_moves_to_another() -> None:
+    async def main() -> None:
+        d0, d1, p0 = QueueingDecode("d0", then="draining"), FakeWorker("d1"), FakeWorker("p0")
+        d = await start(d0, d1, p0, roles="decode decode prefill")
+        plan = held_plan(d, "d0", "p0")
+        items = await run(PDOrchestrator(d), plan)
+        assert items[-1]["text"] == "d1"
+        assert plan.decoder.worker_id == "d1"
+        await d.close()
+
+    asyncio.run(main())

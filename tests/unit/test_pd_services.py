@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -413,3 +414,33 @@ def test_a_grant_whose_prefill_never_comes_is_released_when_it_expires(
         return tokens
 
     assert asyncio.run(main()) == expected
+
+
+def test_a_prefill_started_again_with_its_grant_is_not_ended_by_the_first_ones_cancel(
+    services: Any, reference: LLM
+) -> None:
+    """The router stops a prefill it started before decode's reservation when decode says the
+    reservation waits for room, and starts it again, same request id, with the grant: the
+    first call's end ("cancelled before reservation") must not end the second."""
+    prefill, decode = services
+    ids = reference.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def main() -> tuple[list[int], dict[str, Any]]:
+        stream = decode.generate("again", ids, params)
+        grant = ReservationGrant(**(await anext(stream))["grant"])
+        early = asyncio.create_task(prefill.prefill("again", ids, params, None))
+        await asyncio.sleep(0.02)
+        # (the loop thread busy meanwhile: the cancel and the new start run back to back)
+        prefill.post(lambda: time.sleep(0.3))
+        early.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await early
+        task = asyncio.create_task(prefill.prefill("again", ids, params, grant))
+        tokens = [t async for item in stream for t in item["token_ids"]]
+        return tokens, await task
+
+    tokens, outcome = asyncio.run(main())
+    assert outcome["status"] == "sent", outcome
+    assert tokens == reference.generate([ids], params)[0].token_ids
+    asyncio.run(wait_idle(prefill, decode))

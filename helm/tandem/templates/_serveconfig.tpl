@@ -48,6 +48,7 @@ deployment override (its `ray_actor_options` replace the code's).
   "direct_port" (int .Values.ports.direct)
   "lease_s" $s.leaseS
   "stall_timeout_s" $s.stallTimeoutS
+  "reserve_wait_s" $s.reserveWaitS
   "ack_timeout_s" $s.ackTimeoutS
   "cache_dir" "/tmp/tandem-cache"
   "log_level" $s.logLevel
