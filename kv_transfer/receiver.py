@@ -93,12 +93,16 @@ class KVReceiver:
             raise ValueError(f"request id {request_id!r} is already in use")
         bs = engine.config.block_size
         hashes = hash_full_blocks(engine.namespace.root_hash(), prompt_token_ids, bs)
-        hits = engine.block_manager.match_prefix(hashes, prompt_token_ids)
+        bm = engine.block_manager
+        # (counted once, when reserved: a reservation that waits for room is tried again)
+        hits = bm.match_prefix(hashes, prompt_token_ids, record=False)
         table: list[int] = []
-        if not engine.block_manager.allocate(table, len(prompt_token_ids), hits):
+        if not bm.allocate(table, len(prompt_token_ids), hits):
             raise NoFreeBlocksError(
                 f"no room to reserve {request_id!r} ({len(prompt_token_ids)} tokens)"
             )
+        if bm.enable_prefix_caching:
+            bm.record_lookup(min(len(hashes), len(prompt_token_ids) // bs), len(hits))
         self.reservations[request_id] = Reservation(
             request_id,
             list(prompt_token_ids),

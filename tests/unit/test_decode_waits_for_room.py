@@ -76,7 +76,10 @@ def test_a_reservation_without_room_waits_and_is_granted_when_blocks_come_back(
         tokens_later = await finish(prefill, "later", later, waiting)
         tokens_small = await finish(prefill, "small", small_one, behind)
         await wait_idle(prefill, decode)
-        assert (await decode.get_stats())["num_waiting_reservations"] == 0
+        stats = await decode.get_stats()
+        assert stats["num_waiting_reservations"] == 0
+        # each prompt's full blocks looked up once, when reserved, however often it was tried
+        assert stats["prefix_cache_queried_blocks"] == 150 // 16 + 60 // 16 + 10 // 16
         return tokens_big, tokens_later, tokens_small
 
     got = asyncio.run(main())
