@@ -28,6 +28,18 @@ class Outgoing:
     cancelling: bool = False
     failure: str | None = None  # set by `fail`: the request ends "failed" with this error
     deadline: float = math.inf
+    told_at: float = 0.0  # when its decode worker last heard of it (a chunk, a renewal)
+
+    def lease_ends_soon(self, now: float) -> bool:
+        """Streaming to a reservation that has heard nothing of it for a third of its lease
+        (the request waits its turn, or computes between chunks): time to renew it."""
+        grant = self.grant
+        return (
+            grant is not None
+            and not self.last_sent
+            and not self.cancelling
+            and now - self.told_at > grant.lease_s / 3
+        )
 
     def first_token_ends(self, tokenizer: Tokenizer) -> bool:
         """The sampled first token already finishes the request: end of sequence, one token

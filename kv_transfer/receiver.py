@@ -9,7 +9,9 @@
    decode engine's running batch. Its acknowledgement covers every chunk before it (the chunks
    arrive in order), so a stream costs the sender's engine thread one reply, not one per chunk.
 4. Cancel from either side releases the reservation and is acknowledged; a reservation that sees
-   no chunk within its lease, or whose stream stalls, is released by itself. One whose grant the
+   no chunk within its lease, or whose stream stalls, is released by itself. Its sender renews
+   the lease (a ``renew`` message) while its prefill waits its turn or computes between chunks,
+   so a long prefill queue does not expire it; a dead sender stops renewing. One whose grant the
    router never handed to a prefill worker is released at once (`release_unwritten`).
 
 Transports may write pages straight into the pool before this side reads the manifest (shm, torch
@@ -170,6 +172,11 @@ class KVReceiver:
         request_id = str(message.header.get("request_id", ""))
         if kind == "pages":
             return self._on_pages(message, request_id)
+        if kind == "renew":  # its sender lives and works on it: the lease runs on
+            res = self.reservations.get(request_id)
+            if res is not None and res.peer in (None, message.peer):
+                res.deadline = max(res.deadline, self.clock() + self.lease_s)
+            return None
         if kind in ("cancel", "cancelled"):  # the sender stopped: nothing more is in flight
             for held in [h for h in self.held if h.request_id == request_id]:
                 if held.peer in (None, message.peer):

@@ -7,6 +7,9 @@ carries the partial last block, the token and the sampler state. Every block sta
 the receiver acknowledges its chunk (an acknowledgement covers every chunk up to its index; the
 receiver sends one, for the last chunk), so no page is reused while a transport may still read it.
 A cancel from the receiver, an error reply or a missing acknowledgement releases everything.
+While a request's decode worker has heard nothing of it for a third of its reservation's lease
+(its prefill waits its turn here, or a step of a busy engine separates its chunks), the sender
+renews the lease there.
 """
 
 from __future__ import annotations
@@ -128,7 +131,11 @@ class KVSender:
             prompt_token_ids, prefill_params, request_id=request_id, keep_kv=True, priority=priority
         )
         self.outgoing[request_id] = Outgoing(
-            req, params, grant, next_block=grant.num_hit_blocks if grant else 0
+            req,
+            params,
+            grant,
+            next_block=grant.num_hit_blocks if grant else 0,
+            told_at=self.clock(),
         )
 
     def attach_grant(self, request_id: str, grant: ReservationGrant) -> None:
@@ -156,6 +163,7 @@ class KVSender:
             raise
         out.grant = grant
         out.next_block = grant.num_hit_blocks
+        out.told_at = self.clock()
         self._stream(out)
 
     @property
@@ -253,6 +261,7 @@ class KVSender:
             timeout = 0.0
         events += [e for m in self.transport.poll(timeout) if (e := self._handle(m)) is not None]
         now = self.clock()
+        renew: list[Outgoing] = []
         for out in list(self.outgoing.values()):
             if now > out.deadline:
                 what = "cancel acknowledgement" if out.cancelling else "acknowledgement"
@@ -263,7 +272,22 @@ class KVSender:
                         out, "failed", f"no {what} from the decode side in {self.ack_timeout_s}s"
                     )
                 )
+            elif out.lease_ends_soon(now):
+                renew.append(out)
+        if renew:
+            self._renew(renew, now)
         return events
+
+    def _renew(self, outs: list[Outgoing], now: float) -> None:
+        """Tells each request's decode worker that its sender lives and works on it (its
+        prefill waits its turn here, or runs between chunks): the reservation's lease is
+        extended there instead of expiring."""
+        with self._exclusive():  # (not between the publishing thread's sends)
+            for out in outs:
+                assert out.grant is not None
+                out.told_at = now
+                rid = out.request.request_id
+                self._send(out.grant.address, {"type": "renew", "request_id": rid}, [])
 
     def _stream(self, out: Outgoing) -> None:
         """Pins the blocks the steps completed since the last chunk and sends them. With a
@@ -327,7 +351,8 @@ class KVSender:
         end_tokens = (first + len(blocks)) * self._block_size
         num_tokens = min(end_tokens, out.request.num_prompt_tokens) if last else end_tokens
         out.unacked[index] = blocks  # (a failed send releases them with the request)
-        out.deadline = self.clock() + self.ack_timeout_s
+        out.told_at = now = self.clock()
+        out.deadline = now + self.ack_timeout_s
         self.num_chunks_sent += 1
         self.num_bytes_sent += len(blocks) * self._block_bytes
         rid = out.request.request_id

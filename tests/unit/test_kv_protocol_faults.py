@@ -185,3 +185,40 @@ def test_a_reservation_no_sender_was_granted_is_released_at_once(model: str) -> 
     assert pair.receiver.held
     pair.pump()  # the sender confirms the cancel: then they are free
     pair.idle()
+
+
+def test_a_prefill_that_waits_its_turn_renews_its_reservation(model: str, colocated: LLM) -> None:
+    """The prefill worker's queue outlasts the lease (5 s here): its sender renews it, so the
+    reservation waits with it and the request is exact; once the sender is gone (no more
+    renewals) the lease runs out as before."""
+    pair = Pair(model)
+    prompt = prompt_of(40)
+    grant = pair.receiver.reserve("q", prompt, GREEDY)
+    pair.sender.start("q", prompt, GREEDY, grant)  # queued: its engine steps later
+    for _ in range(6):  # 12 s of queue, polled as a busy worker polls
+        pair.clock.now += 2
+        pair.events += pair.sender.poll()
+        pair.events += pair.receiver.poll()
+    assert pair.events == []
+    assert "q" in pair.receiver.reservations
+    pair.pump()
+    assert [e.kind for e in pair.events if e.request_id == "q"] == [
+        "first_token",
+        "committed",
+        "sent",
+    ]
+    assert pair.decode_all()["q"] == expect(colocated, prompt)[1:]
+    pair.idle()
+
+    grant = pair.receiver.reserve("gone", prompt, GREEDY)
+    pair.sender.start("gone", prompt, GREEDY, grant)
+    pair.clock.now += 2
+    pair.events += pair.sender.poll()
+    pair.events += pair.receiver.poll()
+    pair.sender.outgoing.clear()  # the prefill process dies while the request waits its turn
+    pair.prefill.abort("gone")
+    pair.clock.now += 6
+    events = pair.receiver.poll()
+    assert [(e.kind, e.error) for e in events] == [
+        ("failed", "lease expired before any page arrived")
+    ]
