@@ -14,6 +14,23 @@ from tandem.kv_transfer.base import EncodedHeader
 from tandem.kv_transfer.manifest import PagesHeaderWriter, encode_state
 from tandem.kv_transfer.receiver import ReservationGrant
 
+ENDED_UNGRANTED_KEPT = 4096
+"""Requests a sender remembers as ended before their reservation came (a late grant for one is
+refused, and its decode worker told)."""
+
+
+class UnknownRequest(KeyError):
+    """A grant for a request a sender has not started (nor recently ended)."""
+
+
+def check_grant(grant: ReservationGrant, num_prompt_tokens: int, block_size: int) -> None:
+    """ValueError unless the reservation has a block for each of the prompt's uncached ones."""
+    expected = math.ceil(num_prompt_tokens / block_size) - grant.num_hit_blocks
+    if len(grant.dst_block_ids) != expected:
+        raise ValueError(
+            f"reservation has {len(grant.dst_block_ids)} blocks, prompt needs {expected}"
+        )
+
 
 @dataclass
 class Outgoing:

@@ -25,7 +25,14 @@ from typing import Any
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import StepOutput
 from tandem.engine.sampling_params import SamplingParams
-from tandem.kv_transfer._sender_records import Outgoing, Pinned, full_header
+from tandem.kv_transfer._sender_records import (
+    ENDED_UNGRANTED_KEPT,
+    Outgoing,
+    Pinned,
+    UnknownRequest,
+    check_grant,
+    full_header,
+)
 from tandem.kv_transfer.base import KVTransport, Message
 from tandem.kv_transfer.chunk_publisher import ChunkPublisher, Prepared
 from tandem.kv_transfer.events import TransferEvent
@@ -38,14 +45,6 @@ from tandem.kv_transfer.manifest import (
 from tandem.kv_transfer.receiver import ReservationGrant
 
 logger = logging.getLogger(__name__)
-
-
-class UnknownRequest(KeyError):
-    """A grant for a request this sender has not started (nor recently ended)."""
-
-
-ENDED_UNGRANTED_KEPT = 4096
-"""Requests remembered as ended before their reservation came (a late grant is refused)."""
 
 
 class KVSender:
@@ -124,7 +123,7 @@ class KVSender:
         With no grant yet, prefill runs and its blocks wait (kept) until `attach_grant`.
         `priority` orders the engine's waiting queue (lower first)."""
         if grant is not None:
-            self._check_grant(len(prompt_token_ids), grant)
+            check_grant(grant, len(prompt_token_ids), self._block_size)
         self._ended_ungranted.pop(request_id, None)
         prefill_params = params.model_copy(update={"max_tokens": 1, "stop": None})
         req = self.engine.add_request(
@@ -157,7 +156,7 @@ class KVSender:
         if out.grant is not None:
             raise ValueError(f"{request_id!r} already has a reservation")
         try:
-            self._check_grant(out.request.num_prompt_tokens, grant)
+            check_grant(grant, out.request.num_prompt_tokens, self._block_size)
         except ValueError as exc:
             self._events.append(self._close(out, "failed", str(exc)))
             raise
@@ -185,14 +184,6 @@ class KVSender:
     def awaiting_replies(self) -> bool:
         """Some transfer is under way with a decode worker (acknowledgements will come)."""
         return any(out.grant is not None for out in self.outgoing.values())
-
-    def _check_grant(self, num_prompt_tokens: int, grant: ReservationGrant) -> None:
-        expected = math.ceil(num_prompt_tokens / self.engine.config.block_size)
-        expected -= grant.num_hit_blocks
-        if len(grant.dst_block_ids) != expected:
-            raise ValueError(
-                f"reservation has {len(grant.dst_block_ids)} blocks, prompt needs {expected}"
-            )
 
     def release_grant(self, request_id: str, grant: ReservationGrant) -> None:
         """Tells `grant`'s decode worker that no page of `request_id` will come: it frees the
