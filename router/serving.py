@@ -150,12 +150,16 @@ class Serving:
         tools: list[dict[str, Any]] | None = None,
         truncate_prompt_tokens: int | None = None,
         add_special_tokens: bool = True,
+        wait_for_room: bool = True,
     ) -> Prepared:
         """`prompt` is text, token ids, or chat messages (rendered with the chat template, with
         the two template options of the chat API). `truncate_prompt_tokens` keeps the prompt's
         last that many tokens (-1: as many as the context holds next to `max_tokens`); a text
         prompt gets the tokenizer's special tokens (BOS) unless not `add_special_tokens`.
-        Also routes and admits the request: a 429 here means nothing was started. A client
+        Also routes and admits the request: a 429 here means nothing was started (with
+        `wait_for_room`, and no deadline, a decode worker without KV room now makes it wait
+        its turn first: false for the choices of one request, which are admitted together,
+        so that one's wait cannot hold the others' reservations idle). A client
         that leaves meanwhile (its task cancelled) is logged and counted as an abort."""
         self.metrics.arrived(user, timings.arrival)
         with self._counting_refusals(), self._noting_departure(request_id, timings, user):
@@ -199,7 +203,7 @@ class Serving:
             )
             for attempt in range(MAX_LOST_RETRIES + 1):
                 try:
-                    await self._route(req)
+                    await self._route(req, wait_for_room)
                     break
                 except WorkerLost as exc:
                     if attempt == MAX_LOST_RETRIES:
@@ -220,7 +224,7 @@ class Serving:
             self._finished(finished_fields(None, timings, user))
             raise
 
-    async def _route(self, req: Prepared) -> None:
+    async def _route(self, req: Prepared, wait_for_room: bool = True) -> None:
         """Plans the request's workers and opens its calls (decode's reservation first)."""
         prompt, params = req.attempt_prompt(), req.attempt_params()
         plan = await self.planner.plan(
@@ -231,6 +235,7 @@ class Serving:
             max_tokens=params.max_tokens or 0,
         )
         self.metrics.decision(self.planner.policy_name, routing_decision(plan))
+        plan.wait_for_room &= wait_for_room
         req.plan = plan
         try:
             await self.orchestrator.reserve(
