@@ -30,7 +30,6 @@ from tandem.router.call_cleanup import close_calls, to_completion, unwritten_rel
 from tandem.router.errors import RETRY_AFTER, APIError, WorkerLost, unavailable
 from tandem.router.prefill_call import (
     PrefillCall,
-    send_grant,
     start_prefill_call,
     without_streamed,
 )
@@ -131,9 +130,7 @@ class PDOrchestrator:
         plan.grant = first["grant"]
         if call is not None:
             plan.grant_handed = True
-            call.grant_task = asyncio.ensure_future(
-                send_grant(plan.prefill, request_id, first["grant"])
-            )
+            call.hand_grant(plan.prefill, request_id, first["grant"])
         timings.mark("reserved")
 
     async def abandon(self, plan: RoutePlan, request_id: str) -> None:

@@ -24,11 +24,19 @@ class PrefillCall:
     grant_task: asyncio.Future[None] | None = None  # hands decode's reservation over
 
     def futures(self) -> set[asyncio.Future[Any]]:
-        """Everything of the call that may still run (to cancel when the request ends)."""
-        out: set[asyncio.Future[Any]] = {self.task, self.early}
-        if self.grant_task is not None:
-            out.add(self.grant_task)
-        return out
+        """What of the call to cancel when the request ends. Not the grant's hand-over: it
+        runs to its end (`hand_grant`), so that the prefill worker learns of the reservation
+        even after the call ended there, and tells the decode worker to free it at once."""
+        return {self.task, self.early}
+
+    def hand_grant(self, worker: Worker, request_id: str, grant: dict[str, Any]) -> None:
+        """Sends decode's reservation to the prefill worker (`send_grant`), to the end."""
+        task = self.grant_task = asyncio.ensure_future(send_grant(worker, request_id, grant))
+        _handing.add(task)
+        task.add_done_callback(_handing.discard)
+
+
+_handing: set[asyncio.Future[None]] = set()  # strong references to grants being handed over
 
 
 def start_prefill_call(

@@ -12,6 +12,7 @@ import pytest
 
 from tandem.router.errors import APIError
 from tandem.router.pd_orchestrator import PDOrchestrator
+from tandem.router.request_timings import RequestTimings
 from tests.unit.test_drain import FakeWorker, held_plan, run, start
 
 
@@ -117,6 +118,45 @@ def test_a_waiting_reservation_refused_by_a_draining_worker_moves_to_another() -
         items = await run(PDOrchestrator(d), plan)
         assert items[-1]["text"] == "d1"
         assert plan.decoder.worker_id == "d1"
+        await d.close()
+
+    asyncio.run(main())
+
+
+class GrantTakingPrefill(FakeWorker):
+    """A prefill worker whose prefill runs until cancelled, and that records the grants that
+    reach it (`grant` RPC, answered after a moment)."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(worker_id)
+        self.server.handlers["grant"] = self.grant
+        self.granted: list[str] = []
+
+    async def prefill(self, grant: dict[str, Any], **kw: Any) -> AsyncIterator[dict[str, Any]]:
+        await asyncio.sleep(60)
+        yield {}
+
+    async def grant(self, request_id: str, grant: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        await asyncio.sleep(0.05)
+        self.granted.append(request_id)
+        yield {"ok": False, "error": "ended before its reservation came"}
+
+
+def test_a_grant_on_its_way_reaches_the_prefill_worker_though_the_request_ended() -> None:
+    """The client leaves right after decode reserved: the router closes the prefill call but
+    lets the grant's hand-over finish, so the prefill worker can tell decode to free the
+    blocks at once (a cancelled hand-over left them held for decode's stall timeout)."""
+
+    async def main() -> None:
+        decode, prefill = FakeWorker("d0"), GrantTakingPrefill("p0")
+        d = await start(decode, prefill, roles="decode prefill")
+        orchestrator = PDOrchestrator(d)
+        plan = held_plan(d, "d0", "p0")
+        await orchestrator.reserve(plan, "r1", [1, 2, 3], {}, 0, RequestTimings())
+        assert plan.grant_handed
+        await orchestrator.abandon(plan, "r1")
+        await asyncio.sleep(0.3)
+        assert prefill.granted == ["r1"]
         await d.close()
 
     asyncio.run(main())
