@@ -233,9 +233,9 @@ class Serving:
             req.deadline_ms,
             hold_s=self.request_timeout_s,
             max_tokens=params.max_tokens or 0,
+            wait_for_room=wait_for_room,
         )
         self.metrics.decision(self.planner.policy_name, routing_decision(plan))
-        plan.wait_for_room &= wait_for_room
         req.plan = plan
         try:
             await self.orchestrator.reserve(
