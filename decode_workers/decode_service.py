@@ -115,8 +115,9 @@ class DecodeService(WorkerLoop):
         *,
         wait_for_room: bool = True,
     ) -> AsyncGenerator[dict[str, Any], None]:
-        """Yields {"type": "grant"}, then {"type": "tokens"} events (the last has a
-        `finish_reason`), or a single {"type": "error"}. With `local_prefill` this engine
+        """Yields {"type": "grant"} ({"type": "queued"} before it when the reservation waits
+        for room; not with `wait_for_room` false), then {"type": "tokens"} events (the last has
+        a `finish_reason`), or a single {"type": "error"}. With `local_prefill` this engine
         prefills the prompt itself (reusing what it caches) and there is no grant: no transfer."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), prompt_token_ids, params)
         finished = False
