@@ -23,6 +23,7 @@ __all__ = [
     "drain_unexpected",
     "new_worker",
     "receive_json",
+    "tag_of",
     "ucx_api",
 ]
 
@@ -31,6 +32,11 @@ LANE_SCHEMES = ("put_zcopy", "get_zcopy")
 overrides both): on lane 0 the sender writes the pages into the receiver (~15 % faster at 1 MiB
 here than UCX's default, which has the receiver read them), on lane 1 the receiver reads them,
 so a split message is copied by both processes' threads at once (`split_min_bytes`)."""
+
+
+def tag_of(conn: int, low: int) -> Any:
+    """The UCX tag of a link's frame: its connection id over 16 bits of kind and sequence."""
+    return ucx_api.UCXXTag((conn << 16) | low)
 
 
 def new_worker(scheme: str, ucx_config: dict[str, str]) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections import deque
 from collections.abc import Callable
@@ -12,6 +13,15 @@ import numpy as np
 import torch
 
 from tandem.kernels.kv_cache import KVCachePool
+
+
+def hello_peer(body: dict[str, Any] | None, auth_token: str) -> str | None:
+    """The address a connection's hello frame names, if it carries the cluster token and a UCX
+    address; else None (the connection is refused)."""
+    hello = body["hello"] if body and isinstance(body.get("hello"), dict) else {}
+    token, peer = str(hello.get("token")).encode(), str(hello.get("address"))
+    good = hmac.compare_digest(token, auth_token.encode()) and peer[:4] == "ucx:"
+    return peer if good else None
 
 
 def _run_start(ids: Any) -> int | None:  # the first id of a list that is one run of ints

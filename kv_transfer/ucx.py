@@ -33,7 +33,6 @@ slower here) are handed to UCX at once. `ucx_config` adds UCX options.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
 import queue
@@ -58,19 +57,16 @@ from tandem.kv_transfer._ucx_lanes import (
     drain_unexpected,
     new_worker,
     receive_json,
+    tag_of,
     ucx_api,
 )
-from tandem.kv_transfer._ucx_records import _Conn, _Link, _Out, _run_start, _Rx
+from tandem.kv_transfer._ucx_records import _Conn, _Link, _Out, _run_start, _Rx, hello_peer
 from tandem.kv_transfer.base import EncodedHeader, KVTransport, Message, drain_inbox
 from tandem.kv_transfer.manifest import TransferError
 
 logger = logging.getLogger(__name__)
 _PAGES, _WELCOME, _HELLO_MAX, _HEADER_MAX = 0x8000, 0x4000, 4096, 16 << 20
 _ONE_CONN_PAGES = 0xFFFF_FFFF_FFFF_8000  # tag mask: a connection's page frames, any sequence
-
-
-def _tag(conn: int, low: int) -> Any:
-    return ucx_api.UCXXTag((conn << 16) | low)
 
 
 class UcxTransport(KVTransport):
@@ -222,7 +218,7 @@ class UcxTransport(KVTransport):
                     break
                 active = True
         for _ in range(64):  # header frames and welcomes (low 0 or 0x4000), in arrival order
-            probe = self._worker.tag_probe(_tag(0, 0), ucx_api.UCXXTagMask(0xBFFF), True)
+            probe = self._worker.tag_probe(tag_of(0, 0), ucx_api.UCXXTagMask(0xBFFF), True)
             if not probe.matched:
                 break
             active = True
@@ -291,7 +287,7 @@ class UcxTransport(KVTransport):
         header = np.frombuffer(bytearray(json.dumps(body).encode()), dtype=np.uint8)
         for ep, data, low in [(link.ep, header, 0), *sends]:
             out.keep.append(data)
-            out.requests.append(ep.tag_send(Array(data), _tag(link.conn, low)))
+            out.requests.append(ep.tag_send(Array(data), tag_of(link.conn, low)))
         return out
 
     def _pump_link(self, peer: str, link: _Link) -> bool:
@@ -360,15 +356,13 @@ class UcxTransport(KVTransport):
         else:
             discard(self._worker, probe, self._busy)
         if conn.state == "hello":
-            hello = body["hello"] if body and isinstance(body.get("hello"), dict) else {}
-            token, peer = str(hello.get("token")).encode(), str(hello.get("address"))
-            good = hmac.compare_digest(token, self.auth_token.encode()) and peer[:4] == "ucx:"
-            conn.state, conn.peer = ("ok", peer) if good else ("refused", "")
-            if not good:
+            peer = hello_peer(body, self.auth_token)
+            conn.state, conn.peer = ("ok", peer) if peer else ("refused", "")
+            if peer is None:
                 return logger.warning("ucx transport: refused connection %x (bad hello)", conn_id)
             link = self._links.get(peer) or self._connect(peer)  # (our hello has the token:
             buf = np.zeros(1, dtype=np.uint8)  # never for an unauthenticated peer)
-            self._busy.append((link.ep.tag_send(Array(buf), _tag(conn_id, _WELCOME)), buf))
+            self._busy.append((link.ep.tag_send(Array(buf), tag_of(conn_id, _WELCOME)), buf))
         elif conn.state == "ok":
             rx = _Rx({}, time.monotonic() + self.send_timeout_s)
             conn.rx.append(rx)
@@ -385,7 +379,7 @@ class UcxTransport(KVTransport):
         """Takes the page frames a refused peer sent anyway (a sender that did not wait for
         the welcome) off every lane, so that none stays in UCX's unexpected queue holding
         memory until the transport closes. Whether any was found."""
-        tag, mask = _tag(conn_id, _PAGES), ucx_api.UCXXTagMask(_ONE_CONN_PAGES)
+        tag, mask = tag_of(conn_id, _PAGES), ucx_api.UCXXTagMask(_ONE_CONN_PAGES)
         return any([discard_matching(w, tag, mask, self._busy) for w in self._workers])
 
     def _post_pages(self, conn_id: int, rx: _Rx, meta: dict[str, Any], seq: int) -> None:
@@ -395,7 +389,7 @@ class UcxTransport(KVTransport):
             if not (len(self._workers) > 1 and isinstance(cut, int) and 0 < cut < raw.nbytes):
                 raise ValueError(f"pages split at {cut!r} of {raw.nbytes} bytes")
             shares = [raw[:cut], raw[cut:]]
-        tag = _tag(conn_id, _PAGES | seq % _PAGES)
+        tag = tag_of(conn_id, _PAGES | seq % _PAGES)
         for worker, share in zip(self._workers, shares, strict=False):
             rx.requests.append(worker.tag_recv(Array(share), tag, ucx_api.UCXXTagMaskFull))
 
