@@ -242,12 +242,17 @@ class KVSender:
                 self._stream(out)
         return self.poll()
 
+    def take_events(self) -> list[TransferEvent]:
+        """The events of requests that ended outside a poll (`has_events`), now."""
+        events, self._events = self._events, []
+        return events
+
     def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
         if self._publisher is not None:
             for rid, error in self._publisher.failures():
                 if (out := self.outgoing.get(rid)) is not None:
                     self._events.append(self._close(out, "failed", error))
-        events, self._events = self._events, []
+        events = self.take_events()
         if events:
             timeout = 0.0
         events += [e for m in self.transport.poll(timeout) if (e := self._handle(m)) is not None]

@@ -169,11 +169,9 @@ class PrefillService(WorkerLoop):
 
     def _attach_grant(self, request_id: str, grant: ReservationGrant) -> None:
         sender = self.sender
-        try:
+        with contextlib.suppress(UnknownRequest):  # (not started yet: kept for its call, below)
             sender.attach_grant(request_id, grant)  # (KeyError for an ended one: decode is told)
             return
-        except UnknownRequest:  # not started yet: kept for its prefill call
-            pass
         now = time.monotonic()
         for rid, (stale, since) in list(self._early_grants.items()):
             if now - since > EARLY_GRANT_S:  # (its prefill never came: the router gave up)
@@ -209,9 +207,8 @@ class PrefillService(WorkerLoop):
         # A cancel before the reservation ends the request now: its event goes out now too,
         # not with the next step's, which a new call for the same request id (the router
         # starts it again with its grant) may precede: that event would end the new call.
-        if self.sender.has_events:
-            for event in self.sender.poll():
-                self._on_event(event)
+        for event in self.sender.take_events():
+            self._on_event(event)
         return True
 
     # ---- the loop thread -----------------------------------------------------------------------
