@@ -16,6 +16,14 @@ from tandem.kv_transfer.local import LocalHub, LocalTransport
 from tandem.kv_transfer.receiver import ReservationGrant
 from tandem.prefill_workers.prefill_service import PrefillService
 
+PROMPTS = [
+    "hello world",
+    "the quick brown fox jumps over the lazy dog " * 6,
+    "a",
+    "tandem serves prefill and decode apart " * 3,
+]
+"""Prompts the service tests share (text; encoded with the reference's tokenizer)."""
+
 
 @pytest.fixture(scope="module")
 def model(tiny_checkpoint: Any) -> str:
