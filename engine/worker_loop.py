@@ -9,6 +9,7 @@ runs commands between engine steps. Results and stream items go back with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -41,7 +42,8 @@ class WorkerDeadError(RuntimeError):
 def resolve(
     loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value: Any = None
 ) -> None:
-    """Sets `future`'s result from any thread (ignored if it was cancelled meanwhile)."""
+    """Sets `future`'s result from any thread (ignored if it was cancelled meanwhile, or its
+    loop closed: nobody awaits it any more, and the loop thread must go on)."""
 
     def _set() -> None:
         if not future.done():
@@ -50,7 +52,8 @@ def resolve(
             else:
                 future.set_result(value)
 
-    loop.call_soon_threadsafe(_set)
+    with contextlib.suppress(RuntimeError):  # ("Event loop is closed")
+        loop.call_soon_threadsafe(_set)
 
 
 class WorkerLoop(ABC):

@@ -109,18 +109,19 @@ class PrefillWorker(WorkerDeployment):
             first_token=first,
             finish_here=finish_here,
         )
-        task = asyncio.ensure_future(self.service.outcome(request_id, future))
         try:
             if first is not None:
-                waiting: set[asyncio.Future[Any]] = {task, first}
+                waiting: set[asyncio.Future[Any]] = {future, first}
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if first.done() and (item := first.result()) is not None:
                     yield {"type": "first_token", **item}
-            outcome = await task
+            outcome = await asyncio.shield(future)
         finally:
-            if not task.done():  # cancelled by the router: cancel the prefill too
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            if not future.done():  # cancelled by the router: cancel the prefill too
+                # Posted now, in this step: the router may start the request again at once
+                # (same id, with decode's grant), and that call's start must come after this
+                # cancel on the loop thread. (Posted from a task of its own, it came after.)
+                self.service.cancel(request_id, future)
         if outcome["status"] in ("sent", "finished"):  # arrival to first token: prefill's TTFT
             tail = float(outcome.get("timings", {}).get("transfer_tail_s", 0.0))
             self.ttft_ms.add((time.monotonic() - start - tail) * 1000)

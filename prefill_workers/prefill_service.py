@@ -44,6 +44,12 @@ class _Pending:
     prompt_logprobs: list[Any] | None = None  # when the request asks
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Marks an outcome nobody awaits as seen (no "exception was never retrieved" log)."""
+    if not future.cancelled():
+        future.exception()
+
+
 def _failed(error: str) -> dict[str, Any]:
     """A prefill call's outcome when the worker could not finish it."""
     return {"status": "failed", "first_token_ids": [], "error": error}
@@ -138,6 +144,8 @@ class PrefillService(WorkerLoop):
             try:
                 self.sender.start(request_id, prompt_token_ids, params, grant, priority)
             except Exception as exc:
+                if grant is not None:
+                    self._refused(request_id, grant)
                 resolve(loop, future, exc)
                 return
             self._pending[request_id] = _Pending(loop, future, first_token=first_token)
@@ -155,9 +163,15 @@ class PrefillService(WorkerLoop):
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            # commands run in order: this cancel runs after `start`, whenever it was cancelled
-            self.post(lambda: self._cancel(request_id))
+            self.cancel(request_id, future)
             raise
+
+    def cancel(self, request_id: str, future: asyncio.Future[dict[str, Any]]) -> None:
+        """Cancels the request `begin` started (and returned `future` for). Commands run in
+        order: this one after `begin`'s start, before whatever is posted after it (a new start
+        of the same request id). `future`'s outcome is not awaited any more."""
+        future.add_done_callback(_retrieved)
+        self.post(lambda: self._cancel(request_id, future))
 
     async def attach_grant(self, request_id: str, grant: ReservationGrant) -> None:
         """The decode worker's reservation for a prefill started without one. One that comes
@@ -179,6 +193,14 @@ class PrefillService(WorkerLoop):
                 sender.release_grant(rid, stale)
         self._early_grants[request_id] = (grant, now)
 
+    def _refused(self, request_id: str, grant: ReservationGrant) -> None:
+        """A call that brought decode's grant failed to start: no page will come, so decode
+        frees the reservation now (not after its stall timeout). Not while a call of the same
+        id streams to a reservation (a duplicate call: that one's transfer goes on)."""
+        running = self.sender.outgoing.get(request_id)
+        if running is None or running.grant is None:
+            self.sender.release_grant(request_id, grant)
+
     def _start_here(
         self,
         request_id: str,
@@ -197,7 +219,12 @@ class PrefillService(WorkerLoop):
             return
         self._here[request_id] = FinishingHere(loop, future, req)
 
-    def _cancel(self, request_id: str) -> bool:
+    def _cancel(self, request_id: str, future: asyncio.Future[Any] | None = None) -> bool:
+        """Cancels `request_id` (only the call that `future` is the outcome of, if given: not a
+        newer one of the same id)."""
+        pending = self._pending.get(request_id) or self._here.get(request_id)
+        if future is not None and pending is not None and pending.future is not future:
+            return False
         if self._here.pop(request_id, None) is not None:
             self.engine.abort(request_id)
             self.num_cancelled += 1

@@ -4,12 +4,17 @@ the pages wait for the grant, and whatever ends first releases both sides at onc
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from tandem import LLM
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.recent_mean import RecentMean
+from tandem.engine.rpc import RPCClient, RPCServer
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.receiver import ReservationGrant
 from tests import pd_pair as pd_pair_module
@@ -222,3 +227,79 @@ def test_a_prefill_started_again_with_its_grant_is_not_ended_by_the_first_ones_c
     assert outcome["status"] == "sent", outcome
     assert tokens == reference.generate([ids], params)[0].token_ids
     asyncio.run(wait_idle(prefill, decode))
+
+
+def test_a_prefill_call_cancelled_over_rpc_ends_before_its_next_call_starts(
+    services: Any, reference: LLM
+) -> None:
+    """Over the workers' RPC, the router's cancel of the first call and its new call (same
+    request id, with the grant) reach the prefill worker in one read: the cancel must reach its
+    engine first. (It came second: the new call failed, "request id ... is already in use",
+    and decode held the reservation for its stall timeout.)"""
+    from tandem.prefill_workers.deployment import PrefillWorker
+
+    prefill, decode = services
+    ids = reference.tokenizer.encode(PROMPTS[1])
+    params = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+    worker = SimpleNamespace(service=prefill, ttft_ms=RecentMean(5.0))
+    handler = functools.partial(PrefillWorker.func_or_class._rpc_prefill, worker)
+
+    async def main() -> tuple[list[int], list[dict[str, Any]]]:
+        server = RPCServer({"prefill": handler}, "token")
+        client = RPCClient(await server.start(), "token")
+        stream = decode.generate("again", ids, SamplingParams(**params))
+        grant = (await anext(stream))["grant"]
+
+        async def call(**extra: Any) -> list[dict[str, Any]]:
+            items = client.stream("prefill", request_id="again", prompt_token_ids=ids,
+                                  params=params, stream_first_token=True, **extra)  # fmt: skip
+            return [item async for item in items]
+
+        prefill.post(lambda: time.sleep(0.5))  # (the loop thread busy: the commands queue)
+        first = asyncio.create_task(call())
+        await asyncio.sleep(0.1)  # (the call is under way; its first token is not out yet)
+        first.cancel()  # writes the call's cancel frame, then the next call's frame: one read
+        again = asyncio.create_task(call(grant=grant))
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        items = await again
+        tokens = [t async for item in stream for t in item["token_ids"]]
+        await client.close()
+        await server.close()
+        return tokens, items
+
+    tokens, items = asyncio.run(main())
+    assert items[-1]["status"] == "sent", items
+    assert tokens == reference.generate([ids], SamplingParams(**params))[0].token_ids
+    _, d = asyncio.run(wait_idle(prefill, decode))
+    assert d["num_held_reservations"] == 0
+
+
+def test_a_call_with_a_grant_that_cannot_start_releases_the_reservation_at_once(
+    services: Any, reference: LLM
+) -> None:
+    """A prefill call that brings decode's grant and fails to start (here: its request id is
+    taken) tells decode at once that no page will come: the reservation is freed now."""
+    prefill, decode = services
+    ids = reference.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def main() -> dict[str, Any]:
+        blocker = asyncio.create_task(prefill.prefill("taken", ids, params, None))
+        await asyncio.sleep(0.1)
+        stream = decode.generate("taken", ids, params)
+        grant = ReservationGrant(**(await anext(stream))["grant"])
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await prefill.prefill("taken", ids, params, grant)
+        last = [item async for item in stream][-1]
+        blocker.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await blocker
+        return last
+
+    start = time.monotonic()
+    last = asyncio.run(main())
+    assert last["type"] == "error", last
+    assert time.monotonic() - start < 2.0  # not decode's stall timeout
+    _, d = asyncio.run(wait_idle(prefill, decode))
+    assert d["num_held_reservations"] == 0
