@@ -37,6 +37,11 @@ class RPCError(RuntimeError):
     """The remote handler failed, the token was refused, or the connection broke."""
 
 
+class RPCNotSent(RPCError):
+    """The call never reached the worker: its connection was closed, or could not be opened,
+    before the call was written (so the worker knows nothing of it)."""
+
+
 async def _read(reader: asyncio.StreamReader) -> dict[str, Any]:
     (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
     if size > MAX_FRAME:
@@ -200,7 +205,7 @@ class RPCClient:
     async def stream(self, method: str, **args: Any) -> AsyncGenerator[dict[str, Any], None]:
         """Yields the call's items; leaving early cancels the call on the worker."""
         if self.closed:
-            raise RPCError(f"connection to {self.address} is closed")
+            raise RPCNotSent(f"connection to {self.address} is closed")
         call_id = next(self._ids)
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._queues[call_id] = queue
@@ -213,7 +218,12 @@ class RPCClient:
                 self._writer.write(frame)
             else:
                 self._unsent.append(frame)
-                await self._connect()
+                try:
+                    await self._connect()
+                except RPCError as exc:
+                    if frame in self._unsent:  # (never written)
+                        raise RPCNotSent(str(exc)) from None
+                    raise
             while True:
                 message = await queue.get()
                 if "item" in message:

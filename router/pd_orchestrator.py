@@ -145,6 +145,16 @@ class PDOrchestrator:
         finally:
             plan.release()
 
+    async def _replace(self, plan: RoutePlan) -> None:
+        """The plan's prefill worker is gone (its connection closed): another one takes the
+        request, and its load."""
+        old = plan.prefill
+        assert old is not None
+        new = await self.directory.pick("prefill")
+        logger.info("request moved from lost %s to %s", old.worker_id, new.worker_id)
+        _move_load(old, new, 1, plan.prefill_tokens)
+        plan.prefill = new
+
     async def _move(self, plan: RoutePlan, role: str) -> None:
         """The plan's `role` worker is draining: another one takes the request (and its load)."""
         old = plan.decoder if role == "decode" else plan.prefill
@@ -205,6 +215,10 @@ class PDOrchestrator:
                 return call.task
 
             if plan.prefill is not None:
+                if plan.prefill_call is None and plan.prefill.client.closed:
+                    # Its worker died while the request waited for decode's grant; nothing of
+                    # it started there: another worker takes it, with the grant.
+                    await self._replace(plan)
                 prefill_task = start_prefill(plan.prefill_call)
             next_item = asyncio.ensure_future(_next(stream, plan.decoder))
             pending.add(next_item)
@@ -235,6 +249,8 @@ class PDOrchestrator:
                     plan.release_prefill()
                     if outcome["status"] != "sent":
                         assert plan.prefill is not None
+                        if outcome.get("not_sent") and plan.prefill_call is None:
+                            plan.grant_handed = False  # (decode frees the blocks at once)
                         raise _failed(
                             plan.prefill,
                             f"prefill failed: {outcome.get('error')}",

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.rpc import RPCError
+from tandem.engine.rpc import RPCError, RPCNotSent
 from tandem.router.errors import APIError
 from tandem.router.worker_directory import Worker
 
@@ -96,7 +96,13 @@ async def _prefill(
                 if not first_token.done():
                     first_token.set_result(item)
     except RPCError as exc:
-        return {"status": "failed", "error": f"prefill worker {worker.worker_id}: {exc}"}
+        failed: dict[str, Any] = {
+            "status": "failed",
+            "error": f"prefill worker {worker.worker_id}: {exc}",
+        }
+        if isinstance(exc, RPCNotSent):  # the worker never heard of it (nor of its grant)
+            failed["not_sent"] = True
+        return failed
     return {"status": "failed", "error": f"prefill worker {worker.worker_id} sent no outcome"}
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tandem.engine.rpc import RPCClient, RPCError, RPCServer, _frame, _read
+from tandem.engine.rpc import RPCClient, RPCError, RPCNotSent, RPCServer, _frame, _read
 
 
 class Handlers:
@@ -114,7 +114,7 @@ def test_calls_waiting_for_a_connection_that_fails_all_fail_and_leave_nothing_qu
         results = await asyncio.gather(
             *(client.call("note", n=i) for i in range(3)), return_exceptions=True
         )
-        assert [type(r) for r in results] == [RPCError] * 3
+        assert [type(r) for r in results] == [RPCNotSent] * 3  # (an RPCError: never written)
         assert client._unsent == [] and client._queues == {}
         assert client.closed and client.lost_at is not None
 
