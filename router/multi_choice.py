@@ -80,7 +80,7 @@ async def abandon_all(serving: Serving, reqs: list[Prepared]) -> None:
 async def run_all(serving: Serving, reqs: list[Prepared]) -> None:
     """Runs every request to its end (each `Prepared` takes its tokens); the first error,
     in choice order among those that failed first, ends them all."""
-    tasks = [asyncio.ensure_future(_drain(serving, r)) for r in reqs]
+    tasks = [asyncio.ensure_future(serving.run_to_end(r)) for r in reqs]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks:
@@ -120,12 +120,6 @@ async def merged(
             yield index, item
     finally:
         await to_completion(_settle(serving, tasks, reqs))
-
-
-async def _drain(serving: Serving, req: Prepared) -> None:
-    async with contextlib.aclosing(serving.run(req)) as items:
-        async for _ in items:
-            pass
 
 
 async def _settle(

@@ -9,7 +9,6 @@ Several choices (a batch of prompts, `n` > 1) are requests of their own, run tog
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import time
@@ -179,9 +178,7 @@ async def _serve(
                 media_type="text/event-stream",
                 on_close=lambda: serving.abandon(req),  # (nothing to do once `run` started)
             )
-        async with contextlib.aclosing(serving.run(req)) as items:
-            async for _ in items:
-                pass
+        await serving.run_to_end(req)
         return _json(full_body(head, [req], req.usage()))
     reqs = await multi_choice.prepare_all(
         serving, count, lambda i: prepare(i, f"{response_id}-{i}")

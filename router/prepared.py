@@ -43,6 +43,8 @@ class Prepared:
     prompt_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone;
     # one token is generated to run the request through the workers, and dropped here
     prompt_logprobs: list[Any] | None = None  # per prompt token (the first None), when asked
+    buffered: bool = False  # its caller gets the answer at the end (not streamed): after a lost
+    # worker, an attempt that cannot go on from the tokens so far may start again from none
 
     @property
     def resumable(self) -> bool:
@@ -88,6 +90,14 @@ class Prepared:
             "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
             "kv_transferred_blocks": self.num_transferred_blocks,
         }
+
+    def forget_output(self) -> None:
+        """Drops what the attempts so far generated (none of it reached the caller: `buffered`),
+        so the next attempt starts from the prompt alone."""
+        self.completion_tokens, self.token_ids, self.text = 0, [], ""
+        self.logprobs = None
+        self.finish_reason = self.stop_reason = None
+        self.resumed_tokens, self.resumed_text = 0, None
 
     def start_over(self, tokenizer: Tokenizer) -> None:
         """A new attempt after a lost worker, from the tokens sent so far (none: from the

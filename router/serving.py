@@ -315,11 +315,14 @@ class Serving:
                         if attempt == MAX_LOST_RETRIES:
                             raise
                         if not (last_item is None or req.resumable):
-                            exc.message += (
-                                "; a seeded sampling request cannot go on on another worker "
-                                "(its sampler's state was lost with it): send it again"
-                            )
-                            raise
+                            if not req.buffered:
+                                exc.message += (
+                                    "; a seeded sampling request cannot go on on another "
+                                    "worker (its sampler's state was lost with it): send it "
+                                    "again"
+                                )
+                                raise
+                            req.forget_output()  # (nothing was sent: it starts again)
                         self._starting_over(req, exc)
                         await self._route(req)
         except TimeoutError:
@@ -340,6 +343,14 @@ class Serving:
             log_request(req, outcome)
             if not outcome.startswith("failed"):
                 self._record(req)
+
+    async def run_to_end(self, req: Prepared) -> None:
+        """`run` for a caller that answers once the request ended (not streamed): `req` takes
+        the tokens, and it may start again from none after a lost worker."""
+        req.buffered = True
+        async with contextlib.aclosing(self.run(req)) as items:
+            async for _ in items:
+                pass
 
     def _generate(self, req: Prepared) -> AsyncGenerator[dict[str, Any], None]:
         assert req.plan is not None

@@ -2,7 +2,8 @@
 under a new worker-side id, on a new plan. Lost after tokens went out (its decode worker died),
 a greedy or unseeded request goes on from those tokens, once, with its text and stop strings
 handled in the router across the seam; a seeded sampling one fails (its sampler's state died
-with the worker), as does a second loss."""
+with the worker) when it is streamed, and starts again from none when its caller gets the
+answer at its end; a second loss fails."""
 
 from __future__ import annotations
 
@@ -206,6 +207,28 @@ def test_a_seeded_sampling_request_whose_decode_worker_dies_fails() -> None:
         "(its sampler's state was lost with it): send it again"
     )
     assert lost.value.headers == {"Retry-After": "1"}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, seed=3, max_tokens=3, logprobs=1),
+    SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=3),
+])  # fmt: skip
+def test_a_request_answered_at_its_end_starts_again_from_none_when_it_cannot_go_on(
+    params: SamplingParams,
+) -> None:
+    """Not streamed (`run_to_end`), nothing of the lost attempt reached the caller: the request
+    starts again from its prompt alone (the seed, the penalties, give what they promise), and
+    answers with the new attempt's tokens only."""
+    orchestrator = FakeOrchestrator({0: "after"})
+    serving, planner = _serving(orchestrator)
+    req = _prepared(planner, params)
+    asyncio.run(serving.run_to_end(req))
+    assert orchestrator.generated == ["cmpl-1", "cmpl-1~1"]
+    assert orchestrator.prompts == [PROMPT, PROMPT]  # (not [*PROMPT, 7]: from none)
+    assert orchestrator.params[1]["max_tokens"] == 3
+    assert (req.token_ids, req.text, req.completion_tokens) == ([7, 8, 9], "<7><8><9>", 3)
+    assert req.logprobs == ([] if params.logprobs is not None else None)  # (the fake has none)
+    assert (req.finish_reason, req.resumed_tokens, req.attempt) == ("length", 0, 1)
 
 
 def test_a_request_goes_on_mid_stream_once_at_most() -> None:
