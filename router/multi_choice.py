@@ -23,7 +23,7 @@ from tandem.engine.sampling_params import sample_seed
 from tandem.router.call_cleanup import to_completion
 from tandem.router.errors import bad_request
 from tandem.router.prepared import Prepared
-from tandem.router.serving import Serving
+from tandem.router.serving import Serving, run_to_end
 
 MAX_CHOICES = 128
 """Most choices (prompts x n) one request may ask for; more is a 400."""
@@ -80,7 +80,7 @@ async def abandon_all(serving: Serving, reqs: list[Prepared]) -> None:
 async def run_all(serving: Serving, reqs: list[Prepared]) -> None:
     """Runs every request to its end (each `Prepared` takes its tokens); the first error,
     in choice order among those that failed first, ends them all."""
-    tasks = [asyncio.ensure_future(serving.run_to_end(r)) for r in reqs]
+    tasks = [asyncio.ensure_future(run_to_end(serving, r)) for r in reqs]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks:

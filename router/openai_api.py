@@ -30,7 +30,7 @@ from tandem.router.openai_protocol import ChatCompletionRequest, CompletionReque
 from tandem.router.openai_stream import ClosingStreamingResponse, sse, sse_choices
 from tandem.router.prepared import Prepared
 from tandem.router.request_timings import RequestTimings
-from tandem.router.serving import Serving
+from tandem.router.serving import Serving, run_to_end
 from tandem.router.tool_calls import ReplyParser, template_tools
 from tandem.router.tool_parsers import ToolParser
 
@@ -178,7 +178,7 @@ async def _serve(
                 media_type="text/event-stream",
                 on_close=lambda: serving.abandon(req),  # (nothing to do once `run` started)
             )
-        await serving.run_to_end(req)
+        await run_to_end(serving, req)
         return _json(full_body(head, [req], req.usage()))
     reqs = await multi_choice.prepare_all(
         serving, count, lambda i: prepare(i, f"{response_id}-{i}")

@@ -344,14 +344,6 @@ class Serving:
             if not outcome.startswith("failed"):
                 self._record(req)
 
-    async def run_to_end(self, req: Prepared) -> None:
-        """`run` for a caller that answers once the request ended (not streamed): `req` takes
-        the tokens, and it may start again from none after a lost worker."""
-        req.buffered = True
-        async with contextlib.aclosing(self.run(req)) as items:
-            async for _ in items:
-                pass
-
     def _generate(self, req: Prepared) -> AsyncGenerator[dict[str, Any], None]:
         assert req.plan is not None
         return self.orchestrator.generate(
@@ -403,3 +395,12 @@ class Serving:
 
 def _seconds(ms: float | None) -> float | None:
     return None if ms is None else float(ms) / 1000
+
+
+async def run_to_end(serving: Serving, req: Prepared) -> None:
+    """`serving.run(req)` for a caller that answers once the request ended (not streamed):
+    `req` takes the tokens, and it may start again from none after a lost worker."""
+    req.buffered = True
+    async with contextlib.aclosing(serving.run(req)) as items:
+        async for _ in items:
+            pass

@@ -19,7 +19,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.router.errors import WorkerLost
 from tandem.router.prepared import Prepared
 from tandem.router.request_timings import RequestTimings
-from tandem.router.serving import Serving
+from tandem.router.serving import Serving, run_to_end
 
 
 class FakePlan(SimpleNamespace):
@@ -222,7 +222,7 @@ def test_a_request_answered_at_its_end_starts_again_from_none_when_it_cannot_go_
     orchestrator = FakeOrchestrator({0: "after"})
     serving, planner = _serving(orchestrator)
     req = _prepared(planner, params)
-    asyncio.run(serving.run_to_end(req))
+    asyncio.run(run_to_end(serving, req))
     assert orchestrator.generated == ["cmpl-1", "cmpl-1~1"]
     assert orchestrator.prompts == [PROMPT, PROMPT]  # (not [*PROMPT, 7]: from none)
     assert orchestrator.params[1]["max_tokens"] == 3
