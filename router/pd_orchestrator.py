@@ -27,7 +27,7 @@ from typing import Any
 
 from tandem.engine.rpc import RPCError
 from tandem.router.call_cleanup import close_calls, to_completion, unwritten_release
-from tandem.router.errors import RETRY_AFTER, APIError, WorkerLost, unavailable
+from tandem.router.errors import APIError, unavailable
 from tandem.router.prefill_call import (
     PrefillCall,
     start_prefill_call,
@@ -36,11 +36,17 @@ from tandem.router.prefill_call import (
 from tandem.router.request_timings import RequestTimings
 from tandem.router.route_planner import RoutePlan
 from tandem.router.worker_directory import Worker, WorkerDirectory
+from tandem.router.worker_failures import (
+    NO_CAPACITY,
+    decoder_lost,
+    failed,
+    read_next,
+    worker_error,
+)
 
 logger = logging.getLogger("tandem.router")
 
 DRAINING = "draining"  # what a worker that is shutting down answers new work with
-NO_CAPACITY = "no_capacity"  # what a decode worker without room for a reservation answers
 MAX_DRAIN_RETRIES = 3
 
 
@@ -97,7 +103,7 @@ class PDOrchestrator:
             await asyncio.sleep(0)
             _open_decode(plan, request_id, prompt_token_ids, params, priority)
             for attempt in range(MAX_DRAIN_RETRIES + 1):
-                first = await _next(plan.decode_stream, plan.decoder)
+                first = await read_next(plan.decode_stream, plan.decoder)
                 if first["type"] == "queued":  # no KV room now: it waits its turn there
                     queued = True
                     plan.decoder.note_reservation(refused=True)  # (prefills wait for grants)
@@ -108,12 +114,12 @@ class PDOrchestrator:
                         # with its grant.
                         await to_completion(close_calls(call.futures(), None))
                         call = plan.prefill_call = None
-                    first = await _next(plan.decode_stream, plan.decoder)
+                    first = await read_next(plan.decode_stream, plan.decoder)
                 if first["type"] != "error":
                     break
                 if first.get("code") != DRAINING or attempt == MAX_DRAIN_RETRIES:
                     plan.decoder.note_reservation(refused=first.get("code") == NO_CAPACITY)
-                    raise _worker_error(first)
+                    raise worker_error(first)
                 await plan.decode_stream.aclose()
                 await self._move(plan, "decode")
                 _open_decode(plan, request_id, prompt_token_ids, params, priority)
@@ -220,7 +226,7 @@ class PDOrchestrator:
                     # it started there: another worker takes it, with the grant.
                     await self._replace(plan)
                 prefill_task = start_prefill(plan.prefill_call)
-            next_item = asyncio.ensure_future(_next(stream, plan.decoder))
+            next_item = asyncio.ensure_future(read_next(stream, plan.decoder))
             pending.add(next_item)
             while True:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -251,11 +257,11 @@ class PDOrchestrator:
                         assert plan.prefill is not None
                         if outcome.get("not_sent") and plan.prefill_call is None:
                             plan.grant_handed = False  # (decode frees the blocks at once)
-                        raise _failed(
-                            plan.prefill,
-                            f"prefill failed: {outcome.get('error')}",
-                            "prefill_failed",
-                        )
+                        message = f"prefill failed: {outcome.get('error')}"
+                        if await decoder_lost(plan, next_item):  # (its pages had nowhere
+                            # to go: the request may start over without that worker)
+                            raise failed(plan.decoder, message, "decode_failed")
+                        raise failed(plan.prefill, message, "prefill_failed")
                     timings.worker.update(outcome.get("timings", {}))
                     prompt_logprobs = outcome.get("prompt_logprobs", prompt_logprobs)
                 if next_item not in done:
@@ -272,11 +278,11 @@ class PDOrchestrator:
                     await stream.aclose()
                     await self._move(plan, "decode")
                     stream = _open_decode(plan, request_id, prompt_token_ids, params, priority)
-                    next_item = asyncio.ensure_future(_next(stream, plan.decoder))
+                    next_item = asyncio.ensure_future(read_next(stream, plan.decoder))
                     pending.add(next_item)
                     continue
                 if item["type"] == "error":
-                    raise _worker_error(item)
+                    raise worker_error(item)
                 if not first_out and early is not None:
                     pending.discard(early)  # decode was first: the prefill's copy is not needed
                     early.cancel()
@@ -301,7 +307,7 @@ class PDOrchestrator:
                     return
                 if item["token_ids"] or item["text"]:
                     yield item
-                next_item = asyncio.ensure_future(_next(stream, plan.decoder))
+                next_item = asyncio.ensure_future(read_next(stream, plan.decoder))
                 pending.add(next_item)
         finally:
             if plan.prefill_call is not None:  # (its task and early may be done: no matter)
@@ -338,7 +344,7 @@ class PDOrchestrator:
             plan.release_prefill()
             assert plan.prefill is not None
             if outcome.get("status") != "finished":
-                raise _failed(
+                raise failed(
                     plan.prefill, f"prefill failed: {outcome.get('error')}", "prefill_failed"
                 )
             item: dict[str, Any] = outcome["item"]
@@ -379,34 +385,3 @@ def _move_load(old: Worker, new: Worker, requests: int, tokens: int) -> None:
     old.queued_tokens -= tokens
     new.in_flight += requests
     new.queued_tokens += tokens
-
-
-async def _next(stream: AsyncGenerator[dict[str, Any], None], worker: Worker) -> dict[str, Any]:
-    try:
-        return await anext(stream)
-    except StopAsyncIteration:
-        raise unavailable("the decode worker ended the stream early", "decode_failed") from None
-    except RPCError as exc:
-        raise _failed(worker, f"decode worker {worker.worker_id}: {exc}", "decode_failed") from None
-
-
-def _failed(worker: Worker, message: str, code: str) -> APIError:
-    """A 503 for a call to `worker` that failed; `WorkerLost` when its connection is gone."""
-    if worker.client.lost_at is not None:
-        return WorkerLost(worker.worker_id, message, code)
-    return unavailable(message, code)
-
-
-def _worker_error(item: dict[str, Any]) -> APIError:
-    code = str(item.get("code", "worker_error"))
-    if code == NO_CAPACITY:
-        return APIError(
-            429,
-            f"no KV cache room on the decode worker now: {item['error']}",
-            type="rate_limit_error",
-            code="decode_full",
-            headers=RETRY_AFTER,
-        )
-    if code == "internal_error":  # a step failed on the worker; it serves on
-        return APIError(500, str(item.get("error")), type="server_error", code=code)
-    return unavailable(str(item.get("error", "worker error")), code)

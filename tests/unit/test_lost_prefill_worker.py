@@ -67,3 +67,40 @@ def test_a_grant_whose_prefill_call_never_reached_a_worker_is_released_at_once()
         await d.close()
 
     asyncio.run(main())
+
+
+class HangingDecode(FakeWorker):
+    """Grants, then streams nothing (its process is about to die)."""
+
+    async def generate(self, **_: Any) -> AsyncIterator[dict[str, Any]]:
+        yield {"type": "grant", "grant": {"from": self.worker_id}}
+        await asyncio.sleep(60)
+
+
+class FailingPrefill(FakeWorker):
+    """Its transfer fails: the decode worker it sent to is gone (its transport saw it first)."""
+
+    async def prefill(self, grant: dict[str, Any], **_: Any) -> AsyncIterator[dict[str, Any]]:
+        await asyncio.sleep(0.02)
+        yield {"status": "failed", "first_token_ids": [], "error": "connection lost"}
+
+
+def test_a_prefill_that_fails_because_its_decode_worker_died_is_that_workers_loss() -> None:
+    """The request then starts over without the dead decode worker (a `WorkerLost` for it),
+    rather than failing with a 503 from a prefill worker that is fine."""
+
+    async def main() -> None:
+        d = await start(HangingDecode("d0"), FailingPrefill("p0"), roles="decode prefill")
+
+        async def d0_dies() -> None:
+            await asyncio.sleep(0.1)  # (after the prefill's failure reached the router)
+            await d.workers["d0"].client.abandon("died")
+
+        death = asyncio.create_task(d0_dies())
+        with pytest.raises(WorkerLost) as lost:
+            await run(PDOrchestrator(d), held_plan(d, "d0", "p0"))
+        await death
+        assert (lost.value.worker_id, lost.value.code) == ("d0", "decode_failed")
+        await d.close()
+
+    asyncio.run(main())

@@ -17,7 +17,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.receiver import ReservationGrant
 from tandem.prefill_workers.prefill_service import PrefillService
-from tandem.router.pd_orchestrator import _worker_error
+from tandem.router.worker_failures import worker_error
 from tests.pd_pair import pd_pair, run_pd, wait_idle
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -155,7 +155,7 @@ def test_steps_that_keep_failing_end_the_worker(pair: Any, monkeypatch: pytest.M
 
 def test_the_router_answers_a_failed_step_with_a_500_and_a_json_error() -> None:
     message = "decode worker: engine step failed: ValueError: injected failure"
-    err = _worker_error({"type": "error", "code": "internal_error", "error": message})
+    err = worker_error({"type": "error", "code": "internal_error", "error": message})
     assert err.status == 500
     assert err.body() == {
         "error": {
@@ -165,7 +165,7 @@ def test_the_router_answers_a_failed_step_with_a_500_and_a_json_error() -> None:
             "code": "internal_error",
         }
     }
-    assert _worker_error({"type": "error", "code": "worker_died", "error": "x"}).status == 503
+    assert worker_error({"type": "error", "code": "worker_died", "error": "x"}).status == 503
 
 
 def test_a_transferred_request_fails_on_decode_and_both_sides_let_go(

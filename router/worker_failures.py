@@ -1,0 +1,57 @@
+"""How the router reads a worker's failure: a 503 (or `WorkerLost`, when the worker's connection
+is gone, so the request may start over without it), a 429 when decode has no KV room."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from tandem.engine.rpc import RPCError
+from tandem.router.errors import RETRY_AFTER, APIError, WorkerLost, unavailable
+from tandem.router.route_planner import RoutePlan
+from tandem.router.worker_directory import Worker
+
+NO_CAPACITY = "no_capacity"  # what a decode worker without room for a reservation answers
+DECODER_LOSS_S = 0.5  # how long a failed prefill waits to learn whether decode died
+
+
+async def read_next(stream: AsyncGenerator[dict[str, Any], None], worker: Worker) -> dict[str, Any]:
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        raise unavailable("the decode worker ended the stream early", "decode_failed") from None
+    except RPCError as exc:
+        raise failed(worker, f"decode worker {worker.worker_id}: {exc}", "decode_failed") from None
+
+
+async def decoder_lost(plan: RoutePlan, next_item: asyncio.Future[Any]) -> bool:
+    """Whether the request's decode worker is gone. Asked when its prefill failed: a decode
+    worker that died fails the transfer, and the prefill worker may learn it (from the
+    transport) a moment before the router does (from its connection, when the decode stream's
+    next item fails): that moment, `DECODER_LOSS_S` at most, is waited for."""
+    if plan.decoder.client.lost_at is None and not next_item.done():
+        await asyncio.wait({next_item}, timeout=DECODER_LOSS_S)
+    return plan.decoder.client.lost_at is not None
+
+
+def failed(worker: Worker, message: str, code: str) -> APIError:
+    """A 503 for a call to `worker` that failed; `WorkerLost` when its connection is gone."""
+    if worker.client.lost_at is not None:
+        return WorkerLost(worker.worker_id, message, code)
+    return unavailable(message, code)
+
+
+def worker_error(item: dict[str, Any]) -> APIError:
+    code = str(item.get("code", "worker_error"))
+    if code == NO_CAPACITY:
+        return APIError(
+            429,
+            f"no KV cache room on the decode worker now: {item['error']}",
+            type="rate_limit_error",
+            code="decode_full",
+            headers=RETRY_AFTER,
+        )
+    if code == "internal_error":  # a step failed on the worker; it serves on
+        return APIError(500, str(item.get("error")), type="server_error", code=code)
+    return unavailable(str(item.get("error", "worker error")), code)
