@@ -56,14 +56,17 @@ class PDOrchestrator:
 
     async def limits(self) -> dict[str, Any]:
         """The model's limits and cache key, from a decode worker (or a prefill worker while
-        none is live: a one-token request needs no decode worker)."""
+        none is live: a one-token request needs no decode worker). A prompt must fit both
+        roles' engines: `max_model_len` is the shorter of a decode and a prefill worker's (a
+        role's KV pool may cap it below the model's context)."""
         directory = self.directory
         role = "prefill" if directory.live("prefill") and not directory.live("decode") else "decode"
-        worker = await directory.pick(role)
-        try:
-            return await worker.client.call("info")
-        except RPCError as exc:
-            raise unavailable(f"{worker.worker_id}: {exc}", f"{worker.role}_failed") from None
+        info = await _info(await directory.pick(role))
+        if role == "decode" and directory.live("prefill"):
+            other = await _info(await directory.pick("prefill"))
+            if "max_model_len" in info and "max_model_len" in other:
+                info["max_model_len"] = min(info["max_model_len"], other["max_model_len"])
+        return info
 
     async def reserve(
         self,
@@ -358,6 +361,13 @@ class PDOrchestrator:
                 await to_completion(close_calls(set() if call is None else call.futures(), None))
             finally:
                 plan.release()
+
+
+async def _info(worker: Worker) -> dict[str, Any]:
+    try:
+        return await worker.client.call("info")
+    except RPCError as exc:
+        raise unavailable(f"{worker.worker_id}: {exc}", f"{worker.role}_failed") from None
 
 
 def _open_decode(

@@ -166,3 +166,27 @@ def test_the_model_limits_come_from_a_prefill_worker_while_no_decode_worker_is_l
         await d.close()
 
     asyncio.run(main())
+
+
+class InfoWorker(FakeWorker):
+    def __init__(self, worker_id: str, max_model_len: int) -> None:
+        super().__init__(worker_id)
+        self.max_model_len = max_model_len
+
+    async def info(self) -> AsyncIterator[dict[str, Any]]:
+        yield {"from": self.worker_id, "max_model_len": self.max_model_len}
+
+
+@pytest.mark.parametrize("lens", [(2048, 1024), (1024, 2048)])
+def test_the_longest_prompt_is_what_both_roles_engines_take(lens: tuple[int, int]) -> None:
+    """A prefill worker whose KV pool holds 1,024 tokens, behind decode workers that hold
+    2,048: a 1,500-token prompt is refused at the router (400), not failed by the prefill
+    worker (503); `/v1/models` says 1,024."""
+
+    async def main() -> None:
+        d = await start(InfoWorker("d0", lens[0]), InfoWorker("p0", lens[1]),
+                        roles="decode prefill")  # fmt: skip
+        assert await PDOrchestrator(d).limits() == {"from": "d0", "max_model_len": 1024}
+        await d.close()
+
+    asyncio.run(main())
