@@ -28,6 +28,7 @@ from typing import Any
 from tandem.engine.rpc import RPCError
 from tandem.router.call_cleanup import close_calls, to_completion, unwritten_release
 from tandem.router.errors import APIError, unavailable
+from tandem.router.plan_moves import move_for_room, move_from_draining, replace_lost_prefill
 from tandem.router.prefill_call import (
     PrefillCall,
     start_prefill_call,
@@ -96,6 +97,7 @@ class PDOrchestrator:
         # Not while the decode worker is refusing for want of room: a refusal would throw
         # the prefill's work away, so the prefill waits for the grant and starts with it.
         queued = False  # decode had no room at first: the request waited for it
+        moved = False  # to another decode worker that had room
         call: PrefillCall | None = None
         if not plan.decoder.refusing():
             call = start_prefill_call(
@@ -107,6 +109,11 @@ class PDOrchestrator:
             _open_decode(plan, request_id, prompt_token_ids, params, priority)
             for attempt in range(MAX_DRAIN_RETRIES + 1):
                 first = await read_next(plan.decode_stream, plan.decoder)
+                if first["type"] == "queued" and not moved:
+                    moved = await move_for_room(self.directory, plan, request_id)
+                    if moved:  # (it asks there; its prefill goes on, for that grant)
+                        _open_decode(plan, request_id, prompt_token_ids, params, priority)
+                        first = await read_next(plan.decode_stream, plan.decoder)
                 if first["type"] == "queued":  # no KV room now: it waits its turn there
                     queued = True
                     plan.decoder.note_reservation(refused=True)  # (prefills wait for grants)
@@ -124,7 +131,7 @@ class PDOrchestrator:
                     plan.decoder.note_reservation(refused=first.get("code") == NO_CAPACITY)
                     raise worker_error(first)
                 await plan.decode_stream.aclose()
-                await self._move(plan, "decode")
+                await move_from_draining(self.directory, plan, "decode")
                 _open_decode(plan, request_id, prompt_token_ids, params, priority)
         except BaseException as exc:
             futures = set() if call is None else call.futures()
@@ -153,30 +160,6 @@ class PDOrchestrator:
             )
         finally:
             plan.release()
-
-    async def _replace(self, plan: RoutePlan) -> None:
-        """The plan's prefill worker is gone (its connection closed): another one takes the
-        request, and its load."""
-        old = plan.prefill
-        assert old is not None
-        new = await self.directory.pick("prefill")
-        logger.info("request moved from lost %s to %s", old.worker_id, new.worker_id)
-        _move_load(old, new, 1, plan.prefill_tokens)
-        plan.prefill = new
-
-    async def _move(self, plan: RoutePlan, role: str) -> None:
-        """The plan's `role` worker is draining: another one takes the request (and its load)."""
-        old = plan.decoder if role == "decode" else plan.prefill
-        assert old is not None
-        self.directory.mark_draining(old.worker_id)
-        new = await self.directory.pick(role)
-        logger.info("request moved from draining %s to %s", old.worker_id, new.worker_id)
-        if role == "decode":
-            _move_load(old, new, 1, plan.decode_tokens)
-            plan.decode = new
-        else:
-            _move_load(old, new, 1, plan.prefill_tokens)
-            plan.prefill = new
 
     async def generate(
         self,
@@ -227,7 +210,7 @@ class PDOrchestrator:
                 if plan.prefill_call is None and plan.prefill.client.closed:
                     # Its worker died while the request waited for decode's grant; nothing of
                     # it started there: another worker takes it, with the grant.
-                    await self._replace(plan)
+                    await replace_lost_prefill(self.directory, plan)
                 prefill_task = start_prefill(plan.prefill_call)
             next_item = asyncio.ensure_future(read_next(stream, plan.decoder))
             pending.add(next_item)
@@ -252,7 +235,7 @@ class PDOrchestrator:
                     outcome = prefill_task.result()
                     if outcome.get("code") == DRAINING and retries < MAX_DRAIN_RETRIES:
                         retries += 1  # nothing started there: the grant goes to another worker
-                        await self._move(plan, "prefill")
+                        await move_from_draining(self.directory, plan, "prefill")
                         prefill_task = start_prefill()
                         continue
                     plan.release_prefill()
@@ -279,7 +262,7 @@ class PDOrchestrator:
                 ):
                     retries += 1
                     await stream.aclose()
-                    await self._move(plan, "decode")
+                    await move_from_draining(self.directory, plan, "decode")
                     stream = _open_decode(plan, request_id, prompt_token_ids, params, priority)
                     next_item = asyncio.ensure_future(read_next(stream, plan.decoder))
                     pending.add(next_item)
@@ -340,7 +323,9 @@ class PDOrchestrator:
                 outcome = await plan.prefill_call.task
                 if outcome.get("code") != DRAINING or attempt == MAX_DRAIN_RETRIES:
                     break
-                await self._move(plan, "prefill")  # nothing started there: another one runs it
+                await move_from_draining(
+                    self.directory, plan, "prefill"
+                )  # nothing started there: another one runs it
                 plan.prefill_call = start_prefill_call(
                     plan.prefill, request_id, prompt_token_ids, params, None, priority, True
                 )
@@ -388,10 +373,3 @@ def _open_decode(
         wait_for_room=plan.wait_for_room,
     )
     return plan.decode_stream
-
-
-def _move_load(old: Worker, new: Worker, requests: int, tokens: int) -> None:
-    old.in_flight -= requests
-    old.queued_tokens -= tokens
-    new.in_flight += requests
-    new.queued_tokens += tokens

@@ -1,0 +1,83 @@
+"""Moving a request's plan to another worker before anything of it runs there: its worker is
+draining, lost (its connection closed), or, for decode, has no KV room now while another has.
+The plan's load moves with it."""
+
+from __future__ import annotations
+
+import logging
+
+from tandem.router.call_cleanup import close_calls, to_completion
+from tandem.router.route_planner import RoutePlan
+from tandem.router.worker_directory import Worker, WorkerDirectory
+
+logger = logging.getLogger(__name__)
+
+
+async def move_from_draining(directory: WorkerDirectory, plan: RoutePlan, role: str) -> None:
+    """The plan's `role` worker is draining: another one takes the request (and its load)."""
+    old = plan.decoder if role == "decode" else plan.prefill
+    assert old is not None
+    directory.mark_draining(old.worker_id)
+    new = await directory.pick(role)
+    logger.info("request moved from draining %s to %s", old.worker_id, new.worker_id)
+    if role == "decode":
+        move_load(old, new, 1, plan.decode_tokens)
+        plan.decode = new
+    else:
+        move_load(old, new, 1, plan.prefill_tokens)
+        plan.prefill = new
+
+
+async def replace_lost_prefill(directory: WorkerDirectory, plan: RoutePlan) -> None:
+    """The plan's prefill worker is gone (its connection closed): another one takes the
+    request, and its load."""
+    old = plan.prefill
+    assert old is not None
+    new = await directory.pick("prefill")
+    logger.info("request moved from lost %s to %s", old.worker_id, new.worker_id)
+    move_load(old, new, 1, plan.prefill_tokens)
+    plan.prefill = new
+
+
+async def move_for_room(directory: WorkerDirectory, plan: RoutePlan, request_id: str) -> bool:
+    """The plan's decode worker has no KV room now: another one that reported room for
+    the prompt, and no reservation waiting, takes the request (not when the plan's worker
+    holds a prefix of it). Its waiting reservation there is withdrawn. Whether it moved."""
+    old = plan.decoder
+    old.note_reservation(refused=True)
+    if plan.decode_hit_blocks:  # (its KV is there: it waits for it)
+        return False
+    new = roomy_decoder(directory.live("decode"), old, plan.prompt_blocks)
+    if new is None:
+        return False
+    logger.info(
+        "request %s: no KV room on %s now; %s has room for it",
+        request_id,
+        old.worker_id,
+        new.worker_id,
+    )
+    await to_completion(close_calls(set(), plan.decode_stream, (old, request_id)))
+    move_load(old, new, 1, plan.decode_tokens)
+    plan.decode = new
+    return True
+
+
+def roomy_decoder(workers: list[Worker], busy: Worker, blocks: int) -> Worker | None:
+    """The least loaded of `workers` (but `busy`) that last reported `blocks` free KV blocks
+    and no reservation waiting for room, and has not refused one since. Its reported free
+    blocks are lowered by `blocks` until it reports again (so a burst does not all go there)."""
+    for worker in sorted(workers, key=Worker.load):
+        stats = worker.stats
+        if worker is busy or worker.refusing() or stats.get("num_waiting_reservations", 1):
+            continue
+        if int(stats.get("num_free_blocks", 0)) >= blocks:
+            stats["num_free_blocks"] = int(stats["num_free_blocks"]) - blocks
+            return worker
+    return None
+
+
+def move_load(old: Worker, new: Worker, requests: int, tokens: int) -> None:
+    old.in_flight -= requests
+    old.queued_tokens -= tokens
+    new.in_flight += requests
+    new.queued_tokens += tokens
