@@ -109,8 +109,9 @@ class PDOrchestrator:
             _open_decode(plan, request_id, prompt_token_ids, params, priority)
             for attempt in range(MAX_DRAIN_RETRIES + 1):
                 first = await read_next(plan.decode_stream, plan.decoder)
-                if first["type"] == "queued" and not moved:
-                    moved = await move_for_room(self.directory, plan, request_id)
+                waits = first["type"] == "queued"  # (else refused, if it may not wait)
+                if not moved and (waits or first.get("code") == NO_CAPACITY):
+                    moved = await move_for_room(self.directory, plan, request_id, waits)
                     if moved:  # (it asks there; its prefill goes on, for that grant)
                         _open_decode(plan, request_id, prompt_token_ids, params, priority)
                         first = await read_next(plan.decode_stream, plan.decoder)

@@ -39,10 +39,13 @@ async def replace_lost_prefill(directory: WorkerDirectory, plan: RoutePlan) -> N
     plan.prefill = new
 
 
-async def move_for_room(directory: WorkerDirectory, plan: RoutePlan, request_id: str) -> bool:
-    """The plan's decode worker has no KV room now: another one that reported room for
-    the prompt, and no reservation waiting, takes the request (not when the plan's worker
-    holds a prefix of it). Its waiting reservation there is withdrawn. Whether it moved."""
+async def move_for_room(
+    directory: WorkerDirectory, plan: RoutePlan, request_id: str, waiting: bool
+) -> bool:
+    """The plan's decode worker has no KV room now (the reservation is `waiting` there, or
+    was refused: a request with a deadline): another one that reported room for the prompt,
+    and no reservation waiting, takes the request (not when the plan's worker holds a prefix
+    of it). A waiting reservation is withdrawn. Whether it moved."""
     old = plan.decoder
     old.note_reservation(refused=True)
     if plan.decode_hit_blocks:  # (its KV is there: it waits for it)
@@ -56,7 +59,8 @@ async def move_for_room(directory: WorkerDirectory, plan: RoutePlan, request_id:
         old.worker_id,
         new.worker_id,
     )
-    await to_completion(close_calls(set(), plan.decode_stream, (old, request_id)))
+    withdrawn = (old, request_id) if waiting else None  # (granted meanwhile: freed at once)
+    await to_completion(close_calls(set(), plan.decode_stream, withdrawn))
     move_load(old, new, 1, plan.decode_tokens)
     plan.decode = new
     return True

@@ -1,15 +1,19 @@
-"""A decode worker with no KV room now (its reservation waits, `queued`) while another one
-reported room and nothing waiting: the request moves there once, instead of waiting its turn;
-not when its worker holds a prefix of it, nor to a worker without room."""
+"""A decode worker with no KV room now (its reservation waits, `queued`, or is refused: a
+request with a deadline) while another one reported room and nothing waiting: the request moves
+there once, instead of waiting its turn or a 429; not when its worker holds a prefix of it, nor
+to a worker without room."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import pytest
+
+from tandem.router.errors import APIError
 from tandem.router.pd_orchestrator import PDOrchestrator
 from tandem.router.plan_moves import roomy_decoder
-from tests.unit.test_decode_full_admission import QueueingDecode, RecordingPrefill
+from tests.unit.test_decode_full_admission import FullDecode, QueueingDecode, RecordingPrefill
 from tests.unit.test_drain import FakeWorker, held_plan, run, start
 
 ROOM = {"num_free_blocks": 100, "num_waiting_reservations": 0}
@@ -68,5 +72,28 @@ def test_the_roomy_worker_is_the_least_loaded_that_reported_room() -> None:
         w2.stats = dict(ROOM)
         assert roomy_decoder([w0, w1, w2], w0, 60) is None  # (it refused since)
         await d.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_with_a_deadline_refused_for_room_tries_a_worker_with_room() -> None:
+    async def main() -> None:
+        for stats in (ROOM, {**ROOM, "num_free_blocks": 0}):
+            d0, d1, p0 = FullDecode("d0"), FakeWorker("d1"), FakeWorker("p0")
+            d = await start(d0, d1, p0, roles="decode decode prefill")
+            d.workers["d1"].stats = dict(stats)
+            plan = held_plan(d, "d0", "p0")
+            plan.wait_for_room = False
+            if stats["num_free_blocks"]:
+                items = await run(PDOrchestrator(d), plan)
+                assert items[-1]["text"] == "d1" and plan.decoder.worker_id == "d1"
+            else:
+                with pytest.raises(APIError) as refused:
+                    await run(PDOrchestrator(d), plan)
+                plan.release()  # (the router's serving layer does, for a refused request)
+                assert (refused.value.status, refused.value.code) == (429, "decode_full")
+            loads = {w.worker_id: (w.in_flight, w.queued_tokens) for w in d.workers.values()}
+            assert loads == {"d0": (0, 0), "d1": (0, 0), "p0": (0, 0)}
+            await d.close()
 
     asyncio.run(main())
