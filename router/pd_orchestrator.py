@@ -28,7 +28,7 @@ from typing import Any
 from tandem.engine.rpc import RPCError
 from tandem.router.call_cleanup import close_calls, to_completion, unwritten_release
 from tandem.router.errors import APIError, unavailable
-from tandem.router.plan_moves import move_for_room, move_from_draining, replace_lost_prefill
+from tandem.router.plan_moves import move, move_for_room, move_from_draining
 from tandem.router.prefill_call import (
     PrefillCall,
     start_prefill_call,
@@ -211,7 +211,7 @@ class PDOrchestrator:
                 if plan.prefill_call is None and plan.prefill.client.closed:
                     # Its worker died while the request waited for decode's grant; nothing of
                     # it started there: another worker takes it, with the grant.
-                    await replace_lost_prefill(self.directory, plan)
+                    await move(self.directory, plan, "prefill", "lost")
                 prefill_task = start_prefill(plan.prefill_call)
             next_item = asyncio.ensure_future(read_next(stream, plan.decoder))
             pending.add(next_item)
@@ -324,9 +324,8 @@ class PDOrchestrator:
                 outcome = await plan.prefill_call.task
                 if outcome.get("code") != DRAINING or attempt == MAX_DRAIN_RETRIES:
                     break
-                await move_from_draining(
-                    self.directory, plan, "prefill"
-                )  # nothing started there: another one runs it
+                # nothing started there: another one runs it
+                await move_from_draining(self.directory, plan, "prefill")
                 plan.prefill_call = start_prefill_call(
                     plan.prefill, request_id, prompt_token_ids, params, None, priority, True
                 )

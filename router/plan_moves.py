@@ -15,28 +15,17 @@ logger = logging.getLogger(__name__)
 
 async def move_from_draining(directory: WorkerDirectory, plan: RoutePlan, role: str) -> None:
     """The plan's `role` worker is draining: another one takes the request (and its load)."""
-    old = plan.decoder if role == "decode" else plan.prefill
-    assert old is not None
+    old = _worker(plan, role)
     directory.mark_draining(old.worker_id)
+    await move(directory, plan, role, "draining")
+
+
+async def move(directory: WorkerDirectory, plan: RoutePlan, role: str, why: str) -> None:
+    """Another `role` worker takes the request from the plan's (`why`: what became of it)."""
+    old = _worker(plan, role)
     new = await directory.pick(role)
-    logger.info("request moved from draining %s to %s", old.worker_id, new.worker_id)
-    if role == "decode":
-        move_load(old, new, 1, plan.decode_tokens)
-        plan.decode = new
-    else:
-        move_load(old, new, 1, plan.prefill_tokens)
-        plan.prefill = new
-
-
-async def replace_lost_prefill(directory: WorkerDirectory, plan: RoutePlan) -> None:
-    """The plan's prefill worker is gone (its connection closed): another one takes the
-    request, and its load."""
-    old = plan.prefill
-    assert old is not None
-    new = await directory.pick("prefill")
-    logger.info("request moved from lost %s to %s", old.worker_id, new.worker_id)
-    move_load(old, new, 1, plan.prefill_tokens)
-    plan.prefill = new
+    logger.info("request moved from %s %s to %s", why, old.worker_id, new.worker_id)
+    reassign(plan, role, new)
 
 
 async def move_for_room(
@@ -61,8 +50,7 @@ async def move_for_room(
     )
     withdrawn = (old, request_id) if waiting else None  # (granted meanwhile: freed at once)
     await to_completion(close_calls(set(), plan.decode_stream, withdrawn))
-    move_load(old, new, 1, plan.decode_tokens)
-    plan.decode = new
+    reassign(plan, "decode", new)
     return True
 
 
@@ -80,8 +68,21 @@ def roomy_decoder(workers: list[Worker], busy: Worker, blocks: int) -> Worker | 
     return None
 
 
-def move_load(old: Worker, new: Worker, requests: int, tokens: int) -> None:
-    old.in_flight -= requests
+def reassign(plan: RoutePlan, role: str, new: Worker) -> None:
+    """`new` becomes the plan's `role` worker; the request's load moves from the old one."""
+    old = _worker(plan, role)
+    tokens = plan.decode_tokens if role == "decode" else plan.prefill_tokens
+    old.in_flight -= 1
     old.queued_tokens -= tokens
-    new.in_flight += requests
+    new.in_flight += 1
     new.queued_tokens += tokens
+    if role == "decode":
+        plan.decode = new
+    else:
+        plan.prefill = new
+
+
+def _worker(plan: RoutePlan, role: str) -> Worker:
+    worker = plan.decoder if role == "decode" else plan.prefill
+    assert worker is not None
+    return worker
