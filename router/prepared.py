@@ -116,6 +116,36 @@ class Prepared:
             text.checked_len = len(text.text)  # (the lost worker found no stop in it)
             self.resumed_text = text
 
+    def take(self, item: dict[str, Any]) -> str | None:
+        """Adds a token item of the cluster's to this request; the outcome to log when it is the
+        last one. A resumed request's item gets the text detokenized here, and ends at a stop
+        string found here."""
+        if self.resumed_text is not None:
+            self.retext(item)
+        if self.prompt_only:  # (what was generated is not part of the answer)
+            item = {**item, "token_ids": [], "text": "", "logprobs": None}
+            if item.get("finish_reason") is not None:
+                item["finish_reason"], item["stop_reason"] = "length", None
+        self.completion_tokens += len(item["token_ids"])
+        self.token_ids.extend(item["token_ids"])
+        if self.params.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(item.get("logprobs") or ())
+        if item.get("prompt_logprobs") is not None and self.prompt_logprobs is None:
+            # (a resumed attempt's prompt holds tokens generated before: the request's own)
+            self.prompt_logprobs = item["prompt_logprobs"][: len(self.prompt_token_ids)]
+        self.text += item["text"]
+        if "num_cached_tokens" in item:  # (decode's first item has them, and its last)
+            # (of the last attempt's prompt: at most the request's own when it went on)
+            self.num_cached_tokens = min(int(item["num_cached_tokens"]), len(self.prompt_token_ids))
+            self.num_transferred_blocks = int(item.get("num_transferred_blocks", 0))
+        if item.get("finish_reason") is None:
+            return None
+        self.finish_reason = item["finish_reason"]
+        self.stop_reason = item.get("stop_reason")
+        return f"finished({self.finish_reason})"
+
     def retext(self, item: dict[str, Any]) -> None:
         """Replaces the text of a resumed request's `item` with the text of its tokens after
         the request's own prompt and output so far; cuts the item at a stop string (the output

@@ -305,7 +305,7 @@ class Serving:
                                 if last_item is not None:
                                     self.metrics.token_gap(now - last_item)
                                 last_item = now
-                                outcome = self._take(req, item) or outcome
+                                outcome = req.take(item) or outcome
                                 yield item
                                 if req.stopped_here:  # (closing the stream cancels it)
                                     break
@@ -354,36 +354,6 @@ class Serving:
             req.plan,
             req.priority,
         )
-
-    @staticmethod
-    def _take(req: Prepared, item: dict[str, Any]) -> str | None:
-        """Adds a token item to `req`; the outcome to log when it is the last one. A resumed
-        request's item gets the text detokenized here, and ends at a stop string found here."""
-        if req.resumed_text is not None:
-            req.retext(item)
-        if req.prompt_only:  # (what was generated is not part of the answer)
-            item = {**item, "token_ids": [], "text": "", "logprobs": None}
-            if item.get("finish_reason") is not None:
-                item["finish_reason"], item["stop_reason"] = "length", None
-        req.completion_tokens += len(item["token_ids"])
-        req.token_ids.extend(item["token_ids"])
-        if req.params.logprobs is not None:
-            if req.logprobs is None:
-                req.logprobs = []
-            req.logprobs.extend(item.get("logprobs") or ())
-        if item.get("prompt_logprobs") is not None and req.prompt_logprobs is None:
-            # (a resumed attempt's prompt holds tokens generated before: the request's own)
-            req.prompt_logprobs = item["prompt_logprobs"][: len(req.prompt_token_ids)]
-        req.text += item["text"]
-        if "num_cached_tokens" in item:  # (decode's first item has them, and its last)
-            # (of the last attempt's prompt: at most the request's own when it went on)
-            req.num_cached_tokens = min(int(item["num_cached_tokens"]), len(req.prompt_token_ids))
-            req.num_transferred_blocks = int(item.get("num_transferred_blocks", 0))
-        if item.get("finish_reason") is None:
-            return None
-        req.finish_reason = item["finish_reason"]
-        req.stop_reason = item.get("stop_reason")
-        return f"finished({req.finish_reason})"
 
     def _record(self, req: Prepared) -> None:
         """Metrics of a request that finished, or that the client abandoned ("abort")."""
