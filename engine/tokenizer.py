@@ -31,6 +31,8 @@ TOKENIZER_FILES: tuple[str, ...] = (
 """Files that define a tokenizer's behaviour; `Tokenizer.digest` hashes those present."""
 
 _MODEL_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+NO_TOKENIZER_LIMIT = int(1e30)
+"""`model_max_length` of loaded tokenizers (transformers' own spelling of "no limit")."""
 
 
 def ids_outside_vocab(token_ids: Sequence[int], vocab_size: int) -> list[int]:
@@ -126,6 +128,10 @@ class Tokenizer:
             hf = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"cannot load the tokenizer in {str(root)!r}: {exc}") from exc
+        # The engine checks prompt lengths against its own `max_model_len`; the tokenizer's
+        # config limit (often the training context) would only log a misleading "Token indices
+        # sequence length is longer than ..." warning for a long text that the model takes.
+        hf.model_max_length = NO_TOKENIZER_LIMIT
         return cls(hf, source_dir=root, extra_eos_token_ids=generation_eos_token_ids(root))
 
     @property

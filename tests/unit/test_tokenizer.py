@@ -38,6 +38,17 @@ def test_round_trip(tok: Tokenizer, text: str) -> None:
     assert tok.decode(ids) == text
 
 
+def test_a_text_longer_than_the_tokenizers_config_limit_logs_no_warning(
+    tiny_checkpoint: Callable[..., Path], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The engine checks lengths itself (`max_model_len`): the tokenizer's configured limit
+    (2048 for the tiny checkpoint) must not log transformers' "indexing errors" warning."""
+    fresh = Tokenizer.from_pretrained(tiny_checkpoint())  # (transformers warns once per object)
+    ids = fresh.encode("hello world " * 1500)
+    assert len(ids) > 2048
+    assert "longer than the specified maximum" not in capfd.readouterr().err
+
+
 def test_multibyte_chars_split_into_byte_tokens(tok: Tokenizer) -> None:
     ids = tok.encode("龘")  # not in the training corpus: one token per UTF-8 byte
     assert len(ids) == 3
