@@ -175,7 +175,26 @@ class DecodeService(WorkerLoop):
         stream is still open. Returns how many blocks were released."""
         return await self.submit(lambda: self._release_unwritten(request_id))
 
+    async def release_from_lost_sender(self, request_id: str, sender: str) -> int:
+        """The router handed `request_id`'s grant to the prefill worker at KV address `sender`
+        and lost that worker: its blocks go back as soon as the transport confirms the sender
+        is gone (now, if it has), not after the stall timeout. Ends the request here if its
+        stream is still open. Returns how many blocks were released now."""
+        return await self.submit(lambda: self._release_from_lost_sender(request_id, sender))
+
     # ---- the loop thread -----------------------------------------------------------------------
+    def _release_from_lost_sender(self, request_id: str, sender: str) -> int:
+        self._cancel(request_id)  # (if the stream's close has not reached this thread yet)
+        released = self.receiver.release_from_lost_sender(request_id, sender)
+        if released:
+            logger.info(
+                "decode: %s's %d reserved blocks released (its sender %s is gone)",
+                request_id,
+                released,
+                sender,
+            )
+        return released
+
     def _release_unwritten(self, request_id: str) -> int:
         self._cancel(request_id)  # (if the stream's close has not reached this thread yet)
         released = self.receiver.release_unwritten(request_id)

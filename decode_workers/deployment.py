@@ -52,6 +52,7 @@ class DecodeWorker(WorkerDeployment):
             "generate": self.tracked(self.generate),
             "info": self._rpc_info,
             "release_unwritten": self._rpc_release_unwritten,  # (frees: answered while draining)
+            "release_from_lost_sender": self._rpc_release_from_lost_sender,  # (frees, too)
             "kv_events": self._rpc_kv_events,
             "stats": self._rpc_stats,
         }
@@ -113,3 +114,10 @@ class DecodeWorker(WorkerDeployment):
     async def _rpc_release_unwritten(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
         """The router never handed this request's grant to a prefill worker (one item)."""
         yield {"released_blocks": await self.service.release_unwritten(request_id)}
+
+    async def _rpc_release_from_lost_sender(
+        self, request_id: str, sender: str
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The router lost the prefill worker it handed `request_id`'s grant to."""
+        released = await self.service.release_from_lost_sender(request_id, sender)
+        yield {"released_blocks": released}

@@ -75,6 +75,7 @@ class ChannelTransport(ChannelHooks):
         self._queues: dict[str, deque[Outgoing]] = {}
         self._links: dict[str, Link] = {}
         self._conns: set[Conn] = set()
+        self._open_from: dict[str, int] = {}  # authenticated connections per peer not yet ended
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._turn = 0
@@ -209,6 +210,8 @@ class ChannelTransport(ChannelHooks):
                 return
             assert hello is not None
             conn.peer = hello["address"]
+            with self._cond:
+                self._open_from[conn.peer] = self._open_from.get(conn.peer, 0) + 1
             reply = self._accept_hello(conn, hello)
             send_frame(sock, {"type": "welcome", "address": self._address, **reply})
             self._accepted(conn)
@@ -232,6 +235,24 @@ class ChannelTransport(ChannelHooks):
                 self._conns.discard(conn)
             self._release_conn(conn)
             shutdown_and_close(sock)
+            self._ended(conn)
+
+    def _ended(self, conn: Conn) -> None:
+        """After an authenticated connection ended and was released: when it was the peer's
+        last and the peer's process is gone (`_sender_gone`), a ``peer_gone`` message follows
+        everything the peer sent (see `tandem.kv_transfer.base`)."""
+        peer = conn.peer
+        if not peer:
+            return
+        with self._cond:
+            left = self._open_from.get(peer, 0) - 1
+            if left > 0:
+                self._open_from[peer] = left
+                return
+            self._open_from.pop(peer, None)
+        if not self._closed and self._sender_gone(conn):
+            log.info("%s: %s is gone (its process ended)", self._address, peer)
+            self._inbox.put(Message(peer, {"type": "peer_gone"}, None))
 
     def _next_item(self) -> Outgoing | None:
         """The next message to send, round robin over peers (call holding `_cond`); its peer is

@@ -19,6 +19,11 @@ Semantics every implementation keeps:
   peer died or closed, timeout); the peer's other queued messages are dropped with them.
   `request_id` is None when the link to `peer` broke with nothing queued (messages already
   handed over may or may not have arrived: the protocol's acks and leases decide).
+- A transport that can tell that a peer's *process* is gone (not merely a broken link) may
+  deliver `Message(peer, {"type": "peer_gone"}, None)` once every message of that peer's it
+  will deliver has been delivered and nothing of the peer's can still be written into the pool:
+  the receiver then frees what it held for that sender at once (`receiver.py`). shm does (the
+  kernel names the process at the other end of its socket), and so does local at `close()`.
 """
 
 from __future__ import annotations

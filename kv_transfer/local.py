@@ -30,6 +30,11 @@ class LocalHub:
     def detach(self, address: str) -> None:
         self._endpoints.pop(address, None)
 
+    def gone(self, address: str) -> None:
+        """Tells every endpoint that `address` closed (it sends, so writes, nothing more)."""
+        for endpoint in self._endpoints.values():
+            endpoint._inbox.put(Message(address, {"type": "peer_gone"}, None))
+
     def lookup(self, address: str) -> LocalTransport:
         try:
             return self._endpoints[address]
@@ -81,3 +86,4 @@ class LocalTransport(KVTransport):
         if not self._closed:
             self._closed = True
             self.hub.detach(self._address)
+            self.hub.gone(self._address)

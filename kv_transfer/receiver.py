@@ -20,6 +20,12 @@ refused chunk, lease expiry, a stall) are *held* until the sender confirms it st
 ``cancelled`` reply, which the transport's FIFO order delivers after any pages it sent before)
 or `stall_timeout_s` passes; only then do they return to the engine, so no page is reused while
 in flight. `block_tables()` lists held blocks too.
+
+A sender whose process died writes nothing more: a transport that knows it (shm, from the
+kernel; local) delivers a ``peer_gone`` message after the last of that peer's messages. Blocks
+held for that sender go back at once, and its live reservations fail. Held blocks whose sender
+was never heard from (no page came) are tied to it when the router names the prefill worker it
+handed the grant to and lost (`release_from_lost_sender`).
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ from tandem.kv_transfer.manifest import (
 )
 
 logger = logging.getLogger(__name__)
+
+GONE_KEPT = 256
+"""How many gone senders a receiver remembers (for `release_from_lost_sender` calls that come
+after the transport's word)."""
 
 
 class ReservationGrant(NamedTuple):
@@ -83,6 +93,8 @@ class KVReceiver:
         self.reservations: dict[str, Reservation] = {}
         self.held: list[Held] = []
         """Blocks of ended reservations waiting for the sender's confirmation (see above)."""
+        self.gone: dict[str, None] = {}
+        """Senders the transport reported gone (``peer_gone``), oldest first (`GONE_KEPT`)."""
         transport.register_pool(engine.kv_pool)
 
     # ---- reservations ---------------------------------------------------------------------------
@@ -140,6 +152,20 @@ class KVReceiver:
             self._unhold(held)
         return released
 
+    def release_from_lost_sender(self, request_id: str, sender: str) -> int:
+        """The router handed `request_id`'s grant to the prefill worker whose KV address is
+        `sender`, and lost it: held blocks of the request that no page reached are that
+        sender's. They go back now if the transport reported it gone, else when it does (or
+        after `stall_timeout_s`, as before). Returns how many blocks were released now."""
+        released = 0
+        for held in [h for h in self.held if h.request_id == request_id]:
+            if held.peer is None:
+                held.peer = sender
+            if held.peer == sender and sender in self.gone:
+                released += len(held.block_table)
+                self._unhold(held)
+        return released
+
     @property
     def busy(self) -> bool:
         """Whether messages are expected: live reservations, or held blocks awaiting the
@@ -157,6 +183,9 @@ class KVReceiver:
     def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
         events: list[TransferEvent] = []
         for message in self.transport.poll(timeout):
+            if message.header.get("type") == "peer_gone":
+                events.extend(self._sender_gone(message.peer))
+                continue
             event = self._handle(message)
             if event is not None:
                 events.append(event)
@@ -198,6 +227,17 @@ class KVReceiver:
                     res, f"transport error: {message.header.get('error')}", notify=False
                 )
         return None
+
+    def _sender_gone(self, peer: str) -> list[TransferEvent]:
+        """`peer` can write nothing more (its process is gone, and the transport delivered all
+        it had sent): its held blocks go back, its live reservations fail."""
+        self.gone[peer] = None
+        while len(self.gone) > GONE_KEPT:
+            del self.gone[next(iter(self.gone))]
+        for held in [h for h in self.held if h.peer == peer]:
+            self._unhold(held)
+        lost = [r for r in self.reservations.values() if r.peer == peer]
+        return [self._fail(r, "its sender is gone", notify=False) for r in lost]
 
     def _on_pages(self, message: Message, request_id: str) -> TransferEvent | None:
         res = self.reservations.get(request_id)
@@ -352,7 +392,7 @@ class KVReceiver:
         self.reservations.pop(res.request_id, None)
         if notify:
             self._hold(res)
-        else:  # the link to the sender broke: it can write nothing more
+        else:  # the link to the sender broke, or its process is gone: it writes nothing more
             self.engine.block_manager.free(res.block_table)
         if notify and res.peer is not None:
             self._reply_error(res.peer, res.request_id, error)

@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from tandem.engine.rpc import RPCError
-from tandem.router.call_cleanup import close_calls, to_completion, unwritten_release
+from tandem.router.call_cleanup import close_calls, held_blocks_release, to_completion, unwritten
 from tandem.router.errors import APIError, unavailable
 from tandem.router.plan_moves import move, move_for_room, move_from_draining
 from tandem.router.prefill_call import (
@@ -139,8 +139,8 @@ class PDOrchestrator:
             # Left before decode's answer came (the client went): a reservation made meanwhile
             # was handed to no prefill worker. (An API error is decode's own refusal, or a
             # broken connection to it.)
-            unwritten = None if isinstance(exc, APIError) else (plan.decoder, request_id)
-            await to_completion(close_calls(futures, plan.decode_stream, unwritten))
+            release = None if isinstance(exc, APIError) else unwritten(plan, request_id)
+            await to_completion(close_calls(futures, plan.decode_stream, release))
             raise
         if not queued:  # (granted at once: there is room again)
             plan.decoder.note_reservation(refused=False)
@@ -157,7 +157,7 @@ class PDOrchestrator:
         pending = set() if call is None else call.futures()
         try:
             await to_completion(
-                close_calls(pending, plan.decode_stream, unwritten_release(plan, request_id))
+                close_calls(pending, plan.decode_stream, held_blocks_release(plan, request_id))
             )
         finally:
             plan.release()
@@ -302,7 +302,9 @@ class PDOrchestrator:
             try:
                 await to_completion(
                     close_calls(
-                        pending, stream, None if completed else unwritten_release(plan, request_id)
+                        pending,
+                        stream,
+                        None if completed else held_blocks_release(plan, request_id),
                     )
                 )
             finally:

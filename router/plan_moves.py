@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from tandem.router.call_cleanup import close_calls, to_completion
+from tandem.router.call_cleanup import close_calls, to_completion, unwritten
 from tandem.router.route_planner import RoutePlan
 from tandem.router.worker_directory import Worker, WorkerDirectory
 
@@ -48,7 +48,7 @@ async def move_for_room(
         old.worker_id,
         new.worker_id,
     )
-    withdrawn = (old, request_id) if waiting else None  # (granted meanwhile: freed at once)
+    withdrawn = unwritten(plan, request_id) if waiting else None  # (granted meanwhile: freed)
     await to_completion(close_calls(set(), plan.decode_stream, withdrawn))
     reassign(plan, "decode", new)
     return True

@@ -61,6 +61,12 @@ class Worker:
         it reserves before its prefill starts, so a refusal wastes no prefill work."""
         return self.refused_at is not None and time.monotonic() - self.refused_at < REFUSING_S
 
+    @property
+    def kv_address(self) -> str | None:
+        """Its KV transport's address (from its reports), where it has reported one."""
+        address = self.stats.get("address")
+        return address if isinstance(address, str) and address else None
+
     def load(self) -> tuple[float, ...]:
         reported = self.stats.get(
             "num_waiting_tokens" if self.role == "prefill" else "kv_cache_usage", 0

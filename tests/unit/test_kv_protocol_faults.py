@@ -12,6 +12,7 @@ from tandem import LLM
 from tandem.kv_transfer.fake import FakeTransport
 from tandem.kv_transfer.local import LocalHub
 from tandem.kv_transfer.manifest import TransferError
+from tandem.kv_transfer.sender import KVSender
 from tests import kv_protocol_pair
 from tests.kv_protocol_pair import (
     GREEDY,
@@ -222,3 +223,63 @@ def test_a_prefill_that_waits_its_turn_renews_its_reservation(model: str, coloca
     assert [(e.kind, e.error) for e in events] == [
         ("failed", "lease expired before any page arrived")
     ]
+
+
+def _revived(pair: Pair) -> None:
+    """A new prefill process in place of a dead one (engine, transport and sender)."""
+    pair.prefill = LLM(
+        model=pair.prefill.config.model, num_kv_blocks=256, max_num_batched_tokens=128
+    ).engine
+    pair.p_transport = FakeTransport(TOKEN, hub=pair.d_transport.hub)
+    pair.sender = KVSender(pair.prefill, pair.p_transport, ack_timeout_s=5, clock=pair.clock)
+
+
+def test_a_sender_that_is_gone_fails_its_stream_and_frees_the_blocks_at_once(
+    model: str, colocated: LLM
+) -> None:
+    """A transport that knows the sender's process ended (``peer_gone``, after all it sent)
+    frees what decode reserved for it now, not after the stall timeout: nothing can write
+    those blocks any more."""
+    pair = Pair(model)
+    pair.start("k", prompt_of(16 * 30, start=12))
+    pair.events += pair.sender.step()
+    pair.events += pair.receiver.poll()
+    assert pair.receiver.reservations["k"].peer == pair.p_transport.address
+    pair.sender.outgoing.clear()  # its process dies: nothing more is sent ...
+    pair.p_transport.close()  # ... and the transport says so (a local endpoint at its close)
+    events = pair.receiver.poll()  # (no time passes)
+    assert [(e.kind, e.request_id, e.error) for e in events] == [
+        ("failed", "k", "its sender is gone")
+    ]
+    assert not pair.receiver.held and not pair.receiver.reservations
+    pair.decode.block_manager.check_integrity([])
+    assert pair.decode.block_manager.num_free_blocks == 256
+    _revived(pair)
+    next_request_is_exact(pair, colocated)
+
+
+def test_blocks_held_for_a_lost_sender_go_back_once_the_transport_says_it_is_gone(
+    model: str,
+) -> None:
+    """Reservations cancelled before any page came do not know their sender; the router names
+    the prefill worker it handed the grant to and lost (`release_from_lost_sender`). Their
+    blocks go back when the transport reports that sender gone, before or after the naming;
+    blocks of a sender that is not gone stay held until the stall timeout."""
+    pair = Pair(model)
+    sender = pair.p_transport.address
+    for i, rid in enumerate(("named-first", "named-after", "other-sender", "unnamed")):
+        pair.receiver.reserve(rid, prompt_of(16 * 5 + 3, start=100 * i + 1), GREEDY)
+        assert pair.receiver.cancel(rid, "client left")
+    assert pair.decode.block_manager.num_free_blocks == 256 - 4 * 6
+    assert pair.receiver.release_from_lost_sender("named-first", sender) == 0  # not gone yet
+    pair.p_transport.close()
+    assert pair.receiver.poll() == []
+    assert [h.request_id for h in pair.receiver.held] == ["named-after", "other-sender", "unnamed"]
+    assert pair.receiver.release_from_lost_sender("named-after", sender) == 6
+    assert pair.receiver.release_from_lost_sender("other-sender", "local:99") == 0
+    assert [h.request_id for h in pair.receiver.held] == ["other-sender", "unnamed"]
+    assert pair.decode.block_manager.num_free_blocks == 256 - 2 * 6
+    pair.clock.now += 6  # the rest: the stall timeout, as before
+    assert pair.receiver.poll() == []
+    pair.decode.block_manager.check_integrity([])
+    assert pair.decode.block_manager.num_free_blocks == 256

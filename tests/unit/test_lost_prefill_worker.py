@@ -104,3 +104,78 @@ def test_a_prefill_that_fails_because_its_decode_worker_died_is_that_workers_los
         await d.close()
 
     asyncio.run(main())
+
+
+class HoldingDecode(HangingDecode):
+    """Grants, streams nothing; records the router's releases of held blocks."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(worker_id)
+        self.releases: list[tuple[str, dict[str, Any]]] = []
+        self.server.handlers["release_unwritten"] = self.release_unwritten
+        self.server.handlers["release_from_lost_sender"] = self.release_from_lost_sender
+
+    async def release_unwritten(self, **args: Any) -> AsyncIterator[dict[str, Any]]:
+        self.releases.append(("release_unwritten", args))
+        yield {"released_blocks": 0}
+
+    async def release_from_lost_sender(self, **args: Any) -> AsyncIterator[dict[str, Any]]:
+        self.releases.append(("release_from_lost_sender", args))
+        yield {"released_blocks": 0}
+
+
+class HangingPrefill(FakeWorker):
+    """Takes the grant and computes for ever (its process is about to die)."""
+
+    async def prefill(self, grant: dict[str, Any], **_: Any) -> AsyncIterator[dict[str, Any]]:
+        await asyncio.sleep(60)
+        yield {}
+
+
+def test_a_request_whose_prefill_worker_is_lost_after_the_grant_names_it_to_decode() -> None:
+    """Decode holds the blocks of a reservation that ends before its pages came, in case its
+    sender still writes them; told which lost prefill worker had the grant (its KV address),
+    it frees them once its transport confirms that worker's process is gone."""
+
+    async def main() -> None:
+        decode = HoldingDecode("d0")
+        d = await start(decode, HangingPrefill("p0"), roles="decode prefill")
+        d.workers["p0"].stats = {"role": "prefill", "address": "shm:/tmp/tandem-kv-p0.sock"}
+
+        async def p0_dies() -> None:
+            await asyncio.sleep(0.1)  # (computing, with the grant)
+            await d.workers["p0"].client.abandon("died")
+
+        death = asyncio.create_task(p0_dies())
+        with pytest.raises(WorkerLost) as lost:
+            await run(PDOrchestrator(d), held_plan(d, "d0", "p0"))
+        await death
+        assert (lost.value.worker_id, lost.value.code) == ("p0", "prefill_failed")
+        assert decode.releases == [
+            (
+                "release_from_lost_sender",
+                {"request_id": "r1", "sender": "shm:/tmp/tandem-kv-p0.sock"},
+            )
+        ]
+        await d.close()
+
+    asyncio.run(main())
+
+
+def test_no_release_when_the_prefill_worker_with_the_grant_is_alive() -> None:
+    """A client that leaves: decode's blocks wait for that worker's own word (its cancel)."""
+
+    async def main() -> None:
+        decode = HoldingDecode("d0")
+        d = await start(decode, HangingPrefill("p0"), roles="decode prefill")
+        d.workers["p0"].stats = {"role": "prefill", "address": "shm:/tmp/tandem-kv-p0.sock"}
+        task = asyncio.ensure_future(run(PDOrchestrator(d), held_plan(d, "d0", "p0")))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)
+        assert decode.releases == []
+        await d.close()
+
+    asyncio.run(main())
