@@ -212,10 +212,11 @@ def test_a_client_gone_before_the_first_byte_closes_the_reserved_calls() -> None
         return {}
 
     class Plan:
-        prefill = SimpleNamespace(worker_id="prefill/x")
+        prefill = SimpleNamespace(worker_id="prefill/x", client=SimpleNamespace(lost_at=None))
         decode = decoder = SimpleNamespace(worker_id="decode/x")
         prefill_hit_blocks = decode_hit_blocks = 0
-        grant, grant_handed = {"dst_block_ids": [1]}, True  # (no release on decode to ask for)
+        # (handed to a prefill worker that lives: no release on decode to ask for)
+        grant, grant_handed = {"dst_block_ids": [1]}, True
 
         def __init__(self) -> None:
             self.decode_stream = decode_stream()
