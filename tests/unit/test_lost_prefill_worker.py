@@ -12,8 +12,19 @@ import pytest
 
 from tandem.router.errors import WorkerLost
 from tandem.router.pd_orchestrator import PDOrchestrator
+from tandem.router.worker_directory import WorkerDirectory
 from tests.unit.test_decode_full_admission import QueueingDecode, RecordingPrefill
 from tests.unit.test_drain import FakeWorker, held_plan, run, start
+
+
+def dies_after(d: WorkerDirectory, worker_id: str, seconds: float) -> asyncio.Task[None]:
+    """The router loses its connection to `worker_id` after `seconds` (as when it dies)."""
+
+    async def dies() -> None:
+        await asyncio.sleep(seconds)
+        await d.workers[worker_id].client.abandon("died")
+
+    return asyncio.create_task(dies())
 
 
 def test_a_request_whose_prefill_worker_died_while_it_waited_for_room_takes_another() -> None:
@@ -23,11 +34,7 @@ def test_a_request_whose_prefill_worker_died_while_it_waited_for_room_takes_anot
         d = await start(decode, p0, p1, roles="decode prefill prefill")
         plan = held_plan(d, "d0", "p0")
 
-        async def p0_dies() -> None:
-            await asyncio.sleep(0.02)  # (while the reservation waits)
-            await d.workers["p0"].client.abandon("died")
-
-        death = asyncio.create_task(p0_dies())
+        death = dies_after(d, "p0", 0.02)  # (while the reservation waits)
         items = await run(PDOrchestrator(d), plan)
         await death
         assert [i["token_ids"] for i in items] == [[0], [1], [2]]
@@ -92,11 +99,7 @@ def test_a_prefill_that_fails_because_its_decode_worker_died_is_that_workers_los
     async def main() -> None:
         d = await start(HangingDecode("d0"), FailingPrefill("p0"), roles="decode prefill")
 
-        async def d0_dies() -> None:
-            await asyncio.sleep(0.1)  # (after the prefill's failure reached the router)
-            await d.workers["d0"].client.abandon("died")
-
-        death = asyncio.create_task(d0_dies())
+        death = dies_after(d, "d0", 0.1)  # (after the prefill's failure reached the router)
         with pytest.raises(WorkerLost) as lost:
             await run(PDOrchestrator(d), held_plan(d, "d0", "p0"))
         await death
@@ -142,11 +145,7 @@ def test_a_request_whose_prefill_worker_is_lost_after_the_grant_names_it_to_deco
         d = await start(decode, HangingPrefill("p0"), roles="decode prefill")
         d.workers["p0"].stats = {"role": "prefill", "address": "shm:/tmp/tandem-kv-p0.sock"}
 
-        async def p0_dies() -> None:
-            await asyncio.sleep(0.1)  # (computing, with the grant)
-            await d.workers["p0"].client.abandon("died")
-
-        death = asyncio.create_task(p0_dies())
+        death = dies_after(d, "p0", 0.1)  # (computing, with the grant)
         with pytest.raises(WorkerLost) as lost:
             await run(PDOrchestrator(d), held_plan(d, "d0", "p0"))
         await death
