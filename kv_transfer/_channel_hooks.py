@@ -59,10 +59,5 @@ class ChannelHooks(KVTransport):
     def _release_conn(self, conn: Conn) -> None:
         """Drops what an accepted connection holds; never raises."""
 
-    def _sender_gone(self, conn: Conn) -> bool:
-        """Whether the process that sent over the ended `conn` is gone (it can write nothing
-        more); False when this transport cannot tell. May wait a moment for it to end."""
-        return False
-
     def _release(self) -> None:
         """Frees endpoint-wide resources at close (after threads were stopped)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer._channel_hooks import ChannelHooks
+from tandem.kv_transfer._peer_process import identity, process_ended, sender_pid
 from tandem.kv_transfer._socket_channel import (
     HANDSHAKE_FRAME_LIMIT,
     Conn,
@@ -49,6 +50,9 @@ BATCH_MESSAGES = 32
 """At most this many messages to one peer are prepared before their frames are written."""
 BATCH_PAGE_BYTES = 4 << 20
 """... and at most about this many bytes of their pages (bounds the delay of the first)."""
+SENDER_EXIT_WAIT_S = 2.0
+"""How long a connection's thread waits, after a sender's last connection ended, for its
+process to have ended (then `peer_gone`)."""
 YIELD_PAGE_BYTES = 512 << 10
 """`send` of at least this many bytes of pages behind others yields the GIL to the sender."""
 
@@ -210,6 +214,7 @@ class ChannelTransport(ChannelHooks):
                 return
             assert hello is not None
             conn.peer = hello["address"]
+            conn.pid = sender_pid(sock, hello)
             with self._cond:
                 self._open_from[conn.peer] = self._open_from.get(conn.peer, 0) + 1
             reply = self._accept_hello(conn, hello)
@@ -239,8 +244,8 @@ class ChannelTransport(ChannelHooks):
 
     def _ended(self, conn: Conn) -> None:
         """After an authenticated connection ended and was released: when it was the peer's
-        last and the peer's process is gone (`_sender_gone`), a ``peer_gone`` message follows
-        everything the peer sent (see `tandem.kv_transfer.base`)."""
+        last and the peer's process has ended (`_peer_process`), a ``peer_gone`` message
+        follows everything the peer sent (see `tandem.kv_transfer.base`)."""
         peer = conn.peer
         if not peer:
             return
@@ -250,7 +255,10 @@ class ChannelTransport(ChannelHooks):
                 self._open_from[peer] = left
                 return
             self._open_from.pop(peer, None)
-        if not self._closed and self._sender_gone(conn):
+        ended = conn.pid is not None and process_ended(
+            conn.pid, SENDER_EXIT_WAIT_S, lambda: self._closed
+        )  # (a killed process's sockets close as it exits, a moment before it is a zombie)
+        if ended and not self._closed:
             log.info("%s: %s is gone (its process ended)", self._address, peer)
             self._inbox.put(Message(peer, {"type": "peer_gone"}, None))
 
@@ -310,8 +318,9 @@ class ChannelTransport(ChannelHooks):
         sock = self._connect(peer)
         try:
             sock.settimeout(self.timeout)
-            hello = {"type": "hello", "transport": self.name, "token": self.auth_token}
-            send_frame(sock, {**hello, "address": self._address, **self._hello_extra()})
+            hello: dict[str, Any] = {"type": "hello", "transport": self.name}
+            hello |= {"token": self.auth_token, "address": self._address, "process": identity()}
+            send_frame(sock, {**hello, **self._hello_extra()})
             rfile = sock.makefile("rb")
             reply = read_frame(rfile, HANDSHAKE_FRAME_LIMIT)
             if reply is None:

@@ -24,8 +24,7 @@ import os
 import socket
 import struct
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,37 +103,6 @@ def peer_pid(sock: socket.socket) -> int | None:
         return None
     pid = struct.unpack("3i", raw)[0]
     return pid if pid > 0 else None
-
-
-def process_ended(pid: int, wait_s: float = 0.0, stop: Callable[[], bool] = lambda: False) -> bool:
-    """Whether process `pid` has ended (gone, or every thread of it a zombie: no memory left
-    to write from), waiting up to `wait_s` seconds (or until `stop()`) for it to. False while
-    any thread runs, and where this cannot be told (no /proc)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except FileNotFoundError:
-            return True
-        except OSError:
-            return False
-        if all(_task_ended(pid, task) for task in tasks):
-            return True
-        if time.monotonic() >= deadline or stop():
-            return False
-        time.sleep(0.02)
-
-
-def _task_ended(pid: int, task: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    # "tid (comm) S ...": the state follows the last ')' (a command may hold one)
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
 
 
 def write(pid: int, runs: Sequence[tuple[int, int, int]]) -> None:

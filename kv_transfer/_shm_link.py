@@ -120,4 +120,3 @@ class ConnState:
 
     staging: StagedPages = field(default_factory=StagedPages)
     reader: _shm_pull.PullReader | None = None  # the pull path's reader, where offered
-    pid: int | None = None  # the sending process, as the kernel reports it (`peer_pid`)

@@ -75,6 +75,7 @@ class Conn:
     sock: socket.socket
     peer: str = ""
     state: Any = None
+    pid: int | None = None  # the sending process, where known (`_peer_process.sender_pid`)
     rfile: BinaryIO | None = field(default=None, repr=False)
 
 

@@ -63,10 +63,6 @@ from tandem.kv_transfer._socket_channel import (
 from tandem.kv_transfer.base import Message
 from tandem.kv_transfer.manifest import TransferError
 
-SENDER_EXIT_WAIT_S = 2.0
-"""How long the connection's thread waits, after a sender's last connection ended, for its
-process to have ended (then `peer_gone`: see `tandem.kv_transfer.base`)."""
-
 
 class ShmTransport(ChannelTransport):
     """Shared-memory transport for endpoints on one node (see the module docstring).
@@ -206,7 +202,7 @@ class ShmTransport(ChannelTransport):
                 self._owned.drop(ring.name)
 
     def _accept_hello(self, conn: Conn, hello: dict[str, Any]) -> dict[str, Any]:
-        state = ConnState(pid=_cross_memory.peer_pid(conn.sock))
+        state = ConnState()
         conn.state = state
         offered = hello.get("pull")
         if offered is not None and self.pull is not False and _pull_ring.supported():
@@ -258,13 +254,6 @@ class ShmTransport(ChannelTransport):
         if isinstance(state, ConnState) and state.reader is not None:
             state.reader.stop()
             state.reader.region.close()
-
-    def _sender_gone(self, conn: Conn) -> bool:
-        # (a killed process's sockets close as it exits, a moment before it is a zombie)
-        pid = conn.state.pid if isinstance(conn.state, ConnState) else None
-        return pid is not None and _cross_memory.process_ended(
-            pid, SENDER_EXIT_WAIT_S, lambda: self._closed
-        )
 
     def _release(self) -> None:
         self._finalizer()

@@ -387,3 +387,58 @@ def check_close(
     else:
         raise AssertionError("send after close did not raise")
     return [i for i in (local_id, peer_id) if i]
+
+
+def _until_gone(receiver: KVTransport, timeout: float) -> list[tuple[str, str]]:
+    """(peer, request id or "peer_gone") of the messages up to the first ``peer_gone``."""
+    got: list[tuple[str, str]] = []
+    deadline = time.monotonic() + timeout
+    while not got or got[-1][1] != "peer_gone":
+        assert time.monotonic() < deadline, f"no peer_gone in {timeout} s: {got}"
+        for m in receiver.poll(0.05):
+            got.append((m.peer, m.header.get("type") or m.header["request_id"]))
+    return got
+
+
+def _gone(messages: list[Message]) -> list[str]:
+    return [m.peer for m in messages if m.header.get("type") == "peer_gone"]
+
+
+def check_sender_death_reported(
+    name: str, *, shm_pool: bool = False, options: dict[str, Any] | None = None
+) -> None:
+    """The receiver learns that the sending process ended: a ``peer_gone`` message follows
+    everything the sender sent, once (so decode frees what it held for it)."""
+    receiver, _ = make_endpoint(name, shm_pool=shm_pool, options=options)
+    sender = PeerProcess()
+    try:
+        address, _ = sender.create(name, shm_pool=shm_pool, options=options)
+        sender.send(receiver.address, manifest_header("before", [3]), [1])
+        assert [m.header["request_id"] for m in collect(receiver, 1, 10.0)] == ["before"]
+        sender.send(receiver.address, manifest_header("maybe", [4]), [2])
+        sender.kill()  # ("maybe" may or may not have gone out)
+        got = _until_gone(receiver, 10.0)
+        assert got in ([(address, "peer_gone")], [(address, "maybe"), (address, "peer_gone")])
+        assert _gone(collect(receiver, 1, 0.5)) == []
+    finally:
+        sender.stop()
+        receiver.close()
+
+
+def check_closed_sender_not_reported_gone(
+    name: str, monkeypatch: Any, *, shm_pool: bool = False
+) -> None:
+    """A sender's connection ends but its process lives (it could connect again): no
+    ``peer_gone``."""
+    monkeypatch.setattr("tandem.kv_transfer._channel_transport.SENDER_EXIT_WAIT_S", 0.3)
+    receiver, _ = make_endpoint(name, shm_pool=shm_pool)
+    sender = PeerProcess()
+    try:
+        sender.create(name, shm_pool=shm_pool)
+        sender.send(receiver.address, manifest_header("before", [3]), [1])
+        assert [m.header["request_id"] for m in collect(receiver, 1, 10.0)] == ["before"]
+        sender.close_endpoint()
+        assert _gone(collect(receiver, 1, 1.5)) == []
+    finally:
+        sender.stop()
+        receiver.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -113,59 +112,17 @@ def test_sender_sees_peer_death() -> None:
     h.check_peer_death("shm")
 
 
-def _gone(messages: list[Any]) -> list[str]:
-    return [m.peer for m in messages if m.header.get("type") == "peer_gone"]
-
-
-def _until_gone(receiver: Any, timeout: float) -> list[tuple[str, str]]:
-    """(peer, request id or "peer_gone") of the messages up to the first ``peer_gone``."""
-    got: list[tuple[str, str]] = []
-    deadline = time.monotonic() + timeout
-    while not got or got[-1][1] != "peer_gone":
-        assert time.monotonic() < deadline, f"no peer_gone in {timeout} s: {got}"
-        for m in receiver.poll(0.05):
-            got.append((m.peer, m.header.get("type") or m.header["request_id"]))
-    return got
-
-
 @pytest.mark.parametrize("options", POOL_KINDS)
 def test_a_killed_senders_process_is_reported_gone_after_its_messages(
     options: dict[str, Any],
 ) -> None:
-    """The receiver learns from the kernel that the sending process ended: a ``peer_gone``
-    message follows everything the sender sent (so decode frees what it held for it)."""
-    receiver, _ = h.make_endpoint("shm", shm_pool=True, options=options)
-    sender = h.PeerProcess()
-    try:
-        address, _ = sender.create("shm", shm_pool=True, options=options)
-        sender.send(receiver.address, h.manifest_header("before", [3]), [1])
-        assert [m.header["request_id"] for m in h.collect(receiver, 1, 10.0)] == ["before"]
-        sender.send(receiver.address, h.manifest_header("maybe", [4]), [2])
-        sender.kill()  # ("maybe" may or may not have gone out)
-        got = _until_gone(receiver, 10.0)
-        assert got in ([(address, "peer_gone")], [(address, "maybe"), (address, "peer_gone")])
-        assert _gone(h.collect(receiver, 1, 0.5)) == []  # (once)
-    finally:
-        sender.stop()
-        receiver.close()
+    h.check_sender_death_reported("shm", shm_pool=True, options=options)
 
 
 def test_a_sender_that_closes_its_endpoint_and_lives_is_not_reported_gone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Its connection ends, but its process lives (it could connect again): no ``peer_gone``."""
-    monkeypatch.setattr("tandem.kv_transfer.shm.SENDER_EXIT_WAIT_S", 0.3)
-    receiver, _ = h.make_endpoint("shm", shm_pool=True)
-    sender = h.PeerProcess()
-    try:
-        sender.create("shm", shm_pool=True)
-        sender.send(receiver.address, h.manifest_header("before", [3]), [1])
-        assert [m.header["request_id"] for m in h.collect(receiver, 1, 10.0)] == ["before"]
-        sender.close_endpoint()
-        assert _gone(h.collect(receiver, 1, 1.5)) == []
-    finally:
-        sender.stop()
-        receiver.close()
+    h.check_closed_sender_not_reported_gone("shm", monkeypatch, shm_pool=True)
 
 
 @pytest.mark.parametrize("options", POOL_KINDS)

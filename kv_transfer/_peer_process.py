@@ -1,0 +1,79 @@
+"""Which process is at the other end of a transport's connection, and whether it has ended.
+
+A receiver may free blocks that a sender could still write into only once the sender's process
+has ended (`tandem.kv_transfer.base`, ``peer_gone``). The process of a Unix socket's peer comes
+from the kernel (`_cross_memory.peer_pid`); over TCP the sender's hello names its pid and its
+machine's boot id, and the pid is used only when the boot id is this machine's (an
+authenticated peer, one that holds the cluster token, is trusted to name itself).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tandem.kv_transfer import _cross_memory
+
+
+@functools.cache
+def boot_id() -> str | None:
+    """This machine's boot id (Linux), None where there is none."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def identity() -> dict[str, Any]:
+    """What a hello says of the sending process (``process`` field)."""
+    return {"pid": os.getpid(), "boot_id": boot_id()}
+
+
+def sender_pid(sock: socket.socket, hello: dict[str, Any]) -> int | None:
+    """The pid of the process that connected `sock` and sent `hello`: the kernel's for a Unix
+    socket, else the hello's own if it runs on this machine (same boot id); None if unknown."""
+    if sock.family == getattr(socket, "AF_UNIX", None):
+        return _cross_memory.peer_pid(sock)
+    claimed = hello.get("process")
+    if not isinstance(claimed, dict) or boot_id() is None:
+        return None
+    pid = claimed.get("pid")
+    same_machine = claimed.get("boot_id") == boot_id()
+    return pid if same_machine and isinstance(pid, int) and pid > 0 else None
+
+
+def process_ended(pid: int, wait_s: float = 0.0, stop: Callable[[], bool] = lambda: False) -> bool:
+    """Whether process `pid` has ended (gone, or every thread of it a zombie: no memory left
+    to write from), waiting up to `wait_s` seconds (or until `stop()`) for it to. False while
+    any thread runs, and where this cannot be told (no /proc)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        if all(_task_ended(pid, task) for task in tasks):
+            return True
+        if time.monotonic() >= deadline or stop():
+            return False
+        time.sleep(0.02)
+
+
+def _task_ended(pid: int, task: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    # "tid (comm) S ...": the state follows the last ')' (a command may hold one)
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state in (b"Z", b"X")
