@@ -279,7 +279,7 @@ class DecodeService(WorkerLoop):
             stream.put(self._finish_early(event, stream))
         elif event.kind in ("failed", "cancelled"):
             del self._streams[event.request_id]
-            code = "cancelled" if event.kind == "cancelled" else "transfer_failed"
+            code = "cancelled" if event.kind == "cancelled" else event.code or "transfer_failed"
             stream.put(_error(code, event.error or event.kind))
 
     def _finish_early(self, event: TransferEvent, stream: _Stream) -> dict[str, Any]:

@@ -2,9 +2,10 @@
 
 A receiver may free blocks that a sender could still write into only once the sender's process
 has ended (`tandem.kv_transfer.base`, ``peer_gone``). The process of a Unix socket's peer comes
-from the kernel (`_cross_memory.peer_pid`); over TCP the sender's hello names its pid and its
-machine's boot id, and the pid is used only when the boot id is this machine's (an
-authenticated peer, one that holds the cluster token, is trusted to name itself).
+from the kernel (`_cross_memory.peer_pid`); over TCP the sender's hello names its pid, its
+machine's boot id and its pid namespace, and the pid is used only when both are this process's
+(two pods of one node share the boot id, not the pid namespace). An authenticated peer, one
+that holds the cluster token, is trusted to name itself.
 """
 
 from __future__ import annotations
@@ -29,22 +30,32 @@ def boot_id() -> str | None:
         return None
 
 
+@functools.cache
+def pid_namespace() -> str | None:
+    """This process's pid namespace (e.g. ``pid:[4026531836]``), None where it cannot be read."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def identity() -> dict[str, Any]:
     """What a hello says of the sending process (``process`` field)."""
-    return {"pid": os.getpid(), "boot_id": boot_id()}
+    return {"pid": os.getpid(), "boot_id": boot_id(), "pid_ns": pid_namespace()}
 
 
 def sender_pid(sock: socket.socket, hello: dict[str, Any]) -> int | None:
     """The pid of the process that connected `sock` and sent `hello`: the kernel's for a Unix
-    socket, else the hello's own if it runs on this machine (same boot id); None if unknown."""
+    socket, else the hello's own if it runs on this machine in this pid namespace; None if
+    unknown."""
     if sock.family == getattr(socket, "AF_UNIX", None):
         return _cross_memory.peer_pid(sock)
     claimed = hello.get("process")
-    if not isinstance(claimed, dict) or boot_id() is None:
+    if not isinstance(claimed, dict) or boot_id() is None or pid_namespace() is None:
         return None
     pid = claimed.get("pid")
-    same_machine = claimed.get("boot_id") == boot_id()
-    return pid if same_machine and isinstance(pid, int) and pid > 0 else None
+    here = (claimed.get("boot_id"), claimed.get("pid_ns")) == (boot_id(), pid_namespace())
+    return pid if here and isinstance(pid, int) and pid > 0 else None
 
 
 def process_ended(pid: int, wait_s: float = 0.0, stop: Callable[[], bool] = lambda: False) -> bool:

@@ -46,7 +46,7 @@ from tandem.engine.outputs import TokenLogprob
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer._receiver_records import Held, Reservation
 from tandem.kv_transfer.base import KVTransport, Message
-from tandem.kv_transfer.events import TransferEvent
+from tandem.kv_transfer.events import SENDER_GONE, TransferEvent
 from tandem.kv_transfer.manifest import (
     ChunkManifest,
     KVLayout,
@@ -237,7 +237,7 @@ class KVReceiver:
         for held in [h for h in self.held if h.peer == peer]:
             self._unhold(held)
         lost = [r for r in self.reservations.values() if r.peer == peer]
-        return [self._fail(r, "its sender is gone", notify=False) for r in lost]
+        return [self._fail(r, "its sender is gone", notify=False, code=SENDER_GONE) for r in lost]
 
     def _on_pages(self, message: Message, request_id: str) -> TransferEvent | None:
         res = self.reservations.get(request_id)
@@ -387,7 +387,9 @@ class KVReceiver:
             events.append(self._fail(res, why))
         return events
 
-    def _fail(self, res: Reservation, error: str, *, notify: bool = True) -> TransferEvent:
+    def _fail(
+        self, res: Reservation, error: str, *, notify: bool = True, code: str | None = None
+    ) -> TransferEvent:
         logger.warning("KV transfer of %s failed: %s", res.request_id, error)
         self.reservations.pop(res.request_id, None)
         if notify:
@@ -396,7 +398,7 @@ class KVReceiver:
             self.engine.block_manager.free(res.block_table)
         if notify and res.peer is not None:
             self._reply_error(res.peer, res.request_id, error)
-        return TransferEvent("failed", res.request_id, error=error)
+        return TransferEvent("failed", res.request_id, error=error, code=code)
 
     def _hold(self, res: Reservation, cancel_reason: str | None = None) -> None:
         deadline = self.clock() + self.stall_timeout_s

@@ -26,6 +26,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from tandem.engine.rpc import RPCError
+from tandem.kv_transfer.events import SENDER_GONE
 from tandem.router.call_cleanup import close_calls, held_blocks_release, to_completion, unwritten
 from tandem.router.errors import APIError, unavailable
 from tandem.router.plan_moves import move, move_for_room, move_from_draining
@@ -39,8 +40,8 @@ from tandem.router.route_planner import RoutePlan
 from tandem.router.worker_directory import Worker, WorkerDirectory
 from tandem.router.worker_failures import (
     NO_CAPACITY,
-    decoder_lost,
     failed,
+    lost,
     read_next,
     worker_error,
 )
@@ -245,7 +246,7 @@ class PDOrchestrator:
                         if outcome.get("not_sent") and plan.prefill_call is None:
                             plan.grant_handed = False  # (decode frees the blocks at once)
                         message = f"prefill failed: {outcome.get('error')}"
-                        if await decoder_lost(plan, next_item):  # (its pages had nowhere
+                        if await lost(plan.decoder, next_item):  # (its pages had nowhere
                             # to go: the request may start over without that worker)
                             raise failed(plan.decoder, message, "decode_failed")
                         raise failed(plan.prefill, message, "prefill_failed")
@@ -269,6 +270,11 @@ class PDOrchestrator:
                     pending.add(next_item)
                     continue
                 if item["type"] == "error":
+                    if item.get("code") == SENDER_GONE and plan.prefill is not None:
+                        # (its prefill worker died mid-transfer: the request may start over)
+                        await lost(plan.prefill, prefill_task)
+                        message = f"prefill failed: {item.get('error')}"
+                        raise failed(plan.prefill, message, "prefill_failed")
                     raise worker_error(item)
                 if not first_out and early is not None:
                     pending.discard(early)  # decode was first: the prefill's copy is not needed

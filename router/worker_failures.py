@@ -9,7 +9,6 @@ from typing import Any
 
 from tandem.engine.rpc import RPCError
 from tandem.router.errors import RETRY_AFTER, APIError, WorkerLost, unavailable
-from tandem.router.route_planner import RoutePlan
 from tandem.router.worker_directory import Worker
 
 NO_CAPACITY = "no_capacity"  # what a decode worker without room for a reservation answers
@@ -25,14 +24,14 @@ async def read_next(stream: AsyncGenerator[dict[str, Any], None], worker: Worker
         raise failed(worker, f"decode worker {worker.worker_id}: {exc}", "decode_failed") from None
 
 
-async def decoder_lost(plan: RoutePlan, next_item: asyncio.Future[Any]) -> bool:
-    """Whether the request's decode worker is gone. Asked when its prefill failed: a decode
-    worker that died fails the transfer, and the prefill worker may learn it (from the
-    transport) a moment before the router does (from its connection, when the decode stream's
-    next item fails): that moment, `DECODER_LOSS_S` at most, is waited for."""
-    if plan.decoder.client.lost_at is None and not next_item.done():
-        await asyncio.wait({next_item}, timeout=DECODER_LOSS_S)
-    return plan.decoder.client.lost_at is not None
+async def lost(worker: Worker, news: asyncio.Future[Any] | None) -> bool:
+    """Whether `worker`'s connection is gone. Asked when the other worker of a transfer says
+    it failed because this one died: its transport may learn it a moment before the router
+    does (from its connection, when `news`, the call in flight on it, fails): that moment,
+    `DECODER_LOSS_S` at most, is waited for."""
+    if worker.client.lost_at is None and news is not None and not news.done():
+        await asyncio.wait({news}, timeout=DECODER_LOSS_S)
+    return worker.client.lost_at is not None
 
 
 def failed(worker: Worker, message: str, code: str) -> APIError:

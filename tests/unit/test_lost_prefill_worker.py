@@ -178,3 +178,29 @@ def test_no_release_when_the_prefill_worker_with_the_grant_is_alive() -> None:
         await d.close()
 
     asyncio.run(main())
+
+
+class SenderGoneDecode(FakeWorker):
+    """Grants, then its transport reports the prefill worker's process ended mid-transfer."""
+
+    async def generate(self, **_: Any) -> AsyncIterator[dict[str, Any]]:
+        yield {"type": "grant", "grant": {"from": self.worker_id}}
+        await asyncio.sleep(0.05)
+        yield {"type": "error", "code": "sender_gone", "error": "its sender is gone"}
+
+
+def test_decode_saying_the_sender_is_gone_before_the_router_sees_it_is_that_workers_loss() -> None:
+    """Decode's transport may learn of the prefill worker's death a moment before the router
+    loses its connection: the request then starts over without that worker (`WorkerLost`),
+    rather than failing with decode's 503."""
+
+    async def main() -> None:
+        d = await start(SenderGoneDecode("d0"), HangingPrefill("p0"), roles="decode prefill")
+        death = dies_after(d, "p0", 0.2)  # (after decode's word reached the router)
+        with pytest.raises(WorkerLost) as lost:
+            await run(PDOrchestrator(d), held_plan(d, "d0", "p0"))
+        await death
+        assert (lost.value.worker_id, lost.value.code) == ("p0", "prefill_failed")
+        await d.close()
+
+    asyncio.run(main())
