@@ -234,9 +234,18 @@ class KVReceiver:
         self.gone[peer] = None
         while len(self.gone) > GONE_KEPT:
             del self.gone[next(iter(self.gone))]
-        for held in [h for h in self.held if h.peer == peer]:
-            self._unhold(held)
+        held = [h for h in self.held if h.peer == peer]
+        for h in held:
+            self._unhold(h)
         lost = [r for r in self.reservations.values() if r.peer == peer]
+        if held or lost:
+            logger.info(
+                "KV sender %s is gone: %d held and %d live reservations released (%d blocks)",
+                peer,
+                len(held),
+                len(lost),
+                sum(len(h.block_table) for h in held) + sum(len(r.block_table) for r in lost),
+            )
         return [self._fail(r, "its sender is gone", notify=False, code=SENDER_GONE) for r in lost]
 
     def _on_pages(self, message: Message, request_id: str) -> TransferEvent | None:
