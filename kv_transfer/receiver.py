@@ -16,13 +16,14 @@
 
 Transports may write pages straight into the pool before this side reads the manifest (shm, torch
 and ucx do). So blocks given up while the sender may still be streaming (decode-side cancel, a
-refused chunk, lease expiry, a stall) are *held* until the sender confirms it stopped (its
-``cancelled`` reply, which the transport's FIFO order delivers after any pages it sent before)
-or `stall_timeout_s` passes; only then do they return to the engine, so no page is reused while
-in flight. `block_tables()` lists held blocks too.
+refused chunk, lease expiry, a stall, a broken link) are *held* until the sender confirms it
+stopped (its ``cancelled`` reply, which the transport's FIFO order delivers after any pages it
+sent before) or `stall_timeout_s` passes; only then do they return to the engine, so no page is
+reused while in flight. `block_tables()` lists held blocks too.
 
-A sender whose process died writes nothing more: a transport that knows it (shm, from the
-kernel; local) delivers a ``peer_gone`` message after the last of that peer's messages. Blocks
+A sender whose process died writes nothing more: a transport that knows it (shm and torch on one
+machine, `_peer_process`; local) delivers a ``peer_gone`` message after the last of that
+peer's messages. Blocks
 held for that sender go back at once, and its live reservations fail. Held blocks whose sender
 was never heard from (no page came) are tied to it when the router names the prefill worker it
 handed the grant to and lost (`release_from_lost_sender`).
@@ -246,7 +247,10 @@ class KVReceiver:
                 len(lost),
                 sum(len(h.block_table) for h in held) + sum(len(r.block_table) for r in lost),
             )
-        return [self._fail(r, "its sender is gone", notify=False, code=SENDER_GONE) for r in lost]
+        return [
+            self._fail(r, "its sender is gone", notify=False, code=SENDER_GONE, sender_gone=True)
+            for r in lost
+        ]
 
     def _on_pages(self, message: Message, request_id: str) -> TransferEvent | None:
         res = self.reservations.get(request_id)
@@ -397,14 +401,24 @@ class KVReceiver:
         return events
 
     def _fail(
-        self, res: Reservation, error: str, *, notify: bool = True, code: str | None = None
+        self,
+        res: Reservation,
+        error: str,
+        *,
+        notify: bool = True,
+        code: str | None = None,
+        sender_gone: bool = False,
     ) -> TransferEvent:
+        """Ends `res` as failed. Its blocks are held (see the module docstring) unless its
+        sender's process is gone; `notify`: tell the sender (not over a link that broke: a
+        broken link does not mean a sender that writes nothing more, and the transport may
+        still deliver what it wrote)."""
         logger.warning("KV transfer of %s failed: %s", res.request_id, error)
         self.reservations.pop(res.request_id, None)
-        if notify:
-            self._hold(res)
-        else:  # the link to the sender broke, or its process is gone: it writes nothing more
+        if sender_gone:
             self.engine.block_manager.free(res.block_table)
+        else:
+            self._hold(res)
         if notify and res.peer is not None:
             self._reply_error(res.peer, res.request_id, error)
         return TransferEvent("failed", res.request_id, error=error, code=code)

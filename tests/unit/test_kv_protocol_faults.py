@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from tandem import LLM
+from tandem.kv_transfer.base import Message
 from tandem.kv_transfer.fake import FakeTransport
 from tandem.kv_transfer.local import LocalHub
 from tandem.kv_transfer.manifest import TransferError
@@ -281,5 +282,27 @@ def test_blocks_held_for_a_lost_sender_go_back_once_the_transport_says_it_is_gon
     assert pair.decode.block_manager.num_free_blocks == 256 - 2 * 6
     pair.clock.now += 6  # the rest: the stall timeout, as before
     assert pair.receiver.poll() == []
+    pair.decode.block_manager.check_integrity([])
+    assert pair.decode.block_manager.num_free_blocks == 256
+
+
+def test_a_broken_link_to_a_sender_that_may_live_holds_the_blocks(model: str) -> None:
+    """A transport error on decode's side (its link to the sender broke) fails the transfer,
+    but the sender may still live and the transport still deliver what it wrote: the blocks
+    are held for the stall timeout, not freed at once."""
+    pair = Pair(model)
+    pair.start("t", prompt_of(16 * 30, start=14))
+    pair.events += pair.sender.step()
+    pair.events += pair.receiver.poll()
+    sender = pair.p_transport.address
+    error = {"type": "transport_error", "peer": sender, "request_id": "t", "error": "link lost"}
+    pair.d_transport._inbox.put(Message(sender, error))
+    events = pair.receiver.poll()
+    assert [(e.kind, e.request_id) for e in events] == [("failed", "t")]
+    assert [h.request_id for h in pair.receiver.held] == ["t"]
+    assert pair.decode.block_manager.num_free_blocks < 256
+    pair.clock.now += 6
+    pair.receiver.poll()
+    assert not pair.receiver.held
     pair.decode.block_manager.check_integrity([])
     assert pair.decode.block_manager.num_free_blocks == 256
