@@ -50,6 +50,12 @@ def sender_pid(sock: socket.socket, hello: dict[str, Any]) -> int | None:
     unknown."""
     if sock.family == getattr(socket, "AF_UNIX", None):
         return _cross_memory.peer_pid(sock)
+    return claimed_pid(hello)
+
+
+def claimed_pid(hello: dict[str, Any]) -> int | None:
+    """The pid `hello` names (its ``process`` field, `identity`), if the sender runs on this
+    machine in this pid namespace; else None."""
     claimed = hello.get("process")
     if not isinstance(claimed, dict) or boot_id() is None or pid_namespace() is None:
         return None
@@ -64,6 +70,8 @@ def process_ended(pid: int, wait_s: float = 0.0, stop: Callable[[], bool] = lamb
     any thread runs, and where this cannot be told (no /proc)."""
     deadline = time.monotonic() + wait_s
     while True:
+        if not _task_ended(pid, str(pid)) and time.monotonic() >= deadline:
+            return False  # (its main thread runs: no need to read every thread's state)
         try:
             tasks = os.listdir(f"/proc/{pid}/task")
         except FileNotFoundError:

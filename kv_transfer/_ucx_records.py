@@ -13,15 +13,17 @@ import numpy as np
 import torch
 
 from tandem.kernels.kv_cache import KVCachePool
+from tandem.kv_transfer._peer_process import claimed_pid
 
 
-def hello_peer(body: dict[str, Any] | None, auth_token: str) -> str | None:
-    """The address a connection's hello frame names, if it carries the cluster token and a UCX
+def hello_peer(body: dict[str, Any] | None, auth_token: str) -> tuple[str, int | None] | None:
+    """The address a connection's hello frame names and the sender's pid where it runs on
+    this machine (`_peer_process.claimed_pid`), if it carries the cluster token and a UCX
     address; else None (the connection is refused)."""
     hello = body["hello"] if body and isinstance(body.get("hello"), dict) else {}
     token, peer = str(hello.get("token")).encode(), str(hello.get("address"))
     good = hmac.compare_digest(token, auth_token.encode()) and peer[:4] == "ucx:"
-    return peer if good else None
+    return (peer, claimed_pid(hello)) if good else None
 
 
 def _run_start(ids: Any) -> int | None:  # the first id of a list that is one run of ints
@@ -91,6 +93,14 @@ class _Conn:
     state: str = "hello"  # -> "ok" | "refused"
     peer: str = ""
     rx: deque[_Rx] = field(default_factory=deque)
+    pid: int | None = None  # the sender's, where it runs on this machine
+
+    def abandon(self, busy: list[tuple[Any, Any]]) -> None:
+        """Drops the messages whose pages never came (their sender is gone); the receives UCX
+        still owns go to `busy`."""
+        for rx in self.rx:
+            busy.extend((r, rx.pages) for r in rx.requests if not r.completed)
+        self.rx.clear()
 
     def deliver(
         self,

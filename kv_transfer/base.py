@@ -22,8 +22,8 @@ Semantics every implementation keeps:
 - A transport that can tell that a peer's *process* is gone (not merely a broken link) may
   deliver `Message(peer, {"type": "peer_gone"}, None)` once every message of that peer's it
   will deliver has been delivered and nothing of the peer's can still be written into the pool:
-  the receiver then frees what it held for that sender at once (`receiver.py`). shm and torch
-  do when the sender runs on the same machine (`_peer_process`), and local at `close()`.
+  the receiver then frees what it held for that sender at once (`receiver.py`). shm, torch and
+  ucx do when the sender runs on the same machine (`_peer_process`), and local at `close()`.
 """
 
 from __future__ import annotations

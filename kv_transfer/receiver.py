@@ -21,8 +21,8 @@ stopped (its ``cancelled`` reply, which the transport's FIFO order delivers afte
 sent before) or `stall_timeout_s` passes; only then do they return to the engine, so no page is
 reused while in flight. `block_tables()` lists held blocks too.
 
-A sender whose process died writes nothing more: a transport that knows it (shm and torch on one
-machine, `_peer_process`; local) delivers a ``peer_gone`` message after the last of that
+A sender whose process died writes nothing more: a transport that knows it (shm, torch and ucx
+on one machine, `_peer_process`; local) delivers a ``peer_gone`` message after the last of that
 peer's messages. Blocks
 held for that sender go back at once, and its live reservations fail. Held blocks whose sender
 was never heard from (no page came) are tied to it when the router names the prefill worker it

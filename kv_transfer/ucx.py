@@ -25,7 +25,8 @@ arrive then (each wake-up takes the GIL from the engine: 1,000 a second cost a 1
 ~2.5 ms). `allocate_pool` gives pools on transparent huge pages (UCX's CMA copies pin pages one at
 a time). Data endpoints skip UCX error handling (it limits UCX to TCP); an idle second endpoint
 with it reports a dead peer at once. Lost links, no welcome in `hello_timeout_s`, sends or page
-receives not done in `send_timeout_s` come back from `poll()` as `transport_error`s. At most
+receives not done in `send_timeout_s` come back from `poll()` as `transport_error`s; a sender
+on this machine whose process ended is reported ``peer_gone`` within `GONE_CHECK_S`. At most
 `max_inflight` messages per peer (32: more overlapped rendezvous; 8 moved 16 MiB chunks ~25 %
 slower here) are handed to UCX at once. `ucx_config` adds UCX options.
 """
@@ -48,6 +49,7 @@ import torch
 
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer._hugepages import allocate_hugepage_pool
+from tandem.kv_transfer._peer_process import identity, process_ended
 from tandem.kv_transfer._socket_channel import request_id_of
 from tandem.kv_transfer._ucx_lanes import (
     LANE_SCHEMES,
@@ -67,6 +69,7 @@ from tandem.kv_transfer.manifest import TransferError
 logger = logging.getLogger(__name__)
 _PAGES, _WELCOME, _HELLO_MAX, _HEADER_MAX = 0x8000, 0x4000, 4096, 16 << 20
 _ONE_CONN_PAGES = 0xFFFF_FFFF_FFFF_8000  # tag mask: a connection's page frames, any sequence
+GONE_CHECK_S = 0.2  # how often the senders on this machine are looked at (`_find_gone_senders`)
 
 
 class UcxTransport(KVTransport):
@@ -105,6 +108,7 @@ class UcxTransport(KVTransport):
         self._links: dict[str, _Link] = {}
         self._retired: list[_Link] = []  # failed links kept until UCX has settled their sends
         self._conns: dict[int, _Conn] = {}
+        self._next_gone_check = 0.0  # when `_find_gone_senders` looks next
         self._busy: list[tuple[Any, Any]] = []  # (request, what UCX uses until it completes)
         self._closed = False
         self._wake = threading.Event()  # set by `send` and `close`: cuts an idle pause short
@@ -234,7 +238,30 @@ class UcxTransport(KVTransport):
                 active |= self._discard_pages(conn_id)
         self._busy = [(r, b) for r, b in self._busy if not r.completed]
         self._retired = [link for link in self._retired if not link.settled()]
+        if time.monotonic() >= self._next_gone_check:
+            self._next_gone_check = time.monotonic() + GONE_CHECK_S
+            self._find_gone_senders()
         return active
+
+    def _find_gone_senders(self) -> None:
+        """Senders on this machine whose process ended: once UCX has handed on what they had
+        sent (its queues drained), their unfinished messages are dropped and a ``peer_gone``
+        message follows (see `tandem.kv_transfer.base`)."""
+        gone = {i: c for i, c in self._conns.items() if c.pid and process_ended(c.pid)}
+        if not gone:
+            return
+        idle = 0
+        for _ in range(1000):  # (what a dead sender wrote into shared memory lands now)
+            idle = 0 if any([w.progress_once() for w in self._workers]) else idle + 1
+            if idle == 3:
+                break
+        for conn_id, conn in gone.items():
+            self._deliver(conn)
+            conn.abandon(self._busy)
+            del self._conns[conn_id]
+        for peer in {c.peer for c in gone.values()}:
+            logger.info("ucx transport: %s is gone (its process ended)", peer[:40])
+            self._inbox.put(Message(peer, {"type": "peer_gone"}))
 
     def _quiet(self) -> bool:
         """Nothing of this endpoint's is queued or in flight (under the lock)."""
@@ -262,7 +289,9 @@ class UcxTransport(KVTransport):
         link = self._links[peer] = _Link(ep, watch, secrets.randbits(48) | 1, deadline)
         if len(lanes) > 1 and len(self._workers) > 1:  # pages of `split_min_bytes` are split
             link.ep_second = self._workers[1].create_endpoint_from_worker_address(lanes[1], False)
-        hello = {"hello": {"token": self.auth_token, "address": self.address}}
+        hello = {
+            "hello": {"token": self.auth_token, "address": self.address, "process": identity()}
+        }
         link.inflight.append(self._send_frames(link, _Out({}, []), hello))
         return link
 
@@ -356,9 +385,9 @@ class UcxTransport(KVTransport):
         else:
             discard(self._worker, probe, self._busy)
         if conn.state == "hello":
-            peer = hello_peer(body, self.auth_token)
+            peer, conn.pid = hello_peer(body, self.auth_token) or ("", None)
             conn.state, conn.peer = ("ok", peer) if peer else ("refused", "")
-            if peer is None:
+            if not peer:
                 return logger.warning("ucx transport: refused connection %x (bad hello)", conn_id)
             link = self._links.get(peer) or self._connect(peer)  # (our hello has the token:
             buf = np.zeros(1, dtype=np.uint8)  # never for an unauthenticated peer)

@@ -146,6 +146,16 @@ def test_timeouts_report_the_request() -> None:
         receiver.close()
 
 
+def test_a_killed_senders_process_is_reported_gone_after_its_messages() -> None:
+    h.check_sender_death_reported("ucx")  # (on one machine: the hello names the pid)
+
+
+def test_a_sender_that_closes_its_endpoint_and_lives_is_not_reported_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h.check_closed_sender_not_reported_gone("ucx", monkeypatch)
+
+
 def test_close_is_idempotent(peer: h.PeerProcess) -> None:
     h.check_close("ucx", peer)
 
