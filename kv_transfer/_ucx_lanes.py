@@ -23,6 +23,7 @@ __all__ = [
     "drain_unexpected",
     "new_worker",
     "receive_json",
+    "settle",
     "tag_of",
     "ucx_api",
 ]
@@ -81,6 +82,16 @@ def discard_matching(worker: Any, tag: Any, mask: Any, busy: list[tuple[Any, Any
         discard(worker, probe, busy)
         found = True
     return found
+
+
+def settle(workers: list[Any], idle_rounds: int = 3, max_rounds: int = 1000) -> None:
+    """Progresses `workers` until `idle_rounds` rounds in a row find nothing to do: what UCX
+    holds in its queues (e.g. a dead peer's last fragments in shared memory) is handled."""
+    idle = 0
+    for _ in range(max_rounds):
+        idle = 0 if any([w.progress_once() for w in workers]) else idle + 1
+        if idle == idle_rounds:
+            return
 
 
 def receive_json(worker: Any, probe: Any, timeout_s: float) -> dict[str, Any] | None:

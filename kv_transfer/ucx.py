@@ -59,6 +59,7 @@ from tandem.kv_transfer._ucx_lanes import (
     drain_unexpected,
     new_worker,
     receive_json,
+    settle,
     tag_of,
     ucx_api,
 )
@@ -250,11 +251,7 @@ class UcxTransport(KVTransport):
         gone = {i: c for i, c in self._conns.items() if c.pid and process_ended(c.pid)}
         if not gone:
             return
-        idle = 0
-        for _ in range(1000):  # (what a dead sender wrote into shared memory lands now)
-            idle = 0 if any([w.progress_once() for w in self._workers]) else idle + 1
-            if idle == 3:
-                break
+        settle(self._workers)  # (what a dead sender wrote into shared memory lands now)
         for conn_id, conn in gone.items():
             self._deliver(conn)
             conn.abandon(self._busy)
