@@ -61,9 +61,12 @@ def stop(proc: subprocess.Popen[str], timeout: float = 60) -> str:
     return out
 
 
-# The `serve` console script, plus a stack dump of every thread on SIGUSR1.
+# The `serve` console script, plus a stack dump of every thread on SIGUSR1. Ctrl-C is given
+# Python's own handler: a process started in the background by a shell without job control (a
+# CI runner, `cmd &`) inherits SIGINT ignored, and Python then leaves it ignored.
 SERVE_CLI = (
     "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+    "signal.signal(signal.SIGINT, signal.default_int_handler); "
     "from ray.serve.scripts import cli; sys.argv[0] = 'serve'; sys.exit(cli())"
 )
 
@@ -73,9 +76,10 @@ def stop_ray_serve_run(proc: subprocess.Popen[str]) -> None:
     thread (SIGUSR1), then `kill` (its SIGTERM handler exits too); then SIGKILL to its process
     group (the Ray cluster it started).
 
-    Ray's CLI, not ours, decides how Ctrl-C is handled; it stops in ~5 s here, but twice in CI
-    it went on for 90 s with no sign of it, so a hang warns with its output (and the stacks)
-    instead of failing: `tandem serve`'s own Ctrl-C is held to account in the test above."""
+    Ray's CLI, not ours, decides how Ctrl-C is handled; it stops in ~5 s here (it went on for
+    90 s when it inherited SIGINT ignored, see `SERVE_CLI`), so a hang warns with its output
+    (and the stacks) instead of failing: `tandem serve`'s own Ctrl-C is held to account in the
+    test above."""
     steps = [(signal.SIGINT, 30.0), (signal.SIGINT, 30.0), (signal.SIGUSR1, 2.0),
              (signal.SIGTERM, 30.0)]  # fmt: skip
     stopped_by: int | None = None  # the step that stopped it
