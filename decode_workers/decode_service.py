@@ -14,9 +14,10 @@ stream yields ``{"type": "queued"}`` first, then the grant once it is made, or a
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,35 +174,24 @@ class DecodeService(WorkerLoop):
         during the reservation, or the worker refused the grant): no pages can come, so its
         blocks go back now rather than after the stall timeout. Ends the request here if its
         stream is still open. Returns how many blocks were released."""
-        return await self.submit(lambda: self._release_unwritten(request_id))
+        release = functools.partial(self.receiver.release_unwritten, request_id)
+        return await self.submit(lambda: self._release(request_id, release, "never granted"))
 
     async def release_from_lost_sender(self, request_id: str, sender: str) -> int:
         """The router handed `request_id`'s grant to the prefill worker at KV address `sender`
         and lost that worker: its blocks go back as soon as the transport confirms the sender
         is gone (now, if it has), not after the stall timeout. Ends the request here if its
         stream is still open. Returns how many blocks were released now."""
-        return await self.submit(lambda: self._release_from_lost_sender(request_id, sender))
+        release = functools.partial(self.receiver.release_from_lost_sender, request_id, sender)
+        why = f"its sender {sender} is gone"
+        return await self.submit(lambda: self._release(request_id, release, why))
 
     # ---- the loop thread -----------------------------------------------------------------------
-    def _release_from_lost_sender(self, request_id: str, sender: str) -> int:
+    def _release(self, request_id: str, release: Callable[[], int], why: str) -> int:
         self._cancel(request_id)  # (if the stream's close has not reached this thread yet)
-        released = self.receiver.release_from_lost_sender(request_id, sender)
+        released = release()
         if released:
-            logger.info(
-                "decode: %s's %d reserved blocks released (its sender %s is gone)",
-                request_id,
-                released,
-                sender,
-            )
-        return released
-
-    def _release_unwritten(self, request_id: str) -> int:
-        self._cancel(request_id)  # (if the stream's close has not reached this thread yet)
-        released = self.receiver.release_unwritten(request_id)
-        if released:
-            logger.info(
-                "decode: %s's %d reserved blocks released (never granted)", request_id, released
-            )
+            logger.info("decode: %s's %d reserved blocks released (%s)", request_id, released, why)
         return released
 
     def _reserve(self, request_id: str, stream: _Stream) -> Any:

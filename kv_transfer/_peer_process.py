@@ -69,20 +69,23 @@ def process_ended(pid: int, wait_s: float = 0.0, stop: Callable[[], bool] = lamb
     to write from), waiting up to `wait_s` seconds (or until `stop()`) for it to. False while
     any thread runs, and where this cannot be told (no /proc)."""
     deadline = time.monotonic() + wait_s
-    while True:
-        if not _task_ended(pid, str(pid)) and time.monotonic() >= deadline:
-            return False  # (its main thread runs: no need to read every thread's state)
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except FileNotFoundError:
-            return True
-        except OSError:
-            return False
-        if all(_task_ended(pid, task) for task in tasks):
-            return True
+    while not _ended(pid):
         if time.monotonic() >= deadline or stop():
             return False
         time.sleep(0.02)
+    return True
+
+
+def _ended(pid: int) -> bool:
+    if not _task_ended(pid, str(pid)):
+        return False  # (its main thread runs: no need to read every thread's state)
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return all(_task_ended(pid, task) for task in tasks)
 
 
 def _task_ended(pid: int, task: str) -> bool:

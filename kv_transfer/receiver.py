@@ -23,10 +23,9 @@ reused while in flight. `block_tables()` lists held blocks too.
 
 A sender whose process died writes nothing more: a transport that knows it (shm, torch and ucx
 on one machine, `_peer_process`; local) delivers a ``peer_gone`` message after the last of that
-peer's messages. Blocks
-held for that sender go back at once, and its live reservations fail. Held blocks whose sender
-was never heard from (no page came) are tied to it when the router names the prefill worker it
-handed the grant to and lost (`release_from_lost_sender`).
+peer's messages. Blocks held for that sender go back at once, and its live reservations fail.
+Held blocks whose sender was never heard from (no page came) are tied to it when the router
+names the prefill worker it handed the grant to and lost (`release_from_lost_sender`).
 """
 
 from __future__ import annotations
@@ -184,10 +183,11 @@ class KVReceiver:
     def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
         events: list[TransferEvent] = []
         for message in self.transport.poll(timeout):
-            if message.header.get("type") == "peer_gone":
+            kind = message.header.get("type")
+            if kind == "peer_gone":
                 events.extend(self._sender_gone(message.peer))
                 continue
-            event = self._handle(message)
+            event = self._handle(message, kind)
             if event is not None:
                 events.append(event)
         events.extend(self._expire())
@@ -197,8 +197,7 @@ class KVReceiver:
                 self._unhold(held)
         return events
 
-    def _handle(self, message: Message) -> TransferEvent | None:
-        kind = message.header.get("type")
+    def _handle(self, message: Message, kind: Any) -> TransferEvent | None:
         request_id = str(message.header.get("request_id", ""))
         if kind == "pages":
             return self._on_pages(message, request_id)
@@ -247,10 +246,7 @@ class KVReceiver:
                 len(lost),
                 sum(len(h.block_table) for h in held) + sum(len(r.block_table) for r in lost),
             )
-        return [
-            self._fail(r, "its sender is gone", notify=False, code=SENDER_GONE, sender_gone=True)
-            for r in lost
-        ]
+        return [self._fail(r, "its sender is gone", sender_gone=True) for r in lost]
 
     def _on_pages(self, message: Message, request_id: str) -> TransferEvent | None:
         res = self.reservations.get(request_id)
@@ -406,21 +402,21 @@ class KVReceiver:
         error: str,
         *,
         notify: bool = True,
-        code: str | None = None,
         sender_gone: bool = False,
     ) -> TransferEvent:
         """Ends `res` as failed. Its blocks are held (see the module docstring) unless its
-        sender's process is gone; `notify`: tell the sender (not over a link that broke: a
-        broken link does not mean a sender that writes nothing more, and the transport may
-        still deliver what it wrote)."""
+        sender's process is gone (`SENDER_GONE`); `notify`: tell the sender (not over a link
+        that broke: a broken link does not mean a sender that writes nothing more, and the
+        transport may still deliver what it wrote)."""
         logger.warning("KV transfer of %s failed: %s", res.request_id, error)
         self.reservations.pop(res.request_id, None)
         if sender_gone:
             self.engine.block_manager.free(res.block_table)
         else:
             self._hold(res)
-        if notify and res.peer is not None:
+        if notify and not sender_gone and res.peer is not None:
             self._reply_error(res.peer, res.request_id, error)
+        code = SENDER_GONE if sender_gone else None
         return TransferEvent("failed", res.request_id, error=error, code=code)
 
     def _hold(self, res: Reservation, cancel_reason: str | None = None) -> None:
