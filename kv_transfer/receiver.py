@@ -44,6 +44,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.logprobs import parse_entries
 from tandem.engine.outputs import TokenLogprob
 from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer._held_blocks import HeldBlocks
 from tandem.kv_transfer._receiver_records import Held, Reservation
 from tandem.kv_transfer.base import KVTransport, Message
 from tandem.kv_transfer.events import SENDER_GONE, TransferEvent
@@ -56,10 +57,6 @@ from tandem.kv_transfer.manifest import (
 )
 
 logger = logging.getLogger(__name__)
-
-GONE_KEPT = 256
-"""How many gone senders a receiver remembers (for `release_from_lost_sender` calls that come
-after the transport's word)."""
 
 
 class ReservationGrant(NamedTuple):
@@ -91,10 +88,8 @@ class KVReceiver:
         self.clock = clock
         self.layout = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
         self.reservations: dict[str, Reservation] = {}
-        self.held: list[Held] = []
+        self.held = HeldBlocks(engine.block_manager.free)
         """Blocks of ended reservations waiting for the sender's confirmation (see above)."""
-        self.gone: dict[str, None] = {}
-        """Senders the transport reported gone (``peer_gone``), oldest first (`GONE_KEPT`)."""
         transport.register_pool(engine.kv_pool)
 
     # ---- reservations ---------------------------------------------------------------------------
@@ -146,25 +141,14 @@ class KVReceiver:
         or the prefill worker refused it): held blocks that no pages reached go back to the
         engine now instead of after `stall_timeout_s`. Returns how many blocks were released.
         A live reservation is left alone: `cancel` it first."""
-        released = 0
-        for held in [h for h in self.held if h.request_id == request_id and h.peer is None]:
-            released += len(held.block_table)
-            self._unhold(held)
-        return released
+        return self.held.unwritten(request_id)
 
     def release_from_lost_sender(self, request_id: str, sender: str) -> int:
         """The router handed `request_id`'s grant to the prefill worker whose KV address is
         `sender`, and lost it: held blocks of the request that no page reached are that
         sender's. They go back now if the transport reported it gone, else when it does (or
         after `stall_timeout_s`, as before). Returns how many blocks were released now."""
-        released = 0
-        for held in [h for h in self.held if h.request_id == request_id]:
-            if held.peer is None:
-                held.peer = sender
-            if held.peer == sender and sender in self.gone:
-                released += len(held.block_table)
-                self._unhold(held)
-        return released
+        return self.held.from_lost_sender(request_id, sender)
 
     @property
     def busy(self) -> bool:
@@ -192,9 +176,7 @@ class KVReceiver:
                 events.append(event)
         events.extend(self._expire())
         if self.held:
-            now = self.clock()
-            for held in [h for h in self.held if now > h.deadline]:
-                self._unhold(held)
+            self.held.expired(self.clock())
         return events
 
     def _handle(self, message: Message, kind: Any) -> TransferEvent | None:
@@ -207,9 +189,7 @@ class KVReceiver:
                 res.deadline = max(res.deadline, self.clock() + self.lease_s)
             return None
         if kind in ("cancel", "cancelled"):  # the sender stopped: nothing more is in flight
-            for held in [h for h in self.held if h.request_id == request_id]:
-                if held.peer in (None, message.peer):
-                    self._unhold(held)
+            self.held.stopped(request_id, message.peer)
         if kind == "cancel":
             res = self.reservations.pop(request_id, None)
             if res is not None:
@@ -231,12 +211,7 @@ class KVReceiver:
     def _sender_gone(self, peer: str) -> list[TransferEvent]:
         """`peer` can write nothing more (its process is gone, and the transport delivered all
         it had sent): its held blocks go back, its live reservations fail."""
-        self.gone[peer] = None
-        while len(self.gone) > GONE_KEPT:
-            del self.gone[next(iter(self.gone))]
-        held = [h for h in self.held if h.peer == peer]
-        for h in held:
-            self._unhold(h)
+        held = self.held.sender_gone(peer)
         lost = [r for r in self.reservations.values() if r.peer == peer]
         if held or lost:
             logger.info(
@@ -251,7 +226,7 @@ class KVReceiver:
     def _on_pages(self, message: Message, request_id: str) -> TransferEvent | None:
         res = self.reservations.get(request_id)
         if res is None:
-            reason = self._cancel_reason(request_id, message.peer)
+            reason = self.held.cancel_reason(request_id, message.peer)
             if reason is not None:  # cancelled here before its first pages: a cancel, no error
                 self._tell_cancel(message.peer, request_id, reason)
             else:
@@ -421,18 +396,7 @@ class KVReceiver:
 
     def _hold(self, res: Reservation, cancel_reason: str | None = None) -> None:
         deadline = self.clock() + self.stall_timeout_s
-        self.held.append(Held(res.request_id, res.peer, res.block_table, deadline, cancel_reason))
-
-    def _cancel_reason(self, request_id: str, peer: str) -> str | None:
-        """Why `request_id` was cancelled here, if it was and `peer` may be its sender."""
-        for held in self.held:
-            if held.request_id == request_id and held.peer in (None, peer):
-                return held.cancel_reason
-        return None
-
-    def _unhold(self, held: Held) -> None:
-        self.held.remove(held)
-        self.engine.block_manager.free(held.block_table)
+        self.held.add(Held(res.request_id, res.peer, res.block_table, deadline, cancel_reason))
 
     def _ack(self, res: Reservation, chunk_index: int) -> None:
         assert res.peer is not None
