@@ -13,6 +13,7 @@ from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer import _cross_memory, _pull_ring
 from tandem.kv_transfer.registry import create_transport
 from tandem.kv_transfer.shm import ShmTransport
+from tests import transport_deaths as deaths
 from tests import transport_harness as h
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shm")
@@ -109,20 +110,20 @@ def test_cancel_drops_queued_sends(peer: h.PeerProcess, options: dict[str, Any])
 
 
 def test_sender_sees_peer_death() -> None:
-    h.check_peer_death("shm")
+    deaths.check_peer_death("shm")
 
 
 @pytest.mark.parametrize("options", POOL_KINDS)
 def test_a_killed_senders_process_is_reported_gone_after_its_messages(
     options: dict[str, Any],
 ) -> None:
-    h.check_sender_death_reported("shm", shm_pool=True, options=options)
+    deaths.check_sender_death_reported("shm", shm_pool=True, options=options)
 
 
 def test_a_sender_that_closes_its_endpoint_and_lives_is_not_reported_gone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    h.check_closed_sender_not_reported_gone("shm", monkeypatch, shm_pool=True)
+    deaths.check_closed_sender_not_reported_gone("shm", monkeypatch, shm_pool=True)
 
 
 @pytest.mark.parametrize("options", POOL_KINDS)

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
+from tests import transport_deaths as deaths
 from tests import transport_harness as h
 
 pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")
@@ -38,17 +39,17 @@ def test_cancel_drops_queued_sends(peer: h.PeerProcess) -> None:
 
 
 def test_sender_sees_peer_death() -> None:
-    h.check_peer_death("torch")
+    deaths.check_peer_death("torch")
 
 
 def test_a_killed_senders_process_is_reported_gone_after_its_messages() -> None:
-    h.check_sender_death_reported("torch")  # (over TCP: the hello names the pid)
+    deaths.check_sender_death_reported("torch")  # (over TCP: the hello names the pid)
 
 
 def test_a_sender_that_closes_its_endpoint_and_lives_is_not_reported_gone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    h.check_closed_sender_not_reported_gone("torch", monkeypatch)
+    deaths.check_closed_sender_not_reported_gone("torch", monkeypatch)
 
 
 def test_close_is_idempotent(peer: h.PeerProcess) -> None:

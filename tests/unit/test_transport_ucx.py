@@ -17,6 +17,7 @@ pytest.importorskip("ucxx", reason="ucxx is not installed (pip install 'tandem-s
 from tandem.kernels.kv_cache import KVCachePool  # noqa: E402
 from tandem.kv_transfer.manifest import TransferError  # noqa: E402
 from tandem.kv_transfer.ucx import UcxTransport  # noqa: E402
+from tests import transport_deaths as deaths  # noqa: E402
 from tests import transport_harness as h  # noqa: E402
 
 
@@ -117,7 +118,7 @@ def test_cancel_drops_queued_sends(peer: h.PeerProcess) -> None:
 
 def test_sender_sees_peer_death() -> None:
     started = time.monotonic()
-    h.check_peer_death("ucx")
+    deaths.check_peer_death("ucx")
     assert time.monotonic() - started < 15  # found by the watch endpoint, not a timeout
 
 
@@ -147,13 +148,13 @@ def test_timeouts_report_the_request() -> None:
 
 
 def test_a_killed_senders_process_is_reported_gone_after_its_messages() -> None:
-    h.check_sender_death_reported("ucx")  # (on one machine: the hello names the pid)
+    deaths.check_sender_death_reported("ucx")  # (on one machine: the hello names the pid)
 
 
 def test_a_sender_that_closes_its_endpoint_and_lives_is_not_reported_gone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    h.check_closed_sender_not_reported_gone("ucx", monkeypatch)
+    deaths.check_closed_sender_not_reported_gone("ucx", monkeypatch)
 
 
 def test_close_is_idempotent(peer: h.PeerProcess) -> None:
