@@ -53,3 +53,34 @@ def test_two_process_transfer_is_exact(transport: str, model: str) -> None:
         assert free == total
     finally:
         pd.close()
+
+
+# KV layouts other than the tiny llama's: head_dim not hidden / heads (qwen3, with q/k norms),
+# one KV head (qwen2, with q/k/v biases), and a sliding window shorter than the prompts and the
+# decode that follows the transfer (mistral).
+ARCHITECTURES = {
+    "qwen3": dict(arch="qwen3", seed=3, head_dim=32),
+    "qwen2": dict(arch="qwen2", seed=2, kv_heads=1),
+    "mistral": dict(arch="mistral", seed=4, tie_embeddings=True, sliding_window=48),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_two_process_transfer_is_exact_for_other_architectures(
+    arch: str, tiny_checkpoint: Any
+) -> None:
+    path = str(tiny_checkpoint(**ARCHITECTURES[arch]))
+    prompts = [[(11 * i + j) % 500 + 1 for i in range(n)] for j, n in enumerate((5, 16 * 12 + 7))]
+    params = {"temperature": 0.0, "max_tokens": 60, "ignore_eos": True}
+    expected = [
+        o.token_ids
+        for o in LLM(model=path, num_kv_blocks=256).generate(prompts, SamplingParams(**params))
+    ]
+    pd = PDProcesses(path, "shm")
+    try:
+        for i, prompt in enumerate(prompts):
+            assert pd.run(f"r{i}", prompt, params) == expected[i], f"prompt {i} of {arch}"
+        assert pd.check_decode() == (256, 256)
+    finally:
+        pd.close()
