@@ -35,8 +35,8 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Per-request sampling seed.")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Keep generating past EOS.")] = False,
     dtype: Annotated[
-        str, typer.Option(help="float32 | bfloat16 | float16 | auto (the checkpoint's).")
-    ] = "float32",
+        str, typer.Option(help="auto (the checkpoint's) | float32 | bfloat16 | float16.")
+    ] = "auto",
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV block.")] = 16,
     num_kv_blocks: Annotated[
         int | None,

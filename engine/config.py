@@ -42,8 +42,8 @@ class EngineConfig(BaseModel):
     capped at what `max_num_seqs` requests of `max_model_len` tokens could ever use.
     `max_model_len=None` takes the model's `max_position_embeddings`, reduced to what the pool
     holds when the pool is smaller.
-    `dtype` of weights and KV cache; "auto" takes the checkpoint's (config.json's, else the stored weights'), and
-    vLLM's "half" / "float" are accepted.
+    `dtype` of weights and KV cache; "auto" (the default, as in vLLM and transformers 5) takes the
+    checkpoint's (config.json's, else the stored weights'), and vLLM's "half" / "float" are accepted.
     `device` places weights and the KV pool ("auto": CUDA when available); `attention_backend`
     "auto" runs the Triton kernels on CUDA and the torch ones on the CPU (`tandem.kernels`).
     `generation_config`: where requests' sampling defaults come from ("auto": the model's
@@ -73,9 +73,11 @@ class EngineConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _resolve_dtype(cls, data: Any) -> Any:
-        """vLLM's spellings: "auto" (the checkpoint's dtype), "half", "float", ..."""
-        if isinstance(data, dict) and isinstance(data.get("dtype"), str):
-            name = DTYPE_ALIASES.get(data["dtype"], data["dtype"])
+        """vLLM's spellings: "auto" (the checkpoint's dtype; also when none is given), "half",
+        "float", ..."""
+        raw = data.get("dtype", "auto") if isinstance(data, dict) else None
+        if isinstance(raw, str):
+            name = DTYPE_ALIASES.get(raw, raw)
             if name == "auto":
                 name = checkpoint_dtype(str(data.get("model", "")))
             data = {**data, "dtype": name}

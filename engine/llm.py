@@ -39,7 +39,7 @@ class LLM:
     def __init__(
         self,
         model: str,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         max_num_batched_tokens: int = 2048,

@@ -140,6 +140,17 @@ def test_vllms_engine_arguments(tiny_checkpoint: Any, tmp_path: Any) -> None:
             LLM(model=path, num_kv_blocks=8, **kwargs)
 
 
+def test_the_default_dtype_is_the_checkpoints(tiny_checkpoint: Any) -> None:
+    """As vLLM's and transformers 5's `dtype="auto"`: a bf16 checkpoint runs in bf16 unless
+    told otherwise, a float32 one in float32; a config naming no readable checkpoint, float32."""
+    bf16 = str(tiny_checkpoint(dtype="bfloat16"))
+    assert EngineConfig(model=bf16).dtype == "bfloat16"
+    assert LLM(model=bf16, num_kv_blocks=8).engine.config.dtype == "bfloat16"
+    assert EngineConfig(model=bf16, dtype="float32").dtype == "float32"
+    assert EngineConfig(model=str(tiny_checkpoint())).dtype == "float32"
+    assert EngineConfig(model="/nonexistent/checkpoint").dtype == "float32"
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
     ids = list(range(10, 40))
     out = llm.generate([ids], SamplingParams(truncate_prompt_tokens=5, **GREEDY_FIELDS))[0]
