@@ -40,7 +40,7 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], rows: Seq
             banned = [
                 seq[-1]
                 for seq in req.bad_words_ids
-                if seq[-1] < vocab and _ends_with(req.output_token_ids, seq[:-1])
+                if seq[-1] < vocab and _ends_with(req.sampled_token_ids, seq[:-1])
             ]
             row[banned] = float("-inf")
         if p.allowed_token_ids:
@@ -56,7 +56,7 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], rows: Seq
             )
             row[seen] = penalized
         if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            output = [t for t in req.output_token_ids if t < vocab]
+            output = [t for t in req.sampled_token_ids if t < vocab]
             if not output:
                 continue
             counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)

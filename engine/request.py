@@ -151,6 +151,12 @@ class Request:
         return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
+    def sampled_token_ids(self) -> list[int]:
+        """What the sampler counts as this request's output: its output tokens, after the last
+        `params.resumed_tokens` tokens of its prompt (a lost attempt's output)."""
+        return self.token_ids[max(0, len(self.prompt_token_ids) - self.params.resumed_tokens) :]
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
 

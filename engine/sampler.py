@@ -2,8 +2,9 @@
 penalties.
 
 Greedy rows are an argmax over the batch. Other rows are sampled one by one when they carry a
-seed (their own `torch.Generator`, so their tokens do not depend on what else is in the batch)
-and together otherwise.
+seed (their own `torch.Generator`, seeded before each draw from the seed and the token's place
+in the output, `draw_seed`: their tokens depend on neither the batch nor the worker that
+draws them) and together otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from tandem.engine.guided import mask_disallowed
 from tandem.engine.penalties import apply_penalties
 from tandem.engine.request import Request
+from tandem.engine.sampling_params import draw_seed
 
 NO_TOKEN = -1
 """The "token" of a row whose request allows none (its constraints exclude every token: e.g.
@@ -49,7 +51,8 @@ def sample(
         for i, tok in zip(batch_rows, picked, strict=True):
             tokens[i] = tok
     for i, req in enumerate(requests):
-        if req.generator is not None:
+        if req.generator is not None and req.params.seed is not None:
+            req.generator.manual_seed(draw_seed(req.params.seed, len(req.sampled_token_ids)))
             probs = _probabilities(logits[i : i + 1], [req])
             tokens[i] = int(torch.multinomial(probs, 1, generator=req.generator).item())
     for i in stuck:

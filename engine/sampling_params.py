@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import struct
 from typing import Any
 
+import xxhash
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -37,6 +39,13 @@ def sample_seed(seed: int | None, sample: int) -> int | None:
         return None
     span = SEED_MAX - SEED_MIN + 1
     return (seed + sample - SEED_MIN) % span + SEED_MIN
+
+
+def draw_seed(seed: int, draw: int) -> int:
+    """The seed of a seeded request's `draw`-th sampled token (0-based): its tokens depend on
+    the seed and their position only, so an attempt that goes on from the tokens of a lost one
+    (`SamplingParams.resumed_tokens`) draws what the lost one would have."""
+    return xxhash.xxh64_intdigest(struct.pack("<QQ", seed % 2**64, draw))
 
 
 def truncated_prompt(
@@ -80,7 +89,9 @@ class SamplingParams(BaseModel):
     xgrammar's dialect, whose start rule is `root`). `reasoning_tags` (open, close), e.g.
     `("<think>", "</think>")`, let a reasoning model think freely before the structure
     constrains its answer (`reasoning_gate.py`; the router sets them when it has a reasoning
-    parser).
+    parser). `resumed_tokens`: the prompt's last tokens are this request's own output, streamed
+    by an attempt whose worker was lost (the router sets it): the seeded sampler's draws, the
+    presence and frequency penalties and `bad_words` go on from them as one attempt would have.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -115,6 +126,7 @@ class SamplingParams(BaseModel):
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = Field(None, min_length=1)
     reasoning_tags: tuple[str, str] | None = None
+    resumed_tokens: int = Field(0, ge=0)
 
     def __init__(self, **data: object) -> None:
         for name in ("structured_outputs", "guided_decoding"):  # vLLM's offline spellings

@@ -49,13 +49,12 @@ class Prepared:
     @property
     def resumable(self) -> bool:
         """Whether a new attempt from the tokens streamed so far gives what the lost one would
-        have: greedy decoding does, and unseeded sampling has no one answer to keep. A seeded
-        sampler's state died with its worker, and presence and frequency penalties count the
-        output, which a new attempt would take for prompt."""
-        p = self.params
-        if p.presence_penalty or p.frequency_penalty or p.structure is not None:
-            return False  # (nor a grammar's state)
-        return p.temperature == 0 or p.seed is None
+        have: it does unless the output follows a structure (the grammar's state died with
+        the worker). The new attempt's worker counts the tokens streamed as output
+        (`SamplingParams.resumed_tokens`): a seeded sampler draws as the lost one would have
+        (each draw's seed is the request's and the token's place), and the presence and
+        frequency penalties and `bad_words` see them."""
+        return self.params.structure is None
 
     def attempt_prompt(self) -> list[int]:
         """What the current attempt prefills: the prompt, and the tokens streamed before its
@@ -72,6 +71,7 @@ class Prepared:
         update = {
             "max_tokens": limit - done,
             "min_tokens": max(0, self.params.min_tokens - done),
+            "resumed_tokens": done,
         }
         return self.params.model_copy(update=update)
 

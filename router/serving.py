@@ -41,7 +41,7 @@ MAX_LOST_RETRIES = 1
 """Times a request goes on after losing a worker it uses (the workers' deaths are seen at once:
 the router holds a connection to each). Lost before it sent its caller anything, it starts
 over; lost mid-stream (its decode worker died), it continues where the stream stopped when the
-continuation is the same as the lost one would have been: greedy, or sampling without a seed
+continuation is the same as the lost one would have been: any request but a structured output
 (see `Prepared.resumable`)."""
 
 
@@ -317,9 +317,8 @@ class Serving:
                         if not (last_item is None or req.resumable):
                             if not req.buffered:
                                 exc.message += (
-                                    "; a seeded sampling request cannot go on on another "
-                                    "worker (its sampler's state was lost with it): send it "
-                                    "again"
+                                    "; a structured output cannot go on on another worker "
+                                    "(its grammar's state was lost with it): send it again"
                                 )
                                 raise
                             req.forget_output()  # (nothing was sent: it starts again)

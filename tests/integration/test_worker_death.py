@@ -1,5 +1,6 @@
 """A decode worker that dies in the middle of a stream: the stream goes on, exactly, from the
-tokens already sent, on the decode worker still alive.
+tokens already sent, on the decode worker still alive (greedy, and seeded sampling with a
+presence penalty: the new worker counts the tokens sent as the request's output).
 
 A prefill worker that dies: the requests sent right after all succeed, exactly, on the one
 still alive. Before, those routed to the dead one failed for up to 10 s (its registry entry
@@ -57,19 +58,22 @@ def test_requests_after_a_prefill_worker_dies_all_succeed_exactly(
     assert prefill[0] not in {w["worker_id"] for w in live}
 
 
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 0},
+    {"temperature": 0.9, "seed": 11, "presence_penalty": 0.3},
+], ids=["greedy", "seeded"])  # fmt: skip
 def test_a_stream_whose_decode_worker_dies_goes_on_exactly(
-    cluster: Cluster, reference: LLM
+    cluster: Cluster, reference: LLM, sampling: dict[str, Any]
 ) -> None:
     base_url = cluster.deploy(prefill={"replicas": 1, "num_cpus": 0.25},
                               decode={"replicas": 2, "num_cpus": 0.25})  # fmt: skip
     prompt, max_tokens = "the story of a long walk through the hills and the valleys", 1800
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
     expected = reference.generate([prompt], params, use_tqdm=False)[0]
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
-                                       temperature=0, stream=True,
-                                       stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True}, **sampling)  # fmt: skip
     chunks = iter(stream)
     texts = [next(chunks).choices[0].text]
     busy = [w for w in cluster.workers() if w["role"] == "decode" and w.get("num_requests")]

@@ -34,6 +34,27 @@ def test_seeded_sampling_independent_of_batch(llm: LLM) -> None:
     assert again[0].token_ids == again[1].token_ids == alone
 
 
+@pytest.mark.parametrize(
+    "extra", [{}, {"presence_penalty": 1.5, "frequency_penalty": 1.0}, {"bad_words": ["a"]}]
+)
+def test_a_seeded_request_resumed_from_its_first_tokens_goes_on_as_it_would_have(
+    llm: LLM, extra: dict[str, Any]
+) -> None:
+    """What the router does when a request's decode worker dies mid-stream: a new request
+    prefills the prompt and the k tokens sent, told they were its output (`resumed_tokens`).
+    Its seeded draws and penalties go on from them: the rest is what the lost one would
+    have sampled, token for token."""
+    prompt = [5, 6, 7, 8, 9, 10]
+    fields = dict(temperature=0.9, top_k=50, seed=42, ignore_eos=True, **extra)
+    whole = llm.generate([prompt], SamplingParams(max_tokens=24, **fields))[0].token_ids
+    for k in (1, 7):
+        params = SamplingParams(max_tokens=24 - k, resumed_tokens=k, **fields)
+        rest = llm.generate([prompt + whole[:k]], params)[0].token_ids
+        assert rest == whole[k:], k
+    unresumed = llm.generate([prompt + whole[:7]], SamplingParams(max_tokens=17, **fields))
+    assert unresumed[0].token_ids != whole[7:]  # (what counting them changes)
+
+
 def test_unseeded_sampling_varies_and_greedy_is_top_k_1(llm: LLM) -> None:
     prompt = [11, 12, 13]
     sampled = llm.generate(

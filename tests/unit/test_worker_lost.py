@@ -1,9 +1,10 @@
 """A worker lost before the request sent its caller anything: the request starts over once,
 under a new worker-side id, on a new plan. Lost after tokens went out (its decode worker died),
-a greedy or unseeded request goes on from those tokens, once, with its text and stop strings
-handled in the router across the seam; a seeded sampling one fails (its sampler's state died
-with the worker) when it is streamed, and starts again from none when its caller gets the
-answer at its end; a second loss fails."""
+a request goes on from those tokens, once, with its text and stop strings handled in the router
+across the seam and the tokens sent counted as its output on the new worker (`resumed_tokens`:
+seeded draws, penalties); a structured output fails (its grammar's state died with the worker)
+when it is streamed, and starts again from none when its caller gets the answer at its end; a
+second loss fails."""
 
 from __future__ import annotations
 
@@ -194,30 +195,50 @@ def test_no_stop_before_min_tokens_after_the_seam() -> None:
     assert (req.text, req.finish_reason) == ("<7><8><9><10>", "length")
 
 
-def test_a_seeded_sampling_request_whose_decode_worker_dies_fails() -> None:
-    """Its sampler's state died with the worker: going on would give other tokens than the
-    seed promises."""
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, seed=3, max_tokens=3),
+    SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5, max_tokens=3),
+])  # fmt: skip
+def test_a_seeded_or_penalized_request_goes_on_counting_the_tokens_sent_as_output(
+    params: SamplingParams,
+) -> None:
+    """The new attempt's worker is told how many of its prompt's tokens were the lost
+    attempt's output: its seeded draws and its penalties go on from them."""
     orchestrator = FakeOrchestrator({0: "after"})
     serving, planner = _serving(orchestrator)
-    req = _prepared(planner, SamplingParams(temperature=0.8, seed=3, max_tokens=3))
+    req = _prepared(planner, params)
+    assert asyncio.run(_collect(serving, req)) == [[7], [8], [9]]
+    assert orchestrator.prompts[1] == [*PROMPT, 7]
+    assert (orchestrator.params[1]["resumed_tokens"], orchestrator.params[1]["max_tokens"]) == (
+        1,
+        2,
+    )
+    assert "resumed_tokens" not in orchestrator.params[0]
+
+
+def test_a_streamed_structured_output_whose_decode_worker_dies_fails() -> None:
+    """Its grammar's state died with the worker."""
+    orchestrator = FakeOrchestrator({0: "after"})
+    serving, planner = _serving(orchestrator)
+    req = _prepared(planner, SamplingParams(temperature=0, choice=["x", "y"], max_tokens=3))
     with pytest.raises(WorkerLost) as lost:
         asyncio.run(_collect(serving, req))
     assert orchestrator.generated == ["cmpl-1"] and req.completion_tokens == 1
     assert lost.value.body()["error"]["message"].endswith(
-        "(its sampler's state was lost with it): send it again"
+        "(its grammar's state was lost with it): send it again"
     )
     assert lost.value.headers == {"Retry-After": "1"}
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.8, seed=3, max_tokens=3, logprobs=1),
-    SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=3),
+    SamplingParams(temperature=0.8, seed=3, max_tokens=3, logprobs=1, regex="[a-z]+"),
+    SamplingParams(temperature=0, choice=["x", "y"], max_tokens=3),
 ])  # fmt: skip
 def test_a_request_answered_at_its_end_starts_again_from_none_when_it_cannot_go_on(
     params: SamplingParams,
 ) -> None:
     """Not streamed (`run_to_end`), nothing of the lost attempt reached the caller: the request
-    starts again from its prompt alone (the seed, the penalties, give what they promise), and
+    starts again from its prompt alone (the grammar starts from its beginning), and
     answers with the new attempt's tokens only."""
     orchestrator = FakeOrchestrator({0: "after"})
     serving, planner = _serving(orchestrator)
