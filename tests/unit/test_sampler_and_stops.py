@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampler import draw
 from tests.hf_reference import random_prompts
 
 
@@ -53,6 +56,21 @@ def test_a_seeded_request_resumed_from_its_first_tokens_goes_on_as_it_would_have
         assert rest == whole[k:], k
     unresumed = llm.generate([prompt + whole[:7]], SamplingParams(max_tokens=17, **fields))
     assert unresumed[0].token_ids != whole[7:]  # (what counting them changes)
+
+
+def test_draw_samples_the_distribution_and_never_a_token_of_probability_zero() -> None:
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.tensor([0.5, 0.25, 0.0, 0.125, 0.125])
+    counts = Counter(draw(probs, gen) for _ in range(40_000))
+    assert counts[2] == 0 and set(counts) == {0, 1, 3, 4}
+    for token, p in enumerate(probs.tolist()):
+        assert abs(counts[token] / 40_000 - p) < 0.01, (token, counts)
+    edges = torch.tensor([0.0, 0.0, 1.0, 0.0])  # (zeros before and after the only token)
+    assert {draw(edges, gen) for _ in range(2_000)} == {2}
+    assert draw(edges, None) == 2
+    wide = torch.zeros(152_000)
+    wide[[7, 151_999]] = torch.tensor([0.25, 0.75])
+    assert Counter(draw(wide, gen) for _ in range(4_000)).keys() == {7, 151_999}
 
 
 def test_unseeded_sampling_varies_and_greedy_is_top_k_1(llm: LLM) -> None:
