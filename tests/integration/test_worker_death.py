@@ -11,6 +11,7 @@ before the router noticed starts over on the live workers; that race is rare her
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import openai
@@ -30,6 +31,12 @@ def _kill_replica(worker_id: str) -> None:
              if replica in a["name"]]  # fmt: skip
     assert len(names) == 1, names
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+
+
+def _wait_for_all_answering(cluster: Cluster, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any("error" in w for w in cluster.workers()) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def test_requests_after_a_prefill_worker_dies_all_succeed_exactly(
@@ -71,6 +78,8 @@ def test_a_stream_whose_decode_worker_dies_goes_on_exactly(
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
     expected = reference.generate([prompt], params, use_tqdm=False)[0]
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    _wait_for_all_answering(cluster)  # (no replica of an earlier test shutting down: the look
+    # at the workers mid-stream must not wait for one while the stream runs to its end)
     stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
                                        stream=True, stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True}, **sampling)  # fmt: skip
