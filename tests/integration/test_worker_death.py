@@ -84,8 +84,11 @@ def test_a_stream_whose_decode_worker_dies_goes_on_exactly(
                                        stream=True, stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True}, **sampling)  # fmt: skip
     chunks = iter(stream)
-    texts = [next(chunks).choices[0].text]
-    busy = [w for w in cluster.workers() if w["role"] == "decode" and w.get("num_requests")]
+    texts: list[str] = []
+    busy: list[dict[str, Any]] = []
+    while not busy:  # (the first token comes from prefill, before decode holds the request)
+        texts.extend(c.text for c in next(chunks).choices)
+        busy = [w for w in cluster.workers() if w["role"] == "decode" and w.get("num_requests")]
     assert len(busy) == 1, busy  # the one decoding this request, mid-stream
     _kill_replica(busy[0]["worker_id"])
     usage = None
