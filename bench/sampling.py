@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a script: make the `bench` package impor
 import torch  # noqa: E402
 
 from tandem.engine.request import Request  # noqa: E402
-from tandem.engine.sampler import sample  # noqa: E402
+from tandem.engine.sampler import _top_p_sorted, sample  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 
 PARAMS = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=8)
@@ -41,10 +41,7 @@ def sorted_torch_way(logits: torch.Tensor) -> list[int]:
     scaled = logits / PARAMS.temperature
     kth = scaled.sort(dim=-1, descending=True).values[:, PARAMS.top_k - 1 : PARAMS.top_k]
     scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    ordered, order = scaled.sort(dim=-1)
-    drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - PARAMS.top_p
-    drop[:, -1] = False
-    scaled = torch.empty_like(scaled).scatter_(1, order, ordered.masked_fill(drop, -torch.inf))
+    scaled = _top_p_sorted(scaled, torch.full((len(scaled),), PARAMS.top_p))
     return torch.multinomial(scaled.softmax(dim=-1), 1).flatten().tolist()
 
 

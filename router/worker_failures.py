@@ -12,7 +12,7 @@ from tandem.router.errors import RETRY_AFTER, APIError, WorkerLost, unavailable
 from tandem.router.worker_directory import Worker
 
 NO_CAPACITY = "no_capacity"  # what a decode worker without room for a reservation answers
-DECODER_LOSS_S = 0.5  # how long a failed prefill waits to learn whether decode died
+PEER_LOSS_S = 0.5  # how long a transfer failed by its other worker waits to learn it died
 
 
 async def read_next(stream: AsyncGenerator[dict[str, Any], None], worker: Worker) -> dict[str, Any]:
@@ -28,9 +28,9 @@ async def lost(worker: Worker, news: asyncio.Future[Any] | None) -> bool:
     """Whether `worker`'s connection is gone. Asked when the other worker of a transfer says
     it failed because this one died: its transport may learn it a moment before the router
     does (from its connection, when `news`, the call in flight on it, fails): that moment,
-    `DECODER_LOSS_S` at most, is waited for."""
+    `PEER_LOSS_S` at most, is waited for."""
     if worker.client.lost_at is None and news is not None and not news.done():
-        await asyncio.wait({news}, timeout=DECODER_LOSS_S)
+        await asyncio.wait({news}, timeout=PEER_LOSS_S)
     return worker.client.lost_at is not None
 
 

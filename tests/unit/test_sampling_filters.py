@@ -19,10 +19,7 @@ def _sorted_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
 
 
 def _sorted_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1)
-    drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_ps[:, None])
-    drop[:, -1] = False
-    kept = torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, -torch.inf))
+    kept = sampler._top_p_sorted(logits, top_ps)  # (the whole vocabulary, sorted)
     return torch.where((top_ps >= 1.0)[:, None], logits, kept)
 
 
