@@ -12,6 +12,7 @@ then the modules that deploy their own configs. A module says which default it u
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -27,11 +28,24 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 APP = "tandem"
 
 
+TEST_PORTS = range(20000, 32000)
+"""Where the tests' ports come from: above Ray's worker ports (10002-19999) and below the
+kernel's ephemeral range (32768-60999 here), from which every process that binds port 0 (Ray's
+own servers among them) takes one. A port found free by binding port 0 and closing it could be
+taken by such a process before the server it was meant for opens it."""
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
+    """A port in `TEST_PORTS` that nothing listens on now, drawn at random (so that two test
+    runs on the machine seldom draw the same one)."""
+    for port in random.sample(TEST_PORTS, 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {TEST_PORTS}")
 
 
 DEPLOYMENT_GROUPS = {"1x1": 0, "1x1-direct": 0, "2x2": 1}
