@@ -3,8 +3,9 @@ usual torch way (a sort of the whole vocabulary for top-k and top-p, `torch.mult
 
 Rows are Zipf-like logits (as a trained model's: the 0.9 nucleus holds a few dozen tokens) for
 vocabularies of 32k and 152k tokens, 1 and 16 rows, every request at temperature 0.8, top-k 50
-and top-p 0.9. The sampler runs on host tensors on a GPU worker too, so this is per decode step
-wherever the model runs. Prints a JSON summary as the last line::
+and top-p 0.9 (`k50_p0.9`, as Qwen's defaults have both), then at temperature 0.6 and top-p
+0.9 alone (`p0.9`, Llama's). The sampler runs on host tensors on a GPU worker too, so this is
+per decode step wherever the model runs. Prints a JSON summary as the last line::
 
     .venv/bin/python bench/sampling.py [--repeats 5] [--threads 1]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import statistics
 import sys
@@ -29,19 +31,26 @@ from tandem.engine.request import Request  # noqa: E402
 from tandem.engine.sampler import _top_p_sorted, sample  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 
-PARAMS = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=8)
+PARAMS = {
+    "k50_p0.9": SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=8),
+    "p0.9": SamplingParams(temperature=0.6, top_p=0.9, max_tokens=8),
+}
+
+
+VOCABS = (32_000, 152_000)
 
 
 def _tandem_way(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    return sample(logits.clone(), requests)  # (it masks the logits it is given in place)
+    return sample(logits.clone(), requests)  # (it changes the logits it is given in place)
 
 
-def sorted_torch_way(logits: torch.Tensor) -> list[int]:
+def sorted_torch_way(logits: torch.Tensor, params: SamplingParams) -> list[int]:
     """Temperature, top-k and top-p by sorting each row, then `torch.multinomial`."""
-    scaled = logits / PARAMS.temperature
-    kth = scaled.sort(dim=-1, descending=True).values[:, PARAMS.top_k - 1 : PARAMS.top_k]
-    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    scaled = _top_p_sorted(scaled, torch.full((len(scaled),), PARAMS.top_p))
+    scaled = logits / params.temperature
+    if params.top_k > 0:
+        kth = scaled.sort(dim=-1, descending=True).values[:, params.top_k - 1 : params.top_k]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    scaled = _top_p_sorted(scaled, torch.full((len(scaled),), params.top_p))
     return torch.multinomial(scaled.softmax(dim=-1), 1).flatten().tolist()
 
 
@@ -67,23 +76,23 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     results: dict[str, dict[str, float]] = {}
-    for vocab in (32_000, 152_000):
-        for rows in (1, 16):
-            logits = zipf_rows(rows, vocab)
-            requests = [Request(f"r{i}", [1, 2, 3], PARAMS, frozenset()) for i in range(rows)]
-            tandem_ms = median_ms(functools.partial(_tandem_way, logits, requests), args.repeats)
-            torch_ms = median_ms(functools.partial(sorted_torch_way, logits), args.repeats)
-            key = f"vocab{vocab // 1000}k_rows{rows}"
-            results[key] = {
-                "tandem_ms": round(tandem_ms, 3),
-                "sort_and_multinomial_ms": round(torch_ms, 3),
-                "speedup": round(torch_ms / tandem_ms, 1),
-            }
-            print(
-                f"[bench] {key}: tandem {tandem_ms:.2f} ms, sort + multinomial "
-                f"{torch_ms:.2f} ms ({torch_ms / tandem_ms:.1f}x)",
-                file=sys.stderr,
-            )
+    for (name, params), vocab, rows in itertools.product(PARAMS.items(), VOCABS, (1, 16)):
+        logits = zipf_rows(rows, vocab)
+        requests = [Request(f"r{i}", [1, 2, 3], params, frozenset()) for i in range(rows)]
+        tandem_ms = median_ms(functools.partial(_tandem_way, logits, requests), args.repeats)
+        torch_way = functools.partial(sorted_torch_way, logits, params)
+        torch_ms = median_ms(torch_way, args.repeats)
+        key = f"{name}_vocab{vocab // 1000}k_rows{rows}"
+        results[key] = {
+            "tandem_ms": round(tandem_ms, 3),
+            "sort_and_multinomial_ms": round(torch_ms, 3),
+            "speedup": round(torch_ms / tandem_ms, 1),
+        }
+        print(
+            f"[bench] {key}: tandem {tandem_ms:.2f} ms, sort + multinomial "
+            f"{torch_ms:.2f} ms ({torch_ms / tandem_ms:.1f}x)",
+            file=sys.stderr,
+        )
     print(json.dumps({"bench": "sampling", "threads": args.threads, "per_step": results}))
 
 

@@ -16,6 +16,7 @@ import torch
 from tandem.engine.guided import mask_disallowed
 from tandem.engine.penalties import apply_penalties
 from tandem.engine.request import Request
+from tandem.engine.sampling_candidates import CANDIDATES, candidate_probabilities
 from tandem.engine.sampling_params import draw_seed
 
 NO_TOKEN = -1
@@ -28,7 +29,8 @@ def sample(
 ) -> list[int]:
     """One token per row of `logits` (fp32, (B, vocab)); row i belongs to requests[i].
     `extra_rows`: the rows of requests with `sampling_extras` (penalties are looked for there);
-    such a row that allows no token gets `NO_TOKEN`."""
+    such a row that allows no token gets `NO_TOKEN`. `logits` is changed in place (masks,
+    penalties, temperature): take what else needs them first."""
     _suppress_stops_before_min_tokens(logits, requests)
     stuck: list[int] = []
     if extra_rows:
@@ -45,16 +47,35 @@ def sample(
         return tokens
     batch_rows = [i for i, r in enumerate(requests) if not r.params.greedy and r.generator is None]
     if batch_rows:
-        rows = torch.tensor(batch_rows)
-        probs = _probabilities(logits.index_select(0, rows), [requests[i] for i in batch_rows])
-        for i, row in zip(batch_rows, probs, strict=True):
-            tokens[i] = draw(row)
+        every = len(batch_rows) == len(requests)  # (else a copy of those rows)
+        rows = logits if every else logits.index_select(0, torch.tensor(batch_rows))
+        drawn = _draw_rows(rows, [requests[i] for i in batch_rows])
+        for i, token in zip(batch_rows, drawn, strict=True):
+            tokens[i] = token
     for i, req in enumerate(requests):
         if req.generator is not None and req.params.seed is not None:
             req.generator.manual_seed(draw_seed(req.params.seed, len(req.sampled_token_ids)))
-            tokens[i] = draw(_probabilities(logits[i : i + 1], [req])[0], req.generator)
+            tokens[i] = _draw_rows(logits[i : i + 1], [req], req.generator)[0]
     for i in stuck:
         tokens[i] = NO_TOKEN
+    return tokens
+
+
+def _draw_rows(
+    logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator | None = None
+) -> list[int]:
+    """A token drawn for each row, over its candidates where its kept tokens all lie among
+    them (`sampling_candidates`), else over the whole vocabulary."""
+    scaled = _scaled(logits, requests)
+    short = candidate_probabilities(scaled, requests)
+    tokens = [NO_TOKEN] * len(requests)
+    for j, i in enumerate(short.rows):
+        tokens[i] = int(short.ids[j, draw(short.probs[j], generator)])
+    rest = sorted(set(range(len(requests))) - set(short.rows))
+    if rest:
+        rows = scaled if len(rest) == len(requests) else scaled[torch.tensor(rest)]
+        for i, row in zip(rest, _filtered(rows, [requests[i] for i in rest]), strict=True):
+            tokens[i] = draw(row, generator)
     return tokens
 
 
@@ -130,26 +151,38 @@ def _greedy_argmax_vocab_major(logits_t: torch.Tensor) -> torch.Tensor:
 
 
 def _probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Each row's sampling distribution over the whole vocabulary."""
+    return _filtered(_scaled(logits, requests), requests)
+
+
+def _scaled(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """`logits` over each row's temperature (`_finite_above`), in place (a new tensor of a
+    whole batch's rows costs its page faults: as much as the division itself here)."""
     temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
-    scaled = _finite_above(logits / temps[:, None])
+    return _finite_above(logits.div_(temps[:, None]))
+
+
+def _filtered(scaled: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """min-p, top-k and top-p over the whole vocabulary, then the softmax."""
     min_ps = [r.params.min_p for r in requests]
     if any(p > 0.0 for p in min_ps):
-        scaled = _apply_min_p(scaled, torch.tensor(min_ps, dtype=logits.dtype))
+        scaled = _apply_min_p(scaled, torch.tensor(min_ps, dtype=scaled.dtype))
     top_ks = [r.params.top_k for r in requests]
     if any(k > 0 for k in top_ks):
         scaled = _apply_top_k(scaled, top_ks)
     top_ps = [r.params.top_p for r in requests]
     if any(p < 1.0 for p in top_ps):
-        scaled = _apply_top_p(scaled, torch.tensor(top_ps, dtype=logits.dtype))
+        scaled = _apply_top_p(scaled, torch.tensor(top_ps, dtype=scaled.dtype))
     return torch.softmax(scaled, dim=-1)
 
 
 def _finite_above(scaled: torch.Tensor) -> torch.Tensor:
-    """`scaled` with +inf (a logit over a small temperature, or one a repetition penalty near 0
-    divided) as the dtype's largest value and NaN as -inf: softmax then gives the largest
-    tokens the mass instead of NaNs, which would poison the cumulative sum `draw` searches."""
+    """`scaled`, in place, with +inf (a logit over a small temperature, or one a repetition
+    penalty near 0 divided) as the dtype's largest value and NaN as -inf: softmax then gives
+    the largest tokens the mass instead of NaNs, which would poison the cumulative sum `draw`
+    searches."""
     top = torch.finfo(scaled.dtype).max
-    return torch.nan_to_num(scaled, nan=float("-inf"), posinf=top, neginf=float("-inf"))
+    return scaled.nan_to_num_(nan=float("-inf"), posinf=top, neginf=float("-inf"))
 
 
 def _apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
@@ -175,7 +208,7 @@ def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-TOP_P_CANDIDATES = 256
+TOP_P_CANDIDATES = CANDIDATES
 """The most likely tokens `_apply_top_p` looks among first: a row whose nucleus lies within
 them (as a trained model's does) needs no sort of its whole vocabulary."""
 

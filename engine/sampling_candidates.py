@@ -1,0 +1,84 @@
+"""The sampler's short path: a row's distribution over its most likely tokens only.
+
+A row with a top-k of at most `CANDIDATES`, or a top-p whose nucleus lies among its
+`CANDIDATES` most likely tokens (as a trained model's does: Qwen's default top_k 20 and top_p
+0.95, Llama's top_p 0.9), keeps no token outside them. Its distribution is then built over
+those candidates alone: one `topk` over the vocabulary (and one log-sum-exp for a row without
+top-k, to know the mass outside), where the whole-vocabulary path (`sampler._probabilities`)
+makes several passes over it and `draw` a cumulative sum of it. The same tokens are kept, with
+the same probabilities up to rounding (`tests/unit/test_sampling_candidates.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.request import Request
+
+CANDIDATES = 256
+"""The most likely tokens a row is looked at among (and `_apply_top_p`'s first look)."""
+
+
+@dataclass
+class Candidates:
+    """Rows `rows` (indices into the rows given) and, per row, its candidates' token ids
+    (ascending) and their probabilities (zero for the candidates it drops)."""
+
+    rows: list[int]
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+
+def candidate_probabilities(scaled: torch.Tensor, requests: Sequence[Request]) -> Candidates:
+    """The rows of `scaled` (logits over temperature, none +inf or NaN; row i belongs to
+    requests[i]) whose kept tokens all lie among their `CANDIDATES` most likely: those with a
+    top-k of at most `CANDIDATES` (ties at the k-th included), or without top-k and with a
+    top-p whose nucleus is there, and no min-p. Rows not listed take the whole-vocabulary
+    path."""
+    vocab = scaled.shape[-1]
+    ks = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in requests]
+    maybe = [
+        i
+        for i, r in enumerate(requests)
+        if (0 < ks[i] <= CANDIDATES or (ks[i] == 0 and r.params.top_p < 1.0))
+        and r.params.min_p <= 0.0
+    ]
+    if not maybe:
+        return Candidates([], torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0))
+    rows = scaled.index_select(0, torch.tensor(maybe)) if len(maybe) < len(scaled) else scaled
+    with_k = [ks[i] for i in maybe]
+    # One past the widest k (to see whether the k-th value's ties go on), and CANDIDATES for
+    # rows without top-k.
+    width = min(vocab, max(CANDIDATES if 0 in with_k else 0, max(with_k) + 1))
+    values, ids = rows.topk(width, dim=-1)  # descending
+    fits = torch.ones(len(maybe), dtype=torch.bool)
+    k_rows = [j for j, k in enumerate(with_k) if k]
+    if k_rows:  # top-k: keep values >= the k-th; ties past the candidates do not fit
+        index = torch.tensor(k_rows)
+        kth = values[index].gather(1, torch.tensor([with_k[j] - 1 for j in k_rows])[:, None])
+        values[index] = values[index].masked_fill(values[index] < kth, float("-inf"))
+        ties_beyond = (values[index, -1:] >= kth).squeeze(1) & (width < vocab)
+        fits[index] &= ~ties_beyond & torch.isfinite(kth.squeeze(1))
+    top_ps = torch.tensor([requests[i].params.top_p for i in maybe], dtype=scaled.dtype)
+    probs = values.softmax(dim=-1)
+    no_k = torch.tensor([k == 0 for k in with_k])
+    if bool(no_k.any()):  # their distribution is over the whole vocabulary
+        whole = torch.logsumexp(rows[no_k], dim=-1, keepdim=True)
+        probs[no_k] = (values[no_k] - whole).exp()
+        fits[no_k] &= probs[no_k].sum(dim=-1) >= top_ps[no_k]  # the nucleus is among them
+    # top-p among the candidates (ascending): drop while the mass up to a token, the mass
+    # outside counted first, stays at most 1 - top_p; the most likely token always stays.
+    outside = (1.0 - probs.sum(dim=-1)).clamp_(min=0.0)
+    ascending = probs.flip(-1)
+    drop = outside[:, None] + ascending.cumsum(dim=-1) <= (1 - top_ps[:, None])
+    drop[:, -1] = False
+    drop &= (top_ps < 1.0)[:, None]
+    values = values.masked_fill(drop.flip(-1), float("-inf"))
+    probs = values.softmax(dim=-1)
+    ids, order = ids.sort(dim=-1)  # (ascending ids: `draw` sums them as the long path does)
+    probs = probs.gather(1, order)
+    keep = fits.nonzero().flatten()
+    return Candidates([maybe[j] for j in keep.tolist()], ids[keep], probs[keep])
