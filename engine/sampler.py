@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.engine.greedy_argmax import greedy_argmax
 from tandem.engine.guided import mask_disallowed
 from tandem.engine.penalties import apply_penalties
 from tandem.engine.request import Request
@@ -98,56 +99,6 @@ def _allowing_nothing(logits: torch.Tensor, rows: Sequence[int]) -> list[int]:
     index = torch.tensor(list(rows), dtype=torch.long)
     best = logits.index_select(0, index).amax(dim=-1)
     return [rows[j] for j in torch.nonzero(best == float("-inf")).flatten().tolist()]
-
-
-ARGMAX_GROUP = 32
-
-
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax, same result as `logits.argmax(-1)` (first index among equal maxima).
-
-    Two levels, because a plain argmax over a wide fp32 row is not vectorized on CPU: the max of
-    each group of 32 columns (vectorized), the first group holding the row max, then the first
-    max inside that group. Columns past the last full group are checked on their own.
-    """
-    rows, vocab = logits.shape
-    groups = vocab // ARGMAX_GROUP
-    if vocab < 4096:
-        return logits.argmax(dim=-1)
-    if logits.t().is_contiguous() and rows > 1:  # vocab-major logits, as the model returns them
-        return _greedy_argmax_vocab_major(logits.t())
-    if not logits.is_contiguous():
-        return logits.argmax(dim=-1)
-    grouped = logits.as_strided((rows, groups, ARGMAX_GROUP), (vocab, ARGMAX_GROUP, 1))
-    group_max = grouped.amax(dim=-1)
-    best_group = group_max.argmax(dim=-1)
-    row_ids = torch.arange(rows)
-    within = grouped[row_ids, best_group].argmax(dim=-1)
-    result = best_group * ARGMAX_GROUP + within
-    tail_start = groups * ARGMAX_GROUP
-    if tail_start < vocab:
-        tail_max, tail_idx = logits[:, tail_start:].max(dim=-1)
-        better = tail_max > group_max[row_ids, best_group]
-        result = torch.where(better, tail_idx + tail_start, result)
-    return result
-
-
-def _greedy_argmax_vocab_major(logits_t: torch.Tensor) -> torch.Tensor:
-    """`greedy_argmax` of contiguous (vocab, rows) logits: groups of 32 vocabulary rows."""
-    vocab, rows = logits_t.shape
-    groups = vocab // ARGMAX_GROUP
-    grouped = logits_t[: groups * ARGMAX_GROUP].view(groups, ARGMAX_GROUP, rows)
-    group_max = grouped.amax(dim=1)  # (groups, rows)
-    best_group = group_max.argmax(dim=0)  # (rows,)
-    cols = torch.arange(rows)
-    within = grouped[best_group, :, cols].argmax(dim=-1)
-    result = best_group * ARGMAX_GROUP + within
-    tail_start = groups * ARGMAX_GROUP
-    if tail_start < vocab:
-        tail_max, tail_idx = logits_t[tail_start:].max(dim=0)
-        better = tail_max > group_max[best_group, cols]
-        result = torch.where(better, tail_idx + tail_start, result)
-    return result
 
 
 def _probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
