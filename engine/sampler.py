@@ -41,25 +41,35 @@ def sample(
         stuck = _allowing_nothing(logits, masked) if masked else []
         for i in stuck:  # (a harmless distribution: its token is replaced below)
             logits[i] = 0.0
-    tokens = greedy_argmax(logits).tolist()
-    for i in stuck:
-        tokens[i] = NO_TOKEN
-    if all(r.params.greedy for r in requests):
-        return tokens
-    batch_rows = [i for i, r in enumerate(requests) if not r.params.greedy and r.generator is None]
+    tokens = [NO_TOKEN] * len(requests)
+    greedy_rows = [i for i, r in enumerate(requests) if r.params.greedy]
+    seeded = [i for i, r in enumerate(requests) if not r.params.greedy and _seeded(r)]
+    batch_rows = [i for i, r in enumerate(requests) if not r.params.greedy and not _seeded(r)]
+    if greedy_rows:  # (over every row: the model's vocab-major layout is the fast one)
+        picked = greedy_argmax(logits).tolist()
+        for i in greedy_rows:
+            tokens[i] = picked[i]
     if batch_rows:
-        every = len(batch_rows) == len(requests)  # (else a copy of those rows)
-        rows = logits if every else logits.index_select(0, torch.tensor(batch_rows))
-        drawn = _draw_rows(rows, [requests[i] for i in batch_rows])
+        drawn = _draw_rows(_rows_of(logits, batch_rows), [requests[i] for i in batch_rows])
         for i, token in zip(batch_rows, drawn, strict=True):
             tokens[i] = token
-    for i, req in enumerate(requests):
-        if req.generator is not None and req.params.seed is not None:
-            req.generator.manual_seed(draw_seed(req.params.seed, len(req.sampled_token_ids)))
-            tokens[i] = _draw_rows(logits[i : i + 1], [req], req.generator)[0]
+    for i in seeded:
+        req = requests[i]
+        assert req.generator is not None and req.params.seed is not None
+        req.generator.manual_seed(draw_seed(req.params.seed, len(req.sampled_token_ids)))
+        tokens[i] = _draw_rows(logits[i : i + 1], [req], req.generator)[0]
     for i in stuck:
         tokens[i] = NO_TOKEN
     return tokens
+
+
+def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`logits` when `rows` is every row, else a copy of those rows."""
+    return logits if len(rows) == len(logits) else logits.index_select(0, torch.tensor(rows))
+
+
+def _seeded(request: Request) -> bool:
+    return request.generator is not None and request.params.seed is not None
 
 
 def _draw_rows(
