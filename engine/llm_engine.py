@@ -40,7 +40,7 @@ from tandem.engine.outputs import RequestOutput, StepOutput
 from tandem.engine.penalties import bad_word_sequences
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.request_output import request_output
-from tandem.engine.sampler import NO_TOKEN, sample
+from tandem.engine.sampler import NO_TOKEN, greedy_where_they_are, sample
 from tandem.engine.sampling_params import SamplingParams, truncated_prompt
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.tokenizer import Tokenizer, ids_outside_vocab
@@ -269,8 +269,15 @@ class LLMEngine:
             raise StepFailedError(ids, exc) from exc
 
     def _run_batch(self, out: SchedulerOutput) -> list[StepOutput]:
-        logits, to_sample, spans = self.runner.run(out)
+        logits, to_sample, spans = self.runner.run(out)  # (on the model's device)
         self.scheduler.advance(out)
+        if to_sample and not spans:
+            tokens = greedy_where_they_are(logits[: len(to_sample)], to_sample)
+            if tokens is not None:
+                outputs = self.output_processor.process(to_sample, tokens)
+                self._finish_finished(to_sample, outputs)
+                return outputs
+        logits = logits.cpu()  # (the sampler's generators and checks work on the host)
         if spans:
             add_prompt_logprobs(logits, spans)
         if not to_sample:
@@ -289,10 +296,13 @@ class LLMEngine:
         outputs = self.output_processor.process(to_sample, tokens)
         if raw is not None:
             self._add_logprobs(raw, rows, to_sample, tokens, outputs)
-        for req, result in zip(to_sample, outputs, strict=True):
+        self._finish_finished(to_sample, outputs)
+        return outputs
+
+    def _finish_finished(self, requests: list[Request], outputs: list[StepOutput]) -> None:
+        for req, result in zip(requests, outputs, strict=True):
             if result.finished:
                 self._finish(req)
-        return outputs
 
     @staticmethod
     def _add_logprobs(

@@ -119,15 +119,16 @@ class ModelRunner:
         return host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
-        """Runs one step; returns fp32 logits (one row per request to sample) and those requests."""
+        """Runs one step; returns fp32 logits on the host (one row per request to sample) and
+        those requests."""
         logits, requests, _ = self.run(out)
-        return logits[: len(requests)], requests
+        return logits[: len(requests)].cpu(), requests
 
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request], list[PromptSpan]]:
-        """`execute`, and after the rows to sample those of the step's prompt-logprob spans."""
+        """`execute` with the logits left on the model's device, and after the rows to sample
+        those of the step's prompt-logprob spans."""
         inputs = self.prepare(out)
         logits = self.model(
             inputs.input_ids, inputs.positions, inputs.meta, self.kv_pool, inputs.logits_indices
         )
-        # The sampler (per-request generators, stop checks) works on host tensors.
-        return logits.cpu(), inputs.sample_requests, inputs.prompt_spans
+        return logits, inputs.sample_requests, inputs.prompt_spans

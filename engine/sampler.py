@@ -63,6 +63,22 @@ def sample(
     return tokens
 
 
+def greedy_where_they_are(logits: torch.Tensor, requests: Sequence[Request]) -> list[int] | None:
+    """The tokens of a batch of greedy requests with nothing else to look at (no logprobs,
+    penalties, logit bias or grammar), by an argmax on the device the logits are on, so that
+    only the token ids cross to the host (a GPU's logits are a vocabulary-wide row per
+    request); None for logits on the host or any other batch (`sample` takes them there)."""
+    if _on_host(logits) or any(not r.params.greedy or r.sampling_extras for r in requests):
+        return None
+    _suppress_stops_before_min_tokens(logits, requests)
+    tokens: list[int] = logits.argmax(dim=-1).tolist()  # (the first of equal maxima)
+    return tokens
+
+
+def _on_host(logits: torch.Tensor) -> bool:
+    return logits.device.type == "cpu"
+
+
 def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """`logits` when `rows` is every row, else a copy of those rows."""
     return logits if len(rows) == len(logits) else logits.index_select(0, torch.tensor(rows))

@@ -14,10 +14,7 @@ from tandem.engine.sampling_params import SamplingParams
 
 
 def _requests(settings: list[dict[str, float]]) -> list[Request]:
-    return [
-        Request(f"r{i}", [1], SamplingParams(**s), frozenset())
-        for i, s in enumerate(settings)
-    ]
+    return [Request(f"r{i}", [1], SamplingParams(**s), frozenset()) for i, s in enumerate(settings)]
 
 
 def _zipf(rows: int, vocab: int, seed: int) -> torch.Tensor:
