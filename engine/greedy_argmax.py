@@ -16,7 +16,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """
     rows, vocab = logits.shape
     groups = vocab // ARGMAX_GROUP
-    if vocab < 4096:
+    if vocab < 4096 or logits.device.type != "cpu":  # (a GPU's argmax is fast as it is)
         return logits.argmax(dim=-1)
     if logits.t().is_contiguous() and rows > 1:  # vocab-major logits, as the model returns them
         return _greedy_argmax_vocab_major(logits.t())

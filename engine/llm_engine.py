@@ -40,7 +40,7 @@ from tandem.engine.outputs import RequestOutput, StepOutput
 from tandem.engine.penalties import bad_word_sequences
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.request_output import request_output
-from tandem.engine.sampler import NO_TOKEN, greedy_where_they_are, sample
+from tandem.engine.sampler import NO_TOKEN, sample
 from tandem.engine.sampling_params import SamplingParams, truncated_prompt
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.tokenizer import Tokenizer, ids_outside_vocab
@@ -271,13 +271,14 @@ class LLMEngine:
     def _run_batch(self, out: SchedulerOutput) -> list[StepOutput]:
         logits, to_sample, spans = self.runner.run(out)  # (on the model's device)
         self.scheduler.advance(out)
-        if to_sample and not spans:
-            tokens = greedy_where_they_are(logits[: len(to_sample)], to_sample)
-            if tokens is not None:
-                outputs = self.output_processor.process(to_sample, tokens)
-                self._finish_finished(to_sample, outputs)
-                return outputs
-        logits = logits.cpu()  # (the sampler's generators and checks work on the host)
+        if to_sample and not spans and not any(r.sampling_extras for r in to_sample):
+            # Sampled where the logits are: on a GPU worker only token ids and each sampled
+            # row's candidates cross to the host, not a vocabulary-wide row per request.
+            tokens = sample(logits[: len(to_sample)], to_sample)
+            outputs = self.output_processor.process(to_sample, tokens)
+            self._finish_finished(to_sample, outputs)
+            return outputs
+        logits = logits.cpu()  # (penalties, grammars and logprobs are worked out on the host)
         if spans:
             add_prompt_logprobs(logits, spans)
         if not to_sample:

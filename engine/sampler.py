@@ -31,7 +31,12 @@ def sample(
     """One token per row of `logits` (fp32, (B, vocab)); row i belongs to requests[i].
     `extra_rows`: the rows of requests with `sampling_extras` (penalties are looked for there);
     such a row that allows no token gets `NO_TOKEN`. `logits` is changed in place (masks,
-    penalties, temperature): take what else needs them first."""
+    penalties, temperature): take what else needs them first.
+
+    Without `extra_rows` the logits may be on any device (a GPU's): the filters run there and
+    only token ids, and each sampled row's candidates (or its whole distribution where they do
+    not hold its kept tokens), cross to the host, where the draws are made. With them, the
+    logits must be on the host (penalties and grammars are applied there)."""
     _suppress_stops_before_min_tokens(logits, requests)
     stuck: list[int] = []
     if extra_rows:
@@ -63,25 +68,11 @@ def sample(
     return tokens
 
 
-def greedy_where_they_are(logits: torch.Tensor, requests: Sequence[Request]) -> list[int] | None:
-    """The tokens of a batch of greedy requests with nothing else to look at (no logprobs,
-    penalties, logit bias or grammar), by an argmax on the device the logits are on, so that
-    only the token ids cross to the host (a GPU's logits are a vocabulary-wide row per
-    request); None for logits on the host or any other batch (`sample` takes them there)."""
-    if _on_host(logits) or any(not r.params.greedy or r.sampling_extras for r in requests):
-        return None
-    _suppress_stops_before_min_tokens(logits, requests)
-    tokens: list[int] = logits.argmax(dim=-1).tolist()  # (the first of equal maxima)
-    return tokens
-
-
-def _on_host(logits: torch.Tensor) -> bool:
-    return logits.device.type == "cpu"
-
-
 def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """`logits` when `rows` is every row, else a copy of those rows."""
-    return logits if len(rows) == len(logits) else logits.index_select(0, torch.tensor(rows))
+    if len(rows) == len(logits):
+        return logits
+    return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
 
 def _seeded(request: Request) -> bool:
@@ -96,12 +87,15 @@ def _draw_rows(
     scaled = _scaled(logits, requests)
     short = candidate_probabilities(scaled, requests)
     tokens = [NO_TOKEN] * len(requests)
-    for j, i in enumerate(short.rows):
-        tokens[i] = int(short.ids[j, draw(short.probs[j], generator)])
-    rest = sorted(set(range(len(requests))) - set(short.rows))
+    fitting = [j for j, fits in enumerate(short.fits.tolist()) if fits]
+    if fitting:  # (the draws are made on the host, from its generators)
+        ids, probs = short.ids.cpu(), short.probs.cpu()
+        for j in fitting:
+            tokens[short.rows[j]] = int(ids[j, draw(probs[j], generator)])
+    rest = sorted(set(range(len(requests))) - {short.rows[j] for j in fitting})
     if rest:
-        rows = scaled if len(rest) == len(requests) else scaled[torch.tensor(rest)]
-        for i, row in zip(rest, _filtered(rows, [requests[i] for i in rest]), strict=True):
+        filtered = _filtered(_rows_of(scaled, rest), [requests[i] for i in rest]).cpu()
+        for i, row in zip(rest, filtered, strict=True):
             tokens[i] = draw(row, generator)
     return tokens
 
@@ -135,7 +129,7 @@ def _probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
 def _scaled(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """`logits` over each row's temperature (`_finite_above`), in place (a new tensor of a
     whole batch's rows costs its page faults: as much as the division itself here)."""
-    temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
+    temps = _like(logits, [r.params.temperature for r in requests])
     return _finite_above(logits.div_(temps[:, None]))
 
 
@@ -143,14 +137,23 @@ def _filtered(scaled: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor
     """min-p, top-k and top-p over the whole vocabulary, then the softmax."""
     min_ps = [r.params.min_p for r in requests]
     if any(p > 0.0 for p in min_ps):
-        scaled = _apply_min_p(scaled, torch.tensor(min_ps, dtype=scaled.dtype))
+        scaled = _apply_min_p(scaled, _like(scaled, min_ps))
     top_ks = [r.params.top_k for r in requests]
     if any(k > 0 for k in top_ks):
         scaled = _apply_top_k(scaled, top_ks)
     top_ps = [r.params.top_p for r in requests]
     if any(p < 1.0 for p in top_ps):
-        scaled = _apply_top_p(scaled, torch.tensor(top_ps, dtype=scaled.dtype))
+        scaled = _apply_top_p(scaled, _like(scaled, top_ps))
     return torch.softmax(scaled, dim=-1)
+
+
+def _like(
+    tensor: torch.Tensor,
+    values: Sequence[float] | Sequence[int] | Sequence[bool],
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`values` as a tensor on `tensor`'s device (of its dtype unless `dtype` is given)."""
+    return torch.tensor(values, dtype=dtype or tensor.dtype, device=tensor.device)
 
 
 def _finite_above(scaled: torch.Tensor) -> torch.Tensor:
@@ -180,8 +183,8 @@ def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     if widest == 0:
         return logits
     largest = logits.topk(widest, dim=-1).values  # (descending)
-    kth = largest.gather(1, torch.tensor([max(k, 1) - 1 for k in ks])[:, None])
-    kth[torch.tensor([k == 0 for k in ks])] = float("-inf")
+    kth = largest.gather(1, _like(largest, [max(k, 1) - 1 for k in ks], torch.long)[:, None])
+    kth = kth.masked_fill(_like(kth, [k == 0 for k in ks], torch.bool)[:, None], float("-inf"))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
@@ -230,7 +233,12 @@ def _top_p_sorted(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
 
 
 def _suppress_stops_before_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    rows: list[int] = []
+    ids: list[int] = []
     for i, req in enumerate(requests):
         if req.params.min_tokens and req.num_output_tokens < req.params.min_tokens and req.stop_ids:
-            ids = [t for t in req.stop_ids if t < logits.shape[-1]]
-            logits[i, ids] = float("-inf")
+            stops = [t for t in req.stop_ids if t < logits.shape[-1]]
+            rows, ids = rows + [i] * len(stops), ids + stops
+    if ids:
+        where = (_like(logits, rows, torch.long), _like(logits, ids, torch.long))
+        logits.index_put_(where, _like(logits, [float("-inf")]))

@@ -4,9 +4,11 @@ A row with a top-k of at most `CANDIDATES`, or a top-p whose nucleus lies among 
 `CANDIDATES` most likely tokens (as a trained model's does: Qwen's default top_k 20 and top_p
 0.95, Llama's top_p 0.9), keeps no token outside them. Its distribution is then built over
 those candidates alone: one `topk` over the vocabulary (and one log-sum-exp for a row without
-top-k, to know the mass outside), where the whole-vocabulary path (`sampler._probabilities`)
-makes several passes over it and `draw` a cumulative sum of it. The same tokens are kept, with
-the same probabilities up to rounding (`tests/unit/test_sampling_candidates.py`).
+top-k, to know the mass outside), where the whole-vocabulary path (`sampler._filtered`) makes
+several passes over it and `draw` a cumulative sum of it. The same tokens are kept, with the
+same probabilities up to rounding (`tests/unit/test_sampling_candidates.py`). It runs on the
+logits' device without waiting for it (no value leaves it): on a GPU worker only the
+candidates cross to the host.
 """
 
 from __future__ import annotations
@@ -24,21 +26,23 @@ CANDIDATES = 256
 
 @dataclass
 class Candidates:
-    """Rows `rows` (indices into the rows given) and, per row, its candidates' token ids
-    (ascending) and their probabilities (zero for the candidates it drops)."""
+    """For rows `rows` (indices into the rows given), whether their kept tokens all lie among
+    their candidates (`fits`), and the candidates' token ids (ascending) and probabilities
+    (zero for the candidates a row drops). Tensors on the logits' device."""
 
     rows: list[int]
+    fits: torch.Tensor
     ids: torch.Tensor
     probs: torch.Tensor
 
 
 def candidate_probabilities(scaled: torch.Tensor, requests: Sequence[Request]) -> Candidates:
     """The rows of `scaled` (logits over temperature, none +inf or NaN; row i belongs to
-    requests[i]) whose kept tokens all lie among their `CANDIDATES` most likely: those with a
-    top-k of at most `CANDIDATES` (ties at the k-th included), or without top-k and with a
-    top-p whose nucleus is there, and no min-p. Rows not listed take the whole-vocabulary
-    path."""
-    vocab = scaled.shape[-1]
+    requests[i]) whose kept tokens may all lie among their `CANDIDATES` most likely: those with
+    a top-k of at most `CANDIDATES` (ties at the k-th included), or without top-k and with a
+    top-p (whose nucleus `fits` says is there), and no min-p. The others, and those that do
+    not fit, take the whole-vocabulary path."""
+    vocab, device = scaled.shape[-1], scaled.device
     ks = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in requests]
     maybe = [
         i
@@ -47,38 +51,45 @@ def candidate_probabilities(scaled: torch.Tensor, requests: Sequence[Request]) -
         and r.params.min_p <= 0.0
     ]
     if not maybe:
-        return Candidates([], torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0))
-    rows = scaled.index_select(0, torch.tensor(maybe)) if len(maybe) < len(scaled) else scaled
+        none = torch.empty(0, 0, device=device)
+        return Candidates([], torch.empty(0, dtype=torch.bool, device=device), none.long(), none)
+    rows = scaled
+    if len(maybe) < len(scaled):
+        rows = scaled.index_select(0, torch.tensor(maybe, device=device))
     with_k = [ks[i] for i in maybe]
     # One past the widest k (to see whether the k-th value's ties go on), and CANDIDATES for
     # rows without top-k.
     width = min(vocab, max(CANDIDATES if 0 in with_k else 0, max(with_k) + 1))
     values, ids = rows.topk(width, dim=-1)  # descending
-    fits = torch.ones(len(maybe), dtype=torch.bool)
+    fits = torch.ones(len(maybe), dtype=torch.bool, device=device)
     k_rows = [j for j, k in enumerate(with_k) if k]
     if k_rows:  # top-k: keep values >= the k-th; ties past the candidates do not fit
-        index = torch.tensor(k_rows)
-        kth = values[index].gather(1, torch.tensor([with_k[j] - 1 for j in k_rows])[:, None])
-        values[index] = values[index].masked_fill(values[index] < kth, float("-inf"))
-        ties_beyond = (values[index, -1:] >= kth).squeeze(1) & (width < vocab)
-        fits[index] &= ~ties_beyond & torch.isfinite(kth.squeeze(1))
-    top_ps = torch.tensor([requests[i].params.top_p for i in maybe], dtype=scaled.dtype)
+        index = torch.tensor(k_rows, device=device)
+        last = torch.tensor([with_k[j] - 1 for j in k_rows], device=device)
+        kept = values[index]
+        kth = kept.gather(1, last[:, None])
+        kept = kept.masked_fill(kept < kth, float("-inf"))
+        values.index_put_((index,), kept)
+        ties_beyond = (kept[:, -1] >= kth[:, 0]) & (width < vocab)
+        fits.index_put_((index,), fits[index] & ~ties_beyond & torch.isfinite(kth[:, 0]))
+    top_ps = torch.tensor([requests[i].params.top_p for i in maybe], device=device)
     probs = values.softmax(dim=-1)
-    no_k = torch.tensor([k == 0 for k in with_k])
-    if bool(no_k.any()):  # their distribution is over the whole vocabulary
-        whole = torch.logsumexp(rows[no_k], dim=-1, keepdim=True)
-        probs[no_k] = (values[no_k] - whole).exp()
-        fits[no_k] &= probs[no_k].sum(dim=-1) >= top_ps[no_k]  # the nucleus is among them
+    no_k_rows = [j for j, k in enumerate(with_k) if k == 0]
+    if no_k_rows:  # their distribution is over the whole vocabulary
+        index = torch.tensor(no_k_rows, device=device)
+        whole = torch.logsumexp(rows[index], dim=-1, keepdim=True)
+        of_whole = (values[index] - whole).exp()
+        probs.index_put_((index,), of_whole)
+        among = of_whole.sum(dim=-1) >= top_ps[index]  # the nucleus is among them
+        fits.index_put_((index,), fits[index] & among)
     # top-p among the candidates (ascending): drop while the mass up to a token, the mass
     # outside counted first, stays at most 1 - top_p; the most likely token always stays.
     outside = (1.0 - probs.sum(dim=-1)).clamp_(min=0.0)
     ascending = probs.flip(-1)
     drop = outside[:, None] + ascending.cumsum(dim=-1) <= (1 - top_ps[:, None])
-    drop[:, -1] = False
+    drop = torch.cat([drop[:, :-1], torch.zeros_like(drop[:, -1:])], dim=1)
     drop &= (top_ps < 1.0)[:, None]
     values = values.masked_fill(drop.flip(-1), float("-inf"))
     probs = values.softmax(dim=-1)
     ids, order = ids.sort(dim=-1)  # (ascending ids: `draw` sums them as the long path does)
-    probs = probs.gather(1, order)
-    keep = fits.nonzero().flatten()
-    return Candidates([maybe[j] for j in keep.tolist()], ids[keep], probs[keep])
+    return Candidates(maybe, fits, ids, probs.gather(1, order))

@@ -46,3 +46,32 @@ def test_engine_on_cuda_equals_hf(tiny_checkpoint: Any) -> None:
     assert llm.engine.kv_pool.device.type == "cuda"
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in outs] == ref
+
+
+def test_sampling_on_cuda_is_seeded_and_mixes_with_every_other_kind(tiny_checkpoint: Any) -> None:
+    """The filters run on the GPU for a batch without penalties, grammars or logprobs (the
+    draws on the host), and on the host for one with them: both run, and agree where they
+    must (a top-k of 1 is greedy; a seeded request repeats itself)."""
+    from tandem import LLM, SamplingParams
+    from tests.hf_reference import random_prompts
+
+    path = tiny_checkpoint(arch="llama", seed=1)
+    llm = LLM(model=str(path), device="cuda", num_kv_blocks=256)
+    prompts = random_prompts(5, 256, seed=7)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kinds = [
+        greedy,
+        SamplingParams(temperature=0.9, top_k=1, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=3, max_tokens=12),
+        SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, seed=4, max_tokens=12),
+        SamplingParams(temperature=1.0, seed=5, min_tokens=8, max_tokens=12),
+    ]
+    on_device = [o.token_ids for o in llm.generate(prompts, kinds)]
+    again = [o.token_ids for o in llm.generate(prompts, kinds)]
+    alone = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert on_device[2:] == again[2:]  # (seeded)
+    assert on_device[0] == alone[0] and on_device[1] == alone[1]
+    with_host = kinds + [SamplingParams(temperature=0, logprobs=2, max_tokens=12, ignore_eos=True)]
+    mixed = llm.generate([*prompts, prompts[0]], with_host)
+    assert mixed[0].token_ids == alone[0] and mixed[5].token_ids == alone[0]
+    assert all(1 <= len(o.token_ids) <= 12 for o in mixed[2:5]) and mixed[5].logprobs

@@ -42,7 +42,7 @@ def test_the_short_path_keeps_the_tokens_and_probabilities_of_the_long_one(vocab
     logits = _zipf(len(SHORT), vocab, seed=vocab)
     requests = _requests(SHORT)
     short = candidate_probabilities(sampler._scaled(logits.clone(), requests), requests)
-    assert short.rows == list(range(len(SHORT)))
+    assert short.rows == list(range(len(SHORT))) and short.fits.all()
     assert torch.equal(short.ids, short.ids.sort(dim=-1).values)  # ascending, as `draw` sums
     want = _whole_vocabulary(logits, requests)
     got = torch.zeros_like(want).scatter_(1, short.ids, short.probs)
@@ -74,7 +74,9 @@ def test_rows_whose_kept_tokens_may_lie_outside_the_candidates_take_the_long_pat
     logits = torch.cat([row for row, _ in cases])
     requests = _requests([s for _, s in cases])
     short = candidate_probabilities(sampler._scaled(logits.clone(), requests), requests)
-    assert short.rows == [len(cases) - 1]
+    # (no top-k or top-p, a top-k past the candidates, or min-p: not even looked at)
+    assert short.rows == [0, 1, 2, 4, len(cases) - 1]
+    assert short.fits.tolist() == [False, False, False, False, True]
 
 
 def test_sample_draws_the_tokens_the_long_path_draws_for_the_same_seeds() -> None:
