@@ -271,20 +271,14 @@ class LLMEngine:
     def _run_batch(self, out: SchedulerOutput) -> list[StepOutput]:
         logits, to_sample, spans = self.runner.run(out)  # (on the model's device)
         self.scheduler.advance(out)
-        if to_sample and not spans and not any(r.sampling_extras for r in to_sample):
-            # Sampled where the logits are: on a GPU worker only token ids and each sampled
-            # row's candidates cross to the host, not a vocabulary-wide row per request.
-            tokens = sample(logits[: len(to_sample)], to_sample)
-            outputs = self.output_processor.process(to_sample, tokens)
-            self._finish_finished(to_sample, outputs)
-            return outputs
-        logits = logits.cpu()  # (penalties, grammars and logprobs are worked out on the host)
+        extra = [i for i, r in enumerate(to_sample) if r.sampling_extras]
+        if spans or extra:  # (penalties, grammars and logprobs are worked out on the host;
+            logits = logits.cpu()  # else a GPU's logits are sampled there, see `sample`)
         if spans:
             add_prompt_logprobs(logits, spans)
         if not to_sample:
             return []
         logits = logits[: len(to_sample)]
-        extra = [i for i, r in enumerate(to_sample) if r.sampling_extras]
         rows = rows_wanting_logprobs(to_sample, extra)
         raw = raw_rows(logits, rows)
         tokens = sample(logits, to_sample, extra)
@@ -297,13 +291,10 @@ class LLMEngine:
         outputs = self.output_processor.process(to_sample, tokens)
         if raw is not None:
             self._add_logprobs(raw, rows, to_sample, tokens, outputs)
-        self._finish_finished(to_sample, outputs)
-        return outputs
-
-    def _finish_finished(self, requests: list[Request], outputs: list[StepOutput]) -> None:
-        for req, result in zip(requests, outputs, strict=True):
+        for req, result in zip(to_sample, outputs, strict=True):
             if result.finished:
                 self._finish(req)
+        return outputs
 
     @staticmethod
     def _add_logprobs(
