@@ -4,8 +4,9 @@ usual torch way (a sort of the whole vocabulary for top-k and top-p, `torch.mult
 Rows are Zipf-like logits (as a trained model's: the 0.9 nucleus holds a few dozen tokens) for
 vocabularies of 32k and 152k tokens, 1 and 16 rows, every request at temperature 0.8, top-k 50
 and top-p 0.9 (`k50_p0.9`, as Qwen's defaults have both), then at temperature 0.6 and top-p
-0.9 alone (`p0.9`, Llama's). The sampler runs on host tensors on a GPU worker too, so this is
-per decode step wherever the model runs. Prints a JSON summary as the last line::
+0.9 alone (`p0.9`, Llama's). On a CPU worker this is paid per decode step; on a GPU worker
+the filters run on the GPU (only the draws are made on the host). Prints a JSON summary as the
+last line::
 
     .venv/bin/python bench/sampling.py [--repeats 5] [--threads 1]
 """
