@@ -1,10 +1,11 @@
 """Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, min_tokens,
 penalties.
 
-Greedy rows are an argmax over the batch. Other rows are sampled one by one when they carry a
-seed (their own `torch.Generator`, seeded before each draw from the seed and the token's place
-in the output, `draw_seed`: their tokens depend on neither the batch nor the worker that
-draws them) and together otherwise.
+Greedy rows are an argmax over the batch. Other rows are filtered together (row by row, so
+that a row's distribution does not depend on the others) and drawn one by one; a row with a
+seed draws from its own `torch.Generator`, seeded before each draw from the seed and the
+token's place in the output (`draw_seed`: its tokens depend on neither the batch nor the
+worker that draws them).
 """
 
 from __future__ import annotations
@@ -48,21 +49,15 @@ def sample(
             logits[i] = 0.0
     tokens = [NO_TOKEN] * len(requests)
     greedy_rows = [i for i, r in enumerate(requests) if r.params.greedy]
-    seeded = [i for i, r in enumerate(requests) if not r.params.greedy and _seeded(r)]
-    batch_rows = [i for i, r in enumerate(requests) if not r.params.greedy and not _seeded(r)]
     if greedy_rows:  # (over every row: the model's vocab-major layout is the fast one)
         picked = greedy_argmax(logits).tolist()
         for i in greedy_rows:
             tokens[i] = picked[i]
-    if batch_rows:
-        drawn = _draw_rows(_rows_of(logits, batch_rows), [requests[i] for i in batch_rows])
-        for i, token in zip(batch_rows, drawn, strict=True):
+    drawn_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if drawn_rows:
+        drawn = _draw_rows(_rows_of(logits, drawn_rows), [requests[i] for i in drawn_rows])
+        for i, token in zip(drawn_rows, drawn, strict=True):
             tokens[i] = token
-    for i in seeded:
-        req = requests[i]
-        assert req.generator is not None and req.params.seed is not None
-        req.generator.manual_seed(draw_seed(req.params.seed, len(req.sampled_token_ids)))
-        tokens[i] = _draw_rows(logits[i : i + 1], [req], req.generator)[0]
     for i in stuck:
         tokens[i] = NO_TOKEN
     return tokens
@@ -75,15 +70,21 @@ def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
 
-def _seeded(request: Request) -> bool:
-    return request.generator is not None and request.params.seed is not None
+def _generator(request: Request) -> torch.Generator | None:
+    """A seeded request's generator, seeded for its next draw from its seed and the draw's
+    place in its output (so that its tokens depend on neither the batch nor the worker);
+    None (the global one) for any other."""
+    seed, generator = request.params.seed, request.generator
+    if seed is None or generator is None:
+        return None
+    return generator.manual_seed(draw_seed(seed, len(request.sampled_token_ids)))
 
 
-def _draw_rows(
-    logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator | None = None
-) -> list[int]:
+def _draw_rows(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
     """A token drawn for each row, over its candidates where its kept tokens all lie among
-    them (`sampling_candidates`), else over the whole vocabulary."""
+    them (`sampling_candidates`), else over the whole vocabulary; filtered together (each row
+    alone: its tokens do not depend on the others), drawn one by one."""
+    generators = [_generator(r) for r in requests]
     scaled = _scaled(logits, requests)
     short = candidate_probabilities(scaled, requests)
     tokens = [NO_TOKEN] * len(requests)
@@ -91,12 +92,13 @@ def _draw_rows(
     if fitting:  # (the draws are made on the host, from its generators)
         ids, probs = short.ids.cpu(), short.probs.cpu()
         for j in fitting:
-            tokens[short.rows[j]] = int(ids[j, draw(probs[j], generator)])
+            i = short.rows[j]
+            tokens[i] = int(ids[j, draw(probs[j], generators[i])])
     rest = sorted(set(range(len(requests))) - {short.rows[j] for j in fitting})
     if rest:
         filtered = _filtered(_rows_of(scaled, rest), [requests[i] for i in rest]).cpu()
         for i, row in zip(rest, filtered, strict=True):
-            tokens[i] = draw(row, generator)
+            tokens[i] = draw(row, generators[i])
     return tokens
 
 

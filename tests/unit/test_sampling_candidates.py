@@ -10,7 +10,7 @@ import torch
 from tandem.engine import sampler
 from tandem.engine.request import Request
 from tandem.engine.sampling_candidates import CANDIDATES, candidate_probabilities
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, draw_seed
 
 
 def _requests(settings: list[dict[str, float]]) -> list[Request]:
@@ -89,12 +89,16 @@ def test_sample_draws_the_tokens_the_long_path_draws_for_the_same_seeds() -> Non
     probs = _whole_vocabulary(logits, [request])[0]
     same = 0
     for n in range(draws):
-        request.generator = torch.Generator().manual_seed(n)
-        long_token = sampler.draw(probs, torch.Generator().manual_seed(n))
-        short_token = sampler._draw_rows(logits.clone(), [request], request.generator)[0]
+        request.params = params.model_copy(update={"seed": n})
+        request.generator = torch.Generator()
+        seed = draw_seed(n, len(request.sampled_token_ids))
+        long_token = sampler.draw(probs, torch.Generator().manual_seed(seed))
+        short_token = sampler._draw_rows(logits.clone(), [request])[0]
         same += short_token == long_token
     assert same == draws  # (only a uniform number within rounding of a boundary could differ)
-    assert len({sampler._draw_rows(logits.clone(), [request])[0] for _ in range(50)}) > 1
+    assert len({sampler._draw_rows(logits.clone(), [request])[0] for _ in range(5)}) == 1
+    unseeded = Request("u", [1], params.model_copy(update={"seed": None}), frozenset())
+    assert len({sampler._draw_rows(logits.clone(), [unseeded])[0] for _ in range(50)}) > 1
 
 
 def test_sample_changes_only_the_rows_it_samples_and_keeps_greedy_rows_exact() -> None:
@@ -108,3 +112,29 @@ def test_sample_changes_only_the_rows_it_samples_and_keeps_greedy_rows_exact() -
     tokens = sampler.sample(logits.clone(), requests)
     assert tokens[0] == want_greedy and tokens[2] in top5
     assert logits[1, tokens[1]] >= logits[1].topk(CANDIDATES).values[-1]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"top_k": 40, "top_p": 0.9}, {"top_p": 0.9}, {"min_p": 0.05}],
+    ids=["short", "short-no-k", "long"],
+)
+def test_a_seeded_row_draws_the_same_token_alone_and_in_any_batch(
+    settings: dict[str, float],
+) -> None:
+    """Rows are filtered together but each on its own: a seeded request's token does not
+    depend on the rows beside it (what lets a cluster's decode worker, or a second attempt,
+    repeat a colocated run's seeded output)."""
+    vocab = 32000
+    logits = _zipf(4, vocab, seed=11)
+    others = [{"temperature": 1.0, "top_k": 5}, {"temperature": 0.0}, {"temperature": 0.5}]
+    for n in range(40):
+        seeded = Request("s", [1], SamplingParams(temperature=0.9, seed=n, **settings), frozenset())
+        alone = sampler.sample(logits[:1].clone(), [seeded])[0]
+        seeded.generator = torch.Generator()
+        batch = [seeded, *_requests(others)]
+        assert sampler.sample(logits.clone(), batch)[0] == alone
+        seeded.generator = torch.Generator()
+        shuffled = [batch[2], batch[3], batch[0], batch[1]]
+        rows = logits[torch.tensor([2, 3, 0, 1])].clone()
+        assert sampler.sample(rows, shuffled)[2] == alone
