@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from tandem.engine.model import AttentionMetadata
@@ -114,8 +115,9 @@ class ModelRunner:
         )
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
-        """An int64 tensor on the pool's device (built on the host, copied once)."""
-        host = torch.tensor(values, dtype=torch.int64)
+        """An int64 tensor on the pool's device (built on the host, copied once; through numpy,
+        which reads a list of ints ~3x faster than `torch.tensor` here)."""
+        host = torch.from_numpy(np.array(values, dtype=np.int64))
         return host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
