@@ -77,7 +77,8 @@ def candidate_probabilities(scaled: torch.Tensor, requests: Sequence[Request]) -
     no_k_rows = [j for j, k in enumerate(with_k) if k == 0]
     if no_k_rows:  # their distribution is over the whole vocabulary
         index = torch.tensor(no_k_rows, device=device)
-        whole = torch.logsumexp(rows[index], dim=-1, keepdim=True)
+        whole_rows = rows if len(no_k_rows) == len(maybe) else rows[index]  # (no copy: all)
+        whole = torch.logsumexp(whole_rows, dim=-1, keepdim=True)
         of_whole = (values[index] - whole).exp()
         probs.index_put_((index,), of_whole)
         among = of_whole.sum(dim=-1) >= top_ps[index]  # the nucleus is among them
