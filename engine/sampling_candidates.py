@@ -1,8 +1,8 @@
 """The sampler's short path: a row's distribution over its most likely tokens only.
 
-A row with a top-k of at most `CANDIDATES`, or a top-p whose nucleus lies among its
-`CANDIDATES` most likely tokens (as a trained model's does: Qwen's default top_k 20 and top_p
-0.95, Llama's top_p 0.9), keeps no token outside them. Its distribution is then built over
+A row with a top-k of at most `CANDIDATES`, or a top-p whose nucleus (or a min-p whose
+kept tokens) lies among its `CANDIDATES` most likely tokens (as a trained model's does: Qwen's
+default top_k 20 and top_p 0.95, Llama's top_p 0.9), keeps no token outside them. Its distribution is then built over
 those candidates alone: one `topk` over the vocabulary (and one log-sum-exp for a row without
 top-k, to know the mass outside), where the whole-vocabulary path (`sampler._filtered`) makes
 several passes over it and `draw` a cumulative sum of it. The same tokens are kept, with the
@@ -13,6 +13,7 @@ candidates cross to the host.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,15 +41,15 @@ def candidate_probabilities(scaled: torch.Tensor, requests: Sequence[Request]) -
     """The rows of `scaled` (logits over temperature, none +inf or NaN; row i belongs to
     requests[i]) whose kept tokens may all lie among their `CANDIDATES` most likely: those with
     a top-k of at most `CANDIDATES` (ties at the k-th included), or without top-k and with a
-    top-p (whose nucleus `fits` says is there), and no min-p. The others, and those that do
-    not fit, take the whole-vocabulary path."""
+    top-p or a min-p (whose nucleus, or whose tokens above the floor, `fits` says are there).
+    The others, and those that do not fit, take the whole-vocabulary path. The filters apply
+    in the long path's order: min-p, top-k, top-p."""
     vocab, device = scaled.shape[-1], scaled.device
     ks = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in requests]
     maybe = [
         i
         for i, r in enumerate(requests)
-        if (0 < ks[i] <= CANDIDATES or (ks[i] == 0 and r.params.top_p < 1.0))
-        and r.params.min_p <= 0.0
+        if 0 < ks[i] <= CANDIDATES or (ks[i] == 0 and (r.params.top_p < 1.0 or r.params.min_p > 0))
     ]
     if not maybe:
         none = torch.empty(0, 0, device=device)
@@ -72,10 +73,24 @@ def candidate_probabilities(scaled: torch.Tensor, requests: Sequence[Request]) -
         values.index_put_((index,), kept)
         ties_beyond = (kept[:, -1] >= kth[:, 0]) & (width < vocab)
         fits.index_put_((index,), fits[index] & ~ties_beyond & torch.isfinite(kth[:, 0]))
+    min_ps = [requests[i].params.min_p for i in maybe]
+    p_rows = [j for j, p in enumerate(min_ps) if p > 0]
+    if p_rows:  # min-p: drop what is less likely than min_p times the most likely token, i.e.
+        # a logit under the largest one plus log(min_p); past the candidates only where the
+        # last candidate is still kept (for a row without top-k: then it does not fit)
+        index = torch.tensor(p_rows, device=device)
+        kept = values[index]
+        floor = kept[:, :1] + torch.tensor([[math.log(min_ps[j])] for j in p_rows], device=device)
+        kept = kept.masked_fill(kept < floor, float("-inf"))
+        values.index_put_((index,), kept)
+        reaches_past = (kept[:, -1] >= floor[:, 0]) & (width < vocab)
+        no_k = torch.tensor([with_k[j] == 0 for j in p_rows], device=device)
+        fits.index_put_((index,), fits[index] & ~(reaches_past & no_k))
     top_ps = torch.tensor([requests[i].params.top_p for i in maybe], device=device)
     probs = values.softmax(dim=-1)
-    no_k_rows = [j for j, k in enumerate(with_k) if k == 0]
-    if no_k_rows:  # their distribution is over the whole vocabulary
+    # A row with neither top-k nor min-p: its distribution is over the whole vocabulary.
+    no_k_rows = [j for j, k in enumerate(with_k) if k == 0 and min_ps[j] <= 0]
+    if no_k_rows:
         index = torch.tensor(no_k_rows, device=device)
         whole_rows = rows if len(no_k_rows) == len(maybe) else rows[index]  # (no copy: all)
         whole = torch.logsumexp(whole_rows, dim=-1, keepdim=True)

@@ -34,6 +34,9 @@ SHORT = [
     {"temperature": 1.3, "top_k": 1},
     {"temperature": 0.7, "top_k": CANDIDATES},
     {"temperature": 1.2, "top_p": 0.5},
+    {"temperature": 1.0, "top_k": 50, "min_p": 0.05},
+    {"temperature": 1.0, "min_p": 0.1},
+    {"temperature": 0.9, "min_p": 0.02, "top_p": 0.8},
 ]
 
 
@@ -50,6 +53,7 @@ def test_the_short_path_keeps_the_tokens_and_probabilities_of_the_long_one(vocab
     assert torch.allclose(got, want, atol=1e-6)
     kept = (got > 0).sum(dim=-1).tolist()
     assert kept[3] == 1 and kept[4] == CANDIDATES and all(1 < k < CANDIDATES for k in kept[:3])
+    assert kept[6] < 50 and all(1 < k < CANDIDATES for k in kept[6:])  # (min-p dropped some)
 
 
 def test_rows_whose_kept_tokens_may_lie_outside_the_candidates_take_the_long_path() -> None:
@@ -68,15 +72,16 @@ def test_rows_whose_kept_tokens_may_lie_outside_the_candidates_take_the_long_pat
         (peaked, {"temperature": 1.0}),  # no filter: every token stays
         (peaked, {"temperature": 2.0, "top_p": 0.5}),  # flatter: its nucleus is wider
         (peaked, {"temperature": 1.0, "top_k": CANDIDATES + 1}),
-        (peaked, {"temperature": 1.0, "top_k": 20, "min_p": 0.1}),
-        (peaked, {"temperature": 1.0, "top_k": 20}),  # (the one that fits)
+        (peaked, {"temperature": 1.0, "min_p": 0.0001}),  # its floor: past the candidates
+        (peaked, {"temperature": 1.0, "top_k": 20, "min_p": 0.1}),  # (these fit)
+        (peaked, {"temperature": 1.0, "top_k": 20}),
     ]
     logits = torch.cat([row for row, _ in cases])
     requests = _requests([s for _, s in cases])
     short = candidate_probabilities(sampler._scaled(logits.clone(), requests), requests)
-    # (no top-k or top-p, a top-k past the candidates, or min-p: not even looked at)
-    assert short.rows == [0, 1, 2, 4, len(cases) - 1]
-    assert short.fits.tolist() == [False, False, False, False, True]
+    # (no filter, or a top-k past the candidates: not even looked at)
+    assert short.rows == [0, 1, 2, 4, 6, 7, 8]
+    assert short.fits.tolist() == [False, False, False, False, False, True, True]
 
 
 def test_sample_draws_the_tokens_the_long_path_draws_for_the_same_seeds() -> None:
@@ -116,8 +121,8 @@ def test_sample_changes_only_the_rows_it_samples_and_keeps_greedy_rows_exact() -
 
 @pytest.mark.parametrize(
     "settings",
-    [{"top_k": 40, "top_p": 0.9}, {"top_p": 0.9}, {"min_p": 0.05}],
-    ids=["short", "short-no-k", "long"],
+    [{"top_k": 40, "top_p": 0.9}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 1000}],
+    ids=["short", "short-no-k", "short-min-p", "long"],
 )
 def test_a_seeded_row_draws_the_same_token_alone_and_in_any_batch(
     settings: dict[str, float],

@@ -48,11 +48,11 @@ def test_the_filters_make_every_tensor_on_the_logits_device(
     logits = torch.empty(32000, len(requests), device="meta").t()  # vocab-major, as a model's
     sampler._suppress_stops_before_min_tokens(logits, requests)
     assert greedy_argmax(logits).device.type == "meta"
-    for rows in ([0, 1, 2, 3, 4], [0, 1, 3]):  # every row (in place), and a copy of some
-        chosen = [requests[i] for i in rows]
+    for rows, short_rows in (([0, 1, 2, 3, 4], [0, 1, 3]), ([0, 1, 3], [0, 1, 2])):
+        chosen = [requests[i] for i in rows]  # (every row, in place; then a copy of some)
         scaled = sampler._scaled(sampler._rows_of(logits, rows), chosen)
         short = candidate_probabilities(scaled, chosen)
-        assert short.rows == [0, 1] and short.ids.shape == short.probs.shape == (2, 256)
+        assert short.rows == short_rows and short.ids.shape == short.probs.shape == (3, 256)
         assert {t.device.type for t in (short.fits, short.ids, short.probs)} == {"meta"}
     scaled = sampler._scaled(sampler._rows_of(logits, [2, 3, 4]), requests[2:])
     filtered = sampler._filtered(scaled, requests[2:])  # (top-k past the candidates, min-p)
