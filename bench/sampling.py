@@ -4,7 +4,7 @@ usual torch way (a sort of the whole vocabulary for top-k and top-p, `torch.mult
 Rows are Zipf-like logits (as a trained model's: the 0.9 nucleus holds a few dozen tokens) for
 vocabularies of 32k and 152k tokens, 1 and 16 rows, every request at temperature 0.8, top-k 50
 and top-p 0.9 (`k50_p0.9`, as Qwen's defaults have both), then at temperature 0.6 and top-p
-0.9 alone (`p0.9`, Llama's). On a CPU worker this is paid per decode step; on a GPU worker
+0.9 alone (`p0.9`, Llama's), then at temperature 1.0 and min-p 0.05 alone (`minp0.05`). On a CPU worker this is paid per decode step; on a GPU worker
 the filters run on the GPU (only the draws are made on the host). Prints a JSON summary as the
 last line::
 
@@ -35,6 +35,7 @@ from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 PARAMS = {
     "k50_p0.9": SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=8),
     "p0.9": SamplingParams(temperature=0.6, top_p=0.9, max_tokens=8),
+    "minp0.05": SamplingParams(temperature=1.0, min_p=0.05, max_tokens=8),
 }
 
 
@@ -46,12 +47,17 @@ def _tandem_way(logits: torch.Tensor, requests: list[Request]) -> list[int]:
 
 
 def sorted_torch_way(logits: torch.Tensor, params: SamplingParams) -> list[int]:
-    """Temperature, top-k and top-p by sorting each row, then `torch.multinomial`."""
+    """Temperature, min-p, top-k and top-p by sorting each row, then `torch.multinomial`."""
     scaled = logits / params.temperature
+    if params.min_p > 0:
+        probs = scaled.softmax(dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * params.min_p
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     if params.top_k > 0:
         kth = scaled.sort(dim=-1, descending=True).values[:, params.top_k - 1 : params.top_k]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    scaled = _top_p_sorted(scaled, torch.full((len(scaled),), params.top_p))
+    if params.top_p < 1.0:
+        scaled = _top_p_sorted(scaled, torch.full((len(scaled),), params.top_p))
     return torch.multinomial(scaled.softmax(dim=-1), 1).flatten().tolist()
 
 
