@@ -154,7 +154,16 @@ class Request:
     def sampled_token_ids(self) -> list[int]:
         """What the sampler counts as this request's output: its output tokens, after the last
         `params.resumed_tokens` tokens of its prompt (a lost attempt's output)."""
-        return self.token_ids[max(0, len(self.prompt_token_ids) - self.params.resumed_tokens) :]
+        return self.token_ids[self._sampled_from :]
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """`len(sampled_token_ids)`, without the copy."""
+        return len(self.token_ids) - self._sampled_from
+
+    @property
+    def _sampled_from(self) -> int:
+        return max(0, len(self.prompt_token_ids) - self.params.resumed_tokens)
 
     @property
     def num_output_tokens(self) -> int:

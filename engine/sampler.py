@@ -18,7 +18,7 @@ from tandem.engine.greedy_argmax import greedy_argmax
 from tandem.engine.guided import mask_disallowed
 from tandem.engine.penalties import apply_penalties
 from tandem.engine.request import Request
-from tandem.engine.sampling_candidates import CANDIDATES, candidate_probabilities
+from tandem.engine.sampling_candidates import CANDIDATES, candidate_probabilities, nucleus_drop
 from tandem.engine.sampling_params import draw_seed
 
 NO_TOKEN = -1
@@ -77,7 +77,7 @@ def _generator(request: Request) -> torch.Generator | None:
     seed, generator = request.params.seed, request.generator
     if seed is None or generator is None:
         return None
-    return generator.manual_seed(draw_seed(seed, len(request.sampled_token_ids)))
+    return generator.manual_seed(draw_seed(seed, request.num_sampled_tokens))
 
 
 def _draw_rows(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
@@ -218,18 +218,14 @@ def _top_p_among(
 ) -> torch.Tensor:
     """`_apply_top_p` when the nucleus lies within the candidates `ids` (ascending, with their
     `probs`): every other token is dropped (the mass `outside` counts first)."""
-    drop = outside[:, None] + probs.cumsum(dim=-1) <= (1 - top_ps[:, None])
-    drop[:, -1] = False  # always keep the most likely token
-    kept = logits.gather(1, ids).masked_fill(drop, float("-inf"))
+    kept = logits.gather(1, ids).masked_fill(nucleus_drop(probs, top_ps, outside), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, ids, kept)
 
 
 def _top_p_sorted(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """`_apply_top_p` over the whole vocabulary, sorted."""
     sorted_logits, order = logits.sort(dim=-1, descending=False)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative <= (1 - top_ps[:, None])
-    drop[:, -1] = False  # always keep the most likely token
+    drop = nucleus_drop(sorted_logits.softmax(dim=-1), top_ps)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

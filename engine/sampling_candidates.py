@@ -98,14 +98,22 @@ def candidate_probabilities(scaled: torch.Tensor, requests: Sequence[Request]) -
         probs.index_put_((index,), of_whole)
         among = of_whole.sum(dim=-1) >= top_ps[index]  # the nucleus is among them
         fits.index_put_((index,), fits[index] & among)
-    # top-p among the candidates (ascending): drop while the mass up to a token, the mass
-    # outside counted first, stays at most 1 - top_p; the most likely token always stays.
     outside = (1.0 - probs.sum(dim=-1)).clamp_(min=0.0)
-    ascending = probs.flip(-1)
-    drop = outside[:, None] + ascending.cumsum(dim=-1) <= (1 - top_ps[:, None])
-    drop = torch.cat([drop[:, :-1], torch.zeros_like(drop[:, -1:])], dim=1)
-    drop &= (top_ps < 1.0)[:, None]
+    drop = nucleus_drop(probs.flip(-1), top_ps, outside) & (top_ps < 1.0)[:, None]
     values = values.masked_fill(drop.flip(-1), float("-inf"))
     probs = values.softmax(dim=-1)
     ids, order = ids.sort(dim=-1)  # (ascending ids: `draw` sums them as the long path does)
     return Candidates(maybe, fits, ids, probs.gather(1, order))
+
+
+def nucleus_drop(
+    ascending: torch.Tensor, top_ps: torch.Tensor, outside: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Which tokens top-p drops from rows of probabilities in ascending order (the mass
+    `outside` them, where given, counted first): each while the mass up to it stays at most
+    1 - top_p; the most likely (the last) never (transformers' TopPLogitsWarper's rule)."""
+    mass = ascending.cumsum(dim=-1)
+    if outside is not None:
+        mass = outside[:, None] + mass
+    drop = mass <= (1 - top_ps[:, None])
+    return torch.cat([drop[:, :-1], torch.zeros_like(drop[:, -1:])], dim=1)
