@@ -37,14 +37,12 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from tandem.engine.errors import InvalidRequestError
 from tandem.engine.hashing import hash_full_blocks
 from tandem.engine.kv_io import NoFreeBlocksError, commit_request
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.logprobs import parse_entries
-from tandem.engine.outputs import TokenLogprob
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer._held_blocks import HeldBlocks
+from tandem.kv_transfer._last_chunk import first_logprobs, last_chunk_problem
 from tandem.kv_transfer._receiver_records import Held, Reservation
 from tandem.kv_transfer.base import KVTransport, Message
 from tandem.kv_transfer.events import SENDER_GONE, TransferEvent
@@ -282,21 +280,7 @@ class KVReceiver:
             if pages_checksum(pages) != manifest.checksum:
                 return f"chunk {manifest.chunk_index} failed its checksum"
         if manifest.last:
-            if not manifest.first_token_ids and not message.header.get("finished"):
-                return "the last chunk must carry the first sampled token"
-            if (
-                res.params.logprobs is not None
-                and self._first_logprobs(res, manifest, message.header) is None
-            ):
-                return "the last chunk's first_token_logprobs are missing or malformed"
-            if res.params.structure is not None:
-                problem = self._check_grammar(res, manifest.first_token_ids)
-                if problem:
-                    return problem
-            if res.next_block + len(expected) != len(res.block_table):
-                return "last chunk arrived before all reserved blocks were filled"
-            if manifest.num_tokens != len(res.prompt_token_ids):
-                return f"last chunk covers {manifest.num_tokens} tokens, prompt has {len(res.prompt_token_ids)}"
+            return last_chunk_problem(self.engine, res, manifest, message.header, len(expected))
         return None
 
     def _commit(
@@ -305,7 +289,7 @@ class KVReceiver:
         del self.reservations[res.request_id]
         assert res.peer is not None
         first = tuple(manifest.first_token_ids)
-        logprobs = self._first_logprobs(res, manifest, header)
+        logprobs = first_logprobs(res, manifest, header)
         if header.get("finished"):
             # (its pages are whole: cached, the conversation's next turn reuses them)
             bm = self.engine.block_manager
@@ -330,33 +314,6 @@ class KVReceiver:
             req.logprobs = list(logprobs)
         self._ack(res, manifest.chunk_index)
         return TransferEvent("committed", res.request_id, first, logprobs=logprobs)
-
-    def _check_grammar(self, res: Reservation, tokens: list[int]) -> str | None:
-        """Why the first tokens cannot start output that follows the request's structure
-        (None: they can; the matcher, past them, is kept for the commit)."""
-        structure = res.params.structure
-        assert structure is not None
-        try:
-            matcher = self.engine.grammars.matcher_for(res.params, res.prompt_token_ids)
-        except InvalidRequestError as exc:
-            return str(exc)
-        if not all(matcher.accept_token(t) for t in tokens):
-            return f"the first tokens {tokens} do not follow the request's {structure[0]}"
-        res.matcher = matcher
-        return None
-
-    @staticmethod
-    def _first_logprobs(
-        res: Reservation, manifest: ChunkManifest, header: dict[str, Any]
-    ) -> list[TokenLogprob] | None:
-        """The first tokens' logprobs the last chunk carries (None: not asked, or malformed)."""
-        if res.params.logprobs is None:
-            return None
-        return parse_entries(
-            header.get("first_token_logprobs"),
-            len(manifest.first_token_ids),
-            res.params.logprobs,
-        )
 
     def _expire(self) -> list[TransferEvent]:
         now = self.clock()
