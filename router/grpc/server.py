@@ -1,4 +1,5 @@
-"""The gRPC front end: `tandem.v1.Generation/Generate` (server streaming) and grpc.health.v1.
+"""The gRPC front end: `tandem.v1.Generation/Generate` (server streaming), grpc.health.v1, and
+server reflection (so `grpcurl` and GUI clients need no copy of the proto).
 
 It runs inside the router replica, on the replica's event loop, and goes through the same
 `Serving` core as HTTP, so both refuse and answer requests identically.
@@ -14,7 +15,8 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from tandem.router.api_keys import check_api_key
 from tandem.router.errors import APIError, bad_request
@@ -26,6 +28,13 @@ from tandem.router.serving import Serving
 from tandem.router.structured_output import Structure, one_structure, parse_schema
 
 logger = logging.getLogger("tandem.router")
+
+REFLECTED_SERVICES = (
+    SERVICE_NAME,
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    reflection.SERVICE_NAME,
+)
+"""What server reflection lists (`grpcurl -plaintext HOST:PORT list`, Postman, Evans)."""
 
 _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -167,7 +176,7 @@ async def start_grpc_server(
     api_key_digest: str | None = None,
     ready: Callable[[], bool] = lambda: True,
 ) -> GrpcServer:
-    """Starts Generation + health on `host:port`. Health reports "" and the Generation service
+    """Starts Generation, health and server reflection on `host:port`. Health reports "" and the Generation service
     SERVING while `ready()` holds (checked every `HEALTH_EVERY_S`). With `api_key_digest`
     (`key_digest` of the key), `Generate` wants the metadata ``authorization: Bearer <key>``."""
     server = grpc.aio.server()
@@ -182,10 +191,11 @@ async def start_grpc_server(
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(REFLECTED_SERVICES, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"gRPC: cannot bind {host}:{port}")
     await server.start()
     running = GrpcServer(server, bound, health_servicer, ready)
-    logger.info("gRPC Generation + health serving on %s:%d", host, bound)
+    logger.info("gRPC Generation + health + reflection serving on %s:%d", host, bound)
     return running

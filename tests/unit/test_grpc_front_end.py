@@ -4,11 +4,16 @@ options are checked as the HTTP API checks them."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any, cast
 
 import grpc
 import pytest
+from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
 
 from tandem.router.errors import APIError
 from tandem.router.grpc import generation_pb2, health_status
@@ -139,3 +144,27 @@ def test_an_open_health_watch_does_not_hold_the_stop_for_its_whole_grace() -> No
     seen, took = asyncio.run(run())
     assert seen == [SERVING, NOT_SERVING]  # (watchers hear NOT_SERVING, then the stream ends)
     assert took < 2.0
+
+
+def test_reflection_lists_the_services_and_describes_generate() -> None:
+    # (grpcurl, Postman and Evans find the services and message types through it, without the proto)
+    loop = asyncio.new_event_loop()
+    running = loop.run_until_complete(start_grpc_server(cast(Any, None), "127.0.0.1", 0))
+    threading.Thread(target=loop.run_forever, daemon=True).start()  # (the client below blocks)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            database = ProtoReflectionDescriptorDatabase(channel)
+            services = sorted(database.get_services())
+            pool = DescriptorPool(database)
+            method = pool.FindServiceByName("tandem.v1.Generation").methods_by_name["Generate"]
+            shape = (method.input_type.full_name, method.output_type.full_name)
+            streams = method.server_streaming
+    finally:
+        asyncio.run_coroutine_threadsafe(running.stop(0), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+    assert services == [
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+        "tandem.v1.Generation",
+    ]
+    assert shape == ("tandem.v1.GenerateRequest", "tandem.v1.GenerateResponse") and streams
