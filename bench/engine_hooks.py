@@ -53,14 +53,14 @@ class PhaseTimer:
         self.engine = engine
         self.durations: dict[str, list[float]] = defaultdict(list)
         self.model_shapes: list[tuple[int, int]] = []
-        self._orig_sample = llm_engine_mod.sample
+        self._orig_sample = llm_engine_mod.sample_step
         self._orig_model = engine.runner.model
         sched, runner, proc = engine.scheduler, engine.runner, engine.output_processor
         sched.schedule = self._wrap("schedule", sched.schedule)  # type: ignore[method-assign]
         sched.advance = self._wrap("advance", sched.advance)  # type: ignore[method-assign]
         runner.prepare = self._wrap("prepare", runner.prepare)  # type: ignore[method-assign]
         proc.process = self._wrap("process", proc.process)  # type: ignore[method-assign]
-        llm_engine_mod.sample = self._wrap("sample", llm_engine_mod.sample)
+        llm_engine_mod.sample_step = self._wrap("sample", llm_engine_mod.sample_step)
         model, shapes = self._wrap("model", runner.model), self.model_shapes
 
         def model_call(
@@ -102,7 +102,7 @@ class PhaseTimer:
         e = self.engine
         del e.scheduler.schedule, e.scheduler.advance, e.runner.prepare, e.output_processor.process
         e.runner.model = self._orig_model
-        llm_engine_mod.sample = self._orig_sample
+        llm_engine_mod.sample_step = self._orig_sample
 
 
 @contextmanager

@@ -24,13 +24,7 @@ from tandem.engine.guided import GrammarBook
 from tandem.engine.kv_blocks import KVBlocks
 from tandem.engine.kv_memory import MemoryBaseline
 from tandem.engine.kv_pool_size import kv_bytes_by_utilization, pool_blocks, sizing_memory
-from tandem.engine.logprobs import (
-    add_prompt_logprobs,
-    raw_rows,
-    rows_wanting_logprobs,
-    token_logprobs,
-    token_ranks,
-)
+from tandem.engine.logprobs import add_prompt_logprobs, token_logprobs, token_ranks
 from tandem.engine.model import CausalLM
 from tandem.engine.model_config import ModelSpec, load_model_spec
 from tandem.engine.model_runner import ModelRunner
@@ -40,9 +34,10 @@ from tandem.engine.outputs import RequestOutput, StepOutput
 from tandem.engine.penalties import bad_word_sequences
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.request_output import request_output
-from tandem.engine.sampler import NO_TOKEN, sample
+from tandem.engine.sampler import NO_TOKEN
 from tandem.engine.sampling_params import SamplingParams, truncated_prompt
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.step_sampling import sample_step
 from tandem.engine.tokenizer import Tokenizer, ids_outside_vocab
 from tandem.engine.weights import load_weights
 from tandem.kernels.kv_cache import KVCachePool
@@ -271,17 +266,13 @@ class LLMEngine:
     def _run_batch(self, out: SchedulerOutput) -> list[StepOutput]:
         logits, to_sample, spans = self.runner.run(out)  # (on the model's device)
         self.scheduler.advance(out)
-        extra = [i for i, r in enumerate(to_sample) if r.sampling_extras]
-        if spans or extra:  # (penalties, grammars and logprobs are worked out on the host;
-            logits = logits.cpu()  # else a GPU's logits are sampled there, see `sample`)
-        if spans:
+        if spans:  # (prompt logprobs are worked out on the host)
+            logits = logits.cpu()
             add_prompt_logprobs(logits, spans)
         if not to_sample:
             return []
-        logits = logits[: len(to_sample)]
-        rows = rows_wanting_logprobs(to_sample, extra)
-        raw = raw_rows(logits, rows)
-        tokens = sample(logits, to_sample, extra)
+        extra = [i for i, r in enumerate(to_sample) if r.sampling_extras]
+        tokens, raw, rows = sample_step(logits[: len(to_sample)], to_sample, extra)
         for i in extra:
             matcher = to_sample[i].matcher
             if tokens[i] == NO_TOKEN:

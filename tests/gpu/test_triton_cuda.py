@@ -50,8 +50,9 @@ def test_engine_on_cuda_equals_hf(tiny_checkpoint: Any) -> None:
 
 def test_sampling_on_cuda_is_seeded_and_mixes_with_every_other_kind(tiny_checkpoint: Any) -> None:
     """The filters run on the GPU for a batch without penalties, grammars or logprobs (the
-    draws on the host), and on the host for one with them: both run, and agree where they
-    must (a top-k of 1 is greedy; a seeded request repeats itself)."""
+    draws on the host); in a batch with them, their rows on the host and the others' on the
+    GPU (`step_sampling`): both run, and agree where they must (a top-k of 1 is greedy; a
+    seeded request repeats itself)."""
     from tandem import LLM, SamplingParams
     from tests.hf_reference import random_prompts
 
