@@ -114,6 +114,13 @@ def serve(
         int | None,
         typer.Option(min=2, help="Longest prompt + output in tokens (default: the model's)."),
     ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="Weights' and KV cache's dtype: auto (default: the checkpoint's), float32, "
+            "bfloat16 or float16 (also float, bf16, half, fp16)."
+        ),
+    ] = None,
     gpu_memory_utilization: Annotated[
         float | None,
         typer.Option(
@@ -181,6 +188,7 @@ def serve(
         roles = {"prefill": prefill_replicas, "decode": decode_replicas}
         nested = {
             ("engine", "max_model_len"): max_model_len,
+            ("engine", "dtype"): dtype,
             ("engine", "gpu_memory_utilization"): gpu_memory_utilization,
             ("router", "tool_call_parser"): tool_call_parser,
             ("router", "reasoning_parser"): reasoning_parser,

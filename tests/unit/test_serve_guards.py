@@ -169,3 +169,21 @@ def test_serve_names_a_cluster_that_refuses_it(
         "Error: cannot join the Ray cluster running here: Failed to connect to GCS. Last "
         "connection error: Traceback ... (--address local starts a cluster of its own)"
     )
+
+
+def test_serve_takes_vllm_s_dtype_spellings_and_refuses_others_before_starting_ray(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    from tandem.deploy.serve_cmd import _config
+
+    path = str(tiny_checkpoint())
+    for given, dtype in (("half", "float16"), ("bf16", "bfloat16"), ("float32", "float32")):
+        cfg = _config(None, {"model": path}, {}, {("engine", "dtype"): given})
+        assert {cfg.engine_config(role, path).dtype for role in ("prefill", "decode")} == {dtype}
+    assert _config(None, {"model": path}, {}, {}).engine_config("decode", path).dtype == "float32"
+    code, out = _serve(tiny_checkpoint(), "--address", "local", "--dtype", "float64")
+    assert code == 2
+    assert out.splitlines()[-1] == (
+        "Error: engine settings for prefill: dtype: Input should be 'float32', 'bfloat16' or "
+        "'float16'"
+    )
