@@ -46,6 +46,7 @@ from tandem.router.responses_protocol import ResponsesRequest
 from tandem.router.responses_store import ResponsesStore
 from tandem.router.route_planner import DecodeRoutingConfig, RoutePlanner
 from tandem.router.routing_policy import RoutingConfig
+from tandem.router.serve_replicas import replica_states
 from tandem.router.serving import Serving
 from tandem.router.sse_keepalive import KEEPALIVE_S
 from tandem.router.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -326,18 +327,15 @@ class Router:
         while True:
             await asyncio.sleep(every_s)
             try:
-                status = await asyncio.to_thread(serve.status)
-                app = status.applications.get(app_name)
-                for role in (*self.roles, "router"):
-                    deployment = app.deployments.get(role) if app else None
-                    if deployment is not None:
-                        states = deployment.replica_states.items()
-                        self.replica_targets[role] = sum(n for st, n in states if st in wanted)
-                        if role == "router":
-                            running = sum(n for st, n in states if st == "RUNNING")
-                            self.running_routers = max(1, running)
+                states = await asyncio.to_thread(replica_states, app_name)
             except Exception as exc:  # the controller may be restarting; keep the last figures
-                logger.debug("serve.status() failed: %r", exc)
+                logger.debug("reading Serve's replica states failed: %r", exc)
+                continue
+            for role in (*self.roles, "router"):
+                if (counts := states.get(role)) is not None:
+                    self.replica_targets[role] = sum(n for st, n in counts.items() if st in wanted)
+                    if role == "router":
+                        self.running_routers = max(1, counts["RUNNING"])
 
     def _worker_series(self) -> list[tuple[str, str, dict[str, Any]]]:
         """(role, replica, stats) of every worker this router routes to, as read for the

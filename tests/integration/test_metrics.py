@@ -142,3 +142,26 @@ def test_scraped_counters_equal_the_traffic(cluster: Any) -> None:
 
 BAD_TYPE = {"model": "tiny", "prompt": "x", "max_tokens": "many"}
 UNSUPPORTED = {"model": "tiny", "prompt": "x", "max_tokens": 2, "suffix": "z"}
+
+
+def test_replica_states_read_from_serve_s_details_match_serve_status(cluster: Any) -> None:
+    # (the router reads them every 2 s for `tandem:role_target_replicas`: `serve.status()`
+    # held its GIL ~100 ms a call under load, stalling every stream)
+    from collections import Counter
+
+    from ray import serve
+
+    from tandem.router.serve_replicas import replica_states
+    from tests.integration.conftest import APP
+
+    base = cluster.deploy_pd(1)
+    states = replica_states(APP)
+    status = serve.status().applications[APP].deployments
+    assert states == {name: Counter(d.replica_states) for name, d in status.items()}
+    assert {name: dict(c) for name, c in states.items()} == {
+        "router": {"RUNNING": 1},
+        "prefill": {"RUNNING": 1},
+        "decode": {"RUNNING": 1},
+    }
+    assert replica_states("no-such-app") == {}
+    wait_until(lambda: scrape(base).get("tandem:role_target_replicas{role=decode}") == 1)
