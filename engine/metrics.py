@@ -110,6 +110,7 @@ class RouterMetrics:
             "slo_missed_requests", "Finished requests missing the SLO (ttft, tpot, all).", ("slo",)
         )
         self._last_finish: dict[str, float] = {}  # user -> when their last request finished
+        self._itl_child = self._l(self.itl)
         # Series exist (at 0) from the start, so dashboards and rate() see them before traffic.
         for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.blocks,
                        self.prompt_tokens, self.generation_tokens):  # fmt: skip
@@ -129,8 +130,8 @@ class RouterMetrics:
     def _l(self, metric: Any, **extra: str) -> Any:
         return metric.labels(**self.labels, **extra)
 
-    def token_gap(self, seconds: float) -> None:
-        self._l(self.itl).observe(seconds)
+    def token_gap(self, seconds: float) -> None:  # (per token: the labelled child is kept)
+        self._itl_child.observe(seconds)
 
     def decision(self, policy: str, outcome: str) -> None:
         self._l(self.decisions, policy=policy, outcome=outcome).inc()
