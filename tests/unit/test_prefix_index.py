@@ -205,3 +205,32 @@ def test_index_follows_a_real_block_manager() -> None:
         tables.append(table)
         assert idx.apply(KVEventBatch.from_kv_events("w", seq, NS, bm.drain_events()))
         assert idx.num_blocks("w") == sum(bm.cached_hash(b) is not None for b in range(12))
+
+
+def test_snapshots_that_overlap_what_is_held_leave_exactly_their_blocks() -> None:
+    # (a snapshot is applied as the difference from what the index holds: same result as
+    # clearing the worker and storing the snapshot, with random batches in between)
+    import random
+
+    rng = random.Random(5)
+    idx = PrefixIndex()
+    held: dict[str, dict[str, set[int]]] = {w: {"x": set(), "y": set()} for w in "ab"}
+    seq = dict.fromkeys("ab", -1)
+    for _ in range(300):
+        worker, ns = rng.choice("ab"), rng.choice("xy")
+        seq[worker] += 1
+        hashes = set(rng.sample(range(40), rng.randint(0, 25)))
+        if rng.random() < 0.3:
+            assert idx.apply(batch(worker, seq[worker], sorted(hashes), ns=ns, snapshot=True))
+            held[worker] = {"x": set(), "y": set(), ns: hashes}
+        else:
+            removed = set(rng.sample(sorted(held[worker][ns]), len(held[worker][ns]) // 3))
+            stored = hashes - removed
+            assert idx.apply(batch(worker, seq[worker], sorted(stored), sorted(removed), ns=ns))
+            held[worker][ns] = (held[worker][ns] - removed) | stored
+        for space in "xy":
+            for h in range(40):
+                want = {w: 1 for w in "ab" if h in held[w][space]}
+                assert idx.match(space, [h]) == want, (space, h)
+            for w in "ab":
+                assert idx.num_blocks(w, space) == len(held[w][space])
