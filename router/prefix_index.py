@@ -252,18 +252,19 @@ class PrefixIndex:
         """What `worker` holds becomes `stored` in `namespace` (nothing elsewhere). Only the
         difference goes through the holders: a periodic snapshot of a full cache (30k hashes)
         is mostly what the index has already (8 ms to clear and refill, here)."""
-        for other, held in list(worker.sets.items()):
-            if other != namespace:
-                self._update(worker, other, (), list(held))
-                self._drop_namespace(worker, other)
+        for other in [ns for ns in worker.sets if ns != namespace]:
+            self._forget(worker, other)
         new = set(stored)
         held = worker.sets.get(namespace, set())
         self._update(worker, namespace, new - held, held - new)
 
     def _clear(self, worker: _Worker) -> None:
-        for namespace, held in list(worker.sets.items()):
-            self._update(worker, namespace, (), list(held))
-            self._drop_namespace(worker, namespace)
+        for namespace in list(worker.sets):
+            self._forget(worker, namespace)
+
+    def _forget(self, worker: _Worker, namespace: str) -> None:
+        self._update(worker, namespace, (), list(worker.sets[namespace]))
+        self._drop_namespace(worker, namespace)
 
     def _drop_namespace(self, worker: _Worker, namespace: str) -> None:
         if worker.sets.pop(namespace, None) is None:

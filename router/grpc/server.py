@@ -176,9 +176,10 @@ async def start_grpc_server(
     api_key_digest: str | None = None,
     ready: Callable[[], bool] = lambda: True,
 ) -> GrpcServer:
-    """Starts Generation, health and server reflection on `host:port`. Health reports "" and the Generation service
-    SERVING while `ready()` holds (checked every `HEALTH_EVERY_S`). With `api_key_digest`
-    (`key_digest` of the key), `Generate` wants the metadata ``authorization: Bearer <key>``."""
+    """Starts Generation, health and server reflection on `host:port`. Health reports "" and
+    the Generation service SERVING while `ready()` holds (checked every `HEALTH_EVERY_S`). With
+    `api_key_digest` (`key_digest` of the key), `Generate` wants the metadata
+    ``authorization: Bearer <key>`` (reflection and health do not)."""
     server = grpc.aio.server()
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
