@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tandem.engine.rpc import Handler, RPCServer
@@ -52,9 +52,10 @@ class WorkerDeployment(ABC):
         self._info = _model_info(engine)
         self._left = False  # no more registry reports once the worker departed
         self.rpc = RPCServer(self.rpc_handlers(), cfg.auth_token)
-        self.service = self.make_service(engine, transport, self._report)
+        loop = asyncio.get_running_loop()
+        self.service = self.make_service(engine, transport, self._reporter(loop))
         self.service.start()
-        asyncio.get_running_loop().create_task(self._start_rpc())
+        loop.create_task(self._start_rpc())
         logger.info("%s: KV transport %s at %s", self.worker_id, cfg.transport, transport.address)
 
     @abstractmethod
@@ -90,6 +91,17 @@ class WorkerDeployment(ABC):
         address = await self.rpc.start(ray.util.get_node_ip_address())
         logger.info("%s: RPC endpoint at %s", self.worker_id, address)
         self._report(await self.service.get_stats())
+
+    def _reporter(self, loop: asyncio.AbstractEventLoop) -> Callable[[dict[str, Any]], None]:
+        """What the service's thread reports its stats with: `_report` on the replica's event
+        loop, so that the registry call (~1.5 ms of Python, cold, every 0.1 s under load)
+        leaves the engine's steps alone."""
+
+        def report_soon(stats: dict[str, Any]) -> None:
+            with contextlib.suppress(RuntimeError):  # (the loop closed: the replica is gone)
+                loop.call_soon_threadsafe(self._report, stats)
+
+        return report_soon
 
     def _report(self, stats: dict[str, Any]) -> Any:
         if self._registry is not None and self.rpc.address and not self._left:
