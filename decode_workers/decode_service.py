@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.decode_workers.reservation_queue import ReservationQueue, WaitEnded
+from tandem.decode_workers.stream_outbox import StreamOutbox
 from tandem.engine.engine_stats import engine_queue_stats, scheduling_stages
 from tandem.engine.errors import StepFailedError
 from tandem.engine.kv_io import NoFreeBlocksError
@@ -95,6 +96,7 @@ class DecodeService(WorkerLoop):
             engine, transport, lease_s=lease_s, stall_timeout_s=stall_timeout_s
         )
         self._streams: dict[str, _Stream] = {}
+        self._outbox = StreamOutbox()  # (a step's token items, handed over once the step ends)
         self.waiting = ReservationQueue(
             self._reserve, engine.block_manager, engine.config.block_size, reserve_wait_s
         )
@@ -241,8 +243,11 @@ class DecodeService(WorkerLoop):
         for event in self.receiver.poll(timeout=0.0 if busy else 0.001):
             self._on_transfer_event(event)
         if self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                self._on_output(output)
+            try:
+                for output in self.engine.step():
+                    self._on_output(output)
+            finally:
+                self._outbox.flush()  # (the step's items: one hand-over to the event loop)
 
     def _on_transfer_event(self, event: TransferEvent) -> None:
         stream = self._streams.get(event.request_id)
@@ -320,7 +325,7 @@ class DecodeService(WorkerLoop):
             stream.counts_sent = True
             item["num_cached_tokens"] = stream.num_cached_tokens
             item["num_transferred_blocks"] = stream.num_transferred_blocks
-        stream.put(item)
+        self._outbox.add(stream.loop, stream.queue, item)
 
     @staticmethod
     def _tokens_item(
