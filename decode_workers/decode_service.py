@@ -18,11 +18,10 @@ import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.decode_workers.reservation_queue import ReservationQueue, WaitEnded
-from tandem.decode_workers.stream_outbox import StreamOutbox
+from tandem.decode_workers.token_streams import StreamOutbox, TokenStream, merge_token_items
 from tandem.engine.engine_stats import engine_queue_stats, scheduling_stages
 from tandem.engine.errors import StepFailedError
 from tandem.engine.kv_io import NoFreeBlocksError
@@ -38,37 +37,6 @@ from tandem.kv_transfer.events import TransferEvent
 from tandem.kv_transfer.receiver import KVReceiver
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[dict[str, Any]]
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    reserved_at: float = field(default_factory=time.time)
-    committed_at: float | None = None
-    num_cached_tokens: int = 0
-    num_transferred_blocks: int = 0
-    local: bool = False
-    request: Request | None = None
-    counts_sent: bool = False  # its first item carried num_cached_tokens (usage so far)
-
-    def put(self, item: dict[str, Any]) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-def _merge(item: dict[str, Any], nxt: dict[str, Any]) -> dict[str, Any]:
-    """Two queued token items as one (the later one's fields, both items' tokens)."""
-    merged = {
-        **item,  # (the first item's counts, when it had them)
-        **nxt,
-        "token_ids": item["token_ids"] + nxt["token_ids"],
-        "text": item["text"] + nxt["text"],
-    }
-    if "logprobs" in item or "logprobs" in nxt:
-        merged["logprobs"] = item.get("logprobs", []) + nxt.get("logprobs", [])
-    return merged
 
 
 def _error(code: str, message: str) -> dict[str, Any]:
@@ -95,7 +63,7 @@ class DecodeService(WorkerLoop):
         self.receiver = KVReceiver(
             engine, transport, lease_s=lease_s, stall_timeout_s=stall_timeout_s
         )
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, TokenStream] = {}
         self._outbox = StreamOutbox()  # (a step's token items, handed over once the step ends)
         self.waiting = ReservationQueue(
             self._reserve, engine.block_manager, engine.config.block_size, reserve_wait_s
@@ -122,7 +90,7 @@ class DecodeService(WorkerLoop):
         for room; not with `wait_for_room` false), then {"type": "tokens"} events (the last has
         a `finish_reason`), or a single {"type": "error"}. With `local_prefill` this engine
         prefills the prompt itself (reusing what it caches) and there is no grant: no transfer."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), prompt_token_ids, params)
+        stream = TokenStream(asyncio.get_running_loop(), asyncio.Queue(), prompt_token_ids, params)
         finished = False
         try:
             if local_prefill:
@@ -164,7 +132,7 @@ class DecodeService(WorkerLoop):
                     if nxt["type"] != "tokens":
                         carry = nxt
                         break
-                    item = _merge(item, nxt)
+                    item = merge_token_items(item, nxt)
                 finished = item["type"] == "error" or item.get("finish_reason") is not None
                 yield item
         finally:
@@ -196,7 +164,7 @@ class DecodeService(WorkerLoop):
             logger.info("decode: %s's %d reserved blocks released (%s)", request_id, released, why)
         return released
 
-    def _reserve(self, request_id: str, stream: _Stream) -> Any:
+    def _reserve(self, request_id: str, stream: TokenStream) -> Any:
         grant = self.receiver.reserve(request_id, stream.prompt_token_ids, stream.params)
         stream.num_cached_tokens = grant.num_hit_blocks * self.engine.config.block_size
         stream.num_transferred_blocks = len(grant.dst_block_ids)
@@ -208,7 +176,7 @@ class DecodeService(WorkerLoop):
         takes them to another worker)."""
         self.waiting.end_all(DRAINING, f"{self.name} is draining: retry on another worker")
 
-    def _add_local(self, request_id: str, stream: _Stream, priority: int) -> None:
+    def _add_local(self, request_id: str, stream: TokenStream, priority: int) -> None:
         stream.request = self.engine.add_request(
             stream.prompt_token_ids,
             stream.params,
@@ -277,7 +245,7 @@ class DecodeService(WorkerLoop):
             code = "cancelled" if event.kind == "cancelled" else event.code or "transfer_failed"
             stream.put(_error(code, event.error or event.kind))
 
-    def _finish_early(self, event: TransferEvent, stream: _Stream) -> dict[str, Any]:
+    def _finish_early(self, event: TransferEvent, stream: TokenStream) -> dict[str, Any]:
         """The first token already ended the request: apply the usual stop rules to it here."""
         req = Request(
             event.request_id,
@@ -329,7 +297,7 @@ class DecodeService(WorkerLoop):
 
     @staticmethod
     def _tokens_item(
-        output: StepOutput, stop_reason: int | str | None, stream: _Stream
+        output: StepOutput, stop_reason: int | str | None, stream: TokenStream
     ) -> dict[str, Any]:
         item: dict[str, Any] = {
             "type": "tokens",

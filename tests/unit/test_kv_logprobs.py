@@ -76,7 +76,7 @@ def test_a_last_chunk_with_bad_logprobs_fails_the_transfer(model: str, bad: Any)
 
 def test_coalesced_token_items_keep_every_token_s_logprobs() -> None:
     """A decode stream merges the token items a slow reader left queued: their logprobs too."""
-    from tandem.decode_workers.decode_service import _merge
+    from tandem.decode_workers.token_streams import merge_token_items as _merge
 
     a = {"type": "tokens", "token_ids": [1], "text": "a", "logprobs": [[-0.1, []]]}
     b = {"type": "tokens", "token_ids": [2, 3], "text": "bc", "logprobs": [[-0.2, []], [-0.3, []]]}

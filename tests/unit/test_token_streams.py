@@ -6,7 +6,7 @@ import asyncio
 import threading
 from typing import Any
 
-from tandem.decode_workers.stream_outbox import StreamOutbox
+from tandem.decode_workers.token_streams import StreamOutbox
 
 
 def test_a_flush_hands_each_loop_its_items_in_one_call_and_in_order() -> None:
