@@ -27,13 +27,8 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     best_group = group_max.argmax(dim=-1)
     row_ids = torch.arange(rows)
     within = grouped[row_ids, best_group].argmax(dim=-1)
-    result = best_group * ARGMAX_GROUP + within
-    tail_start = groups * ARGMAX_GROUP
-    if tail_start < vocab:
-        tail_max, tail_idx = logits[:, tail_start:].max(dim=-1)
-        better = tail_max > group_max[row_ids, best_group]
-        result = torch.where(better, tail_idx + tail_start, result)
-    return result
+    best = group_max[row_ids, best_group]
+    return _with_tail(best_group * ARGMAX_GROUP + within, best, logits.t(), groups)
 
 
 def _greedy_argmax_vocab_major(logits_t: torch.Tensor) -> torch.Tensor:
@@ -45,13 +40,21 @@ def _greedy_argmax_vocab_major(logits_t: torch.Tensor) -> torch.Tensor:
     best_group = group_max.argmax(dim=0)  # (rows,)
     cols = torch.arange(rows)
     within = grouped[best_group, :, cols].argmax(dim=-1)
-    result = best_group * ARGMAX_GROUP + within
+    best = group_max[best_group, cols]
+    return _with_tail(best_group * ARGMAX_GROUP + within, best, logits_t, groups)
+
+
+def _with_tail(
+    result: torch.Tensor, best: torch.Tensor, logits_t: torch.Tensor, groups: int
+) -> torch.Tensor:
+    """`result` (each row's argmax over its first `groups` groups, whose maximum is `best`),
+    or the argmax among the vocabulary past them (`logits_t`: vocab-major) where that is
+    larger: a tie keeps the earlier index."""
     tail_start = groups * ARGMAX_GROUP
-    if tail_start < vocab:
-        tail_max, tail_idx = logits_t[tail_start:].max(dim=0)
-        better = tail_max > group_max[best_group, cols]
-        result = torch.where(better, tail_idx + tail_start, result)
-    return result
+    if tail_start == logits_t.shape[0]:
+        return result
+    tail_max, tail_idx = logits_t[tail_start:].max(dim=0)
+    return torch.where(tail_max > best, tail_idx + tail_start, result)
 
 
 def _group_max(grouped: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ def sample(
             tokens[i] = picked[i]
     drawn_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if drawn_rows:
-        drawn = _draw_rows(_rows_of(logits, drawn_rows), [requests[i] for i in drawn_rows])
+        drawn = _draw_rows(rows_of(logits, drawn_rows), [requests[i] for i in drawn_rows])
         for i, token in zip(drawn_rows, drawn, strict=True):
             tokens[i] = token
     for i in stuck:
@@ -63,11 +63,11 @@ def sample(
     return tokens
 
 
-def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+def rows_of(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     """`logits` when `rows` is every row, else a copy of those rows."""
     if len(rows) == len(logits):
         return logits
-    return logits.index_select(0, torch.tensor(rows, device=logits.device))
+    return logits.index_select(0, torch.tensor(list(rows), device=logits.device))
 
 
 def _generator(request: Request) -> torch.Generator | None:
@@ -96,7 +96,7 @@ def _draw_rows(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
             tokens[i] = int(ids[j, draw(probs[j], generators[i])])
     rest = sorted(set(range(len(requests))) - {short.rows[j] for j in fitting})
     if rest:
-        filtered = _filtered(_rows_of(scaled, rest), [requests[i] for i in rest]).cpu()
+        filtered = _filtered(rows_of(scaled, rest), [requests[i] for i in rest]).cpu()
         for i, row in zip(rest, filtered, strict=True):
             tokens[i] = draw(row, generators[i])
     return tokens
@@ -236,7 +236,8 @@ def _suppress_stops_before_min_tokens(logits: torch.Tensor, requests: Sequence[R
     for i, req in enumerate(requests):
         if req.params.min_tokens and req.num_output_tokens < req.params.min_tokens and req.stop_ids:
             stops = [t for t in req.stop_ids if t < logits.shape[-1]]
-            rows, ids = rows + [i] * len(stops), ids + stops
+            rows.extend([i] * len(stops))
+            ids.extend(stops)
     if ids:
         where = (_like(logits, rows, torch.long), _like(logits, ids, torch.long))
         logits.index_put_(where, _like(logits, [float("-inf")]))

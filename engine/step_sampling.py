@@ -16,7 +16,7 @@ import torch
 
 from tandem.engine.logprobs import raw_rows, rows_wanting_logprobs
 from tandem.engine.request import Request
-from tandem.engine.sampler import sample
+from tandem.engine.sampler import NO_TOKEN, rows_of, sample
 
 
 class StepTokens(NamedTuple):
@@ -34,31 +34,26 @@ def sample_step(
 ) -> StepTokens:
     """Row i of `logits` (fp32, (B, vocab), on any device; changed in place) is `requests[i]`'s;
     `extra_rows` are those with `sampling_extras`. `split` (default: when the logits are not
-    on the host and the batch mixes both kinds) samples the extra rows on the host apart from
-    the others, which stay on the logits' device."""
+    on the host) samples the extra rows on the host apart from the others, which stay on the
+    logits' device; else the whole batch is sampled on the host."""
     if not extra_rows:
         return StepTokens(sample(logits, requests), None, [])
-    mixed = len(extra_rows) < len(requests)
     if split is None:
-        split = mixed and logits.device.type != "cpu"
-    if not (split and mixed):
-        host = logits.cpu()
-        rows = rows_wanting_logprobs(requests, extra_rows)
-        raw = raw_rows(host, rows)  # (before `sample` changes the rows)
-        return StepTokens(sample(host, requests, extra_rows), raw, rows)
-    extras = [requests[i] for i in extra_rows]
-    host = _rows(logits, extra_rows).cpu()
-    wanting = rows_wanting_logprobs(extras, range(len(extras)))
+        split = logits.device.type != "cpu"
+    apart = split and len(extra_rows) < len(requests)
+    on_host = list(extra_rows) if apart else list(range(len(requests)))
+    host = rows_of(logits, on_host).cpu()
+    host_requests = [requests[i] for i in on_host]
+    host_extra = range(len(on_host)) if apart else extra_rows  # (indices into `host`)
+    wanting = rows_wanting_logprobs(host_requests, host_extra)
     raw = raw_rows(host, wanting)  # (before `sample` changes the rows)
-    tokens = [0] * len(requests)
-    for i, token in zip(extra_rows, sample(host, extras, range(len(extras))), strict=True):
+    tokens = [NO_TOKEN] * len(requests)
+    for i, token in zip(on_host, sample(host, host_requests, host_extra), strict=True):
         tokens[i] = token
-    plain = sorted(set(range(len(requests))) - set(extra_rows))
-    plain_tokens = sample(_rows(logits, plain), [requests[i] for i in plain])
-    for i, token in zip(plain, plain_tokens, strict=True):
-        tokens[i] = token
-    return StepTokens(tokens, raw, [extra_rows[j] for j in wanting])
-
-
-def _rows(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-    return logits.index_select(0, torch.tensor(list(rows), device=logits.device))
+    if apart:
+        taken = set(extra_rows)
+        plain = [i for i in range(len(requests)) if i not in taken]
+        plain_tokens = sample(rows_of(logits, plain), [requests[i] for i in plain])
+        for i, token in zip(plain, plain_tokens, strict=True):
+            tokens[i] = token
+    return StepTokens(tokens, raw, [on_host[j] for j in wanting])

@@ -51,6 +51,7 @@ from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer._hugepages import allocate_hugepage_pool
 from tandem.kv_transfer._peer_process import identity, process_ended
 from tandem.kv_transfer._socket_channel import request_id_of
+from tandem.kv_transfer._ucx_frames import _PAGES, message_pages, send_frames
 from tandem.kv_transfer._ucx_lanes import (
     LANE_SCHEMES,
     Array,
@@ -63,12 +64,12 @@ from tandem.kv_transfer._ucx_lanes import (
     tag_of,
     ucx_api,
 )
-from tandem.kv_transfer._ucx_records import _Conn, _Link, _Out, _run_start, _Rx, hello_peer
+from tandem.kv_transfer._ucx_records import _Conn, _Link, _Out, _Rx, hello_peer
 from tandem.kv_transfer.base import EncodedHeader, KVTransport, Message, drain_inbox
 from tandem.kv_transfer.manifest import TransferError
 
 logger = logging.getLogger(__name__)
-_PAGES, _WELCOME, _HELLO_MAX, _HEADER_MAX = 0x8000, 0x4000, 4096, 16 << 20
+_WELCOME, _HELLO_MAX, _HEADER_MAX = 0x4000, 4096, 16 << 20
 _ONE_CONN_PAGES = 0xFFFF_FFFF_FFFF_8000  # tag mask: a connection's page frames, any sequence
 GONE_CHECK_S = 0.2  # how often the senders on this machine are looked at (`_find_gone_senders`)
 
@@ -293,28 +294,7 @@ class UcxTransport(KVTransport):
         return link
 
     def _send_frames(self, link: _Link, out: _Out, body: dict[str, Any], pages: Any = None) -> _Out:
-        """The JSON frame of `body`, then the pages: in two shares, one on each lane, when they
-        are `split_min_bytes` or more and the peer has a second lane (`body["pages"]["split"]`:
-        where the second share starts)."""
-        out.deadline = time.monotonic() + self.send_timeout_s
-        sends: list[tuple[Any, np.ndarray, int]] = []
-        if pages is not None:
-            raw = (
-                pages
-                if isinstance(pages, np.ndarray)
-                else pages.reshape(-1).view(torch.uint8).numpy()
-            )
-            low = _PAGES | body["seq"] % _PAGES
-            if link.ep_second is not None and raw.nbytes >= self.split_min_bytes:
-                cut = body["pages"]["split"] = raw.nbytes // 2 // 4096 * 4096
-                sends += [(link.ep, raw[:cut], low), (link.ep_second, raw[cut:], low)]
-            else:
-                sends.append((link.ep, raw, low))
-        header = np.frombuffer(bytearray(json.dumps(body).encode()), dtype=np.uint8)
-        for ep, data, low in [(link.ep, header, 0), *sends]:
-            out.keep.append(data)
-            out.requests.append(ep.tag_send(Array(data), tag_of(link.conn, low)))
-        return out
+        return send_frames(link, out, body, pages, self.split_min_bytes, self.send_timeout_s)
 
     def _pump_link(self, peer: str, link: _Link) -> bool:
         active = False
@@ -337,26 +317,10 @@ class UcxTransport(KVTransport):
 
     def _submit(self, link: _Link, msg: _Out) -> _Out:
         seq, link.seq = link.seq, link.seq + 1
-        pages: Any = None  # raw bytes (numpy) or a tensor
-        meta: dict[str, Any] | None = None
-        pool, n = self._pool, len(msg.block_ids)
-        if n and pool is not None and self._pool_rows is not None:
-            if (start := _run_start(msg.block_ids)) is not None:
-                pages = self._pool_rows[start : start + n].reshape(-1)  # numpy: no torch calls
-            else:  # gather, reusing the last staging buffer (fresh memory page-faults: slow)
-                nbytes, spare, link.spare = n * pool.bytes_per_block, link.spare, None
-                if spare is None or spare.numel() < nbytes:
-                    spare = torch.empty(nbytes, dtype=torch.uint8)
-                msg.staging = spare
-                pages = spare[:nbytes].view(pool.dtype).view(pool.blocks_shape(n))
-                torch.index_select(pool.tensor, 0, torch.tensor(msg.block_ids), out=pages)
-            manifest = msg.header.get("manifest")
-            dst = manifest.get("dst_block_ids") if isinstance(manifest, dict) else None
-            meta = {"shape": pool.blocks_shape(n), "dtype": str(pool.dtype)[6:]}
-            meta["direct"] = msg.header.get("direct") is not False
-            meta["dst_start"] = _run_start(dst) if isinstance(dst, list) and len(dst) == n else None
-        body = {"seq": seq, "header": msg.header, "pages": meta}
-        return self._send_frames(link, msg, body, pages)
+        pages, meta = message_pages(link, msg, self._pool, self._pool_rows)
+        return self._send_frames(
+            link, msg, {"seq": seq, "header": msg.header, "pages": meta}, pages
+        )
 
     def _fail_link(self, peer: str, link: _Link, error: str) -> bool:
         rids = [request_id_of(m.header) for m in [*link.inflight, *link.queue]]

@@ -50,11 +50,11 @@ def test_the_filters_make_every_tensor_on_the_logits_device(
     assert greedy_argmax(logits).device.type == "meta"
     for rows, short_rows in (([0, 1, 2, 3, 4], [0, 1, 3]), ([0, 1, 3], [0, 1, 2])):
         chosen = [requests[i] for i in rows]  # (every row, in place; then a copy of some)
-        scaled = sampler._scaled(sampler._rows_of(logits, rows), chosen)
+        scaled = sampler._scaled(sampler.rows_of(logits, rows), chosen)
         short = candidate_probabilities(scaled, chosen)
         assert short.rows == short_rows and short.ids.shape == short.probs.shape == (3, 256)
         assert {t.device.type for t in (short.fits, short.ids, short.probs)} == {"meta"}
-    scaled = sampler._scaled(sampler._rows_of(logits, [2, 3, 4]), requests[2:])
+    scaled = sampler._scaled(sampler.rows_of(logits, [2, 3, 4]), requests[2:])
     filtered = sampler._filtered(scaled, requests[2:])  # (top-k past the candidates, min-p)
     assert filtered.device.type == "meta" and filtered.shape == (3, 32000)
     assert made and set(made) == {"meta"}, made
