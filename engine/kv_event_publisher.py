@@ -4,8 +4,11 @@ The engine's block manager records "stored" / "removed" block hashes; the worker
 to `collect` after every step. `take_batch` turns what accumulated into one numbered batch; a
 subscriber that sees a gap in the numbers asks again and first gets a `snapshot` (the full set of
 hashes this worker caches, numbered like any batch and sent to every subscriber), so a lost or
-reordered batch is detected and repaired. Snapshots also go out periodically. Batches are plain dicts (JSON over the RPC channel),
-with the fields of `tandem.router.prefix_index.KVEventBatch`.
+reordered batch is detected and repaired. Every batch also carries how many hashes the worker
+holds after it and their XOR (`held`, `digest`), so a router whose copy went astray notices at
+the next batch and asks again, without the worker sending its whole set every few seconds (300k
+hashes: ~250 ms of sorting and JSON on the worker, ~90 ms on the router). Batches are plain
+dicts (JSON over the RPC channel), with the fields of `tandem.router.prefix_index.KVEventBatch`.
 """
 
 from __future__ import annotations
@@ -22,35 +25,40 @@ class KVEventPublisher:
         self.namespace = namespace
         self.seq = 0
         self.cached: set[int] = set()
-        self._stored: list[int] = []
-        self._removed: list[int] = []
+        self.digest = 0  # XOR of `cached`
+        # hash -> whether its last event since the last batch stored it (dict order: last event)
+        self._pending: dict[int, bool] = {}
 
     def collect(self, events: Iterable[KVEvent]) -> None:
+        cached, pending = self.cached, self._pending
         for event in events:
-            if event.kind == "stored":
-                self.cached.add(event.block_hash)
-                self._stored.append(event.block_hash)
-            else:
-                self.cached.discard(event.block_hash)
-                self._removed.append(event.block_hash)
+            block_hash, stored = event.block_hash, event.kind == "stored"
+            if stored != (block_hash in cached):
+                self.digest ^= block_hash
+                (cached.add if stored else cached.discard)(block_hash)
+            pending.pop(block_hash, None)
+            pending[block_hash] = stored
 
     @property
     def pending(self) -> bool:
-        return bool(self._stored or self._removed)
+        return bool(self._pending)
 
     def take_batch(self) -> dict[str, Any] | None:
-        """The events since the last batch, as batch `seq + 1`; None when there are none."""
-        if not self.pending:
+        """The changes since the last batch, as batch `seq + 1`; None when there are none. A hash
+        is in one list, by its last event: the router applies `removed` before `stored`, so one
+        stored and evicted again since the last batch must not come in both."""
+        if not self._pending:
             return None
         self.seq += 1
-        batch = self._batch(stored=self._stored, removed=self._removed, snapshot=False)
-        self._stored, self._removed = [], []
-        return batch
+        pending, self._pending = self._pending, {}
+        stored = [h for h, kept in pending.items() if kept]
+        removed = [h for h, kept in pending.items() if not kept]
+        return self._batch(stored=stored, removed=removed, snapshot=False)
 
     def snapshot(self) -> dict[str, Any]:
-        """Everything cached now, as batch `seq + 1` (take pending events first)."""
+        """Everything cached now, in no order, as batch `seq + 1` (take pending events first)."""
         self.seq += 1
-        return self._batch(stored=sorted(self.cached), removed=[], snapshot=True)
+        return self._batch(stored=list(self.cached), removed=[], snapshot=True)
 
     def _batch(self, *, stored: list[int], removed: list[int], snapshot: bool) -> dict[str, Any]:
         return {
@@ -60,4 +68,6 @@ class KVEventPublisher:
             "stored": stored,
             "removed": removed,
             "snapshot": snapshot,
+            "held": len(self.cached),
+            "digest": self.digest,
         }

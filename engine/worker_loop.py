@@ -30,7 +30,6 @@ IDLE_WAIT_S = 0.05  # how long an idle loop sleeps on its command queue
 STATS_INTERVAL_S = 0.1  # at most this often, stats are reported when they changed
 HEARTBEAT_S = 2.0  # unchanged stats are re-reported this often
 KV_EVENTS_INTERVAL_S = 0.01  # prefix-cache events are batched over at most this long
-KV_SNAPSHOT_S = 5.0  # subscribers get a full snapshot this often
 MAX_STEP_FAILURES = 5  # this many failed steps within the window end the loop (worker dies)
 STEP_FAILURE_WINDOW_S = 60.0
 
@@ -72,7 +71,6 @@ class WorkerLoop(ABC):
         self.kv_publisher: KVEventPublisher | None = None
         self._kv_subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = []
         self._last_kv_batch = 0.0
-        self._last_snapshot = 0.0
         self._step_failures: list[float] = []
         self.num_step_failures = 0
 
@@ -112,12 +110,9 @@ class WorkerLoop(ABC):
         batch = self.kv_publisher.take_batch()
         if batch is not None:
             self._send_kv_batch(batch)
-        if self._kv_subscribers and now - self._last_snapshot > KV_SNAPSHOT_S:
-            self._broadcast_snapshot()
 
     def _broadcast_snapshot(self) -> None:
         assert self.kv_publisher is not None
-        self._last_snapshot = time.monotonic()
         self._send_kv_batch(self.kv_publisher.snapshot())
 
     def _send_kv_batch(self, batch: dict[str, Any]) -> None:

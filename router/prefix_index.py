@@ -16,8 +16,10 @@ Sequence rules (per worker):
 - A snapshot batch (`snapshot=True`, `seq > last`) replaces everything the index had for the
   worker, in every namespace, by `stored` in `namespace` and clears staleness. A worker with blocks
   in several namespaces sends the snapshot for one, then ordinary batches (next `seq`s) with the
-  `stored` hashes of the others. Workers also send snapshots periodically, which bounds the damage
-  of a silent divergence.
+  `stored` hashes of the others.
+- A batch may say how many hashes the worker holds in its namespace after it and their XOR
+  (`held`, `digest`). Where the index's copy differs (a lost or mangled change that the sequence
+  did not show), the worker becomes stale as after a gap, and the caller asks for a snapshot.
 - Within a batch `removed` is applied before `stored`; `KVEventBatch.from_kv_events` coalesces an
   ordered event list so that each hash appears in at most one of the two lists.
 
@@ -28,6 +30,7 @@ The index is single-threaded and does no I/O: calls are short and never block an
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterable, Sequence
 from itertools import takewhile
 
@@ -36,6 +39,8 @@ from pydantic import BaseModel, ConfigDict
 from tandem.engine.block_manager import KVEvent
 
 __all__ = ["KVEventBatch", "PrefixIndex"]
+
+logger = logging.getLogger(__name__)
 
 
 class KVEventBatch(BaseModel):
@@ -54,6 +59,8 @@ class KVEventBatch(BaseModel):
     stored: list[int] = []
     removed: list[int] = []
     snapshot: bool = False
+    held: int | None = None  # hashes the worker holds in `namespace` after this batch
+    digest: int | None = None  # their XOR
 
     @classmethod
     def from_kv_events(
@@ -78,13 +85,14 @@ class KVEventBatch(BaseModel):
 
 
 class _Worker:
-    __slots__ = ("bit", "last_seq", "sets", "stale")
+    __slots__ = ("bit", "digests", "last_seq", "sets", "stale")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
         self.last_seq = -1
         self.stale = False
         self.sets: dict[str, set[int]] = {}  # namespace -> block hashes held
+        self.digests: dict[str, int] = {}  # namespace -> XOR of its hashes held
 
 
 class PrefixIndex:
@@ -109,9 +117,11 @@ class PrefixIndex:
     # ---- updates -----------------------------------------------------------------------------
 
     def apply(self, batch: KVEventBatch) -> bool:
-        """Apply one batch; True if applied, False if ignored (gap, duplicate, stale worker).
+        """Apply one batch; True if applied, False if ignored (gap, duplicate, stale worker) or
+        if the worker's own count and digest of its hashes disagree with the index's copy.
 
-        A gap marks the worker stale until a snapshot arrives (see the module docstring).
+        A gap or a disagreement marks the worker stale until a snapshot arrives (see the module
+        docstring).
         """
         worker = self._workers.get(batch.worker_id)
         if worker is None:
@@ -123,7 +133,7 @@ class PrefixIndex:
             self._trusted |= 1 << worker.bit
             worker.last_seq = batch.seq
             self._replace(worker, batch.namespace, batch.stored)
-            return True
+            return True  # (it is the worker's whole set: its count and digest say nothing more)
         if worker.stale or batch.seq <= worker.last_seq:
             return False
         elif batch.seq != worker.last_seq + 1:
@@ -131,7 +141,7 @@ class PrefixIndex:
             return False
         worker.last_seq = batch.seq
         self._update(worker, batch.namespace, batch.stored, batch.removed)
-        return True
+        return self._agrees(worker, batch)
 
     def mark_stale(self, worker_id: str) -> None:
         """Distrust a worker until its next snapshot (e.g. its event stream was reset)."""
@@ -217,6 +227,24 @@ class PrefixIndex:
         self._trusted |= 1 << bit
         return worker
 
+    def _agrees(self, worker: _Worker, batch: KVEventBatch) -> bool:
+        """Whether the worker's count and digest (where the batch has them) are the index's."""
+        if batch.held is None or batch.digest is None:
+            return True
+        ours = (len(worker.sets.get(batch.namespace, ())), worker.digests.get(batch.namespace, 0))
+        if ours == (batch.held, batch.digest):
+            return True
+        logger.warning(
+            "prefix index: %s holds %d blocks in %s by its own count, %d by the index's: "
+            "distrusting it until a snapshot",
+            batch.worker_id,
+            batch.held,
+            batch.namespace[:16],
+            ours[0],
+        )
+        self._mark_stale(worker)
+        return False
+
     def _mark_stale(self, worker: _Worker) -> None:
         self._clear(worker)
         worker.stale = True
@@ -233,9 +261,11 @@ class PrefixIndex:
             self._sets_by_bit.setdefault(namespace, {})[worker.bit] = held
         holders = self._holders.setdefault(namespace, {})
         bit = 1 << worker.bit
+        digest = worker.digests.get(namespace, 0)
         for block_hash in removed:
             if block_hash in held:
                 held.discard(block_hash)
+                digest ^= block_hash
                 rest = holders[block_hash] & ~bit
                 if rest:
                     holders[block_hash] = rest
@@ -244,13 +274,15 @@ class PrefixIndex:
         for block_hash in stored:
             if block_hash not in held:
                 held.add(block_hash)
+                digest ^= block_hash
                 holders[block_hash] = holders.get(block_hash, 0) | bit
+        worker.digests[namespace] = digest
         if not held:
             self._drop_namespace(worker, namespace)
 
     def _replace(self, worker: _Worker, namespace: str, stored: Sequence[int]) -> None:
         """What `worker` holds becomes `stored` in `namespace` (nothing elsewhere). Only the
-        difference goes through the holders: a periodic snapshot of a full cache (30k hashes)
+        difference goes through the holders: a resync's snapshot of a full cache (30k hashes)
         is mostly what the index has already (8 ms to clear and refill, here)."""
         for other in [ns for ns in worker.sets if ns != namespace]:
             self._forget(worker, other)
@@ -267,6 +299,7 @@ class PrefixIndex:
         self._drop_namespace(worker, namespace)
 
     def _drop_namespace(self, worker: _Worker, namespace: str) -> None:
+        worker.digests.pop(namespace, None)
         if worker.sets.pop(namespace, None) is None:
             return
         by_bit = self._sets_by_bit[namespace]

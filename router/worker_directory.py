@@ -167,7 +167,8 @@ class WorkerDirectory:
         self._changed = asyncio.Event()
 
     async def _follow_kv_events(self, worker: Worker) -> None:
-        """Feeds the index; a gap in the sequence re-subscribes (which starts with a snapshot)."""
+        """Feeds the index; a gap in the sequence, or a worker's count and digest of its hashes
+        that disagree with the index, re-subscribes (which starts with a snapshot)."""
         while not worker.client.closed:
             try:
                 async with contextlib.aclosing(worker.client.stream("kv_events")) as items:
@@ -175,7 +176,7 @@ class WorkerDirectory:
                         applied = self.index.apply(KVEventBatch.model_validate(batch))
                         if not applied and self.index.needs_snapshot(worker.worker_id):
                             logger.info(
-                                "router: KV events of %s have a gap; resyncing", worker.worker_id
+                                "router: KV events of %s went astray; resyncing", worker.worker_id
                             )
                             break
             except RPCError as exc:

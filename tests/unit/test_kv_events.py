@@ -39,13 +39,15 @@ def test_batches_are_numbered_and_snapshots_carry_the_last_number() -> None:
         [13],
         [11],
     )
+    assert (second["held"], second["digest"]) == (2, 12 ^ 13)
     snap = pub.snapshot()
-    assert (snap["seq"], snap["stored"], snap["snapshot"], snap["namespace"]) == (
+    assert (snap["seq"], sorted(snap["stored"]), snap["snapshot"], snap["namespace"]) == (
         3,
         [12, 13],
         True,
         "ns",
     )
+    assert (snap["held"], snap["digest"]) == (2, 12 ^ 13)
 
 
 def test_prefill_worker_publishes_the_prompt_block_hashes(tiny_checkpoint: Any) -> None:
@@ -131,7 +133,7 @@ def test_a_loop_going_idle_publishes_what_its_last_step_cached_at_once() -> None
     received: list[dict[str, Any]] = []
     loop._kv_subscribers.append((_Inline(), SimpleNamespace(put_nowait=received.append)))  # type: ignore[arg-type]
     loop._flush_kv_events(force=True)  # a batch just went: the next waits KV_EVENTS_INTERVAL_S
-    received.clear()  # (that flush's snapshot)
+    assert received == []  # (nothing was cached yet: no batch, and no periodic snapshot)
     source.events = [KVEvent("stored", 7, None, 0)]  # the last step cached a block
     loop._flush_kv_events()  # (the loop's flush after the step: too soon after the last)
     assert received == []

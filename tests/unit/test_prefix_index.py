@@ -234,3 +234,51 @@ def test_snapshots_that_overlap_what_is_held_leave_exactly_their_blocks() -> Non
                 assert idx.match(space, [h]) == want, (space, h)
             for w in "ab":
                 assert idx.num_blocks(w, space) == len(held[w][space])
+
+
+def test_a_publisher_s_batches_keep_the_index_equal_to_its_cache_with_evictions_in_between() -> (
+    None
+):
+    """Blocks stored and evicted again between two batches (a busy worker under memory
+    pressure): every batch's count and digest agree with the index, which ends equal to the
+    worker's cache. Raw event lists would put such a hash in both `stored` and `removed`, and
+    the index (which removes first) would keep a block the worker no longer has."""
+    import random
+
+    from tandem.engine.kv_event_publisher import KVEventPublisher
+
+    rng = random.Random(11)
+    pub, idx = KVEventPublisher("w", NS), PrefixIndex()
+    assert idx.apply(KVEventBatch.model_validate(pub.snapshot()))  # (a subscription's start)
+    for _ in range(200):
+        events = []
+        for _ in range(rng.randint(1, 12)):
+            h = rng.randrange(30) + (1 << 63)  # (64-bit hashes, as xxhash gives)
+            events.append(KVEvent("stored" if rng.random() < 0.6 else "removed", h, None, 0))
+        pub.collect(events)
+        raw = pub.take_batch()
+        assert raw is not None
+        assert not set(raw["stored"]) & set(raw["removed"])
+        assert idx.apply(KVEventBatch.model_validate(raw)), raw
+        assert idx.num_blocks("w", NS) == len(pub.cached) == raw["held"]
+        assert idx.match(NS, sorted(pub.cached)[:1]) == ({"w": 1} if pub.cached else {})
+    held = {h for h in range(1 << 63, (1 << 63) + 30) if idx.match(NS, [h])}
+    assert held == pub.cached
+
+
+def test_a_batch_whose_count_or_digest_disagrees_makes_the_worker_stale_until_a_snapshot() -> None:
+    idx = PrefixIndex()
+    assert idx.apply(batch("a", 0, [1, 2, 4]))
+    ok = batch("a", 1, [8])
+    ok.held, ok.digest = 4, 1 ^ 2 ^ 4 ^ 8
+    assert idx.apply(ok)
+    lost = batch("a", 2, [16])  # the worker also evicted block 2: a change the index missed
+    lost.held, lost.digest = 4, 1 ^ 4 ^ 8 ^ 16
+    assert not idx.apply(lost)
+    assert idx.needs_snapshot("a") and idx.match(NS, [1]) == {}
+    later = batch("a", 3, [32])  # ignored until the snapshot
+    assert not idx.apply(later)
+    snap = batch("a", 4, [1, 4, 8, 16], snapshot=True)
+    assert idx.apply(snap) and not idx.needs_snapshot("a")
+    assert idx.match(NS, [1]) == {"a": 1} and idx.match(NS, [2]) == {}
+    assert idx.num_blocks("a", NS) == 4
