@@ -64,6 +64,32 @@ def _no_delay(writer: asyncio.StreamWriter) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+class _CorkedWriter:
+    """A connection's frames written in one `write` per event-loop turn: a decode step's
+    token items for 32 streams cost the worker's loop 149 us as 32 socket sends and 17 us as
+    one (loopback, here), time its engine thread waits for the GIL. Order is kept; a frame
+    waits at most until the loop's next turn."""
+
+    __slots__ = ("_frames", "_loop", "_writer")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._loop = asyncio.get_running_loop()
+        self._frames: list[bytes] = []
+
+    def write(self, frame: bytes) -> None:
+        if not self._frames:
+            self._loop.call_soon(self._flush)
+        self._frames.append(frame)
+
+    def _flush(self) -> None:
+        frames, self._frames = self._frames, []
+        if self._writer.is_closing():
+            return
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            self._writer.write(frames[0] if len(frames) == 1 else b"".join(frames))
+
+
 class RPCServer:
     def __init__(self, handlers: dict[str, Handler], auth_token: str) -> None:
         if not auth_token:
@@ -94,6 +120,7 @@ class RPCServer:
                 await writer.drain()
                 return
             writer.write(_frame({"ok": True}))
+            corked = _CorkedWriter(writer)
             while True:
                 message = await _read(reader)
                 call_id = int(message.get("id", -1))
@@ -102,7 +129,7 @@ class RPCServer:
                     if task is not None:
                         task.cancel()
                     continue
-                calls[call_id] = asyncio.create_task(self._run(call_id, message, writer, calls))
+                calls[call_id] = asyncio.create_task(self._run(call_id, message, corked, calls))
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, RPCError, ValueError):
             pass  # the peer went away or spoke nonsense: drop the connection
         finally:
@@ -114,7 +141,7 @@ class RPCServer:
         self,
         call_id: int,
         message: dict[str, Any],
-        writer: asyncio.StreamWriter,
+        writer: _CorkedWriter,
         calls: dict[int, asyncio.Task[None]],
     ) -> None:
         handler = self.handlers.get(str(message.get("method")))
@@ -128,8 +155,7 @@ class RPCServer:
             raise
         except Exception as exc:
             logger.warning("RPC %s failed: %r", message.get("method"), exc)
-            with contextlib.suppress(ConnectionError):
-                writer.write(_frame({"id": call_id, "error": f"{type(exc).__name__}: {exc}"}))
+            writer.write(_frame({"id": call_id, "error": f"{type(exc).__name__}: {exc}"}))
         finally:
             calls.pop(call_id, None)
 

@@ -215,3 +215,45 @@ def test_a_worker_that_is_gone_is_an_rpc_error_and_is_marked_lost() -> None:
         assert ours.closed and ours.lost_at is None
 
     asyncio.run(main())
+
+
+def test_the_items_of_one_loop_turn_leave_in_one_write_and_in_order() -> None:
+    """32 streams each yielding an item in the same turn (a decode step's tokens): one socket
+    write carries them all, and every stream's items still arrive in order."""
+
+    async def main() -> None:
+        handlers = Handlers()
+        server, address = await _serve(handlers)
+        host, _, port = address.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(_frame({"token": "secret"}))
+        assert await _read(reader) == {"ok": True}
+        for call_id in range(32):
+            writer.write(_frame({"id": call_id, "method": "count", "args": {"n": 3}}))
+        await writer.drain()
+        seen: dict[int, list[int]] = {i: [] for i in range(32)}
+        ends = 0
+        while ends < 32:
+            message = await asyncio.wait_for(_read(reader), 5)
+            if "item" in message:
+                seen[message["id"]].append(message["item"]["i"])
+            else:
+                ends += message.get("end", False)
+        assert all(items == [0, 1, 2] for items in seen.values())
+        writer.close()
+        await server.close()
+
+    writes: list[int] = []
+    original = asyncio.selector_events._SelectorSocketTransport.write  # type: ignore[attr-defined]
+
+    def counting(self: Any, data: bytes) -> None:
+        writes.append(len(data))
+        original(self, data)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(asyncio.selector_events._SelectorSocketTransport, "write", counting)  # type: ignore[attr-defined]
+        asyncio.run(main())
+    # The client's 33 writes (token, 32 calls), then the server's: the handshake reply and a
+    # few batched writes for 32 x (3 items + end), not 128.
+    server_writes = len(writes) - 33
+    assert 2 <= server_writes <= 12, writes
