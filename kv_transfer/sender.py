@@ -25,23 +25,17 @@ from typing import Any
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import StepOutput
 from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer._chunk_maker import ChunkMaker
 from tandem.kv_transfer._sender_records import (
     ENDED_UNGRANTED_KEPT,
     Outgoing,
-    Pinned,
     UnknownRequest,
     check_grant,
-    full_header,
 )
 from tandem.kv_transfer.base import KVTransport, Message
-from tandem.kv_transfer.chunk_publisher import ChunkPublisher, Prepared
+from tandem.kv_transfer.chunk_publisher import ChunkPublisher
 from tandem.kv_transfer.events import TransferEvent
-from tandem.kv_transfer.manifest import (
-    KVLayout,
-    PagesHeaderWriter,
-    TransferError,
-    pages_checksum,
-)
+from tandem.kv_transfer.manifest import KVLayout, PagesHeaderWriter, TransferError
 from tandem.kv_transfer.receiver import ReservationGrant
 
 logger = logging.getLogger(__name__)
@@ -61,18 +55,17 @@ class KVSender:
         self.engine = engine
         self.transport = transport
         self.ack_timeout_s = ack_timeout_s
-        self.checksums = checksums
         self.clock = clock
-        self.layout = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
-        self._block_size = engine.config.block_size
-        self._block_bytes = engine.kv_pool.bytes_per_block
+        layout = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
+        self._chunks = ChunkMaker(
+            engine, layout, checksums=checksums, ack_timeout_s=ack_timeout_s, clock=clock
+        )
+        self._block_size = self._chunks.block_size
         self.outgoing: dict[str, Outgoing] = {}
         # Requests that ended before their reservation came (most recent last): a grant that
         # comes for one later is refused, and its decode worker told at once.
         self._ended_ungranted: OrderedDict[str, None] = OrderedDict()
         self._events: list[TransferEvent] = []  # ended outside a poll, reported by the next
-        self.num_chunks_sent = 0
-        self.num_bytes_sent = 0  # page bytes handed to the transport
         self.send_work_s = 0.0  # time the caller's thread spent handing pages over (not copies
         # a transport makes on its own threads)
         self.num_transfers_done = 0  # requests whose pages all arrived ("sent")
@@ -80,7 +73,7 @@ class KVSender:
         transport.register_pool(engine.kv_pool)
         # hand_off: chunks other than a request's last are made and sent on a thread of their
         # own (`ChunkPublisher`); the engine's thread only pins their blocks.
-        self._publisher = ChunkPublisher(transport, self._take) if hand_off else None
+        self._publisher = ChunkPublisher(transport, self._chunks.make) if hand_off else None
 
     def close(self) -> None:
         """Stops the publishing thread (if any); the transport is the caller's to close."""
@@ -168,11 +161,25 @@ class KVSender:
     @property
     def layout(self) -> KVLayout:
         """What every manifest declares about the pages (the receiver refuses a mismatch)."""
-        return self._headers.layout
+        return self._chunks.headers.layout
 
     @layout.setter
     def layout(self, layout: KVLayout) -> None:
-        self._headers = PagesHeaderWriter(layout)
+        self._chunks.headers = PagesHeaderWriter(layout)
+
+    @property
+    def checksums(self) -> bool:
+        """Whether every chunk's pages carry a checksum (the receiver verifies it)."""
+        return self._chunks.checksums
+
+    @property
+    def num_chunks_sent(self) -> int:
+        return self._chunks.num_chunks
+
+    @property
+    def num_bytes_sent(self) -> int:
+        """Page bytes handed to the transport."""
+        return self._chunks.num_bytes
 
     @property
     def has_events(self) -> bool:
@@ -304,7 +311,7 @@ class KVSender:
             if self._publisher is not None:
                 self._publisher.add(req.request_id, (out, first, blocks, False))
                 return
-            peer, header, blocks = self._take((out, first, blocks, False))
+            peer, header, blocks = self._chunks.make((out, first, blocks, False))
             if (error := self._send(peer, header, blocks)) is not None:
                 self._events.append(self._close(out, "failed", error))
         finally:
@@ -320,7 +327,7 @@ class KVSender:
         out.next_block = end
         out.last_sent = True
         with self._exclusive(flush=True):
-            peer, header, blocks = self._take((out, start, blocks, True))
+            peer, header, blocks = self._chunks.make((out, start, blocks, True))
             error = self._send(peer, header, blocks)
         if error is not None:  # (closed outside: `_close` waits for the publishing thread)
             self._events.append(self._close(out, "failed", error))
@@ -332,47 +339,6 @@ class KVSender:
         except TransferError as exc:  # e.g. an address the transport cannot reach
             return f"could not send the pages: {exc}"
         return None
-
-    def _take(self, pinned: Pinned) -> Prepared:
-        """Makes a chunk of pinned blocks (on the thread that sends it; the publishing thread's
-        under its lock): its index, destination blocks and header; records it as awaiting
-        acknowledgement."""
-        out, first, blocks, last = pinned
-        grant = out.grant
-        assert grant is not None, "streams only once the reservation is known"
-        index = out.next_chunk
-        out.next_chunk += 1
-        offset = first - grant.num_hit_blocks
-        dst = grant.dst_block_ids[offset : offset + len(blocks)]
-        end_tokens = (first + len(blocks)) * self._block_size
-        num_tokens = min(end_tokens, out.request.num_prompt_tokens) if last else end_tokens
-        out.unacked[index] = blocks  # (a failed send releases them with the request)
-        out.told_at = now = self.clock()
-        out.deadline = now + self.ack_timeout_s
-        self.num_chunks_sent += 1
-        self.num_bytes_sent += len(blocks) * self._block_bytes
-        rid = out.request.request_id
-        header: dict[str, Any]
-        if not last and not self.checksums:
-            header = self._headers.plain_chunk(rid, index, num_tokens, blocks, dst)
-        else:
-            header = full_header(
-                self._headers,
-                out,
-                index,
-                num_tokens,
-                blocks,
-                dst,
-                last=last,
-                checksum=self._checksum(blocks),
-                tokenizer=self.engine.tokenizer,
-            )
-        return grant.address, header, blocks
-
-    def _checksum(self, blocks: list[int]) -> str | None:
-        if not self.checksums or not blocks:
-            return None
-        return pages_checksum(self.engine.kv_pool.export_blocks(blocks))
 
     def _handle(self, message: Message) -> TransferEvent | None:
         header = message.header
