@@ -8,7 +8,7 @@ reordered batch is detected and repaired. Every batch also carries how many hash
 holds after it and their XOR (`held`, `digest`), so a router whose copy went astray notices at
 the next batch and asks again, without the worker sending its whole set every few seconds (300k
 hashes: ~250 ms of sorting and JSON on the worker, ~90 ms on the router). Batches are plain
-dicts (JSON over the RPC channel), with the fields of `tandem.router.prefix_index.KVEventBatch`.
+dicts (msgpack over the RPC channel), with the fields of `tandem.router.prefix_index.KVEventBatch`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
-"""A small async RPC between the router and the workers: JSON frames over TCP, streamed replies.
+"""A small async RPC between the router and the workers: msgpack frames over TCP, streamed replies.
 
 Ray Serve handles cost milliseconds per hop; the request path (reserve, prefill, token stream)
 needs far less. Every worker runs an `RPCServer`; the router keeps one `RPCClient` per worker.
 
-Wire format: 4-byte big-endian length + a UTF-8 JSON object (no pickle; nothing received is
-executed). The client opens with {"token": ...}; a server that gets the wrong cluster token
+Wire format: 4-byte big-endian length + a msgpack map, or a UTF-8 JSON object for a message
+msgpack cannot hold (an integer beyond 64 bits); a frame starting with `{` is JSON. No pickle;
+nothing received is executed. msgpack keeps non-string map keys (JSON would turn a
+`logit_bias` {5: 1.0} into {"5": 1.0}; the receiving pydantic models take either), and costs
+~0.5 us a token frame each way against ~2.5-3 us for JSON (`json.dumps`/`loads`, here). The
+client opens with {"token": ...}; a server that gets the wrong cluster token
 answers {"error": ...} and closes. Then, multiplexed by call id:
   client -> {"id": n, "method": name, "args": {...}}  |  {"id": n, "cancel": true}
   server -> {"id": n, "item": {...}} (0..k times), then {"id": n, "end": true} or
@@ -26,6 +30,8 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+import msgpack
+
 logger = logging.getLogger(__name__)
 
 Handler = Callable[..., AsyncIterator[dict[str, Any]]]
@@ -46,14 +52,24 @@ async def _read(reader: asyncio.StreamReader) -> dict[str, Any]:
     (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
     if size > MAX_FRAME:
         raise RPCError(f"frame of {size} bytes exceeds the {MAX_FRAME} byte limit")
-    message = json.loads(await reader.readexactly(size))
+    data = await reader.readexactly(size)
+    try:
+        if data[:1] == b"{":
+            message = json.loads(data)
+        else:
+            message = msgpack.unpackb(data, strict_map_key=False)
+    except (ValueError, TypeError) as exc:  # (msgpack's errors are ValueErrors)
+        raise RPCError(f"a frame that does not decode: {exc}") from None
     if not isinstance(message, dict):
-        raise RPCError("a frame must hold a JSON object")
+        raise RPCError("a frame must hold a map")
     return message
 
 
 def _frame(message: dict[str, Any]) -> bytes:
-    data = json.dumps(message, separators=(",", ":")).encode()
+    try:
+        data = msgpack.packb(message)
+    except OverflowError:  # an integer beyond 64 bits: JSON has no limit
+        data = json.dumps(message, separators=(",", ":")).encode()
     return _HEADER.pack(len(data)) + data
 
 

@@ -257,3 +257,27 @@ def test_the_items_of_one_loop_turn_leave_in_one_write_and_in_order() -> None:
     # few batched writes for 32 x (3 items + end), not 128.
     server_writes = len(writes) - 33
     assert 2 <= server_writes <= 12, writes
+
+
+def test_frames_are_msgpack_and_fall_back_to_json_for_integers_beyond_64_bits() -> None:
+    async def decode(frame: bytes) -> dict[str, Any]:
+        reader = asyncio.StreamReader()
+        reader.feed_data(frame)
+        reader.feed_eof()
+        return await _read(reader)
+
+    token = {"id": 7, "item": {"type": "tokens", "token_ids": [151_643], "text": " déjà"}}
+    frame = _frame(token)
+    assert frame[4:5] != b"{"  # (msgpack)
+    assert asyncio.run(decode(frame)) == token
+    bias = {"id": 1, "method": "generate", "args": {"params": {"logit_bias": {5: 3.0}}}}
+    assert asyncio.run(decode(_frame(bias))) == bias  # (an int key stays an int)
+    hashes = {"id": 2, "item": {"stored": [(1 << 64) - 1], "digest": (1 << 64) - 1}}
+    assert asyncio.run(decode(_frame(hashes))) == hashes
+    huge = {"id": 3, "args": {"seed": 1 << 70}}
+    frame = _frame(huge)
+    assert frame[4:5] == b"{"  # (JSON: msgpack's integers end at 64 bits)
+    assert asyncio.run(decode(frame)) == huge
+    for garbage in (b"\xc1", b"\x92\x01", b"[1]", b"{nope", b"\x81\x91\x01\x02"):
+        with pytest.raises(RPCError):
+            asyncio.run(decode(len(garbage).to_bytes(4, "big") + garbage))
