@@ -8,7 +8,9 @@ msgpack cannot hold (an integer beyond 64 bits); a frame starting with `{` is JS
 nothing received is executed. msgpack keeps non-string map keys (JSON would turn a
 `logit_bias` {5: 1.0} into {"5": 1.0}; the receiving pydantic models take either), and costs
 ~0.5 us a token frame each way against ~2.5-3 us for JSON (`json.dumps`/`loads`, here). The
-client opens with {"token": ...}; a server that gets the wrong cluster token
+client opens with {"token": ..., "protocol": PROTOCOL} and the server answers {"ok": true,
+"protocol": PROTOCOL}, both in JSON, which every version reads: a server that gets the wrong
+cluster token or another protocol (a worker and a router of different tandem versions)
 answers {"error": ...} and closes. Then, multiplexed by call id:
   client -> {"id": n, "method": name, "args": {...}}  |  {"id": n, "cancel": true}
   server -> {"id": n, "item": {...}} (0..k times), then {"id": n, "end": true} or
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 Handler = Callable[..., AsyncIterator[dict[str, Any]]]
 _HEADER = struct.Struct(">I")
 MAX_FRAME = 64 << 20
+PROTOCOL = 2  # 1: JSON frames (before 2026-12-05); 2: msgpack frames
 
 
 class RPCError(RuntimeError):
@@ -69,7 +72,12 @@ def _frame(message: dict[str, Any]) -> bytes:
     try:
         data = msgpack.packb(message)
     except OverflowError:  # an integer beyond 64 bits: JSON has no limit
-        data = json.dumps(message, separators=(",", ":")).encode()
+        return _json_frame(message)
+    return _HEADER.pack(len(data)) + data
+
+
+def _json_frame(message: dict[str, Any]) -> bytes:
+    data = json.dumps(message, separators=(",", ":")).encode()
     return _HEADER.pack(len(data)) + data
 
 
@@ -78,6 +86,22 @@ def _no_delay(writer: asyncio.StreamWriter) -> None:
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _protocol_mismatch(theirs: object) -> str:
+    return (
+        f"it speaks RPC protocol {theirs}, this process {PROTOCOL}: the router and the workers "
+        "run different tandem versions (upgrade every role together)"
+    )
+
+
+def _refusal(hello: dict[str, Any], token: str) -> str | None:
+    """Why a server refuses a client's opening frame, or None."""
+    if hello.get("token") != token:
+        return "wrong cluster token"
+    if hello.get("protocol", 1) != PROTOCOL:
+        return _protocol_mismatch(hello.get("protocol", 1))
+    return None
 
 
 class _CorkedWriter:
@@ -131,11 +155,12 @@ class RPCServer:
         calls: dict[int, asyncio.Task[None]] = {}
         try:
             hello = await asyncio.wait_for(_read(reader), 10)
-            if hello.get("token") != self.auth_token:
-                writer.write(_frame({"error": "wrong cluster token"}))
+            refusal = _refusal(hello, self.auth_token)
+            if refusal is not None:
+                writer.write(_json_frame({"error": refusal}))
                 await writer.drain()
                 return
-            writer.write(_frame({"ok": True}))
+            writer.write(_json_frame({"ok": True, "protocol": PROTOCOL}))
             corked = _CorkedWriter(writer)
             while True:
                 message = await _read(reader)
@@ -208,15 +233,18 @@ class RPCClient:
                 try:
                     reader, writer = await asyncio.open_connection(host, int(port))
                     _no_delay(writer)
-                    writer.write(_frame({"token": self.auth_token}))
+                    writer.write(_json_frame({"token": self.auth_token, "protocol": PROTOCOL}))
                     reply = await asyncio.wait_for(_read(reader), 10)
-                except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+                except (OSError, asyncio.IncompleteReadError, TimeoutError, RPCError) as exc:
                     self.closed, self.lost_at = True, time.time()
                     raise RPCError(f"cannot reach {self.address}: {exc!r}") from None
-                if not reply.get("ok"):  # (another cluster token: a worker of another
-                    writer.close()  # deployment, e.g. one draining after a redeploy that
-                    self.closed, self.lost_at = True, time.time()  # changed it): unusable
-                    raise RPCError(f"{self.address} refused the connection: {reply.get('error')}")
+                if not reply.get("ok") or reply.get("protocol", 1) != PROTOCOL:
+                    # Another cluster token (a worker of another deployment, e.g. one draining
+                    # after a redeploy that changed it) or another tandem: unusable.
+                    writer.close()
+                    self.closed, self.lost_at = True, time.time()
+                    error = reply.get("error") or _protocol_mismatch(reply.get("protocol", 1))
+                    raise RPCError(f"{self.address} refused the connection: {error}")
                 self._writer = writer
                 self._reader_task = asyncio.create_task(self._read_loop(reader))
                 # Written in the step that makes the connection usable: a call made later,

@@ -8,7 +8,15 @@ from typing import Any
 
 import pytest
 
-from tandem.engine.rpc import RPCClient, RPCError, RPCNotSent, RPCServer, _frame, _read
+from tandem.engine.rpc import (
+    PROTOCOL,
+    RPCClient,
+    RPCError,
+    RPCNotSent,
+    RPCServer,
+    _frame,
+    _read,
+)
 
 
 class Handlers:
@@ -193,7 +201,7 @@ def test_a_worker_that_is_gone_is_an_rpc_error_and_is_marked_lost() -> None:
 
     async def dies_after_hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read(reader)
-        writer.write(_frame({"ok": True}))
+        writer.write(_frame({"ok": True, "protocol": PROTOCOL}))
         await _read(reader)  # the first call arrives; the process dies before answering
         writer.close()
 
@@ -226,8 +234,8 @@ def test_the_items_of_one_loop_turn_leave_in_one_write_and_in_order() -> None:
         server, address = await _serve(handlers)
         host, _, port = address.rpartition(":")
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(_frame({"token": "secret"}))
-        assert await _read(reader) == {"ok": True}
+        writer.write(_frame({"token": "secret", "protocol": PROTOCOL}))
+        assert await _read(reader) == {"ok": True, "protocol": PROTOCOL}
         for call_id in range(32):
             writer.write(_frame({"id": call_id, "method": "count", "args": {"n": 3}}))
         await writer.drain()
@@ -281,3 +289,33 @@ def test_frames_are_msgpack_and_fall_back_to_json_for_integers_beyond_64_bits() 
     for garbage in (b"\xc1", b"\x92\x01", b"[1]", b"{nope", b"\x81\x91\x01\x02"):
         with pytest.raises(RPCError):
             asyncio.run(decode(len(garbage).to_bytes(4, "big") + garbage))
+
+
+def test_a_router_and_a_worker_of_different_rpc_protocols_refuse_each_other_clearly() -> None:
+    """A JSON-era peer (protocol 1, no "protocol" in its opening frames) is told, in JSON,
+    that the versions differ; a router that meets a JSON-era worker says so too."""
+
+    async def main() -> None:
+        server, address = await _serve(Handlers())
+        host, _, port = address.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b'\x00\x00\x00\x12{"token":"secret"}')  # an old router's opening frame
+        reply = await _read(reader)
+        assert "protocol 1" in reply["error"] and "tandem versions" in reply["error"]
+        writer.close()
+        await server.close()
+
+        async def old_worker(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            hello = await _read(r)  # (JSON: every version reads the opening frame)
+            assert hello == {"token": "secret", "protocol": 2}
+            w.write(b'\x00\x00\x00\x0b{"ok":true}')
+            await w.drain()
+
+        old = await asyncio.start_server(old_worker, "127.0.0.1", 0)
+        client = RPCClient(f"127.0.0.1:{old.sockets[0].getsockname()[1]}", "secret")
+        with pytest.raises(RPCError, match="different tandem versions"):
+            await client.call("count", n=1)
+        assert client.closed and client.lost_at is not None
+        old.close()
+
+    asyncio.run(main())
