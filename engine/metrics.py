@@ -103,6 +103,13 @@ class RouterMetrics:
             "how: resumed (from the tokens sent) or restarted (nothing had been sent).",
             ("lost_role", "how"),
         )
+        self.kv_resyncs = count(
+            "prefix_index_resyncs",
+            "Times the router re-read a worker's whole prefix cache, by the worker's role and "
+            "why: gap (a batch of its KV events went missing) or digest (its count and XOR of "
+            "its hashes differed from the router's copy).",
+            ("worker_role", "reason"),
+        )
         self.slo_met = count(
             "slo_met_requests", "Finished requests meeting the SLO (ttft, tpot, all).", ("slo",)
         )
@@ -147,6 +154,9 @@ class RouterMetrics:
         lost_role = lost_worker_id.partition("/")[0]
         how = "resumed" if resumed else "restarted"
         self._l(self.retries, lost_role=lost_role, how=how).inc()
+
+    def kv_resynced(self, worker_role: str, reason: str) -> None:
+        self._l(self.kv_resyncs, worker_role=worker_role, reason=reason).inc()
 
     def arrived(self, user: str | None, now: float) -> None:
         """Tool wait: the gap since this user's previous request finished (within 10 min)."""

@@ -153,6 +153,7 @@ class Router:
         model_name = settings["served_model_name"]
         replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = RouterMetrics(model_name, replica)
+        self.directory.on_kv_resync.append(self.metrics.kv_resynced)
         api.state.metrics = self.metrics  # (the error handlers count what reaches them)
         self.responses_store = ResponsesStore(int(settings.get("responses_store_size", 1000)))
         # Replicas each role should have: configured, then what Serve is bringing up (autoscaling).

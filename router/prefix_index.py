@@ -103,7 +103,15 @@ class PrefixIndex:
     matched length by walking the chain until the first miss, in C (`itertools.takewhile`).
     """
 
-    __slots__ = ("_free_bits", "_holders", "_names", "_sets_by_bit", "_trusted", "_workers")
+    __slots__ = (
+        "_free_bits",
+        "_holders",
+        "_names",
+        "_sets_by_bit",
+        "_trusted",
+        "_workers",
+        "num_disagreements",
+    )
 
     def __init__(self) -> None:
         self._workers: dict[str, _Worker] = {}
@@ -113,6 +121,7 @@ class PrefixIndex:
         self._holders: dict[str, dict[int, int]] = {}  # namespace -> hash -> holder bitmask
         # namespace -> bit index -> that worker's hash set (the same set objects as _Worker.sets)
         self._sets_by_bit: dict[str, dict[int, set[int]]] = {}
+        self.num_disagreements = 0  # batches whose count and digest differed from the index's
 
     # ---- updates -----------------------------------------------------------------------------
 
@@ -234,6 +243,7 @@ class PrefixIndex:
         ours = (len(worker.sets.get(batch.namespace, ())), worker.digests.get(batch.namespace, 0))
         if ours == (batch.held, batch.digest):
             return True
+        self.num_disagreements += 1
         logger.warning(
             "prefix index: %s holds %d blocks in %s by its own count, %d by the index's: "
             "distrusting it until a snapshot",

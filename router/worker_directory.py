@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,9 @@ class WorkerDirectory:
         self.workers: dict[str, Worker] = {}
         self.index = PrefixIndex()
         self.on_worker_removed: list[Any] = []
+        # (role, reason) of each resubscription to a worker's KV events: "gap" in the sequence,
+        # or "digest" (its count and XOR of its hashes differed from the index's copy)
+        self.on_kv_resync: list[Callable[[str, str], None]] = []
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self._retiring: list[Worker] = []  # left the registry, still serving our requests
@@ -173,11 +177,18 @@ class WorkerDirectory:
             try:
                 async with contextlib.aclosing(worker.client.stream("kv_events")) as items:
                     async for batch in items:
+                        disagreements = self.index.num_disagreements
                         applied = self.index.apply(KVEventBatch.model_validate(batch))
                         if not applied and self.index.needs_snapshot(worker.worker_id):
+                            digest = self.index.num_disagreements > disagreements
+                            reason = "digest" if digest else "gap"
                             logger.info(
-                                "router: KV events of %s went astray; resyncing", worker.worker_id
+                                "router: KV events of %s: %s; resyncing",
+                                worker.worker_id,
+                                "its digest differs from the index's" if digest else "a gap",
                             )
+                            for callback in self.on_kv_resync:
+                                callback(worker.role, reason)
                             break
             except RPCError as exc:
                 logger.info("router: KV events of %s stopped: %s", worker.worker_id, exc)
