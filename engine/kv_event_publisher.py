@@ -19,6 +19,20 @@ from typing import Any
 from tandem.engine.block_manager import KVEvent
 
 
+def coalesce(last: dict[int, bool], events: Iterable[KVEvent]) -> None:
+    """Folds `events` (oldest first) into `last`: hash -> whether its last event stored it, in
+    the order of the hashes' last events. A batch made of it (`stored_and_removed`) holds each
+    hash once, so applying `removed` then `stored` gives the same set as replaying the
+    events."""
+    for event in events:
+        last.pop(event.block_hash, None)  # re-insert: dict order follows the last event
+        last[event.block_hash] = event.kind == "stored"
+
+
+def stored_and_removed(last: dict[int, bool]) -> tuple[list[int], list[int]]:
+    return [h for h, kept in last.items() if kept], [h for h, kept in last.items() if not kept]
+
+
 class KVEventPublisher:
     def __init__(self, worker_id: str, namespace: str) -> None:
         self.worker_id = worker_id
@@ -30,14 +44,14 @@ class KVEventPublisher:
         self._pending: dict[int, bool] = {}
 
     def collect(self, events: Iterable[KVEvent]) -> None:
-        cached, pending = self.cached, self._pending
+        events = list(events)
+        cached = self.cached
         for event in events:
             block_hash, stored = event.block_hash, event.kind == "stored"
             if stored != (block_hash in cached):
                 self.digest ^= block_hash
                 (cached.add if stored else cached.discard)(block_hash)
-            pending.pop(block_hash, None)
-            pending[block_hash] = stored
+        coalesce(self._pending, events)
 
     @property
     def pending(self) -> bool:
@@ -45,14 +59,13 @@ class KVEventPublisher:
 
     def take_batch(self) -> dict[str, Any] | None:
         """The changes since the last batch, as batch `seq + 1`; None when there are none. A hash
-        is in one list, by its last event: the router applies `removed` before `stored`, so one
-        stored and evicted again since the last batch must not come in both."""
+        is in one list, by its last event (`coalesce`): one stored and evicted again since the
+        last batch must not come in both."""
         if not self._pending:
             return None
         self.seq += 1
-        pending, self._pending = self._pending, {}
-        stored = [h for h, kept in pending.items() if kept]
-        removed = [h for h, kept in pending.items() if not kept]
+        stored, removed = stored_and_removed(self._pending)
+        self._pending = {}
         return self._batch(stored=stored, removed=removed, snapshot=False)
 
     def snapshot(self) -> dict[str, Any]:

@@ -30,17 +30,15 @@ The index is single-threaded and does no I/O: calls are short and never block an
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection, Iterable, Sequence
 from itertools import takewhile
 
 from pydantic import BaseModel, ConfigDict
 
 from tandem.engine.block_manager import KVEvent
+from tandem.engine.kv_event_publisher import coalesce, stored_and_removed
 
 __all__ = ["KVEventBatch", "PrefixIndex"]
-
-logger = logging.getLogger(__name__)
 
 
 class KVEventBatch(BaseModel):
@@ -66,21 +64,17 @@ class KVEventBatch(BaseModel):
     def from_kv_events(
         cls, worker_id: str, seq: int, namespace: str, events: Iterable[KVEvent]
     ) -> KVEventBatch:
-        """A batch from `BlockManager.drain_events()` output, oldest first, coalesced.
-
-        The last event of a hash decides which list it goes to, so applying `removed` then
-        `stored` gives the same final set as replaying the events in order.
-        """
+        """A batch from `BlockManager.drain_events()` output, oldest first, coalesced as a
+        worker's publisher does (`coalesce`: a hash's last event decides its list)."""
         last: dict[int, bool] = {}
-        for event in events:
-            last.pop(event.block_hash, None)  # re-insert: dict order follows the last event
-            last[event.block_hash] = event.kind == "stored"
+        coalesce(last, events)
+        stored, removed = stored_and_removed(last)
         return cls(
             worker_id=worker_id,
             seq=seq,
             namespace=namespace,
-            stored=[h for h, kept in last.items() if kept],
-            removed=[h for h, kept in last.items() if not kept],
+            stored=stored,
+            removed=removed,
         )
 
 
@@ -90,7 +84,7 @@ class _Worker:
     def __init__(self, bit: int) -> None:
         self.bit = bit
         self.last_seq = -1
-        self.stale = False
+        self.stale: str | None = None  # why it is distrusted: "gap", "digest" or "marked"
         self.sets: dict[str, set[int]] = {}  # namespace -> block hashes held
         self.digests: dict[str, int] = {}  # namespace -> XOR of its hashes held
 
@@ -103,15 +97,7 @@ class PrefixIndex:
     matched length by walking the chain until the first miss, in C (`itertools.takewhile`).
     """
 
-    __slots__ = (
-        "_free_bits",
-        "_holders",
-        "_names",
-        "_sets_by_bit",
-        "_trusted",
-        "_workers",
-        "num_disagreements",
-    )
+    __slots__ = ("_free_bits", "_holders", "_names", "_sets_by_bit", "_trusted", "_workers")
 
     def __init__(self) -> None:
         self._workers: dict[str, _Worker] = {}
@@ -121,7 +107,6 @@ class PrefixIndex:
         self._holders: dict[str, dict[int, int]] = {}  # namespace -> hash -> holder bitmask
         # namespace -> bit index -> that worker's hash set (the same set objects as _Worker.sets)
         self._sets_by_bit: dict[str, dict[int, set[int]]] = {}
-        self.num_disagreements = 0  # batches whose count and digest differed from the index's
 
     # ---- updates -----------------------------------------------------------------------------
 
@@ -138,15 +123,15 @@ class PrefixIndex:
         if batch.snapshot:
             if batch.seq <= worker.last_seq:
                 return False  # an old snapshot, overtaken by newer batches
-            worker.stale = False
+            worker.stale = None
             self._trusted |= 1 << worker.bit
             worker.last_seq = batch.seq
             self._replace(worker, batch.namespace, batch.stored)
             return True  # (it is the worker's whole set: its count and digest say nothing more)
-        if worker.stale or batch.seq <= worker.last_seq:
+        if worker.stale is not None or batch.seq <= worker.last_seq:
             return False
         elif batch.seq != worker.last_seq + 1:
-            self._mark_stale(worker)
+            self._mark_stale(worker, "gap")
             return False
         worker.last_seq = batch.seq
         self._update(worker, batch.namespace, batch.stored, batch.removed)
@@ -157,7 +142,7 @@ class PrefixIndex:
         worker = self._workers.get(worker_id)
         if worker is None:
             worker = self._add_worker(worker_id)
-        self._mark_stale(worker)
+        self._mark_stale(worker, "marked")
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker that died or left; unknown ids are ignored."""
@@ -172,9 +157,14 @@ class PrefixIndex:
     # ---- queries -----------------------------------------------------------------------------
 
     def needs_snapshot(self, worker_id: str) -> bool:
-        """Whether the worker is stale (a gap was seen and no snapshot has arrived since)."""
+        """Whether the worker is stale (no snapshot has arrived since `stale_reason`)."""
+        return self.stale_reason(worker_id) is not None
+
+    def stale_reason(self, worker_id: str) -> str | None:
+        """Why the worker is stale: "gap" (in its sequence), "digest" (a batch's count and
+        digest disagreed with the index's) or "marked" (`mark_stale`); None when trusted."""
         worker = self._workers.get(worker_id)
-        return worker is not None and worker.stale
+        return worker.stale if worker is not None else None
 
     def workers(self) -> set[str]:
         """Every known worker, stale ones included."""
@@ -243,21 +233,12 @@ class PrefixIndex:
         ours = (len(worker.sets.get(batch.namespace, ())), worker.digests.get(batch.namespace, 0))
         if ours == (batch.held, batch.digest):
             return True
-        self.num_disagreements += 1
-        logger.warning(
-            "prefix index: %s holds %d blocks in %s by its own count, %d by the index's: "
-            "distrusting it until a snapshot",
-            batch.worker_id,
-            batch.held,
-            batch.namespace[:16],
-            ours[0],
-        )
-        self._mark_stale(worker)
+        self._mark_stale(worker, "digest")
         return False
 
-    def _mark_stale(self, worker: _Worker) -> None:
+    def _mark_stale(self, worker: _Worker, why: str) -> None:
         self._clear(worker)
-        worker.stale = True
+        worker.stale = why
         self._trusted &= ~(1 << worker.bit)
 
     def _update(

@@ -89,6 +89,12 @@ def _lost_since_its_report(worker: Worker, address: str, entry: dict[str, Any]) 
     return bool(report == worker.lost_report)
 
 
+_RESYNC_WHY = {
+    "gap": "a gap in their sequence",
+    "digest": "the worker's count and digest of its hashes differ from the index's copy",
+}
+
+
 class WorkerDirectory:
     def __init__(self, registry: Any, auth_token: str) -> None:
         self.registry = registry
@@ -177,19 +183,20 @@ class WorkerDirectory:
             try:
                 async with contextlib.aclosing(worker.client.stream("kv_events")) as items:
                     async for batch in items:
-                        disagreements = self.index.num_disagreements
-                        applied = self.index.apply(KVEventBatch.model_validate(batch))
-                        if not applied and self.index.needs_snapshot(worker.worker_id):
-                            digest = self.index.num_disagreements > disagreements
-                            reason = "digest" if digest else "gap"
-                            logger.info(
-                                "router: KV events of %s: %s; resyncing",
-                                worker.worker_id,
-                                "its digest differs from the index's" if digest else "a gap",
-                            )
-                            for callback in self.on_kv_resync:
-                                callback(worker.role, reason)
-                            break
+                        if self.index.apply(KVEventBatch.model_validate(batch)):
+                            continue
+                        reason = self.index.stale_reason(worker.worker_id)
+                        if reason is None:
+                            continue  # (a duplicate or an old snapshot: ignored)
+                        logger.log(
+                            logging.WARNING if reason == "digest" else logging.INFO,
+                            "router: KV events of %s: %s; resyncing",
+                            worker.worker_id,
+                            _RESYNC_WHY.get(reason, reason),
+                        )
+                        for callback in self.on_kv_resync:
+                            callback(worker.role, reason)
+                        break
             except RPCError as exc:
                 logger.info("router: KV events of %s stopped: %s", worker.worker_id, exc)
                 self.index.mark_stale(worker.worker_id)
