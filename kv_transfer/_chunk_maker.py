@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tandem.engine.llm_engine import LLMEngine
-from tandem.kv_transfer._sender_records import Pinned, full_header
+from tandem.kv_transfer._sender_records import Outgoing, Pinned, full_header
 from tandem.kv_transfer.chunk_publisher import Prepared
 from tandem.kv_transfer.manifest import KVLayout, PagesHeaderWriter, pages_checksum
 
@@ -19,14 +19,12 @@ class ChunkMaker:
         layout: KVLayout,
         *,
         checksums: bool,
-        ack_timeout_s: float,
-        clock: Callable[[], float],
+        awaiting_ack: Callable[[Outgoing], None],
     ) -> None:
         self.engine = engine
         self.headers = PagesHeaderWriter(layout)
         self.checksums = checksums
-        self.ack_timeout_s = ack_timeout_s
-        self.clock = clock
+        self.awaiting_ack = awaiting_ack  # the sender's: stamps when the receiver was told
         self.block_size = engine.config.block_size
         self._block_bytes = engine.kv_pool.bytes_per_block
         self.num_chunks = 0
@@ -45,8 +43,7 @@ class ChunkMaker:
         end_tokens = (first + len(blocks)) * self.block_size
         num_tokens = min(end_tokens, out.request.num_prompt_tokens) if last else end_tokens
         out.unacked[index] = blocks  # (a failed send releases them with the request)
-        out.told_at = now = self.clock()
-        out.deadline = now + self.ack_timeout_s
+        self.awaiting_ack(out)
         self.num_chunks += 1
         self.num_bytes += len(blocks) * self._block_bytes
         rid = out.request.request_id

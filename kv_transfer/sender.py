@@ -57,9 +57,7 @@ class KVSender:
         self.ack_timeout_s = ack_timeout_s
         self.clock = clock
         layout = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
-        self._chunks = ChunkMaker(
-            engine, layout, checksums=checksums, ack_timeout_s=ack_timeout_s, clock=clock
-        )
+        self._chunks = ChunkMaker(engine, layout, checksums=checksums, awaiting_ack=self._told)
         self._block_size = self._chunks.block_size
         self.outgoing: dict[str, Outgoing] = {}
         # Requests that ended before their reservation came (most recent last): a grant that
@@ -157,6 +155,11 @@ class KVSender:
         out.next_block = grant.num_hit_blocks
         out.told_at = self.clock()
         self._stream(out)
+
+    def _told(self, out: Outgoing) -> None:
+        """`out`'s receiver was just sent a chunk: its acknowledgement is due in time."""
+        out.told_at = now = self.clock()
+        out.deadline = now + self.ack_timeout_s
 
     @property
     def layout(self) -> KVLayout:
