@@ -54,12 +54,14 @@ class DecodeService(WorkerLoop):
         lease_s: float = 30.0,
         stall_timeout_s: float = 10.0,
         reserve_wait_s: float = 60.0,
+        stream_interval: int = 1,
         name: str = "decode",
         on_stats: Any = None,
     ) -> None:
         super().__init__(name, on_stats)
         self.engine = engine
         self.transport = transport
+        self.stream_interval = max(1, stream_interval)  # tokens a stream gathers per item
         self.receiver = KVReceiver(
             engine, transport, lease_s=lease_s, stall_timeout_s=stall_timeout_s
         )
@@ -288,7 +290,9 @@ class DecodeService(WorkerLoop):
                 stream.num_cached_tokens = req.num_prefix_hit_tokens
         elif stream.local and not stream.counts_sent and stream.request is not None:
             stream.num_cached_tokens = stream.request.num_prefix_hit_tokens
-        item = self._tokens_item(output, stop_reason, stream)
+        item = stream.gathered(self._tokens_item(output, stop_reason, stream), self.stream_interval)
+        if item is None:  # (held until the stream has `stream_interval` tokens to send)
+            return
         if not stream.counts_sent:  # (for usage reported while streaming)
             stream.counts_sent = True
             item["num_cached_tokens"] = stream.num_cached_tokens

@@ -43,6 +43,7 @@ class DecodeWorker(WorkerDeployment):
             lease_s=cfg.lease_s,
             stall_timeout_s=cfg.stall_timeout_s,
             reserve_wait_s=cfg.reserve_wait_s,
+            stream_interval=cfg.stream_interval,
             name=self.worker_id,
             on_stats=on_stats,
         )

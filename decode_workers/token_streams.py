@@ -36,9 +36,20 @@ class TokenStream:
     local: bool = False
     request: Request | None = None
     counts_sent: bool = False  # its first item carried num_cached_tokens (usage so far)
+    held: dict[str, Any] | None = None  # tokens gathered, not sent yet (`gathered`)
 
     def put(self, item: dict[str, Any]) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def gathered(self, item: dict[str, Any], interval: int) -> dict[str, Any] | None:
+        """`item` with the tokens held before it, once they number `interval` or it ends the
+        stream; else None, and they are held (on the engine's thread: a stream interval)."""
+        if self.held is not None:
+            item, self.held = merge_token_items(self.held, item), None
+        if len(item["token_ids"]) < interval and "finish_reason" not in item:
+            self.held = item
+            return None
+        return item
 
 
 def merge_token_items(item: dict[str, Any], nxt: dict[str, Any]) -> dict[str, Any]:

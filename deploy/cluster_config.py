@@ -95,6 +95,14 @@ class DecodeRoleConfig(RoleConfig):
     autoscaling: DecodeAutoscaling | None = Field(
         None, description="Scale between min and max replicas (absent: fixed `replicas`)."
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="Tokens a request's stream gathers before they go out (its last ones go "
+        "at once): 1 streams every token as it is sampled; more send fewer, larger chunks "
+        "(less work per token for the decode worker, the router and the client, coarser "
+        "inter-token timing). The first token is not held: it comes from the prefill worker.",
+    )
 
 
 class RouterConfig(BaseModel):
@@ -363,4 +371,5 @@ class ClusterConfig(BaseModel):
             drain_timeout_s=role_cfg.drain_timeout_s,
             checksums=self.checksums,
             hand_off=self.chunk_publisher,
+            stream_interval=self.decode.stream_interval if role == "decode" else 1,
         )

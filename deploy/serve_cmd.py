@@ -114,6 +114,15 @@ def serve(
         int | None,
         typer.Option(min=2, help="Longest prompt + output in tokens (default: the model's)."),
     ] = None,
+    stream_interval: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Tokens a stream gathers before they go out (default 1: every token at once). "
+            "More send fewer, larger chunks: less work per token on the decode worker, the "
+            "router and the client, at the cost of coarser streaming.",
+        ),
+    ] = None,
     dtype: Annotated[
         str | None,
         typer.Option(
@@ -188,6 +197,7 @@ def serve(
         roles = {"prefill": prefill_replicas, "decode": decode_replicas}
         nested = {
             ("engine", "max_model_len"): max_model_len,
+            ("decode", "stream_interval"): stream_interval,
             ("engine", "dtype"): dtype,
             ("engine", "gpu_memory_utilization"): gpu_memory_utilization,
             ("router", "tool_call_parser"): tool_call_parser,

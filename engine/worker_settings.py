@@ -29,6 +29,7 @@ class WorkerSettings(BaseModel):
     drain_timeout_s: float = Field(30.0, gt=0)
     checksums: bool = False
     hand_off: bool = True  # prefill: chunks leave from a publishing thread (`ChunkPublisher`)
+    stream_interval: int = Field(1, ge=1)  # decode: tokens a stream gathers before they go out
 
 
 def create_engine_and_transport(settings: WorkerSettings) -> tuple[Any, Any]:

@@ -231,3 +231,34 @@ def test_stop_reason_of_a_stop_token_reaches_the_stream(services: Any, reference
     expected = reference.generate([prompt], params)[0]
     assert tokens == expected.token_ids
     assert (last["finish_reason"], last["stop_reason"]) == ("stop", expected.stop_reason)
+
+
+def test_a_stream_interval_sends_fewer_items_and_the_same_tokens(
+    services: Any, reference: LLM
+) -> None:
+    """With `stream_interval` 3, every item between decode's first (the committed first token)
+    and its last carries at least 3 tokens; tokens, text and usage counts are unchanged."""
+    prefill, decode = services
+    prompt = reference.tokenizer.encode(PROMPTS[2])
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    expected = reference.generate([prompt], params)[0]
+
+    async def main() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        stream = decode.generate("gathered", prompt, params)
+        grant = ReservationGrant(**(await anext(stream))["grant"])
+        task = asyncio.create_task(prefill.prefill("gathered", prompt, params, grant))
+        items = [item async for item in stream]
+        return items, await task
+
+    decode.stream_interval = 3
+    try:
+        items, outcome = asyncio.run(main())
+    finally:
+        decode.stream_interval = 1
+    assert [t for item in items for t in item["token_ids"]] == expected.token_ids
+    assert "".join(item["text"] for item in items) == expected.text
+    assert all(len(item["token_ids"]) >= 3 for item in items[1:-1])
+    assert len(items) <= 1 + -(-(len(expected.token_ids) - 1) // 3)
+    assert items[-1]["finish_reason"] == "length"
+    assert "num_cached_tokens" in items[-1] and outcome["status"] == "sent"
+    asyncio.run(wait_idle(prefill, decode))

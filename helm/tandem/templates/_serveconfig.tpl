@@ -16,6 +16,9 @@ deployment override (its `ray_actor_options` replace the code's).
   "drain_timeout_s" $v.drainTimeoutS
   "engine" $v.engine
 -}}
+{{- if hasKey $v "streamInterval" -}}
+{{- $_ := set $args "stream_interval" (int $v.streamInterval) -}}
+{{- end -}}
 {{- if $v.autoscaling.enabled -}}
 {{- $_ := set $args "autoscaling" (omit $v.autoscaling "enabled") -}}
 {{- end -}}
