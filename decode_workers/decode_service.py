@@ -290,8 +290,12 @@ class DecodeService(WorkerLoop):
                 stream.num_cached_tokens = req.num_prefix_hit_tokens
         elif stream.local and not stream.counts_sent and stream.request is not None:
             stream.num_cached_tokens = stream.request.num_prefix_hit_tokens
-        item = stream.gathered(self._tokens_item(output, stop_reason, stream), self.stream_interval)
-        if item is None:  # (held until the stream has `stream_interval` tokens to send)
+        # A stream interval holds tokens back, but never a request's first (a local prefill's:
+        # a transferred request's came with its commit).
+        first = stream.local and not stream.counts_sent
+        interval = 1 if first else self.stream_interval
+        item = stream.gathered(self._tokens_item(output, stop_reason, stream), interval)
+        if item is None:  # (held until the stream has `interval` tokens to send)
             return
         if not stream.counts_sent:  # (for usage reported while streaming)
             stream.counts_sent = True

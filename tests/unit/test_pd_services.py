@@ -250,11 +250,22 @@ def test_a_stream_interval_sends_fewer_items_and_the_same_tokens(
         items = [item async for item in stream]
         return items, await task
 
+    async def local() -> list[dict[str, Any]]:
+        local = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        return [item async for item in decode.generate("here", prompt, local, local_prefill=True)]
+
     decode.stream_interval = 3
     try:
         items, outcome = asyncio.run(main())
+        here = asyncio.run(local())
     finally:
         decode.stream_interval = 1
+    # A local prefill's first token is not held: items of 1, 3, 3, 3 tokens (the consumer
+    # merges items that were queued together, so the first may be 4, 7 or 10 long).
+    assert len(here[0]["token_ids"]) % 3 == 1
+    assert [t for item in here for t in item["token_ids"]] == reference.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    )[0].token_ids
     assert [t for item in items for t in item["token_ids"]] == expected.token_ids
     assert "".join(item["text"] for item in items) == expected.text
     assert all(len(item["token_ids"]) >= 3 for item in items[1:-1])
