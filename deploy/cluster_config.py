@@ -101,7 +101,7 @@ class DecodeRoleConfig(RoleConfig):
         description="Tokens a request's stream gathers before they go out (its last ones go "
         "at once): 1 streams every token as it is sampled; more send fewer, larger chunks "
         "(less work per token for the decode worker, the router and the client, coarser "
-        "inter-token timing). The first token is not held: it comes from the prefill worker.",
+        "inter-token timing). A request's first token is never held.",
     )
 
 
