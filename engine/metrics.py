@@ -69,7 +69,11 @@ class RouterMetrics:
             return Counter(PREFIX + name, doc, (*LABELS, *extra), registry=r)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY)
-        self.itl = hist("inter_token_latency_seconds", "Gap between streamed chunks.", _TOKEN_GAP)
+        self.itl = hist(
+            "inter_token_latency_seconds",
+            "Gap between streamed tokens (a chunk of n tokens after a gap g: n gaps of g / n).",
+            _TOKEN_GAP,
+        )
         self.tpot = hist(
             "request_time_per_output_token_seconds",
             "(E2E - TTFT) / (output tokens - 1), per request with 2+ tokens.",
@@ -137,8 +141,12 @@ class RouterMetrics:
     def _l(self, metric: Any, **extra: str) -> Any:
         return metric.labels(**self.labels, **extra)
 
-    def token_gap(self, seconds: float) -> None:  # (per token: the labelled child is kept)
-        self._itl_child.observe(seconds)
+    def token_gap(self, seconds: float, tokens: int = 1) -> None:
+        """A streamed chunk of `tokens` tokens came `seconds` after the previous one: each of
+        its tokens counts one gap of `seconds / tokens` (per token: the labelled child is kept)."""
+        per_token = seconds / tokens
+        for _ in range(tokens):
+            self._itl_child.observe(per_token)
 
     def decision(self, policy: str, outcome: str) -> None:
         self._l(self.decisions, policy=policy, outcome=outcome).inc()

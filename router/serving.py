@@ -295,6 +295,7 @@ class Serving:
         req.started = True
         outcome = "cancelled"
         last_item: float | None = None
+        last_tokens: float | None = None  # when the last item that carried tokens came
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 for attempt in range(MAX_LOST_RETRIES + 1):
@@ -302,8 +303,10 @@ class Serving:
                         async with contextlib.aclosing(self._generate(req)) as items:
                             async for item in items:
                                 now = time.time()
-                                if last_item is not None:
-                                    self.metrics.token_gap(now - last_item)
+                                if tokens := len(item.get("token_ids") or ()):
+                                    if last_tokens is not None:
+                                        self.metrics.token_gap(now - last_tokens, tokens)
+                                    last_tokens = now
                                 last_item = now
                                 outcome = req.take(item) or outcome
                                 yield item

@@ -78,12 +78,14 @@ def test_decisions_rejections_failures_and_gaps() -> None:
     m.failed("invalid_request")
     for gap in (0.01, 0.03):
         m.token_gap(gap)
+    m.token_gap(0.06, 3)  # a chunk of 3 tokens 60 ms after the last: 3 gaps of 20 ms
     assert value(m, "tandem:router_decisions_total", policy="cache_affinity",
                  outcome="prefill_prefix_hit") == 2  # fmt: skip
     assert value(m, "tandem:admission_rejections_total", reason="deadline") == 1
     assert value(m, "tandem:request_failure_total", code="invalid_request") == 1
-    assert value(m, "tandem:inter_token_latency_seconds_count") == 2
-    assert value(m, "tandem:inter_token_latency_seconds_sum") == pytest.approx(0.04)
+    assert value(m, "tandem:inter_token_latency_seconds_count") == 5
+    assert value(m, "tandem:inter_token_latency_seconds_sum") == pytest.approx(0.1)
+    assert value(m, "tandem:inter_token_latency_seconds_bucket", le="0.02") == 4
 
 
 def test_worker_series_come_from_the_reported_stats() -> None:
