@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 class _Pending:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[dict[str, Any]]
-    started: float = field(default_factory=time.time)
+    started: float  # when the call started on the loop thread
     first_token_at: float | None = None
     first_token_ids: list[int] = field(default_factory=list)
     stages: dict[str, float] = field(default_factory=dict)  # queue_s, prefix_lookup_s
@@ -140,6 +140,7 @@ class PrefillService(WorkerLoop):
             if finish_here:
                 self._start_here(request_id, prompt_token_ids, params, priority, future)
                 return
+            started = time.time()  # (before the engine's request exists: its stages follow)
             early = self._early_grants.pop(request_id, None)
             try:
                 self.sender.start(request_id, prompt_token_ids, params, grant, priority)
@@ -148,7 +149,7 @@ class PrefillService(WorkerLoop):
                     self._refused(request_id, grant)
                 resolve(loop, future, exc)
                 return
-            self._pending[request_id] = _Pending(loop, future, first_token=first_token)
+            self._pending[request_id] = _Pending(loop, future, started, first_token=first_token)
             if early is not None and grant is None:
                 with contextlib.suppress(KeyError, ValueError):  # (a misfit fails the request)
                     self.sender.attach_grant(request_id, early[0])
@@ -313,7 +314,7 @@ class PrefillService(WorkerLoop):
             "error": event.error,
             "timings": {
                 **pending.stages,
-                "prefill_s": first - pending.started - sum(pending.stages.values()),
+                "prefill_s": max(0.0, first - pending.started - sum(pending.stages.values())),
                 "transfer_tail_s": now - first,
             },
         }

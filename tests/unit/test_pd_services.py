@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -273,3 +274,26 @@ def test_a_stream_interval_sends_fewer_items_and_the_same_tokens(
     assert items[-1]["finish_reason"] == "length"
     assert "num_cached_tokens" in items[-1] and outcome["status"] == "sent"
     asyncio.run(wait_idle(prefill, decode))
+
+
+def test_prefill_timings_are_never_negative_when_a_request_is_slow_to_set_up(
+    services: Any, reference: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Set-up after the engine stamps a request's arrival (e.g. compiling a new grammar) counts
+    in its queue stage, not against its prefill stage: every stage is >= 0."""
+    prefill, decode = services
+    real_add = prefill.engine.add_request
+
+    def slow_add(*args: Any, **kwargs: Any) -> Any:
+        req = real_add(*args, **kwargs)
+        time.sleep(0.05)
+        return req
+
+    monkeypatch.setattr(prefill.engine, "add_request", slow_add)
+    ids = reference.tokenizer.encode(PROMPTS[2])
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    tokens, _, _, outcome = asyncio.run(run_pd(prefill, decode, "slow-setup", ids, params))
+    assert tokens == reference.generate([ids], params)[0].token_ids
+    timings = outcome["timings"]
+    assert timings["queue_s"] >= 0.05
+    assert min(timings.values()) >= 0.0, timings
