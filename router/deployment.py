@@ -31,7 +31,7 @@ from tandem.router.admission import AdmissionConfig
 from tandem.router.api_keys import APIKeyMiddleware, key_digest
 from tandem.router.cors import LateCORS
 from tandem.router.direct_http import DirectHTTPServer, start_direct_http
-from tandem.router.errors import APIError
+from tandem.router.errors import APIError, invalid_body
 from tandem.router.model_cards import model_card, models_body
 from tandem.router.openai_api import (
     create_chat_completion,
@@ -58,14 +58,6 @@ logger = logging.getLogger("tandem.router")
 api = FastAPI(title="tandem", description="Disaggregated prefill/decode LLM serving (OpenAI API).")
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts) or "invalid request"
-
-
 def _counted(request: Request, exc: APIError) -> JSONResponse:
     """The error's reply, once it is in `tandem:request_failure_total` (or, a 429, in the
     admission rejections) if the request path did not count it already. (The app serving is
@@ -89,11 +81,7 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
             f"the request body must be JSON, sent with Content-Type: application/json (got {given})"
         )
         return _counted(request, APIError(400, message, code="invalid_content_type"))
-    param = None
-    if errors:
-        loc = [str(p) for p in errors[0].get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-    return _counted(request, APIError(400, _validation_message(exc), param=param))
+    return _counted(request, invalid_body(errors, exc.body))
 
 
 @api.exception_handler(APIError)

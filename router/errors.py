@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -54,6 +55,36 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 RETRY_AFTER = {"Retry-After": "1"}
 """With every 429 and 503: a client may try again in a second."""
+
+
+def invalid_body(errors: Sequence[Any], body: Any) -> APIError:
+    """A 400 for a body its schema refused (pydantic's `errors()`): every error in the
+    message, the first one's field as `param`."""
+    parts = []
+    for err in errors:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    message = "; ".join(parts) or "invalid request"
+    return APIError(400, message, param=_param(errors[0], body) if errors else None)
+
+
+def _param(error: dict[str, Any], body: Any) -> str | None:
+    """The request field an error is about: its location's steps that are in the body (not
+    the names of the types a field may take: `prompt`, not `prompt.str`), and the field's
+    own name when it is missing."""
+    loc = [step for step in error.get("loc", ()) if step != "body"]
+    missing = loc.pop() if error.get("type") == "missing" and loc else None
+    steps: list[str] = []
+    value = body
+    for step in loc:
+        in_list = isinstance(value, list) and isinstance(step, int) and 0 <= step < len(value)
+        if not (in_list or (isinstance(value, dict) and step in value)):
+            break
+        value = value[step]
+        steps.append(str(step))
+    if missing is not None and len(steps) == len(loc):
+        steps.append(str(missing))
+    return ".".join(steps) or None
 
 
 def unavailable(message: str, code: str = "unavailable") -> APIError:

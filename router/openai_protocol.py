@@ -20,6 +20,7 @@ from tandem.engine.chat_content import content_text
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, no_seed_as_none
 from tandem.router.errors import bad_request
+from tandem.router.request_body import RequestBody
 from tandem.router.structured_output import (
     Structure,
     StructuredOutputs,
@@ -36,7 +37,6 @@ from tandem.router.tool_calls import (
     reply_parser,
 )
 from tandem.router.tool_parsers import ToolParser
-from tandem.router.unicode_text import UnicodeBody
 
 MAX_TEMPERATURE = 2.0
 """The highest temperature a request may ask for (OpenAI's bound; gRPC keeps it too)."""
@@ -47,7 +47,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(UnicodeBody):
+class _SamplingFields(RequestBody):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # (NaN: "finite number")
 
     model: str | None = None  # as vLLM: the served model when omitted

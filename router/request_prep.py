@@ -32,7 +32,7 @@ does not hold up every other request, health checks included."""
 PREFIX_CHARS_PER_TOKEN = 16
 """A text longer than this many characters per token of the context is first tokenized up to
 that many: when that prefix alone fills the context, the prompt is refused without tokenizing
-the rest (a 30 MB prompt is a 413 in milliseconds, not after a minute of tokenizing)."""
+the rest (a 30 MB prompt is a 400 in milliseconds, not after a minute of tokenizing)."""
 _TOKENIZING = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
 
@@ -86,10 +86,11 @@ def _refuse_when_a_prefix_fills_the_context(
 
 
 def context_exceeded(limits: ModelLimits, num_tokens: int, *, at_least: bool = False) -> APIError:
-    """413: a prompt of `num_tokens` (`at_least` that many) leaves no room to generate."""
+    """400 (as OpenAI's and vLLM's, so that clients catch it as a bad request): a prompt of
+    `num_tokens` (`at_least` that many) leaves no room to generate."""
     has = f"at least {num_tokens}" if at_least else str(num_tokens)
     return APIError(
-        413,
+        400,
         f"This model's maximum context length is {limits.max_model_len} tokens; the prompt "
         f"has {has} tokens (the prompt plus at least one generated token must fit).",
         param="prompt",

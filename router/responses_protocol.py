@@ -19,7 +19,7 @@ from pydantic import ConfigDict, Field, ValidationError
 from tandem.engine.sampling_params import MAX_LOGPROBS
 from tandem.router.errors import bad_request
 from tandem.router.openai_protocol import ChatCompletionRequest
-from tandem.router.unicode_text import UnicodeBody
+from tandem.router.request_body import RequestBody
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 CHAT_ONLY = ("messages", "max_tokens", "max_completion_tokens", "n", "stream_options")
@@ -27,7 +27,7 @@ CHAT_ONLY = ("messages", "max_tokens", "max_completion_tokens", "n", "stream_opt
 """Content part types whose `text` is taken as it is."""
 
 
-class ResponsesRequest(UnicodeBody):
+class ResponsesRequest(RequestBody):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None  # as vLLM: the served model when omitted

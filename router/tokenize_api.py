@@ -19,12 +19,12 @@ from tandem.router.openai_protocol import (
     check_template_options,
     template_messages,
 )
+from tandem.router.request_body import RequestBody
 from tandem.router.request_prep import check_token_ids, off_the_loop_if_long
 from tandem.router.serving import Serving
-from tandem.router.unicode_text import UnicodeBody
 
 
-class TokenizeRequest(UnicodeBody):
+class TokenizeRequest(RequestBody):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -37,7 +37,7 @@ class TokenizeRequest(UnicodeBody):
     return_token_strs: bool = False  # vLLM's: also each token as the vocabulary spells it
 
 
-class DetokenizeRequest(UnicodeBody):
+class DetokenizeRequest(RequestBody):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None

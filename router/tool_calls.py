@@ -66,7 +66,7 @@ def _named(tool_choice: Any) -> str:
         if isinstance(name, str) and name:
             return name
     raise bad_request(
-        f"tool_choice {tool_choice!r} is not one of none, required, or "
+        f"tool_choice {tool_choice!r} is not one of auto, none, required, or "
         '{"type": "function", "function": {"name": ...}}',
         "tool_choice",
     )

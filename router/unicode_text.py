@@ -1,12 +1,10 @@
-"""Request bodies whose text is Unicode: JSON may carry a lone UTF-16 surrogate (`"\\ud800"`),
-which Python decodes into a string that no tokenizer, log line or UTF-8 response can take. A
-request body with one is refused up front (400, naming where), like any other bad field."""
+"""Text that is Unicode: JSON may carry a lone UTF-16 surrogate (`"\\ud800"`), which Python
+decodes into a string that no tokenizer, log line or UTF-8 response can take. A request body
+with one is refused up front (400, naming where), like any other bad field (`RequestBody`)."""
 
 from __future__ import annotations
 
 from typing import Any
-
-from pydantic import BaseModel, model_validator
 
 
 def lone_surrogate_at(value: Any, where: str = "body") -> str | None:
@@ -29,17 +27,3 @@ def lone_surrogate_at(value: Any, where: str = "body") -> str | None:
             if found := lone_surrogate_at(item, f"{where}.{i}"):
                 return found
     return None
-
-
-class UnicodeBody(BaseModel):
-    """Base of the API's request bodies: refuses text with a lone surrogate."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_is_unicode(cls, data: Any) -> Any:
-        if (where := lone_surrogate_at(data)) is not None:
-            raise ValueError(
-                f"{where.removeprefix('body.')} holds a lone UTF-16 surrogate (an unpaired "
-                "\\ud800-\\udfff escape): not Unicode text"
-            )
-        return data

@@ -39,11 +39,16 @@ REFLECTED_SERVICES = (
 _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     404: grpc.StatusCode.NOT_FOUND,
-    413: grpc.StatusCode.OUT_OF_RANGE,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     500: grpc.StatusCode.INTERNAL,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+
+
+def _status_code(exc: APIError) -> grpc.StatusCode:
+    if exc.code == "context_length_exceeded" and exc.param == "prompt":
+        return grpc.StatusCode.OUT_OF_RANGE  # (the prompt alone does not fit)
+    return _STATUS_CODES.get(exc.status, grpc.StatusCode.UNAVAILABLE)
 
 
 def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
@@ -165,8 +170,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except APIError as exc:
             # (refusals before `prepare` are counted here, as HTTP's error handler counts them)
             exc.count(self.serving.metrics)
-            code = _STATUS_CODES.get(exc.status, grpc.StatusCode.UNAVAILABLE)
-            await context.abort(code, exc.message)
+            await context.abort(_status_code(exc), exc.message)
 
 
 async def start_grpc_server(

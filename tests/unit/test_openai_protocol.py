@@ -3,9 +3,12 @@ message's text parts joined with a newline."""
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from tandem.router.errors import APIError
+import pytest
+from pydantic import ValidationError
+
+from tandem.router.errors import APIError, invalid_body
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.router.responses_protocol import ResponsesRequest
 
@@ -117,3 +120,40 @@ def test_beam_search_is_refused_not_ignored() -> None:
             "unsupported",
         )
     CompletionRequest(model="m", prompt="a", use_beam_search=False).check_supported()
+
+
+def test_an_explicit_null_means_the_default() -> None:
+    """OpenAI's `n`, `stream`, `logprobs`, `echo` are nullable: clients that send every unset
+    field as null got a 400 ("n: Input should be a valid integer"). A field that takes None
+    keeps it: `max_tokens: null` is the rest of the context, not the default 16."""
+    nulls = {"n": None, "stream": None, "echo": None, "ignore_eos": None, "min_tokens": None}
+    body = CompletionRequest.model_validate({"prompt": "hi", "max_tokens": None, **nulls})
+    assert (body.n, body.stream, body.echo, body.ignore_eos, body.min_tokens) == (1, 0, 0, 0, 0)
+    assert body.max_tokens is None and "max_tokens" in body.model_fields_set
+    assert "n" not in body.model_fields_set
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": None, "n": None}
+    chat |= {"parallel_tool_calls": None, "add_generation_prompt": None, "stream": None}
+    reply = ChatCompletionRequest.model_validate(chat)
+    assert (reply.logprobs, reply.n, reply.parallel_tool_calls) == (False, 1, True)
+    assert reply.add_generation_prompt is True and reply.stream is False
+    with pytest.raises(ValidationError):  # (required: no default to fall back on)
+        ChatCompletionRequest.model_validate({"messages": None})
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": 123}, "prompt"),  # (not "prompt.str", the first type it may take)
+        ({"prompt": "hi", "stop": ["a", None]}, "stop"),
+        ({"prompt": "hi", "n": "two"}, "n"),
+        ({}, "prompt"),  # missing
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"messages": [{"content": "hi"}]}, "messages.0.role"),  # missing, nested
+    ],
+)
+def test_a_refused_body_names_the_field(body: dict[str, Any], param: str) -> None:
+    model = ChatCompletionRequest if "messages" in body else CompletionRequest
+    with pytest.raises(ValidationError) as refused:
+        model.model_validate(body)
+    error = invalid_body(refused.value.errors(), body)
+    assert (error.status, error.param) == (400, param)

@@ -64,7 +64,7 @@ def test_a_prefix_that_fills_the_context_refuses_the_rest_untokenized(
     text = "a few words " * 200_000  # 2.4 M characters
     with pytest.raises(APIError) as caught:
         run(tok, text, max_model_len=1024)
-    assert (caught.value.status, caught.value.code) == (413, "context_length_exceeded")
+    assert (caught.value.status, caught.value.code) == (400, "context_length_exceeded")
     assert "the prompt has at least" in caught.value.message
     ((length, _),) = tok.calls
     assert length <= PREFIX_CHARS_PER_TOKEN * 1024  # only the prefix
