@@ -131,6 +131,7 @@ class _Head:
         for call in calls:
             output.append(_call_item(_new_id("fc"), call["id"], call["function"]))
         status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
+        output[-1]["status"] = status  # (the item the token limit cut)
         return self.response(status, output, chat.get("usage"))
 
 
@@ -300,8 +301,9 @@ class _EventWriter:
                                   delta=function["arguments"]))  # fmt: skip
         return out
 
-    def _close(self) -> list[str]:
-        """Ends the open item: its `.done` events, status completed."""
+    def _close(self, status: str = "completed") -> list[str]:
+        """Ends the open item: its `.done` events, with `status` (incomplete: the token limit
+        cut it)."""
         item, self.open = self.open, None
         if item is None:
             return []
@@ -320,19 +322,19 @@ class _EventWriter:
         else:
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=index, arguments=item["arguments"]))  # fmt: skip
-        item["status"] = "completed"
+        item["status"] = status
         out.append(self.event("response.output_item.done", output_index=index, item=item))
         return out
 
     def finish(self) -> list[str]:
-        out = self._close()  # (every other item was closed when the next one opened)
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        out = self._close(status)  # (every other item was closed when the next one opened)
         if self.error is not None:
             error = {"code": self.error.get("code"), "message": self.error.get("message")}
             out.append(self.event("error", **error, param=self.error.get("param")))
             self.final = self.head.response("failed", self.output, self.usage, error)
             return [*out, self.event("response.failed", response=self.final)]
         if not self.output:  # an empty reply: an empty message, as a non-streamed one has
-            out += self._open_text("message") + self._close()
-        status = "incomplete" if self.finish_reason == "length" else "completed"
+            out += self._open_text("message") + self._close(status)
         self.final = self.head.response(status, self.output, self.usage)
         return [*out, self.event(f"response.{status}", response=self.final)]

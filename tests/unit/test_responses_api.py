@@ -129,6 +129,7 @@ def test_a_chat_completion_becomes_a_response() -> None:
     response = _head().from_chat(cut)
     assert response["status"] == "incomplete"
     assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert response["output"][-1]["status"] == "incomplete"  # (the item the limit cut)
     only_call = {"choices": [{"message": {"content": None, "tool_calls": chat["choices"][0][
         "message"]["tool_calls"]}, "finish_reason": "tool_calls"}], "usage": USAGE}  # fmt: skip
     assert [i["type"] for i in _head().from_chat(only_call)["output"]] == ["function_call"]
@@ -174,6 +175,8 @@ def test_chat_chunks_become_the_responses_events_in_order() -> None:
     assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
     assert final["output"][1]["content"][0]["text"] == "Hello"
     assert final["usage"]["output_tokens"] == 3 and final["status"] == "incomplete"
+    assert [i["status"] for i in final["output"]] == ["completed", "incomplete"]
+    assert events[-2]["item"]["status"] == "incomplete"  # (its output_item.done)
     assert events[4]["output_index"] == 1 and events[4]["item"]["status"] == "in_progress"
 
 
