@@ -98,6 +98,10 @@ api.add_middleware(LateCORS, origins=lambda: getattr(api.state, "cors_origins", 
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = str(exc.detail)
+    if exc.status_code == 400 and message == "There was an error parsing the body":
+        # (FastAPI's answer to a body it could not decode, e.g. bytes that are not UTF-8)
+        unreadable = "the request body is not valid JSON in UTF-8"
+        return _counted(request, APIError(400, unreadable, code="invalid_json"))
     if exc.status_code in (404, 405):  # name what was asked for
         message = f"{message}: {request.method} {request.url.path}"
     return error_response(APIError(exc.status_code, message, type=kind))

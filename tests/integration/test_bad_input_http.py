@@ -264,6 +264,9 @@ def test_malformed_json_and_unknown_route(base_url: str) -> None:
         post(base_url, "/v1/completions", data=b'{"model": "tiny", ', headers=headers), 400
     )
     assert_error(post(base_url, "/v1/chat/completions", data=b"not json", headers=headers), 400)
+    latin1 = post(base_url, "/v1/completions", data=b'{"prompt": "caf\xe9"}', headers=headers)
+    assert_error(latin1, 400)  # (bytes that are not UTF-8)
+    assert latin1.json()["error"]["code"] == "invalid_json"
     missing = post(base_url, "/v1/nothing", json=OK)
     assert_error(missing, 404)
     assert missing.json()["error"]["message"] == "Not Found: POST /v1/nothing"
@@ -374,3 +377,15 @@ def test_a_browsers_preflight_is_answered(base_url: str) -> None:
     assert preflight.headers["access-control-allow-origin"] == "*"
     answer = post(base_url, "/v1/completions", json=OK, headers={"Origin": "http://ui.example"})
     assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+
+
+def test_an_explicit_null_is_the_default_over_http(base_url: str) -> None:
+    """Clients that send unset fields as null (OpenAI's `n`, `stream`, `logprobs` are nullable)."""
+    nulls = {"n": None, "stream": None, "echo": None, "min_tokens": None}
+    done = post(base_url, "/v1/completions", json={**OK, **nulls})
+    assert done.status_code == 200, done.text
+    assert len(done.json()["choices"]) == 1 and done.json()["usage"]["completion_tokens"] == 4
+    chat = {**CHAT, "max_tokens": 2, "n": None, "logprobs": None, "stream": None}
+    replied = post(base_url, "/v1/chat/completions", json=chat)
+    assert replied.status_code == 200, replied.text
+    assert replied.json()["choices"][0]["logprobs"] is None
