@@ -16,6 +16,7 @@ from typing import Any
 import xxhash
 
 from tandem.engine.errors import CheckpointError
+from tandem.engine.token_bytes import TokenBytes
 
 TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer.json",
@@ -113,6 +114,7 @@ class Tokenizer:
         self._vocab_size = len(hf)
         self._digest: str | None = None
         self._backend = self._fast_backend()
+        self._token_bytes = TokenBytes(hf)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -155,6 +157,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, exactly as ``hf.encode`` gives them."""
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (part of a character for a byte token: `TokenBytes`)."""
+        return self._token_bytes(token_id)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``, exactly as ``hf.decode`` gives it (unknown ids decode to nothing)."""

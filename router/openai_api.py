@@ -170,7 +170,7 @@ async def _serve(
         req = await prepare(0, response_id)
         head = ResponseHead.of(
             req, serving.model_name, kind, None, token_text, read_calls, reasoning, ids, asked,
-            echo,
+            echo, serving.token_bytes,
         )  # fmt: skip
         if body.stream:
             return ClosingStreamingResponse(
@@ -185,7 +185,7 @@ async def _serve(
     )
     head = ResponseHead.of(
         reqs[0], serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids,
-        asked, echo,
+        asked, echo, serving.token_bytes,
     )  # fmt: skip
     if body.stream:
         return ClosingStreamingResponse(

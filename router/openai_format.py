@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tandem.router.openai_logprobs import (
+    TokenBytes,
     TokenText,
     chat_logprobs,
     completion_logprobs,
@@ -38,6 +39,7 @@ class ResponseHead:
     token_ids: bool = False  # vLLM's `return_token_ids`: prompt and output token ids too
     prompt_logprobs: int | None = None  # vLLM's field, with this many alternatives (None: none)
     echo: str = ""  # chat: what every choice's content starts with (vLLM's `echo`)
+    token_bytes: TokenBytes | None = None  # chat logprobs' `bytes` (None: the text's UTF-8)
 
     @classmethod
     def of(
@@ -52,6 +54,7 @@ class ResponseHead:
         token_ids: bool = False,
         prompt_logprobs: int | None = None,
         echo: str = "",
+        token_bytes: TokenBytes | None = None,
     ) -> ResponseHead:
         """`prompt_logprobs`: what the request asked for in vLLM's field (the engine may score
         the prompt with more alternatives, for an echoed prompt's `logprobs`)."""
@@ -61,7 +64,7 @@ class ResponseHead:
         rid = response_id or req.request_id
         return cls(
             rid, arrival, model, kind, names, read_calls, reasoning, token_ids, prompt_logprobs,
-            echo,
+            echo, token_bytes,
         )  # fmt: skip
 
     def logprobs(
@@ -71,7 +74,7 @@ class ResponseHead:
         if entries is None or self.token_text is None:
             return None
         if self.kind == "chat":
-            return chat_logprobs(token_ids, entries, self.token_text)
+            return chat_logprobs(token_ids, entries, self.token_text, self.token_bytes)
         return completion_logprobs(token_ids, entries, self.token_text, text_offset)
 
     def fields(self, chunk: bool) -> dict[str, Any]:

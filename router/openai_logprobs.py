@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
 def completion_logprobs(
@@ -49,22 +50,26 @@ def completion_logprobs(
 
 
 def chat_logprobs(
-    token_ids: Sequence[int], entries: Sequence[Any], token_text: TokenText
+    token_ids: Sequence[int],
+    entries: Sequence[Any],
+    token_text: TokenText,
+    token_bytes: TokenBytes | None = None,
 ) -> dict[str, Any]:
-    """Chat's shape: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
+    """Chat's shape: `{"content": [{token, logprob, bytes, top_logprobs}]}`. `bytes` are the
+    token's own (`token_bytes`: a byte token's byte, where its text is U+FFFD), else its
+    text's UTF-8."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        raw = token_bytes(token_id) if token_bytes is not None else text.encode("utf-8")
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
     content = []
     for token_id, (logprob, top) in zip(token_ids, entries, strict=False):
         content.append(
-            {
-                **_token(token_text(token_id), logprob),
-                "top_logprobs": [_token(token_text(t), lp) for t, lp in top],
-            }
+            {**entry(token_id, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
         )
     return {"content": content}
-
-
-def _token(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 def text_length(token_ids: Sequence[int], token_text: TokenText) -> int:

@@ -97,6 +97,10 @@ class Serving:
         """A token's own text, as logprobs name it (special tokens kept)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes, as chat's logprobs give them (`bytes`)."""
+        return self.tokenizer.token_bytes(token_id)
+
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
             raise APIError(
