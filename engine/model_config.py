@@ -111,7 +111,10 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         cfg = json.loads(config_path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from None
-    return spec_from_config(cfg)
+    try:
+        return spec_from_config(cfg)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{config_path}: {exc}") from None
 
 
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -139,8 +142,39 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
 out (transformers 5.x): a checkpoint then runs as transformers runs it."""
 
 
-def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")  # fmt: skip
+"""config.json keys every supported architecture needs, each a positive integer."""
+
+
+def spec_from_config(cfg: Any) -> ModelSpec:
+    """The model a checkpoint's config.json describes. Raises UnsupportedModelError for what
+    tandem does not run, CheckpointError for a config.json that lacks a key or has a value of
+    the wrong kind (never a bare KeyError or TypeError)."""
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"config.json holds a JSON {type(cfg).__name__}, not an object")
     archs = cfg.get("architectures") or []
+    known = isinstance(archs, list) and archs[:1] and archs[0] in SUPPORTED_ARCHITECTURES
+    for key in _POSITIVE if known else ():  # (an unknown architecture: said so first)
+        value = cfg.get(key)
+        if key not in cfg:
+            raise CheckpointError(f"config.json has no {key!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"config.json's {key} must be a positive integer, got {value!r}")
+    try:
+        return _spec(cfg)
+    except UnsupportedModelError:
+        raise
+    except KeyError as exc:
+        raise CheckpointError(f"config.json has no {exc.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+        raise CheckpointError(f"config.json has a value tandem cannot read: {exc}") from None
+
+
+def _spec(cfg: dict[str, Any]) -> ModelSpec:
+    archs = cfg.get("architectures") or []
+    if isinstance(archs, str):  # (a list in every Hugging Face config; a lone name is clear)
+        archs = [archs]
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(

@@ -116,6 +116,36 @@ def test_unsupported_rope_type(tiny_checkpoint: Any, tmp_path: Path) -> None:
         LLM(model=str(path))
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+        ({"num_attention_heads": None}, "num_attention_heads must be a positive integer"),
+        ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+        ({"rope_scaling": [1]}, "a value tandem cannot read"),
+        ({"eos_token_id": "x"}, "a value tandem cannot read"),
+    ],
+)
+def test_a_config_with_a_bad_value_is_named(
+    tiny_checkpoint: Any, tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    """It raised a bare ZeroDivisionError, KeyError or TypeError from deep in the loading."""
+    path = _copy_checkpoint(tiny_checkpoint(), tmp_path / "bad")
+    cfg = json.loads((path / "config.json").read_text())
+    if "rope_scaling" in change:  # (read only without the newer key)
+        cfg.pop("rope_parameters", None)
+    (path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(CheckpointError, match=f"config.json: .*{message}"):
+        LLM(model=str(path))
+    del cfg["num_hidden_layers"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="config.json has no 'num_hidden_layers'"):
+        LLM(model=str(path))
+    (path / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="holds a JSON list, not an object"):
+        LLM(model=str(path))
+
+
 def test_missing_weights(tiny_checkpoint: Any, tmp_path: Path) -> None:
     path = _copy_checkpoint(tiny_checkpoint(), tmp_path / "noweights")
     (path / "model.safetensors").unlink()
