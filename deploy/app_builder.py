@@ -16,7 +16,7 @@ from ray.serve import Application
 from tandem.deploy.cluster_config import ClusterConfig, RoleConfig
 from tandem.deploy.embedded_model import ensure_embedded_model
 from tandem.engine.model_config import load_model_spec
-from tandem.engine.tokenizer import check_tokenizer_files
+from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.weights import check_weights
 
 logger = logging.getLogger("tandem.deploy")
@@ -48,13 +48,18 @@ def resolve_model(config: ClusterConfig) -> str:
     """The checkpoint to serve: `config.model`, or the embedded tiny model (built once)."""
     if config.model:
         path = Path(config.model).expanduser()
+        if path.is_file():
+            raise ValueError(f"{path} is a file: --model takes a checkpoint's directory")
         if not (path / "config.json").is_file():
-            raise ValueError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
+            raise ValueError(
+                f"{path} is not a Hugging Face checkpoint directory (no config.json; tandem "
+                "loads local checkpoints only, nothing is downloaded)"
+            )
         # What every worker would refuse at start-up, refused here in one line (an unsupported
         # architecture or rope, missing or unreadable weight files, tensors that do not fit the
         # config, no tokenizer) rather than after Ray and Serve started.
         check_weights(load_model_spec(path), path)
-        check_tokenizer_files(path)
+        Tokenizer.from_pretrained(path)  # (loaded, not only found: a broken file says so here)
         return str(path.resolve())
     return str(ensure_embedded_model(Path(config.cache_dir).expanduser()))
 

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import shutil
+import time
 from typing import Any
 
 import typer
@@ -61,7 +62,7 @@ def start_ray(
                 f"cannot join the Ray cluster running here: {first_line(exc)} (--address local "
                 "starts a cluster of its own)"
             )
-    fail_if(busy_ports(host, ports))
+    fail_if(busy_ports(host, {**ports, "--dashboard-port": dashboard_port}))
     env = ingress_environment(ingress, os.environ)
     os.environ.update(env)
     if STATE_DIR in env:  # HAProxy's files, made for this cluster: removed when it stops
@@ -121,12 +122,44 @@ def warn_if_short(needed: dict[str, float]) -> None:
         )
 
 
-def shutdown(app_name: str, registry: str) -> None:
+def cluster_gone(wait_s: float = 1.0) -> bool:
+    """Whether a process of the Ray head this command started (its GCS, its raylet) died,
+    within `wait_s`: a SIGTERM sent to the whole process group (`timeout`, an init system)
+    reaches them too, and nothing is left to drain (waiting for the GCS would take a minute)."""
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)
+    if node is None or not node.all_processes:  # (a cluster joined: not this command's)
+        return False
+    deadline = time.monotonic() + wait_s
+    while not node.dead_processes():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def serve_http_port(wanted: int) -> int:
+    """The port of the Serve proxy: `wanted`, unless Serve already ran on the joined cluster
+    with another one (it keeps its own: Ray then ignores `http_options`)."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    port = getattr(getattr(client, "http_config", None), "port", None)
+    return int(port) if isinstance(port, int) else wanted
+
+
+def shutdown(app_name: str, registry: str, drain: bool = True) -> None:
+    """Deletes the app (its requests drained first) and leaves Ray; with `drain` false (the
+    cluster is gone) only leaves Ray."""
     import ray
     from ray import serve as ray_serve
 
     from tandem.engine.worker_registry import kill_registry
 
+    if not drain:
+        ray.shutdown()
+        return
     try:
         # Deleting the app first drains it (the router and the workers wait for the requests,
         # streams and KV transfers in flight); Serve's own shutdown would stop its proxy first

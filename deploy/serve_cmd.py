@@ -14,8 +14,15 @@ import typer
 from pydantic import ValidationError
 
 from tandem.deploy.ingress import DEFAULT_INGRESS, Ingress
-from tandem.deploy.ray_cluster import refuse_running_app, shutdown, start_ray, warn_if_short
-from tandem.deploy.serve_guards import context_overrun_of, fail_if
+from tandem.deploy.ray_cluster import (
+    cluster_gone,
+    refuse_running_app,
+    serve_http_port,
+    shutdown,
+    start_ray,
+    warn_if_short,
+)
+from tandem.deploy.serve_guards import context_overrun_of, fail_if, first_line
 from tandem.engine.errors import summarize_validation
 
 
@@ -234,26 +241,69 @@ def serve(
         refuse_running_app(cfg.app_name, ctx)
     warn_if_short(needed)
     stop = threading.Event()
+    signals: list[int] = []
+    serving = False
 
-    def on_signal(*_: Any) -> None:
+    def on_signal(signum: int, _frame: Any) -> None:
+        signals.append(signum)
+        if not serving:  # starting: stop now, not once every replica is up
+            typer.echo("[tandem] interrupted while starting: stopping ...")
+            raise KeyboardInterrupt
         if stop.is_set():  # a second Ctrl-C: no more waiting for the drain
             raise KeyboardInterrupt
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    drain = True  # (false: the cluster tandem started goes as a whole, or is gone)
+    failed: str | None = None
     try:
-        ray_serve.start(http_options={"host": cfg.host, "port": cfg.port})
-        ray_serve.run(app, name=cfg.app_name, route_prefix="/")
-        _print_urls(cfg, ctx, time.monotonic() - started, ingress if own_cluster else None)
-        while not stop.wait(0.5):
-            pass
+        try:
+            ray_serve.start(http_options={"host": cfg.host, "port": cfg.port})
+            cfg = _on_serves_port(cfg)
+            ray_serve.run(app, name=cfg.app_name, route_prefix="/")
+            serving = True
+            _print_urls(cfg, ctx, time.monotonic() - started, ingress if own_cluster else None)
+            while not stop.wait(0.5):
+                pass
+            drain = not (own_cluster and signal.SIGTERM in signals and cluster_gone())
+            _say_stopping(cfg, drain)
+        except KeyboardInterrupt:  # while starting
+            drain = not own_cluster
+        except RuntimeError as exc:  # Serve could not deploy it (a worker failed to start)
+            failed = first_line(exc)
+    finally:
+        try:
+            shutdown(cfg.app_name, registry_name(cfg), drain)
+        except KeyboardInterrupt:  # Ctrl-C again while draining: stop at once
+            shutdown(cfg.app_name, registry_name(cfg), drain=False)
+    if failed is not None:
+        typer.echo(f"Error: {failed} (the workers' errors are in the log above and in Ray's "
+                   "logs: /tmp/ray/session_latest/logs/serve/)", err=True)  # fmt: skip
+        raise typer.Exit(code=1)
+    typer.echo("[tandem] stopped")
+
+
+def _say_stopping(cfg: Any, drain: bool) -> None:
+    if drain:
         drain_s = max(cfg.decode.drain_timeout_s, cfg.prefill.drain_timeout_s)
         typer.echo(f"[tandem] stopping: in-flight requests finish first (at most {drain_s:g}s; "
                    "Ctrl-C again to stop at once) ...")  # fmt: skip
-    finally:
-        shutdown(cfg.app_name, registry_name(cfg))
-    typer.echo("[tandem] stopped")
+    else:
+        typer.echo("[tandem] stopping: the Ray cluster was stopped with it (the signal reached "
+                   "its processes too): nothing left to drain")  # fmt: skip
+
+
+def _on_serves_port(cfg: Any) -> Any:
+    """`cfg` with the port Serve's proxy listens on: on a joined cluster where Serve already
+    ran, its own (said so), whatever --port asked."""
+    port = serve_http_port(cfg.port)
+    if port == cfg.port:
+        return cfg
+    typer.echo(f"[tandem] note: Serve already runs on this cluster with its HTTP proxy on port "
+               f"{port}: the API is there (--port {cfg.port} and --host apply to a Serve that "
+               "tandem starts)", err=True)  # fmt: skip
+    return cfg.model_copy(update={"port": port})
 
 
 def _scaling(role: Any) -> str:
@@ -265,7 +315,8 @@ def _scaling(role: Any) -> str:
 def _workers_summary(cfg: Any) -> str:
     """The roles as the start-up line names them: counts, and each autoscaled role's range."""
     if cfg.mode == "colocated":
-        return f"{cfg.decode.replicas} colocated workers (prefill + decode){_scaling(cfg.decode)}"
+        workers = "worker" if cfg.decode.replicas == 1 else "workers"
+        return f"{cfg.decode.replicas} colocated {workers} (prefill + decode){_scaling(cfg.decode)}"
     return (
         f"{cfg.prefill.replicas} prefill{_scaling(cfg.prefill)} + {cfg.decode.replicas} "
         f"decode{_scaling(cfg.decode)} workers, {cfg.transport} KV transport"

@@ -100,8 +100,13 @@ class ModelSpec:
 def load_model_spec(model_dir: str | Path) -> ModelSpec:
     """Read and validate `config.json` of a local checkpoint directory."""
     path = Path(model_dir)
+    if path.is_file():
+        raise CheckpointError(f"{str(path)!r} is a file: a model is a checkpoint's directory")
     if not path.is_dir():
-        raise CheckpointError(f"model directory {str(path)!r} does not exist")
+        raise CheckpointError(
+            f"model directory {str(path)!r} does not exist (tandem loads local checkpoints "
+            "only, nothing is downloaded)"
+        )
     config_path = path / "config.json"
     if not config_path.is_file():
         raise CheckpointError(
@@ -114,7 +119,7 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
     try:
         return spec_from_config(cfg)
     except CheckpointError as exc:
-        raise CheckpointError(f"{config_path}: {exc}") from None
+        raise CheckpointError(f"{str(path)!r}: {exc}") from None
 
 
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -175,6 +180,11 @@ def _spec(cfg: dict[str, Any]) -> ModelSpec:
     archs = cfg.get("architectures") or []
     if isinstance(archs, str):  # (a list in every Hugging Face config; a lone name is clear)
         archs = [archs]
+    if not archs:
+        raise UnsupportedModelError(
+            "config.json names no architecture ('architectures'); supported: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(

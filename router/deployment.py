@@ -220,10 +220,13 @@ class Router:
         have ended (`graceful_shutdown_timeout_s`); gRPC streams and requests on the direct
         HTTP port in flight get as long to end (new ones are refused meanwhile). A request
         still waiting for a worker (the app's are gone at shutdown) fails at once with a 503."""
+        directory = getattr(self, "directory", None)  # (none: `__init__` failed early)
+        if directory is not None:
+            directory.stop_waiting()  # (no worker comes back now: fail, don't hold the stop)
         grace_s = float(self.settings.get("drain_timeout_s", 30.0))
-        self.directory.stop_waiting()  # (no worker comes back now: fail, don't hold the stop)
-        server, self._grpc_server = self._grpc_server, None
-        direct, self._direct_http = self._direct_http, None
+        server = getattr(self, "_grpc_server", None)
+        direct = getattr(self, "_direct_http", None)
+        self._grpc_server = self._direct_http = None
         await asyncio.gather(
             *(s.stop(grace_s) for s in (server, direct) if s is not None),
             return_exceptions=True,

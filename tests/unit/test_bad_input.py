@@ -135,7 +135,7 @@ def test_a_config_with_a_bad_value_is_named(
     if "rope_scaling" in change:  # (read only without the newer key)
         cfg.pop("rope_parameters", None)
     (path / "config.json").write_text(json.dumps({**cfg, **change}))
-    with pytest.raises(CheckpointError, match=f"config.json: .*{message}"):
+    with pytest.raises(CheckpointError, match=f"bad': config.json.*{message}"):
         LLM(model=str(path))
     del cfg["num_hidden_layers"]
     (path / "config.json").write_text(json.dumps(cfg))
@@ -272,3 +272,9 @@ def test_checkpoints_every_worker_would_refuse_are_refused_before_serving(
     (no_tokenizer / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match="no tokenizer in .*expected one of tokenizer.json"):
         resolve_model(ClusterConfig(model=str(no_tokenizer)))
+    broken = _copy_checkpoint(src, tmp_path / "broken-tokenizer")  # (found, but unreadable)
+    (broken / "tokenizer.json").write_text('{"version": "1.0", "model": {')
+    with pytest.raises(CheckpointError, match="cannot load the tokenizer in"):
+        resolve_model(ClusterConfig(model=str(broken)))
+    with pytest.raises(ValueError, match="is a file: --model takes a checkpoint's directory"):
+        resolve_model(ClusterConfig(model=str(src / "config.json")))

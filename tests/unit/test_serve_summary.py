@@ -24,7 +24,9 @@ def test_autoscaled_roles_show_their_range() -> None:
 
 def test_colocated_summary_shows_the_decode_range() -> None:
     cfg = ClusterConfig(mode="colocated", decode={"autoscaling": SCALING})
-    assert _workers_summary(cfg) == "1 colocated workers (prefill + decode) (autoscaling 1..3)"
+    assert _workers_summary(cfg) == "1 colocated worker (prefill + decode) (autoscaling 1..3)"
+    two = ClusterConfig(mode="colocated", decode={"replicas": 2})
+    assert _workers_summary(two) == "2 colocated workers (prefill + decode)"
 
 
 def test_colocated_names_the_prefill_settings_it_ignores() -> None:
