@@ -247,7 +247,8 @@ class ClusterConfig(BaseModel):
     def _known_transport(cls, value: str) -> str:
         if value not in TRANSPORTS or value in ("local", "fake"):
             usable = ", ".join(sorted(set(TRANSPORTS) - {"local", "fake"}))
-            raise ValueError(f"transport {value!r} cannot join processes (use one of: {usable})")
+            what = "is in-process only: it" if value in TRANSPORTS else "is unknown: the transport"
+            raise ValueError(f"transport {value!r} {what} cannot join processes (use {usable})")
         return value
 
     @field_validator("engine", "prefill", "decode", mode="after")

@@ -80,6 +80,9 @@ class EngineConfig(BaseModel):
             name = DTYPE_ALIASES.get(raw, raw)
             if name == "auto":
                 name = checkpoint_dtype(str(data.get("model", "")))
+            elif name not in DTYPES:
+                spellings = ", ".join(["auto", *DTYPES, *DTYPE_ALIASES])
+                raise ValueError(f"dtype {raw!r} is not one of {spellings}")
             data = {**data, "dtype": name}
         return data
 

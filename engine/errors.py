@@ -49,7 +49,7 @@ def summarize_validation(exc: Any) -> str:
     echo), for error replies and command-line messages."""
     parts = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ())) or "params"
+        where = ".".join(str(p) for p in err.get("loc", ()))
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        parts.append(f"{where}: {msg}")
+        parts.append(f"{where}: {msg}" if where else msg)  # (none: the whole model's check)
     return "; ".join(parts)

@@ -120,7 +120,8 @@ def serve(
     goodput: Annotated[
         list[str] | None,
         typer.Option(
-            help="SLOs as NAME:MS with NAME ttft, tpot or e2el (repeat or space-separate); "
+            help="SLOs as NAME:MS with NAME ttft, tpot or e2el: --goodput ttft:50 --goodput "
+            "tpot:10, or quoted: --goodput 'ttft:50 tpot:10'; "
             "request_goodput counts requests that meet all of them."
         ),
     ] = None,

@@ -278,3 +278,19 @@ def test_checkpoints_every_worker_would_refuse_are_refused_before_serving(
         resolve_model(ClusterConfig(model=str(broken)))
     with pytest.raises(ValueError, match="is a file: --model takes a checkpoint's directory"):
         resolve_model(ClusterConfig(model=str(src / "config.json")))
+
+
+def test_an_unknown_dtype_lists_every_spelling(tiny_checkpoint: Any) -> None:
+    """It said "Input should be 'float32', 'bfloat16' or 'float16'", leaving out the default
+    ("auto") and vLLM's spellings that are taken; and "params: " before a whole-model check."""
+    from pydantic import ValidationError
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.errors import summarize_validation
+
+    with pytest.raises(ValidationError) as refused:
+        EngineConfig(model=str(tiny_checkpoint()), dtype="float8")
+    assert summarize_validation(refused.value) == (
+        "dtype 'float8' is not one of auto, float32, bfloat16, float16, float, half, bf16, fp16"
+    )
+    assert EngineConfig(model=str(tiny_checkpoint()), dtype="half").dtype == "float16"

@@ -90,7 +90,7 @@ def test_router_replicas_can_ask_for_custom_ray_resources() -> None:
     [
         (
             ["--transport", "nope"],
-            "Error: invalid configuration: transport: transport 'nope' cannot join processes",
+            "Error: invalid configuration: transport: transport 'nope' is unknown",
         ),
         (["--config", "BAD_YAML"], "Error: invalid configuration: prefill.bogus: Extra inputs"),
         (
