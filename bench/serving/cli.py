@@ -168,6 +168,9 @@ def serve(
         pcts = _float_list(percentiles)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    if base_url.rstrip("/").endswith("/v1") and endpoint.startswith("/v1/"):
+        base_url = base_url.rstrip("/").removesuffix("/v1")  # (the endpoint has it)
+        typer.echo(f"[bench] --base-url is the server's root: using {base_url}", err=True)
     if tokenizer is None and Path(model).is_dir():
         tokenizer = Path(model)
     maker = prompt_maker(tokenizer, server_token_counter(base_url, model, bearer_headers(api_key)))
