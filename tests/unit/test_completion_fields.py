@@ -63,6 +63,9 @@ class LetterServing:
     def token_text(self, token_id: int) -> str:
         return LETTERS[token_id]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return LETTERS[token_id].encode()
+
 
 def _complete(serving: LetterServing | None = None, **fields: Any) -> dict[str, Any]:
     body = CompletionRequest.model_validate({"max_tokens": 1, "echo": True, **fields})
