@@ -158,16 +158,17 @@ def spec_from_config(cfg: Any) -> ModelSpec:
     the wrong kind (never a bare KeyError or TypeError)."""
     if not isinstance(cfg, dict):
         raise CheckpointError(f"config.json holds a JSON {type(cfg).__name__}, not an object")
-    archs = cfg.get("architectures") or []
-    known = isinstance(archs, list) and archs[:1] and archs[0] in SUPPORTED_ARCHITECTURES
-    for key in _POSITIVE if known else ():  # (an unknown architecture: said so first)
-        value = cfg.get(key)
-        if key not in cfg:
-            raise CheckpointError(f"config.json has no {key!r}")
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise CheckpointError(f"config.json's {key} must be a positive integer, got {value!r}")
     try:
-        return _spec(cfg)
+        arch = _architecture(cfg)
+        for key in _POSITIVE:
+            value = cfg.get(key)
+            if key not in cfg:
+                raise CheckpointError(f"config.json has no {key!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise CheckpointError(
+                    f"config.json's {key} must be a positive integer, got {value!r}"
+                )
+        return _spec(cfg, arch)
     except UnsupportedModelError:
         raise
     except KeyError as exc:
@@ -176,7 +177,8 @@ def spec_from_config(cfg: Any) -> ModelSpec:
         raise CheckpointError(f"config.json has a value tandem cannot read: {exc}") from None
 
 
-def _spec(cfg: dict[str, Any]) -> ModelSpec:
+def _architecture(cfg: dict[str, Any]) -> str:
+    """The supported architecture config.json names (first in `architectures`)."""
     archs = cfg.get("architectures") or []
     if isinstance(archs, str):  # (a list in every Hugging Face config; a lone name is clear)
         archs = [archs]
@@ -185,11 +187,15 @@ def _spec(cfg: dict[str, Any]) -> ModelSpec:
             "config.json names no architecture ('architectures'); supported: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
         )
-    arch = archs[0] if archs else None
+    arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    return str(arch)
+
+
+def _spec(cfg: dict[str, Any], arch: str) -> ModelSpec:
     if cfg.get("quantization_config"):
         quant = cfg["quantization_config"]
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
