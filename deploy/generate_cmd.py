@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -23,6 +24,14 @@ def generate(
         list[str] | None,
         typer.Option(
             "--prompt", "-p", help="A prompt (repeat for several). Default: three demo prompts."
+        ),
+    ] = None,
+    prompts_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompts-file",
+            help="A text file of prompts, one per line (blank lines skipped; '-' reads stdin). "
+            "Its prompts come after any --prompt.",
         ),
     ] = None,
     chat: Annotated[
@@ -72,6 +81,7 @@ def generate(
     if threads:
         torch.set_num_threads(threads)
     try:
+        texts = [*(prompt or []), *read_prompts(prompts_file)] or DEFAULT_PROMPTS
         params = SamplingParams(  # (checked before the model loads)
             temperature=temperature,
             top_p=top_p,
@@ -90,7 +100,6 @@ def generate(
             max_model_len=max_model_len,
             enable_prefix_caching=prefix_caching,
         )
-        texts = prompt or DEFAULT_PROMPTS
         prompts: list[str] | list[list[int]] = texts
         if chat:
             prompts = [
@@ -103,7 +112,7 @@ def generate(
     except ValidationError as exc:
         typer.echo(f"Error: {summarize_validation(exc)}", err=True)
         raise typer.Exit(code=2) from None
-    except (TandemError, ValueError) as exc:
+    except (TandemError, ValueError, OSError) as exc:
         typer.echo(f"Error: {exc}", err=True)
         raise typer.Exit(code=2) from None
     for text, out in zip(texts, outputs, strict=True):
@@ -127,3 +136,24 @@ def generate(
         f"generated {total} tokens for {len(outputs)} prompts in {elapsed:.2f}s ({total / elapsed:.1f} tok/s)",
         err=True,
     )
+
+
+def read_prompts(path: Path | None) -> list[str]:
+    """The prompts of a `--prompts-file`: one per non-blank line, without its line break
+    ('-': standard input). An unreadable file is an `OSError`; one with no prompt a
+    `ValueError` (both end the command with one line)."""
+    if path is None:
+        return []
+    if str(path) == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"--prompts-file {path} is not UTF-8 text") from None
+        except OSError as exc:
+            raise OSError(f"cannot read --prompts-file {path}: {exc.strerror or exc}") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts-file {path} has no prompt (no non-blank line)")
+    return prompts

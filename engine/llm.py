@@ -143,9 +143,15 @@ class LLM:
         engine = self.engine
         requests: list[Request] = []
         try:
-            for prompt, p in zip(prompt_list, param_list, strict=True):
-                for sample in _samples(p):
-                    requests.append(engine.add_request(prompt, sample))
+            for index, (prompt, p) in enumerate(zip(prompt_list, param_list, strict=True)):
+                try:
+                    for sample in _samples(p):
+                        requests.append(engine.add_request(prompt, sample))
+                except InvalidRequestError as exc:
+                    if len(prompt_list) == 1:
+                        raise
+                    # say which prompt of the batch (vLLM's message does not)
+                    raise type(exc)(f"prompt {index}: {exc}", exc.param) from exc
         except Exception:
             for req in requests:
                 engine.abort(req.request_id)

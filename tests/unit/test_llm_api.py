@@ -10,7 +10,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.config import EngineConfig
-from tandem.engine.errors import InvalidRequestError
+from tandem.engine.errors import InvalidRequestError, PromptTooLongError
 
 GREEDY_FIELDS: dict[str, Any] = {"temperature": 0, "max_tokens": 5, "ignore_eos": True}
 GREEDY = SamplingParams(**GREEDY_FIELDS)
@@ -238,3 +238,17 @@ def test_every_sampled_token_has_its_rank(llm: LLM) -> None:
 
 def _sample(out: Any) -> tuple[list[int], list[Any]]:
     return out.outputs[0].token_ids, out.outputs[0].logprobs
+
+
+def test_a_refused_prompt_of_a_batch_is_named(llm: LLM) -> None:
+    """In a batch, the error says which prompt it refused, and nothing of the batch stays in
+    the engine (the next batch runs in full)."""
+    too_long = [10 + i % 100 for i in range(llm.engine.max_model_len)]
+    with pytest.raises(PromptTooLongError, match=r"^prompt 1: prompt has \d+ tokens"):
+        llm.generate([[10, 11], too_long, [12]], GREEDY)
+    with pytest.raises(InvalidRequestError, match=r"^prompt 2: prompt is empty"):
+        llm.generate(["a", "b", ""], GREEDY)
+    with pytest.raises(PromptTooLongError, match=r"^prompt has"):  # (one prompt: as it was)
+        llm.generate([too_long], GREEDY)
+    assert not llm.engine.requests
+    assert [len(o.token_ids) for o in llm.generate([[10, 11], [12]], GREEDY)] == [5, 5]

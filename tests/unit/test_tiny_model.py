@@ -224,3 +224,30 @@ def test_cli_help() -> None:
     assert sub.exit_code == 0
     for option in ("--arch", "--kv-heads", "--tie-embeddings", "--init-std", "--force"):
         assert option in sub.output
+
+
+def test_generate_reads_prompts_from_a_file(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """`--prompts-file`: one prompt per non-blank line, after any `--prompt`; the tokens are
+    those of `LLM.generate` on the same prompts. A missing or empty file is one line."""
+    from tandem import LLM, SamplingParams
+
+    model = str(tiny_checkpoint())
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("first line\n\n  \nsecond, café 🚀\n", encoding="utf-8")
+    runner = CliRunner()
+    common = ["generate", "--model", model, "--max-tokens", "4", "--ignore-eos", "--json"]
+    result = runner.invoke(app, [*common, "-p", "given", "--prompts-file", str(prompts_file)])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["prompt"] for r in rows] == ["given", "first line", "second, café 🚀"]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = LLM(model=model).generate([r["prompt"] for r in rows], params)
+    assert [r["token_ids"] for r in rows] == [o.token_ids for o in expected]
+    missing = runner.invoke(app, [*common, "--prompts-file", str(tmp_path / "none.txt")])
+    assert missing.exit_code == 2 and "cannot read --prompts-file" in missing.output
+    assert "Traceback" not in missing.output
+    (tmp_path / "blank.txt").write_text("\n \n")
+    blank = runner.invoke(app, [*common, "--prompts-file", str(tmp_path / "blank.txt")])
+    assert blank.exit_code == 2 and "has no prompt" in blank.output
