@@ -32,6 +32,8 @@ class OutputProcessor:
             if req.status != RequestStatus.DECODING:
                 req.set_status(RequestStatus.DECODING)
             reason = self._check_stop(req, token)
+            if reason is not None and self._stops_in_held_text(req):
+                reason = "stop"
             delta = self.text_delta(req, finished=reason is not None)
             if reason is not None:
                 req.finish_reason = reason
@@ -55,6 +57,15 @@ class OutputProcessor:
         if (limit is not None and num_out >= limit) or req.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _stops_in_held_text(self, req: Request) -> bool:
+        """Whether a stop string is in the text a finishing request's detokenizer still held
+        (an incomplete character, written as U+FFFD at the end): that text is searched too."""
+        params = req.params
+        if req.output_text is None or not params.stop or isinstance(req.stop_reason, str):
+            return False
+        req.output_text.flush()
+        return self._find_stop_string(req, req.num_output_tokens >= params.min_tokens)
 
     @staticmethod
     def _find_stop_string(req: Request, counting: bool) -> bool:

@@ -8,7 +8,8 @@ index. The arguments stream as the model writes their JSON object (its own spaci
 whose head the parser cannot read early (`ToolParser.call_head`: e.g. its arguments come before
 its name), or whose arguments are not an object, comes whole when the reply ends. What went out
 is checked against the whole reply's parse at the end; a reply whose calls do not parse after
-all ends with its text as content.
+all ends with its text as content and finishes as one without calls ("stop", as its body does;
+the call deltas that went out cannot be taken back).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class CallStream:
             return held or None, []
         deltas = self._advance()
         content, calls = self._parser(held)
-        if not calls:
+        if not calls:  # (the reply's text is its content: it ends as one without calls)
+            self.has_calls = False
             return held or None, _merged(deltas)
         for k, call in enumerate(calls):
             seen = self._calls[k] if k < len(self._calls) else None

@@ -161,6 +161,7 @@ class HermesParser(MarkerParser):
             body = rest[start + len(self.marker) :]
             end = body.find(self.closing)
             inside, rest = (body, "") if end < 0 else (body[:end], body[end + len(self.closing) :])
+            rest = rest.lstrip()  # (as a stream, whose content after a call starts stripped)
             found = _objects(inside)
             if found is None or len(found) != 1 or not isinstance(found[0], dict):
                 return text, []  # (the last may miss its closing tag: the model stopped)

@@ -193,3 +193,13 @@ def test_auto_tool_calls_stream_the_content_before_the_call(base_url: str) -> No
     assert streamed[0].function.name == "get_weather" and all(t.id is None for t in streamed[1:])
     arguments = "".join(t.function.arguments or "" for t in streamed if t.function)
     assert json.loads(arguments) == {"city": "Oslo"}
+    broken = '<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>'
+    kwargs["extra_body"] = {"structured_outputs": {"grammar": f"root ::= {json.dumps(broken)}"}}
+    whole = c.chat.completions.create(**kwargs).choices[0]  # arguments not JSON: content
+    assert (whole.finish_reason, whole.message.content) == ("stop", broken)
+    assert whole.message.tool_calls is None
+    deltas = [
+        ch.choices[0] for ch in c.chat.completions.create(stream=True, **kwargs) if ch.choices
+    ]
+    assert "".join(d.delta.content or "" for d in deltas) == broken
+    assert deltas[-1].finish_reason == "stop"  # (as the body's: not "tool_calls")

@@ -116,3 +116,29 @@ def test_parallel_tool_calls_false_reads_the_first_call_only(piece: int) -> None
     content, calls = first(two)
     assert content is None and [c["function"]["name"] for c in calls] == ["a"]
     assert len(HermesParser()(two)[1]) == 2  # (the shared parser is untouched)
+
+
+@pytest.mark.parametrize("piece", [1, 4, 100])
+def test_a_call_that_does_not_parse_at_the_end_finishes_as_content(piece: int) -> None:
+    """Its head went out as it was written, but its arguments are not JSON: the reply's text
+    is its content, as in the body (finish "stop": `has_calls` is False at the end)."""
+    broken = 'Pre <tool_call>{"name": "a", "arguments": {"x": }}</tool_call>'
+    stream = CallStream(HermesParser())
+    sent = [stream.feed(broken[i : i + piece])[0] for i in range(0, len(broken), piece)]
+    assert stream.has_calls  # (the name went out)
+    rest, _ = stream.finish()
+    assert "".join(sent) + (rest or "") == broken == HermesParser()(broken)[0]
+    assert not stream.has_calls
+
+
+@pytest.mark.parametrize("piece", [1, 6, 100])
+def test_content_around_calls_reads_the_same_streamed_and_whole(piece: int) -> None:
+    for text in (
+        "Pre " + CALL + " post text",
+        "A\n" + CALL + "\n B " + CALL + "  C ",
+        CALL + "\n\nafter",
+    ):
+        content, _ = HermesParser()(text)
+        out = streamed(HermesParser(), text, piece)
+        joined = ("".join(out["sent"]) + (out["rest"] or "")).strip()
+        assert joined == content, (text, joined, content)

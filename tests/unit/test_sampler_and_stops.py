@@ -270,3 +270,25 @@ def test_special_tokens_write_text_only_when_not_skipped(llm: LLM) -> None:
     )
     assert skipped.token_ids == kept.token_ids == [eos] * 3
     assert skipped.text == "" and kept.text == eos_text * 3
+
+
+def test_a_stop_string_in_the_text_held_at_the_end_counts(llm: LLM) -> None:
+    """The last token's incomplete character (held back by the detokenizer, written as U+FFFD
+    when the request ends) is searched for stop strings too: a `max_tokens` end becomes a
+    stop at the string, as it would one token later."""
+    tokenizer = llm.engine.tokenizer
+    lead = tokenizer.encode("中", add_special_tokens=False)[:1]  # (0xE4, a character's first byte)
+    assert tokenizer.decode(lead) == "\ufffd"
+    prompt = [5, 6, 7]
+    params: dict[str, Any] = {"temperature": 0, "allowed_token_ids": lead, "ignore_eos": True}
+    plain = llm.generate([prompt], SamplingParams(max_tokens=1, **params))[0]
+    assert (plain.text, plain.finish_reason) == ("\ufffd", "length")
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=1, stop=["\ufffd"], **params))[0]
+    assert (stopped.text, stopped.finish_reason, stopped.stop_reason) == ("", "stop", "\ufffd")
+    assert stopped.token_ids == lead
+    kept = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=1, stop=["\ufffd"], include_stop_str_in_output=True, **params),
+    )[0]
+    assert (kept.text, kept.finish_reason) == ("\ufffd", "stop")
+    llm.engine.check_integrity()
