@@ -100,14 +100,14 @@ def generate(
             max_model_len=max_model_len,
             enable_prefix_caching=prefix_caching,
         )
-        prompts: list[str] | list[list[int]] = texts
-        if chat:
-            prompts = [
-                llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": t}])
-                for t in texts
-            ]
+        if chat and not llm.engine.tokenizer.hf.chat_template:
+            raise ValueError(f"{model} has no chat template (its tokenizer's): drop --chat")
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=True)
+        if chat:
+            conversations = [[{"role": "user", "content": t}] for t in texts]
+            outputs = llm.chat(conversations, params, use_tqdm=True)
+        else:
+            outputs = llm.generate(texts, params, use_tqdm=True)
         elapsed = time.perf_counter() - start
     except ValidationError as exc:
         typer.echo(f"Error: {summarize_validation(exc)}", err=True)

@@ -177,14 +177,28 @@ def spec_from_config(cfg: Any) -> ModelSpec:
         raise CheckpointError(f"config.json has a value tandem cannot read: {exc}") from None
 
 
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+"""The architecture transformers' `AutoModelForCausalLM` loads for a config.json's `model_type`."""
+
+
 def _architecture(cfg: dict[str, Any]) -> str:
-    """The supported architecture config.json names (first in `architectures`)."""
+    """The supported architecture of a config.json: its `model_type`'s, as transformers'
+    `AutoModelForCausalLM` picks it (whatever `architectures` says), else the first in
+    `architectures`."""
+    model_type = cfg.get("model_type")
+    if isinstance(model_type, str) and model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
     archs = cfg.get("architectures") or []
     if isinstance(archs, str):  # (a list in every Hugging Face config; a lone name is clear)
         archs = [archs]
     if not archs:
         raise UnsupportedModelError(
-            "config.json names no architecture ('architectures'); supported: "
+            "config.json names no architecture ('architectures' or 'model_type'); supported: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
         )
     arch = archs[0]
@@ -205,7 +219,7 @@ def _spec(cfg: dict[str, Any], arch: str) -> ModelSpec:
         )
     cfg = {**_HF_DEFAULTS[arch], **cfg}  # (an explicit null stays null)
     act = cfg.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # (one function: transformers maps both to SiLU)
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported; only 'silu' is")
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
@@ -243,10 +257,10 @@ def _spec(cfg: dict[str, Any], arch: str) -> ModelSpec:
 
 
 def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
-    params = dict(cfg.get("rope_parameters") or {})
-    legacy = cfg.get("rope_scaling") or {}
-    if not params:
-        params = dict(legacy)
+    # (as transformers 5: a legacy `rope_scaling` replaces `rope_parameters` whole, so a
+    # checkpoint re-saved by transformers 5 and given `rope_scaling` by hand runs scaled; the
+    # theta is then the scaling dict's, else the top-level `rope_theta`, else 10000)
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -269,7 +283,11 @@ def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=original,
-        partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
+        # (transformers' default rope of these architectures rotates the whole head whatever
+        # the factor says; its scaled ropes take the factor)
+        partial_rotary_factor=1.0
+        if rope_type == "default"
+        else float(params.get("partial_rotary_factor", 1.0)),
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
         attention_factor=_optional_float(params.get("attention_factor")),

@@ -101,7 +101,7 @@ def _copy_checkpoint(src: Path, dst: Path) -> Path:
 def test_unknown_architecture(tiny_checkpoint: Any, tmp_path: Path) -> None:
     path = _copy_checkpoint(tiny_checkpoint(), tmp_path / "gpt2")
     cfg = json.loads((path / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         LLM(model=str(path))

@@ -97,6 +97,36 @@ def test_yarn_without_max_position_embeddings_equals_transformers(
     _assert_equals_hf(path, random_prompts(3, 256, seed=3))
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        {  # (a transformers-5 config given `rope_scaling` by hand: the scaling dict wins whole)
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        },
+        {  # (transformers' default rope of these models rotates the whole head)
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+            "rope_scaling": None,
+        },
+        {"architectures": ["MistralForCausalLM"]},  # (`AutoModelForCausalLM` goes by model_type)
+        {"architectures": None, "hidden_act": "swish"},  # (model_type alone; SiLU's other name)
+    ],
+    ids=["rope-scaling-over-rope-parameters", "partial-rotary-default", "model-type", "swish"],
+)
+def test_config_keys_read_as_transformers_reads_them(
+    tiny_checkpoint: Any, tmp_path: Path, config: dict[str, Any]
+) -> None:
+    src = tiny_checkpoint(arch="llama", seed=12)
+    assert json.loads((src / "config.json").read_text())["model_type"] == "llama"
+    path = _copy_checkpoint(src, tmp_path / "ckpt", **config)
+    assert load_model_spec(path).architecture == "LlamaForCausalLM"
+    _assert_equals_hf(path, random_prompts(3, 256, seed=4, max_len=70))
+
+
 def _untied_head(path: Path, scale: float) -> None:
     file = path / "model.safetensors"
     tensors = load_file(file)

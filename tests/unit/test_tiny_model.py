@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -251,3 +252,28 @@ def test_generate_reads_prompts_from_a_file(
     (tmp_path / "blank.txt").write_text("\n \n")
     blank = runner.invoke(app, [*common, "--prompts-file", str(tmp_path / "blank.txt")])
     assert blank.exit_code == 2 and "has no prompt" in blank.output
+
+
+def test_generate_chat_renders_the_template_or_says_there_is_none(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    from tandem import LLM, SamplingParams
+
+    model = tiny_checkpoint()
+    runner = CliRunner()
+    common = ["--max-tokens", "3", "--ignore-eos", "--json", "--chat", "-p", "hi there"]
+    result = runner.invoke(app, ["generate", "--model", str(model), *common])
+    assert result.exit_code == 0, result.output
+    row = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = LLM(model=str(model)).chat([{"role": "user", "content": "hi there"}], params)[0]
+    assert row["token_ids"] == want.token_ids
+    bare = tmp_path / "no-template"
+    shutil.copytree(model, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    refused = runner.invoke(app, ["generate", "--model", str(bare), *common])
+    assert refused.exit_code == 2 and "has no chat template" in refused.output
+    assert "drop --chat" in refused.output and "Traceback" not in refused.output
