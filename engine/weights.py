@@ -53,7 +53,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if any(model_dir.glob("*.bin")):
         raise CheckpointError(
             f"{model_dir} holds only PyTorch .bin weights; tandem loads safetensors only "
-            "(convert with transformers' save_pretrained(safe_serialization=True))"
+            "(convert: load it with transformers and save_pretrained() it; that writes safetensors)"
         )
     raise CheckpointError(f"{model_dir} has no model.safetensors or safetensors index")
 
