@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -253,12 +253,16 @@ class Router:
             logger.exception("gRPC server did not start on %s:%s", host, port)
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest) -> Any:
-        return await create_completion(self.serving, body)
+    async def completions(
+        self, body: CompletionRequest, x_request_id: str | None = Header(None)
+    ) -> Any:
+        return await create_completion(self.serving, body, client_id=x_request_id)
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
-        return await create_chat_completion(self.serving, body)
+    async def chat_completions(
+        self, body: ChatCompletionRequest, x_request_id: str | None = Header(None)
+    ) -> Any:
+        return await create_chat_completion(self.serving, body, client_id=x_request_id)
 
     @api.post("/v1/responses")
     async def responses(self, body: ResponsesRequest) -> Any:

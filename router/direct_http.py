@@ -17,13 +17,17 @@ import contextlib
 import logging
 import math
 import socket
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("tandem.router")
+
+REQUEST_ID = "x-request-id"
 
 
 @dataclass
@@ -91,6 +95,31 @@ class CancelOnDisconnect:
             watcher.cancel()
 
 
+class RequestIds:
+    """ASGI wrapper doing what Serve's proxy does with `X-Request-Id`: a request without one
+    gets a new one, and the response carries it back (the app names its response after it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = MutableHeaders(scope=scope)
+        request_id = headers.get(REQUEST_ID)
+        if request_id is None:
+            request_id = str(uuid.uuid4())
+            headers.append(REQUEST_ID, request_id)
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append(REQUEST_ID, request_id)
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
 def _listening_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -111,7 +140,7 @@ async def start_direct_http(app: Any, host: str, port: int) -> DirectHTTPServer:
     """Serves `app` (ASGI) on `host:port` (0: a free port) on the running loop."""
     sock = _listening_socket(host, port)
     config = uvicorn.Config(
-        CancelOnDisconnect(app),
+        CancelOnDisconnect(RequestIds(app)),
         lifespan="off",  # (Serve ran the app's lifespan already)
         log_config=None,
         access_log=False,

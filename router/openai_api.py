@@ -14,12 +14,13 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.router import multi_choice
-from tandem.router.errors import APIError
+from tandem.router.errors import APIError, bad_request
 from tandem.router.openai_format import (
     Kind,
     ResponseHead,
@@ -69,13 +70,43 @@ def _timed_errors(create: Callable[_P, Awaitable[_R]]) -> Callable[_P, Awaitable
     return timed
 
 
+MAX_CLIENT_ID = 256
+"""The longest `X-Request-Id` taken (longer: a 400)."""
+
+
+@dataclass(frozen=True)
+class ResponseIds:
+    """A response's id and the base of its requests' ids on the workers. (`X-Request-Id`
+    comes back as a response header: Serve's proxy sends it back, and `direct_http` does.)"""
+
+    response: str
+    requests: str
+
+    @classmethod
+    def new(cls, prefix: str, client_id: str | None) -> ResponseIds:
+        """`prefix` and a new uuid, or the client's `X-Request-Id` (as vLLM takes it:
+        `chatcmpl-<X-Request-Id>`), whose requests still get ids of their own (a client may
+        send one id twice at once)."""
+        fresh = uuid.uuid4().hex
+        if client_id is None:
+            return cls(f"{prefix}-{fresh}", f"{prefix}-{fresh}")
+        if not client_id or len(client_id) > MAX_CLIENT_ID:
+            raise bad_request(
+                f"X-Request-Id must be 1 to {MAX_CLIENT_ID} characters, got {len(client_id)}",
+                "x-request-id",
+            )
+        return cls(f"{prefix}-{client_id}", f"{prefix}-{client_id}-{fresh[:12]}")
+
+
 @_timed_errors
-async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
+async def create_completion(
+    serving: Serving, body: CompletionRequest, client_id: str | None = None
+) -> Any:
     arrival = time.time()
     body.check_supported()
     prompts = body.prompts()
     multi_choice.check_count(len(prompts), body.n)
-    response_id, fields = f"cmpl-{uuid.uuid4().hex}", body.sampling_dict()
+    ids, fields = ResponseIds.new("cmpl", client_id), body.sampling_dict()
 
     async def prepare(index: int, request_id: str) -> Prepared:
         try:
@@ -109,15 +140,17 @@ async def create_completion(serving: Serving, body: CompletionRequest) -> Any:
         return req
 
     count = len(prompts) * body.n
-    return await _serve(serving, response_id, count, body.n, prepare, "completion", body)
+    return await _serve(serving, ids, count, body.n, prepare, "completion", body)
 
 
 @_timed_errors
-async def create_chat_completion(serving: Serving, body: ChatCompletionRequest) -> Any:
+async def create_chat_completion(
+    serving: Serving, body: ChatCompletionRequest, client_id: str | None = None
+) -> Any:
     arrival = time.time()
     body.check_supported()
     multi_choice.check_count(1, body.n)
-    response_id, fields = f"chatcmpl-{uuid.uuid4().hex}", body.sampling_dict()
+    ids, fields = ResponseIds.new("chatcmpl", client_id), body.sampling_dict()
     messages, max_tokens = body.template_messages(), body.requested_max_tokens()
 
     def prepare(index: int, request_id: str) -> Awaitable[Prepared]:
@@ -145,12 +178,12 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest) 
     forced = body.forced_tools()
     shown = forced if forced is not None else body.tools if read_calls else None
     tools = template_tools(shown) if shown else None
-    return await _serve(serving, response_id, body.n, body.n, prepare, "chat", body, read_calls)
+    return await _serve(serving, ids, body.n, body.n, prepare, "chat", body, read_calls)
 
 
 async def _serve(
     serving: Serving,
-    response_id: str,
+    response_ids: ResponseIds,
     count: int,
     n: int,
     prepare: Callable[[int, str], Awaitable[Prepared]],
@@ -166,11 +199,12 @@ async def _serve(
     reasoning = serving.reasoning_parser if kind == "chat" else None
     ids, asked = body.return_token_ids, body.prompt_logprobs
     echo = body.echoed_text() if isinstance(body, ChatCompletionRequest) else ""
+    response_id, base = response_ids.response, response_ids.requests
     if count == 1:
-        req = await prepare(0, response_id)
+        req = await prepare(0, base)
         head = ResponseHead.of(
-            req, serving.model_name, kind, None, token_text, read_calls, reasoning, ids, asked,
-            echo, serving.token_bytes,
+            req, serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids,
+            asked, echo, serving.token_bytes,
         )  # fmt: skip
         if body.stream:
             return ClosingStreamingResponse(
@@ -180,9 +214,7 @@ async def _serve(
             )
         await run_to_end(serving, req)
         return _json(full_body(head, [req], req.usage()))
-    reqs = await multi_choice.prepare_all(
-        serving, count, lambda i: prepare(i, f"{response_id}-{i}")
-    )
+    reqs = await multi_choice.prepare_all(serving, count, lambda i: prepare(i, f"{base}-{i}"))
     head = ResponseHead.of(
         reqs[0], serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids,
         asked, echo, serving.token_bytes,

@@ -363,3 +363,36 @@ def test_allowed_token_ids_and_bad_words_through_the_cluster(base_url: str, refe
         extra_body={"bad_words": words, "ignore_eos": True},
     )
     assert out.choices[0].text == want.text  # (vLLM's bad_words, the same through the cluster)
+
+
+def test_x_request_id_names_the_response(base_url: str, expected: list[Any]) -> None:
+    """vLLM's `X-Request-Id`: the response's id is `cmpl-<id>` / `chatcmpl-<id>` and the
+    header comes back; the same id sent twice at once gives two exact answers (its requests
+    get ids of their own on the workers); an id of over 256 characters is a 400. On Serve's
+    proxy and on the router's own port alike."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = f"{base_url}/v1/completions"
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0}
+    body["ignore_eos"] = True
+    headers = {"X-Request-Id": "trace-42"}
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda _: requests.post(url, json=body, headers=headers), [0, 1]))
+    for answer in answers:
+        assert answer.status_code == 200 and answer.headers["x-request-id"] == "trace-42"
+        assert answer.json()["id"] == "cmpl-trace-42"
+        assert answer.json()["choices"][0]["text"] == expected[2].text
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with requests.post(
+        f"{base_url}/v1/chat/completions",
+        json={**chat, "stream": True},
+        headers=headers,
+        stream=True,
+    ) as streamed:
+        assert streamed.headers["x-request-id"] == "trace-42"
+        events = [line for line in streamed.iter_lines() if line.startswith(b"data: {")]
+    assert events and all(b'"id":"chatcmpl-trace-42"' in e for e in events)
+    long_id = requests.post(url, json=body, headers={"X-Request-Id": "x" * 257})
+    assert long_id.status_code == 400 and long_id.json()["error"]["param"] == "x-request-id"
+    plain = requests.post(url, json=body)  # (one is made for it, as Serve's proxy makes one)
+    assert plain.json()["id"] == f"cmpl-{plain.headers['x-request-id']}"
