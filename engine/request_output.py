@@ -107,6 +107,6 @@ def _token_text(req: Request, tokenizer: Tokenizer) -> Callable[[int], str | Non
     def text(token: int) -> str | None:
         if not req.params.detokenize:
             return None
-        return tokenizer.decode([token], skip_special_tokens=False)
+        return tokenizer.token_text(token)
 
     return text

@@ -162,6 +162,12 @@ class Tokenizer:
         """The token's own bytes (part of a character for a byte token: `TokenBytes`)."""
         return self._token_bytes(token_id)
 
+    def token_text(self, token_id: int) -> str:
+        """A token's own text, as logprobs name it (vLLM's `decoded_token`): its bytes as
+        UTF-8, so a SentencePiece token keeps its leading space (`▁model` is " model", which
+        decoding it alone drops) and part of a character is U+FFFD; special tokens kept."""
+        return self._token_bytes(token_id).decode("utf-8", errors="replace")
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``, exactly as ``hf.decode`` gives it (unknown ids decode to nothing)."""
         id_list = ids if isinstance(ids, list) else list(ids)

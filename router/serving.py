@@ -94,8 +94,8 @@ class Serving:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
-        """A token's own text, as logprobs name it (special tokens kept)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """A token's own text, as logprobs name it (`Tokenizer.token_text`)."""
+        return self.tokenizer.token_text(token_id)
 
     def token_bytes(self, token_id: int) -> bytes:
         """A token's own bytes, as chat's logprobs give them (`bytes`)."""

@@ -83,3 +83,7 @@ def test_the_text_keeps_the_first_tokens_leading_space_as_a_stream_does(tmp_path
     assert plain.token_ids == cut.token_ids == [world, world]
     assert hf_tokenizer.decode(plain.token_ids) == "world world"  # (alone: stripped)
     assert plain.text == cut.text == " world world"
+    # logprobs name each token with its space (vLLM's `decoded_token`): they join into the text
+    scored = llm.generate("hello", params.model_copy(update={"logprobs": 0}))[0].outputs[0]
+    assert scored.logprobs is not None
+    assert [entry[world].decoded_token for entry in scored.logprobs] == [" world", " world"]

@@ -24,7 +24,9 @@ def test_byte_level_bpe_tokens_join_back_into_the_text(tiny_checkpoint: Any) -> 
     ids = tok.encode(TEXT, add_special_tokens=False)
     assert "\ufffd" in [tok.decode([i]) for i in ids]  # (some token holds part of a character)
     assert b"".join(tok.token_bytes(i) for i in ids) == TEXT.encode()
+    assert [tok.token_text(i) for i in ids] == [tok.decode([i]) for i in ids]
     eos = next(iter(tok.eos_token_ids))
+    assert tok.token_text(eos) == tok.decode([eos], skip_special_tokens=False)
     assert tok.token_bytes(eos) == tok.decode([eos], skip_special_tokens=False).encode()
 
 
@@ -37,6 +39,9 @@ def test_sentencepiece_byte_fallback_and_spaces(tmp_path: Path) -> None:
     assert "<0xE6>" in pieces and "▁model" in pieces
     # (SentencePiece writes the text's leading space itself; decoding drops it again)
     assert b"".join(tok.token_bytes(i) for i in ids) == b" " + TEXT.encode()
+    model = ids[pieces.index("▁model")]  # (logprobs name it with its space, as vLLM does)
+    assert (tok.token_text(model), tok.decode([model])) == (" model", "model")
+    assert tok.token_text(ids[pieces.index("<0xE6>")]) == "\ufffd"
 
 
 def test_chat_logprobs_carry_the_token_bytes(tiny_checkpoint: Any) -> None:
