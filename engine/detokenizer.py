@@ -11,11 +11,16 @@ and emits what the decode has beyond ``prefix_text``. The window starts with a f
 so that tokenizers whose decode depends on context (e.g. strip a leading space at the start of a
 sequence) render the first output token as it reads after the prompt. Whenever the window grows
 past ``MAX_WINDOW`` tokens at a clean point (its decode not ending in U+FFFD), it is cut down to its
-last ``CONTEXT_TOKENS`` tokens, so the cost of a step is O(window), not O(output length).
+last ``CONTEXT_TOKENS`` tokens (more where those would begin inside a character), so the cost of a
+step is O(window), not O(output length).
+
+SentencePiece's byte fallback (Llama 2, Mistral v0.x) decodes a run of byte tokens (`<0xF0>`)
+as one: a valid run is its UTF-8 text, an invalid one a U+FFFD per byte, so a run's text is
+held until a token that is not a byte token ends it (or `flush`).
 
 Contract: for a tokenizer whose decode of a concatenation is the concatenation of decodes at
-character boundaries (byte-level BPE, like every checkpoint `build_tiny_checkpoint` writes), the
-deltas of all steps plus `flush` concatenate to exactly
+character boundaries (byte-level BPE, like every checkpoint `build_tiny_checkpoint` writes; byte
+fallback at the ends of runs), the deltas of all steps plus `flush` concatenate to exactly
 ``tokenizer.decode(output_ids, skip_special_tokens=...)``. If the prompt's tail is an incomplete
 character (which the output might complete), the prompt is not used as context, so the output's
 leading bytes decode as they do on their own.
@@ -39,7 +44,10 @@ MAX_WINDOW = 16
 class IncrementalDetokenizer:
     """Per-request streaming detokenizer; not thread-safe (one request, one owner)."""
 
-    __slots__ = ("_tokenizer", "_skip", "_window", "_read", "_prefix_text", "_pieces", "_text")
+    __slots__ = (
+        "_tokenizer", "_skip", "_byte_runs", "_skipped", "_window", "_read", "_prefix_text",
+        "_pieces", "_text",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -51,8 +59,12 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens
         window = list(prompt_token_ids[-CONTEXT_TOKENS:]) if CONTEXT_TOKENS > 0 else []
         prefix_text = tokenizer.decode(window, skip_special_tokens) if window else ""
-        if prefix_text.endswith(REPLACEMENT_CHAR):
-            window, prefix_text = [], ""
+        self._byte_runs = tokenizer.byte_run_ids
+        # (skipped special tokens vanish before the byte tokens around them are decoded:
+        # a run goes on across them)
+        self._skipped = tokenizer.special_ids if skip_special_tokens and self._byte_runs else ()
+        if prefix_text.endswith(REPLACEMENT_CHAR) or (window and window[-1] in self._byte_runs):
+            window, prefix_text = [], ""  # (the output's first bytes would join the prompt's)
         self._window: list[int] = window
         self._read = len(window)  # window[:read] have been turned into text (prefix_text)
         self._prefix_text = prefix_text
@@ -78,6 +90,8 @@ class IncrementalDetokenizer:
             return ""
         window = self._window
         window.extend(new_token_ids)
+        if self._byte_runs and self._in_byte_run():
+            return ""  # a run of byte-fallback tokens goes on: its text is known at its end
         full = self._tokenizer.decode(window, self._skip)
         if full.endswith(REPLACEMENT_CHAR):
             return ""  # an incomplete character at the end: wait for its remaining bytes
@@ -94,16 +108,37 @@ class IncrementalDetokenizer:
         prefix_len = len(self._prefix_text)
         delta = full[prefix_len:] if len(full) > prefix_len else ""
         window = self._window
-        if len(window) > MAX_WINDOW:
-            # Cut at a clean point: the kept tail's decode is a prefix of every later decode.
-            del window[:-CONTEXT_TOKENS]
-            self._prefix_text = self._tokenizer.decode(window, self._skip)
+        cut = self._clean_cut(full) if len(window) > MAX_WINDOW else None
+        if cut is not None:
+            del window[: cut[0]]
+            self._prefix_text = cut[1]
         else:
             self._prefix_text = full
         self._read = len(window)
         if delta:
             self._pieces.append(delta)
         return delta
+
+    def _in_byte_run(self) -> bool:
+        """Whether the window ends in a byte-fallback token (skipped special tokens aside)."""
+        for token in reversed(self._window):
+            if token not in self._skipped:
+                return token in self._byte_runs
+        return False
+
+    def _clean_cut(self, full: str) -> tuple[int, str] | None:
+        """Where the window (whose decode is `full`, ending on a whole character) may start
+        over, and the text it then starts with: its last CONTEXT_TOKENS or more tokens, from
+        the first such tail that decodes to the end of `full` and does not begin inside a
+        character. (SentencePiece's byte fallback decodes a run of byte tokens as one: a tail
+        that began inside an emoji's bytes would turn the rest of the run into U+FFFDs.)
+        None: no such tail now (the window grows and is tried again next time)."""
+        window = self._window
+        for keep in range(CONTEXT_TOKENS, len(window)):
+            text = self._tokenizer.decode(window[-keep:], self._skip)
+            if full.endswith(text) and not text.startswith(REPLACEMENT_CHAR):
+                return len(window) - keep, text
+        return None
 
     def __repr__(self) -> str:
         return (

@@ -40,6 +40,9 @@ class TokenBytes:
         self._metaspace = "Metaspace" in kinds or "Replace:▁" in kinds
         self._added = set(getattr(hf, "added_tokens_decoder", None) or ())
         self._cache: dict[int, bytes] = {}
+        self.byte_run_ids = _byte_run_ids(hf) if "ByteFallback" in kinds else frozenset()
+        """Byte tokens (`<0xE2>`) a ByteFallback decoder decodes run by run: the text of a
+        run of them is known only once it ends (an invalid run is one U+FFFD per byte)."""
 
     def __call__(self, token_id: int) -> bytes:
         found = self._cache.get(token_id)
@@ -79,3 +82,8 @@ def _decoder_kinds(backend: Any) -> set[str]:
             kind += ":" + str((part.get("pattern") or {}).get("String"))
         kinds.add(kind)
     return kinds
+
+
+def _byte_run_ids(hf: Any) -> frozenset[int]:
+    vocab = hf.get_vocab() if hasattr(hf, "get_vocab") else {}
+    return frozenset(i for piece, i in vocab.items() if _BYTE_PIECE.fullmatch(piece))

@@ -115,6 +115,9 @@ class Tokenizer:
         self._digest: str | None = None
         self._backend = self._fast_backend()
         self._token_bytes = TokenBytes(hf)
+        added = getattr(hf, "added_tokens_decoder", None) or {}
+        specials = {i for i, t in added.items() if getattr(t, "special", False)}
+        self._special_ids = frozenset(specials | set(getattr(hf, "all_special_ids", ())))
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -161,6 +164,17 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes (part of a character for a byte token: `TokenBytes`)."""
         return self._token_bytes(token_id)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (`skip_special_tokens` leaves them out of the text)."""
+        return self._special_ids
+
+    @property
+    def byte_run_ids(self) -> frozenset[int]:
+        """SentencePiece's byte-fallback tokens, whose text is known once their run ends
+        (`TokenBytes.byte_run_ids`; empty for other tokenizers)."""
+        return self._token_bytes.byte_run_ids
 
     def token_text(self, token_id: int) -> str:
         """A token's own text, as logprobs name it (vLLM's `decoded_token`): its bytes as

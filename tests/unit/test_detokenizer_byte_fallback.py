@@ -1,0 +1,60 @@
+"""The incremental detokenizer on SentencePiece's byte fallback (Llama 2, Mistral v0.x): a run
+of byte tokens (`<0xF0><0x9F><0x99><0x82>`) decodes as one, so its text is held until the run
+ends, and the window is never cut inside a character; the streamed text is the decode of the
+whole output, valid or not."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from tandem.engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
+from tandem.engine.tokenizer import Tokenizer
+from tests.unit.test_sentencepiece_tokenizer import _sentencepiece_checkpoint
+
+TEXTS = ["🙂🙂🙂🙂🙂🙂 ok", "日本語のテキストです。これは長い文章です。", "😀😃😄😁😆😅 the model"]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_pretrained(_sentencepiece_checkpoint(tmp_path_factory.mktemp("sp")))
+
+
+def _streamed(tok: Tokenizer, prompt: Sequence[int], ids: Sequence[int], skip: bool) -> str:
+    det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    return "".join(det.step([i]) for i in ids) + det.flush()
+
+
+def _in_context(tok: Tokenizer, prompt: Sequence[int], ids: Sequence[int], skip: bool) -> str:
+    """The output's text as it reads after the prompt's last tokens (the server's text)."""
+    context = list(prompt[-CONTEXT_TOKENS:])
+    before = tok.decode(context, skip)
+    return tok.decode(context + list(ids), skip)[len(before) :]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_characters_written_in_byte_tokens_come_out_whole(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text, add_special_tokens=False)
+    assert sum(i in tok.byte_run_ids for i in ids) > 16  # (longer than the window)
+    assert _streamed(tok, [], ids, True) == tok.decode(ids) == text
+    prompt = tok.encode("hello world")
+    assert _streamed(tok, prompt, ids, True) == _in_context(tok, prompt, ids, True) == " " + text
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_random_ids_stream_the_text_of_the_whole_output(tok: Tokenizer, skip: bool) -> None:
+    """Invalid runs (a U+FFFD per byte, decided at the run's end), runs across skipped special
+    tokens, runs cut by the end: the text equals one decode of the output."""
+    rng = random.Random(5)
+    bytes_ = sorted(tok.byte_run_ids)
+    prompt = tok.encode("hello world")
+    for _ in range(60):
+        ids = [
+            rng.choice(bytes_) if rng.random() < 0.6 else rng.randrange(tok.vocab_size)
+            for _ in range(rng.randrange(1, 50))
+        ]
+        assert _streamed(tok, [], ids, skip) == tok.decode(ids, skip)
+        assert _streamed(tok, prompt, ids, skip) == _in_context(tok, prompt, ids, skip)
