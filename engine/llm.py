@@ -10,7 +10,7 @@ from typing import Any, cast
 import torch
 from tqdm import tqdm
 
-from tandem.engine.chat_content import content_text
+from tandem.engine.chat_content import content_text, template_tool_calls
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.generation_defaults import sampling_defaults
@@ -205,11 +205,14 @@ def _no_lora(lora_request: Any) -> None:
 
 
 def _with_text_content(message: dict[str, Any]) -> dict[str, Any]:
-    """`message` with a content given as OpenAI's parts as one string (`content_text`)."""
+    """`message` with a content given as OpenAI's parts as one string (`content_text`), and
+    its tool calls' arguments as objects (`template_tool_calls`)."""
     content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    return {**message, "content": content_text(content)}
+    if isinstance(content, list):
+        message = {**message, "content": content_text(content)}
+    if "tool_calls" in message:
+        message = {**message, "tool_calls": template_tool_calls(message["tool_calls"])}
+    return message
 
 
 def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:

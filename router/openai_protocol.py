@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tandem.engine.chat_content import content_text
+from tandem.engine.chat_content import content_text, template_tool_calls
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, no_seed_as_none
 from tandem.router.errors import bad_request
@@ -323,7 +323,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Chat messages as the chat template takes them: role and text, and for a function-calling
-    conversation an assistant's `tool_calls` and a tool message's `tool_call_id` and `name`;
+    conversation an assistant's `tool_calls` (`template_tool_calls`: arguments as objects) and
+    a tool message's `tool_call_id` and `name`;
     an assistant's `reasoning_content` (a reasoning model's earlier thoughts, which templates
     such as Qwen3's render) goes back too. OpenAI's `developer` role (its newer name for
     system instructions) goes to the template as `system`: open models' templates know that
@@ -336,6 +337,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         for key in ("tool_calls", "tool_call_id", "reasoning_content"):
             if extra.get(key) is not None:
                 message[key] = extra[key]
+        if "tool_calls" in message:
+            message["tool_calls"] = template_tool_calls(message["tool_calls"])
         if m.name is not None:
             message["name"] = m.name
         out.append(message)

@@ -5,6 +5,7 @@ the Hermes format (`tool_choice` "auto")."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -110,6 +111,7 @@ def test_a_conversation_goes_back_to_the_template_with_calls_and_thoughts() -> N
     from tandem.router.openai_protocol import ChatMessage, template_messages
 
     call = {"id": "call_1", "type": "function", "function": {"name": "a", "arguments": "{}"}}
+    as_object = {**call, "function": {"name": "a", "arguments": {}}}
     messages = [
         ChatMessage.model_validate({"role": "developer", "content": "be brief"}),
         ChatMessage.model_validate({"role": "user", "content": "go", "ignored": 1}),
@@ -123,9 +125,24 @@ def test_a_conversation_goes_back_to_the_template_with_calls_and_thoughts() -> N
     assert template_messages(messages) == [
         {"role": "system", "content": "be brief"},  # (OpenAI's developer role)
         {"role": "user", "content": "go"},
-        {"role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "hm"},
+        {"role": "assistant", "content": "", "tool_calls": [as_object], "reasoning_content": "hm"},
         {"role": "tool", "content": "done", "tool_call_id": "call_1", "name": "a"},
     ]
+
+
+def test_tool_call_arguments_reach_the_template_as_objects() -> None:
+    """OpenAI's JSON text becomes the object it encodes (templates write `arguments | tojson`;
+    text would render as a quoted string); empty is {}; text that is no JSON stays."""
+    from tandem.engine.chat_content import template_tool_calls
+
+    def call(arguments: Any) -> dict[str, Any]:
+        return {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+
+    given = [call('{"city": "Paris", "n": [1]}'), call(""), call("{not json"), call({"a": 1})]
+    got = [c["function"]["arguments"] for c in template_tool_calls(given)]
+    assert got == [{"city": "Paris", "n": [1]}, {}, "{not json", {"a": 1}]
+    assert given[0]["function"]["arguments"] == '{"city": "Paris", "n": [1]}'  # (a copy)
+    assert template_tool_calls("odd") == "odd"
 
 
 def test_a_forced_call_cut_short_is_still_the_call() -> None:
