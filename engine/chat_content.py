@@ -3,15 +3,20 @@
 OpenAI lets `content` be a list of parts (`[{"type": "text", "text": ...}, ...]`). Only text
 parts are supported; they are joined with a newline, as vLLM joins them for templates that take
 a string. An assistant's `tool_calls` carry their `arguments` as the object they encode (OpenAI
-sends JSON text). Shared by `LLM.chat` and the router's chat API.
+sends JSON text). For Mistral's templates, tool-call ids are 9 letters and digits
+(`nine_character_call_ids`). Shared by `LLM.chat` and the router's chat API.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
+import string
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import xxhash
 
 from tandem.engine.errors import InvalidRequestError
 
@@ -55,4 +60,38 @@ def template_tool_calls(calls: Any) -> Any:
             with contextlib.suppress(ValueError):
                 arguments = json.loads(arguments)
         out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+_NINE = re.compile(r"[A-Za-z0-9]{9}")
+_BASE62 = string.digits + string.ascii_letters
+
+
+def nine_character_call_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with each tool-call id that is not 9 letters and digits (OpenAI's `call_...`,
+    this server's) replaced by 9 derived from it, the same for a call and the tool message
+    that answers it: Mistral's chat templates refuse any other id (`[TOOL_CALLS]`; vLLM
+    shortens the ids it gives Mistral models so too)."""
+
+    def short(call_id: Any) -> Any:
+        if not isinstance(call_id, str) or _NINE.fullmatch(call_id):
+            return call_id
+        n, digits = xxhash.xxh64_intdigest(call_id.encode()), []
+        for _ in range(9):
+            n, digit = divmod(n, 62)
+            digits.append(_BASE62[digit])
+        return "".join(digits)
+
+    out = []
+    for message in messages:
+        message = dict(message)
+        if "tool_call_id" in message:
+            message["tool_call_id"] = short(message["tool_call_id"])
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message["tool_calls"] = [
+                {**c, "id": short(c["id"])} if isinstance(c, dict) and "id" in c else c
+                for c in calls
+            ]
+        out.append(message)
     return out

@@ -15,6 +15,7 @@ from typing import Any
 
 import xxhash
 
+from tandem.engine.chat_content import nine_character_call_ids
 from tandem.engine.errors import CheckpointError
 from tandem.engine.token_bytes import TokenBytes
 
@@ -205,8 +206,13 @@ class Tokenizer:
         on with it; `template_kwargs` are more variables for the template (e.g. Qwen3's
         `enable_thinking`); `tools` are function specs for templates that present them;
         `chat_template` (Jinja text) renders instead of the tokenizer's own.
-        transformers raises ValueError if the tokenizer has no chat template.
+        transformers raises ValueError if the tokenizer has no chat template. A Mistral
+        template (one that writes `[TOOL_CALLS]`) gets tool-call ids of its own 9-character
+        form (`nine_character_call_ids`).
         """
+        template = chat_template or self._hf.chat_template
+        if isinstance(template, str) and "[TOOL_CALLS]" in template:
+            messages = nine_character_call_ids(messages)
         out = self._hf.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,

@@ -9,8 +9,6 @@ import time
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
-from jinja2 import TemplateError
-
 from tandem.engine.metrics import RouterMetrics
 from tandem.engine.tokenizer import Tokenizer
 from tandem.router.errors import APIError, WorkerLost, bad_request
@@ -128,7 +126,8 @@ class Serving:
                 template_kwargs=template_kwargs,
                 tools=tools,
             )
-        except (ValueError, TypeError, TemplateError) as exc:  # (the template's own refusals)
+        except Exception as exc:  # (the template's own refusals, and what its code raises on
+            # messages it does not expect: `| dictsort` of a string, a division by zero)
             hint = (
                 ""
                 if self.tokenizer.hf.chat_template
