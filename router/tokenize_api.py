@@ -1,7 +1,7 @@
 """vLLM's `POST /tokenize` and `POST /detokenize`: the served model's tokenizer over HTTP.
 
-`/tokenize` takes a `prompt` (text) or chat `messages` (rendered with the chat template and its
-two options, as `/v1/chat/completions` does) and answers ``{"count", "max_model_len",
+`/tokenize` takes a `prompt` (text) or chat `messages` (rendered with the chat template, its
+two options and the `tools`, as `/v1/chat/completions` renders them with `tool_choice` "auto") and answers ``{"count", "max_model_len",
 "tokens"}``; `/detokenize` takes `tokens` and answers ``{"prompt"}``. Clients use them to count
 tokens exactly as the server will, e.g. to fit a prompt to the context.
 """
@@ -22,6 +22,7 @@ from tandem.router.openai_protocol import (
 from tandem.router.request_body import RequestBody
 from tandem.router.request_prep import check_token_ids, off_the_loop_if_long
 from tandem.router.serving import Serving
+from tandem.router.tool_calls import ToolSpec, template_tools
 
 
 class TokenizeRequest(RequestBody):
@@ -34,6 +35,7 @@ class TokenizeRequest(RequestBody):
     add_generation_prompt: bool = True  # for `messages`
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None  # for `messages`: shown to the template, as chat does
     return_token_strs: bool = False  # vLLM's: also each token as the vocabulary spells it
 
 
@@ -59,6 +61,7 @@ async def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             template_kwargs=body.chat_template_kwargs,
+            tools=template_tools(body.tools) if body.tools else None,
         )
     else:
         assert body.prompt is not None
