@@ -33,6 +33,15 @@ def _last_index(tokens: Sequence[int], tag: Sequence[int]) -> int:
     return -1
 
 
+def prompt_opens_thoughts(
+    prompt_token_ids: Sequence[int], open_ids: Sequence[int], close_ids: Sequence[int]
+) -> bool:
+    """Whether the prompt opened thoughts it did not close (a thinking model's template that
+    ends in `<think>`): the reply then starts inside them."""
+    opened = _last_index(prompt_token_ids, open_ids)
+    return opened >= 0 and opened > _last_index(prompt_token_ids, close_ids)
+
+
 class ReasoningGate:
     def __init__(
         self,
@@ -47,8 +56,7 @@ class ReasoningGate:
         self._open = list(open_ids)
         self._close = list(close_ids)
         self._recent: list[int] = []  # the last tokens sampled while thinking
-        opened = _last_index(prompt_token_ids, self._open)
-        if opened >= 0 and opened > _last_index(prompt_token_ids, self._close):
+        if prompt_opens_thoughts(prompt_token_ids, self._open, self._close):
             self.state = THINKING
         else:
             self.state = START if len(self._open) == 1 else ANSWER

@@ -196,12 +196,12 @@ async def _serve(
     # (as vLLM's: usage on every chunk only for a stream that asks for usage at all)
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     token_text = _token_id_text if body.return_tokens_as_token_ids else serving.token_text
-    reasoning = serving.reasoning_parser if kind == "chat" else None
     ids, asked = body.return_token_ids, body.prompt_logprobs
     echo = body.echoed_text() if isinstance(body, ChatCompletionRequest) else ""
     response_id, base = response_ids.response, response_ids.requests
     if count == 1:
         req = await prepare(0, base)
+        reasoning = serving.reasoning_after(req.prompt_token_ids) if kind == "chat" else None
         head = ResponseHead.of(
             req, serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids,
             asked, echo, serving.token_bytes,
@@ -215,6 +215,7 @@ async def _serve(
         await run_to_end(serving, req)
         return _json(full_body(head, [req], req.usage()))
     reqs = await multi_choice.prepare_all(serving, count, lambda i: prepare(i, f"{base}-{i}"))
+    reasoning = serving.reasoning_after(reqs[0].prompt_token_ids) if kind == "chat" else None
     head = ResponseHead.of(
         reqs[0], serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids,
         asked, echo, serving.token_bytes,

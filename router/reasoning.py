@@ -3,7 +3,9 @@
 Qwen3 (thinking on) and DeepSeek-R1 write their thoughts between `<think>` and `</think>`, then
 the answer. With a reasoning parser configured (`router.reasoning_parser`), a chat reply's
 thoughts go to `reasoning_content` and the rest to `content` (and to the tool-call parser):
-- `qwen3`: thoughts only when the reply opens with `<think>` (thinking off: all content);
+- `qwen3`: thoughts only when the reply opens with `<think>` (thinking off: all content), or
+  when the prompt opened them (`inside`: Qwen3's thinking-only checkpoints' templates end in
+  `<think>`, as the router finds in each prompt);
 - `deepseek_r1`: the chat template opens `<think>` itself, so the reply starts inside the
   thoughts (an opening tag it writes anyway is dropped).
 A reply cut short before `</think>` is all thoughts. Under structured output the model thinks
@@ -32,6 +34,12 @@ class ReasoningParser:
             raise ValueError(f"unknown reasoning parser {name!r}: one of {REASONING_PARSERS}")
         self.name = name
         self.starts_inside = name == "deepseek_r1"
+
+    def inside(self) -> ReasoningParser:
+        """This parser for a reply whose prompt opened its thoughts: it starts inside them."""
+        parser = ReasoningParser(self.name)
+        parser.starts_inside = True
+        return parser
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a finished reply; None for an empty part."""

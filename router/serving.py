@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any
 
 from tandem.engine.metrics import RouterMetrics
+from tandem.engine.reasoning_gate import prompt_opens_thoughts
 from tandem.engine.tokenizer import Tokenizer
 from tandem.router.errors import APIError, WorkerLost, bad_request
 from tandem.router.pd_orchestrator import PDOrchestrator
@@ -63,6 +64,7 @@ class Serving:
         self.tool_parser = tool_parser or HermesParser()
         """How free replies to chats with tools write their calls (`tool_parsers.py`)."""
         self.reasoning_parser = reasoning_parser
+        self._tag_ids: tuple[list[int], ...] | None = None  # (the reasoning tags', encoded)
         """Splits a chat reply's thoughts from its answer (`reasoning.py`; None: it does not)."""
         self.sampling_defaults = dict(sampling_defaults or {})
         """The model's sampling settings (`engine.generation_defaults`), for the fields a request
@@ -90,6 +92,20 @@ class Serving:
     def prompt_text(self, token_ids: list[int]) -> str:
         """The text of a prompt given as token ids (for `echo`)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def reasoning_after(self, prompt_token_ids: Sequence[int]) -> ReasoningParser | None:
+        """The reasoning parser for a reply to this prompt: one that starts inside the
+        thoughts when the prompt opened them (`prompt_opens_thoughts`)."""
+        parser = self.reasoning_parser
+        if parser is None or parser.starts_inside:
+            return parser
+        if self._tag_ids is None:
+            encode = self.tokenizer.encode
+            self._tag_ids = tuple(encode(tag, add_special_tokens=False) for tag in REASONING_TAGS)
+        open_ids, close_ids = self._tag_ids
+        if prompt_opens_thoughts(prompt_token_ids, open_ids, close_ids):
+            return parser.inside()
+        return parser
 
     def token_text(self, token_id: int) -> str:
         """A token's own text, as logprobs name it (`Tokenizer.token_text`)."""

@@ -4,6 +4,7 @@ from its answer, whole or streamed in pieces of any size, and before its tool ca
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -90,3 +91,30 @@ def test_a_reply_under_structured_output_is_split_like_any_other() -> None:
     assert bodies[0] == {"role": "assistant", "reasoning_content": '{"a": 1}', "content": None}
     assert bodies[1] == bodies[0]
     assert bodies[2] == {"role": "assistant", "reasoning_content": "x", "content": '{"a": 1}'}
+
+
+def test_a_prompt_that_opens_the_thoughts_starts_the_reply_inside_them(
+    tiny_checkpoint: Any,
+) -> None:
+    """Qwen3's thinking-only checkpoints end the generation prompt in `<think>`: the reply is
+    `thoughts</think>answer`, split as such (the engine's `ReasoningGate` reads the prompt so
+    too); a prompt that closed them, or never opened them, leaves the parser as it is."""
+    from tandem.engine.tokenizer import Tokenizer
+    from tandem.router.serving import Serving
+
+    tokenizer = Tokenizer.from_pretrained(tiny_checkpoint())
+    qwen3 = ReasoningParser("qwen3")
+    serving = Serving(None, None, tokenizer, "tiny", reasoning_parser=qwen3)  # type: ignore[arg-type]
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    reply = "The user asks for 6*7.\n</think>\n\n42"
+    opened = serving.reasoning_after(encode("<|im_start|>assistant\n<think>\n"))
+    assert opened is not None and opened.split(reply) == ("The user asks for 6*7.\n", "\n\n42")
+    streamed = ReplyStream(opened, None)
+    pieces = [streamed.feed(reply[i : i + 3], False) for i in range(0, len(reply), 3)]
+    last = streamed.feed("", True)
+    assert "".join(p[0] for p in [*pieces, last]) == "The user asks for 6*7.\n"
+    assert "".join(p[1] for p in [*pieces, last]) == "\n\n42"
+    closed = encode("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert serving.reasoning_after(closed) is qwen3
+    assert serving.reasoning_after(encode("<|im_start|>assistant\n")) is qwen3
+    assert qwen3.split(reply) == (None, reply)  # (the shared parser is untouched)
