@@ -175,9 +175,9 @@ async def create_chat_completion(
     read_calls = body.reply_parser(serving.tool_parser)
     if isinstance(read_calls, ToolParser) and read_calls.keeps_specials:
         fields["skip_special_tokens"] = False  # (its call marker is a special token)
-    forced = body.forced_tools()
-    shown = forced if forced is not None else body.tools if read_calls else None
-    tools = template_tools(shown) if shown else None
+    # (every tool goes to the template, whatever `tool_choice` says, as vLLM shows them: the
+    # prompt is the same, and so are its prompt_tokens)
+    tools = template_tools(body.tools) if body.tools else None
     return await _serve(serving, ids, body.n, body.n, prepare, "chat", body, read_calls)
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from tandem.engine.tokenizer import Tokenizer
 from tandem.router.serving import Serving
 from tandem.router.tokenize_api import TokenizeRequest, tokenize
@@ -39,3 +41,36 @@ def test_tokenize_shows_the_tools_to_the_template(tiny_checkpoint: Callable[...,
     tools = template_tools([ToolSpec.model_validate(TOOL)])
     assert with_tools["tokens"] == serving.render_chat(messages, tools=tools)
     assert with_tools["count"] > plain["count"]
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    [None, "auto", "none", "required", {"type": "function", "function": {"name": "b"}}],
+)
+def test_a_chat_shows_every_tool_whatever_tool_choice_says(
+    tiny_checkpoint: Callable[..., Path], tool_choice: Any
+) -> None:
+    """As vLLM shows them: the prompt (and its prompt_tokens) does not depend on tool_choice."""
+    from tandem.router.errors import APIError
+    from tandem.router.openai_api import create_chat_completion
+    from tandem.router.openai_protocol import ChatCompletionRequest
+
+    shown: list[Any] = []
+
+    async def prepare(*args: Any, **kwargs: Any) -> Any:
+        shown.append(kwargs["tools"])
+        raise APIError(418, "seen")
+
+    serving = Serving(None, None, Tokenizer.from_pretrained(tiny_checkpoint()), "tiny")  # type: ignore[arg-type]
+    serving.prepare = prepare  # type: ignore[method-assign]
+    second = {"type": "function", "function": {"name": "b", "parameters": {"type": "object"}}}
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [TOOL, second],
+    }
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    request = ChatCompletionRequest.model_validate(body)
+    with pytest.raises(APIError, match="seen"):
+        asyncio.run(create_chat_completion(serving, request))
+    assert [t["function"]["name"] for t in shown[0]] == ["get_weather", "b"]
