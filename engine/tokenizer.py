@@ -273,10 +273,21 @@ class Tokenizer:
             or type(hf)._decode is not TokenizersBackend._decode
         ):
             return None
-        if getattr(hf, "clean_up_tokenization_spaces", False):
+        if getattr(hf, "clean_up_tokenization_spaces", False) and not _cleanup_skipped(hf):
             return None  # hf.decode post-processes the text
         return hf.backend_tokenizer
 
     def __repr__(self) -> str:
         where = f", source_dir={str(self._source_dir)!r}" if self._source_dir is not None else ""
         return f"Tokenizer(vocab_size={self._vocab_size}{where})"
+
+
+def _cleanup_skipped(hf: Any) -> bool:
+    """Whether transformers 5 skips `clean_up_tokenization_spaces` in this tokenizer's decode
+    (a BPE model, as Llama 3's, whose tokenizer_config.json still asks for it: transformers
+    warns once and decodes as the backend does), so the backend's own decode is hf.decode's."""
+    model = type(hf.backend_tokenizer.model).__name__
+    forced = getattr(
+        hf, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False
+    )
+    return model == "BPE" and not forced

@@ -163,3 +163,20 @@ def test_chat_template_kwargs_reach_the_template(
     thinking = tok.apply_chat_template(messages, template_kwargs={"enable_thinking": True})
     assert thinking[: len(plain)] == plain and tok.decode(thinking[len(plain) :]) == "<think>"
     assert tok.apply_chat_template(messages, template_kwargs={"enable_thinking": False}) == plain
+
+
+def test_a_bpe_tokenizer_asking_for_clean_up_keeps_the_fast_decode(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    """Llama 3's tokenizer_config.json asks for `clean_up_tokenization_spaces`, which
+    transformers 5 skips for BPE: the backend's decode (no Python per step) is hf.decode's."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_checkpoint(), local_files_only=True)
+    hf.clean_up_tokenization_spaces = True
+    tok = Tokenizer(hf)
+    assert tok._backend is not None
+    ids = tok.encode("a , b . c 's d ?", add_special_tokens=False)
+    assert tok.decode(ids) == hf.decode(ids) == "a , b . c 's d ?"
+    hf.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    assert Tokenizer(hf)._backend is None  # (then hf.decode cleans up: it is the one used)
