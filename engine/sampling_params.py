@@ -94,7 +94,9 @@ class SamplingParams(BaseModel):
     presence and frequency penalties and `bad_words` go on from them as one attempt would have.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    # (mutable, as vLLM's: scripts set fields of `get_default_sampling_params()`; each
+    # assignment is checked as the constructor checks it)
+    model_config = ConfigDict(validate_assignment=True, extra="forbid", allow_inf_nan=False)
 
     n: int = Field(1, ge=1, le=128)
     temperature: float = Field(1.0, ge=0.0)

@@ -252,3 +252,18 @@ def test_a_refused_prompt_of_a_batch_is_named(llm: LLM) -> None:
         llm.generate([too_long], GREEDY)
     assert not llm.engine.requests
     assert [len(o.token_ids) for o in llm.generate([[10, 11], [12]], GREEDY)] == [5, 5]
+
+
+def test_sampling_params_take_assignments_as_vllms_do(llm: LLM) -> None:
+    """vLLM's own example sets fields of `get_default_sampling_params()`; an assignment is
+    checked as the constructor checks it."""
+    params = llm.get_default_sampling_params()
+    params.max_tokens, params.temperature, params.ignore_eos = 5, 0.0, True
+    assert (
+        llm.generate([[10, 11]], params)[0].token_ids
+        == llm.generate([[10, 11]], GREEDY)[0].token_ids
+    )
+    with pytest.raises(ValueError, match="top_p"):
+        params.top_p = 5.0
+    with pytest.raises(ValueError, match="unknown"):
+        params.unknown = 1  # type: ignore[attr-defined]

@@ -87,6 +87,9 @@ class FakeTokenizer:
     """Token 300 is the first byte of a two-byte character that token 301 completes (the
     worker holds the text of 300 back); every other token is ``<id>``."""
 
+    byte_run_ids: frozenset[int] = frozenset()  # (no SentencePiece byte fallback)
+    special_ids: frozenset[int] = frozenset()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         out, i = "", 0
         while i < len(ids):
