@@ -46,6 +46,8 @@ class OutputProcessor:
         if num_out >= params.min_tokens and token in req.stop_ids:
             if params.stop_token_ids and token in params.stop_token_ids:
                 req.stop_reason = token
+            if params.include_stop_str_in_output and req.output_text is not None:
+                req.output_text.add(token)  # (its text, as vLLM keeps a stop token's so)
             return "stop"
         if req.output_text is not None:
             req.output_text.add(token)

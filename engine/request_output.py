@@ -28,7 +28,7 @@ def request_output(req: Request, tokenizer: Tokenizer, prompt: str | None = None
         after = OutputText.after(
             tokenizer,
             req.prompt_token_ids,
-            req.output_token_ids,
+            _written(req),
             skip_special_tokens=req.params.skip_special_tokens,
         )
         after.flush()
@@ -99,6 +99,19 @@ def vllm_prompt_logprobs(
             found.setdefault(alt, Logprob(alt_logprob, i + 1, text(alt)))
         out.append(found)
     return out
+
+
+def _written(req: Request) -> list[int]:
+    """The output tokens whose text the request's text holds: not the stop token (EOS, a
+    `stop_token_ids` one) it ended on, unless `include_stop_str_in_output` (vLLM's rule)."""
+    ids = req.output_token_ids
+    stopped_on_token = (
+        req.finish_reason == "stop"
+        and bool(ids)
+        and ids[-1] in req.stop_ids
+        and not isinstance(req.stop_reason, str)
+    )
+    return ids[:-1] if stopped_on_token and not req.params.include_stop_str_in_output else ids
 
 
 def _token_text(req: Request, tokenizer: Tokenizer) -> Callable[[int], str | None]:

@@ -10,6 +10,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.output_text import OutputText
 from tandem.engine.sampler import draw
 from tests.hf_reference import random_prompts
 
@@ -292,3 +293,29 @@ def test_a_stop_string_in_the_text_held_at_the_end_counts(llm: LLM) -> None:
     )[0]
     assert (kept.text, kept.finish_reason) == ("\ufffd", "stop")
     llm.engine.check_integrity()
+
+
+def test_the_stop_tokens_text_is_left_out_unless_asked_for(llm: LLM) -> None:
+    """vLLM's rule: the text of the token a request stopped on (EOS or a `stop_token_ids`
+    one) is not in `text` (the token is in `token_ids`), unless `include_stop_str_in_output`;
+    with stop strings set or not, streamed or not."""
+    prompt = [40, 41, 42]
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    ids = base[0].token_ids
+    stop_id = ids[2]
+    tokenizer = llm.engine.tokenizer
+    for keep in (False, True):
+        want = OutputText.after(tokenizer, prompt, ids[: 3 if keep else 2])
+        want.flush()
+        for stops in (None, ["never-matches"]):
+            fields: dict[str, Any] = {"stop": stops, "include_stop_str_in_output": keep}
+            params = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_id], **fields)
+            out = llm.generate([prompt], params)[0]
+            assert (out.token_ids, out.stop_reason) == (ids[:3], stop_id)
+            assert out.text == want.text, (keep, stops)
+            engine: LLMEngine = llm.engine
+            req = engine.add_request(prompt, params, stream_text=True)
+            deltas = []
+            while engine.has_unfinished_requests():
+                deltas.extend(o.text_delta for o in engine.step() if o.request_id == req.request_id)
+            assert "".join(deltas) == want.text
