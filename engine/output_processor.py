@@ -1,8 +1,8 @@
 """After sampling: append tokens, decide stops, detokenize, and emit `StepOutput`s.
 
 Stop rules, in order, for each new token: a stop token id (or EOS unless `ignore_eos`) once
-`min_tokens` are out; a stop string in the text once `min_tokens` are out, ending after the
-text of the first `min_tokens` tokens (the text is cut just before it, also when it spans
+`min_tokens` are out; a stop string in the text, ending after the text of the first
+`min_tokens` tokens, as vLLM searches (the text is cut just before it, also when it spans
 several tokens); `max_tokens`; the model's context length. Streamed text holds back the
 last `len(longest stop) - 1` characters so that a stop string is never half-emitted.
 """
@@ -51,7 +51,8 @@ class OutputProcessor:
             return "stop"
         if req.output_text is not None:
             req.output_text.add(token)
-            if params.stop and self._find_stop_string(req, num_out >= params.min_tokens):
+            # (searched from the token after the first `min_tokens`, as vLLM searches)
+            if params.stop and self._find_stop_string(req, num_out > params.min_tokens):
                 return "stop"
         if req.matcher is not None and req.matcher.is_terminated():  # the JSON is complete
             return "stop"
@@ -67,7 +68,7 @@ class OutputProcessor:
         if req.output_text is None or not params.stop or isinstance(req.stop_reason, str):
             return False
         req.output_text.flush()
-        return self._find_stop_string(req, req.num_output_tokens >= params.min_tokens)
+        return self._find_stop_string(req, req.num_output_tokens > params.min_tokens)
 
     @staticmethod
     def _find_stop_string(req: Request, counting: bool) -> bool:

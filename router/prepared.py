@@ -155,7 +155,7 @@ class Prepared:
         params, tokens = self.params, item["token_ids"]
         for n, token in enumerate(tokens, start=1):
             text.add(token)
-            counting = len(self.token_ids) + n >= params.min_tokens
+            counting = len(self.token_ids) + n > params.min_tokens
             keep = params.include_stop_str_in_output
             stop = (
                 text.find_stop(params.stop, counting=counting, keep=keep) if params.stop else None

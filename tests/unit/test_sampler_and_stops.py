@@ -319,3 +319,19 @@ def test_the_stop_tokens_text_is_left_out_unless_asked_for(llm: LLM) -> None:
             while engine.has_unfinished_requests():
                 deltas.extend(o.text_delta for o in engine.step() if o.request_id == req.request_id)
             assert "".join(deltas) == want.text
+
+
+def test_a_stop_string_completed_by_the_min_tokens_th_token_does_not_count(llm: LLM) -> None:
+    """vLLM searches from the token after the first `min_tokens`: a string that token k
+    completes does not stop a request with `min_tokens=k` (it may stop at k + 1 on)."""
+    prompt, k = [60, 61, 62], 4
+    greedy: dict[str, Any] = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    ids = llm.generate([prompt], SamplingParams(**greedy))[0].token_ids
+    decode = llm.engine.tokenizer.decode
+    stop = decode(ids[:k])[-2:]
+    if not stop or stop in decode(ids[: k - 1]):
+        pytest.skip("this model's first tokens give no string that token k alone completes")
+    at_k = llm.generate([prompt], SamplingParams(min_tokens=k - 1, stop=[stop], **greedy))[0]
+    assert len(at_k.token_ids) == k and at_k.stop_reason == stop  # (k > min_tokens: it counts)
+    out = llm.generate([prompt], SamplingParams(min_tokens=k, stop=[stop], **greedy))[0]
+    assert len(out.token_ids) > k and out.text.startswith(decode(ids[:k]))
