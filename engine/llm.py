@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -208,7 +208,8 @@ def _with_text_content(message: dict[str, Any]) -> dict[str, Any]:
     """`message` with a content given as OpenAI's parts as one string (`content_text`), and
     its tool calls' arguments as objects (`template_tool_calls`)."""
     content = message.get("content")
-    if isinstance(content, list):
+    if isinstance(content, list) or (content is None and "content" in message):
+        # (None: an assistant turn of calls alone; templates read its content as "")
         message = {**message, "content": content_text(content)}
     if "tool_calls" in message:
         message = {**message, "tool_calls": template_tool_calls(message["tool_calls"])}
@@ -246,14 +247,29 @@ def _samples(params: SamplingParams) -> list[SamplingParams]:
     return [params.model_copy(update={"n": 1, "seed": seed}) for seed in seeds]
 
 
+def _token_ids(ids: Any) -> list[int]:
+    """A prompt's token ids; a `BatchEncoding` (what transformers 5's `apply_chat_template`
+    returns, tokenized) gives its `input_ids`."""
+    if isinstance(ids, Mapping):
+        if "input_ids" not in ids:
+            raise InvalidRequestError("token-id prompts are lists of ints (got a mapping)")
+        ids = ids["input_ids"]
+    try:
+        return [int(t) for t in ids]
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"token-id prompts are lists of ints, got {ids!r:.80}") from None
+
+
 def _as_prompt_list(prompts: Prompts) -> list[str | list[int]]:
+    if prompts is None:
+        raise InvalidRequestError("prompts: give a text, token ids or a list of them")
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]  # type: ignore[assignment]
     out: list[str | list[int]] = []
     for prompt in prompts:
         if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
             if "prompt_token_ids" in prompt:
-                out.append([int(t) for t in prompt["prompt_token_ids"]])
+                out.append(_token_ids(prompt["prompt_token_ids"]))
             elif isinstance(prompt.get("prompt"), str):
                 out.append(prompt["prompt"])
             else:
@@ -267,7 +283,7 @@ def _as_prompt_list(prompts: Prompts) -> list[str | list[int]]:
                 "token-id prompts must be a list of lists of ints, one per prompt"
             )
         else:
-            out.append([int(t) for t in prompt])
+            out.append(_token_ids(prompt))
     return out
 
 
@@ -276,7 +292,12 @@ def _as_param_list(
 ) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
-    param_list = list(params)
+    param_list = [] if isinstance(params, Mapping) else list(params)
+    if isinstance(params, Mapping) or not all(isinstance(p, SamplingParams) for p in param_list):
+        raise InvalidRequestError(
+            "sampling_params: a SamplingParams or a list of them, one per prompt "
+            "(a dict of fields: SamplingParams(**fields))"
+        )
     if len(param_list) != n:
         raise InvalidRequestError(f"got {len(param_list)} SamplingParams for {n} prompts")
     return param_list

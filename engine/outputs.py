@@ -46,6 +46,11 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None  # per token: itself and the alternatives
     finish_reason: str | None
     stop_reason: int | str | None = None
+    lora_request: None = None  # (vLLM's field: no LoRA here)
+
+    def finished(self) -> bool:
+        """vLLM's: whether this sample ended."""
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -71,3 +76,4 @@ class RequestOutput:
     """The same as tandem's `PromptLogprob` tuples (the first None)."""
     outputs: list[CompletionOutput] = field(default_factory=list)
     metrics: None = None  # (vLLM's field; its V1 engine leaves it None too)
+    lora_request: None = None  # (vLLM's field: no LoRA here)

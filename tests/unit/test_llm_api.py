@@ -267,3 +267,28 @@ def test_sampling_params_take_assignments_as_vllms_do(llm: LLM) -> None:
         params.top_p = 5.0
     with pytest.raises(ValueError, match="unknown"):
         params.unknown = 1  # type: ignore[attr-defined]
+
+
+def test_vllm_script_habits_work_or_say_what_to_do(llm: LLM) -> None:
+    """A tokenized chat from transformers 5 (a BatchEncoding) is its input_ids; an assistant
+    turn with content None renders as ""; a dict of sampling fields, or no prompt, is a
+    one-line ValueError; a sample says whether it `finished()`."""
+    conversation = [{"role": "user", "content": "hi"}]
+    encoded = llm.get_tokenizer().apply_chat_template(conversation, add_generation_prompt=True)
+    ids = list(encoded["input_ids"]) if not isinstance(encoded, list) else encoded
+    for prompt in ({"prompt_token_ids": encoded}, encoded):
+        assert llm.generate([prompt], GREEDY)[0].prompt_token_ids == ids
+    turns = [
+        *conversation,
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "x"},
+    ]
+    with_none = llm.chat(turns, GREEDY)[0]
+    with_empty = llm.chat([*turns[:1], {"role": "assistant", "content": ""}, turns[2]], GREEDY)[0]
+    assert with_none.prompt_token_ids == with_empty.prompt_token_ids
+    with pytest.raises(InvalidRequestError, match=r"SamplingParams\(\*\*fields\)"):
+        llm.generate("hi", {"temperature": 0})  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="give a text"):
+        llm.generate(None)  # type: ignore[arg-type]
+    sample = llm.generate("hi", GREEDY)[0].outputs[0]
+    assert sample.finished() and sample.lora_request is None
