@@ -17,7 +17,7 @@ from tandem.engine.generation_defaults import sampling_defaults
 from tandem.engine.llm_engine import KVPoolFactory, LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
-from tandem.engine.sampling_params import SamplingParams, sample_seed
+from tandem.engine.sampling_params import MAX_LOGPROBS, SamplingParams, sample_seed
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,30 @@ class LLM:
         sampling settings from its generation_config.json (`generation_config="none"`: none),
         over SamplingParams' defaults, as vLLM's `LLM` does."""
         return SamplingParams(**self._sampling_defaults)
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine (`get_tokenizer()`, `model_config.max_model_len`)."""
+        return self.engine
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the cached prefixes of the blocks no request holds (vLLM's: benchmarks run
+        it between repeats so that none hits the last one's prompts); True, as vLLM's."""
+        self.engine.block_manager.reset_prefix_cache()
+        return True
+
+    def beam_search(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("beam search is not supported by tandem: use n > 1 samples")
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("pooling (encode, embed, score) is not supported by tandem")
+
+    embed = classify = score = reward = encode
+
+    def sleep(self, level: int = 1) -> None:
+        raise NotImplementedError("sleep mode is not supported by tandem")
+
+    wake_up = sleep
 
     def get_tokenizer(self) -> Any:
         """The checkpoint's Hugging Face tokenizer, as vLLM's `get_tokenizer()` returns
@@ -192,7 +216,6 @@ _VLLM_IGNORED = (
     "disable_custom_all_reduce",
     "task",
     "tokenizer_mode",
-    "max_logprobs",
     "disable_async_output_proc",
     "distributed_executor_backend",
     "compilation_config",
@@ -233,10 +256,25 @@ def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     tokenizer = kwargs.pop("tokenizer", None)
     if tokenizer is not None and str(tokenizer) != model:
         raise ValueError("tokenizer: the checkpoint directory's own tokenizer is used")
+    if (
+        max_logprobs := kwargs.pop("max_logprobs", None)
+    ) is not None and max_logprobs > MAX_LOGPROBS:
+        raise ValueError(f"max_logprobs: at most {MAX_LOGPROBS} logprobs per token here")
+    if "seed" in kwargs and kwargs["seed"] is None:  # (vLLM's "no seed": the engine's default)
+        del kwargs["seed"]
     for name in _VLLM_IGNORED:
         if name in kwargs:
             logger.info("LLM: %s=%r is vLLM's and changes nothing here", name, kwargs.pop(name))
+    for name in [n for n in kwargs if n not in EngineConfig.model_fields]:
+        value = kwargs.pop(name)
+        if value not in _NO_OP_VALUES:  # (vLLM's arguments at their defaults pass)
+            raise ValueError(f"{name}={value!r}: vLLM's argument is not supported by tandem")
     return kwargs
+
+
+_NO_OP_VALUES: tuple[Any, ...] = (None, False, 0, "auto", "main", {}, [])
+"""The values with which an engine argument tandem does not know asks for nothing (vLLM's
+defaults: `revision="main"`, `enable_lora=False`, `cpu_offload_gb=0`, `load_format="auto"`)."""
 
 
 def _samples(params: SamplingParams) -> list[SamplingParams]:

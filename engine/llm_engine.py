@@ -7,6 +7,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -225,6 +226,21 @@ class LLMEngine:
                 "(the prompt plus at least one generated token must fit)"
             )
         return token_ids
+
+    def get_tokenizer(self) -> Any:
+        """vLLM's `llm_engine.get_tokenizer()`: the Hugging Face tokenizer."""
+        return self.tokenizer.hf
+
+    @property
+    def model_config(self) -> SimpleNamespace:
+        """What scripts read of vLLM's `llm_engine.model_config`: `model`, `max_model_len`,
+        `dtype` (the weights'), `hf_config` (the checkpoint's parsed spec)."""
+        return SimpleNamespace(
+            model=self.config.model,
+            max_model_len=self.max_model_len,
+            dtype=self.config.torch_dtype,
+            hf_config=self.spec,
+        )
 
     def abort(self, request_id: str) -> bool:
         """Cancels a request; its blocks are freed (also when it keeps KV). False if unknown."""

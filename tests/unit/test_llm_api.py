@@ -135,9 +135,31 @@ def test_vllms_engine_arguments(tiny_checkpoint: Any, tmp_path: Any) -> None:
         ({"quantization": "awq"}, "quantization"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
         ({"tokenizer": str(tmp_path)}, "tokenizer"),
+        ({"max_logprobs": 50}, "max_logprobs"),
+        ({"enable_lora": True}, "enable_lora=True: vLLM's argument is not supported"),
+        ({"cpu_offload_gb": 4}, "cpu_offload_gb"),
     ]:
         with pytest.raises(ValueError, match=match):
             LLM(model=path, num_kv_blocks=8, **kwargs)
+    # (vLLM's arguments at their defaults ask for nothing: an `LLM(**vars(args))` script)
+    at_defaults = {"revision": "main", "download_dir": None, "load_format": "auto", "seed": None,
+                   "enable_lora": False, "cpu_offload_gb": 0, "max_logprobs": 20}  # fmt: skip
+    assert LLM(model=path, num_kv_blocks=8, **at_defaults).generate("hi", GREEDY)[0].token_ids
+
+
+def test_vllms_llm_members(llm: LLM) -> None:
+    """`llm_engine` (its tokenizer and model_config), `reset_prefix_cache()`; what tandem does
+    not do (beam search, pooling, sleep) says so."""
+    assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
+    assert llm.llm_engine.model_config.max_model_len == llm.engine.max_model_len
+    prompt = {"prompt_token_ids": list(range(10, 60))}
+    llm.generate([prompt], GREEDY)
+    assert llm.generate([prompt], GREEDY)[0].num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0
+    for name in ("beam_search", "encode", "embed", "score", "sleep", "wake_up"):
+        with pytest.raises(NotImplementedError, match="not supported by tandem"):
+            getattr(llm, name)(["hi"])
 
 
 def test_the_default_dtype_is_the_checkpoints(tiny_checkpoint: Any) -> None:
