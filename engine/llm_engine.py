@@ -155,6 +155,7 @@ class LLMEngine:
                 "(LLM.generate does)"
             )
         token_ids = self._tokenize(prompt, params.truncate_prompt_tokens)
+        self._check_token_fields(params)
         if params.max_tokens is None:  # up to the end of the context
             room = max(1, self.max_model_len - len(token_ids))
             params = params.model_copy(update={"max_tokens": max(room, params.min_tokens)})
@@ -200,6 +201,19 @@ class LLMEngine:
             if not req.matcher.accept_token(token):
                 raise InvalidRequestError(
                     f"token {token} does not follow the request's {structure[0]}"
+                )
+
+    def _check_token_fields(self, params: SamplingParams) -> None:
+        """The token ids `allowed_token_ids` and `logit_bias` name are the model's (as vLLM
+        refuses others: an allowed set of unknown ids would end the request at once)."""
+        vocab = self.spec.vocab_size
+        for name, ids in (
+            ("allowed_token_ids", params.allowed_token_ids),
+            ("logit_bias", list(params.logit_bias or ())),
+        ):
+            if ids and (bad := ids_outside_vocab(ids, vocab)):
+                raise InvalidRequestError(
+                    f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})", name
                 )
 
     def _tokenize(self, prompt: Prompt, keep: int | None = None) -> list[int]:

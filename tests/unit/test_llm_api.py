@@ -314,3 +314,13 @@ def test_vllm_script_habits_work_or_say_what_to_do(llm: LLM) -> None:
         llm.generate(None)  # type: ignore[arg-type]
     sample = llm.generate("hi", GREEDY)[0].outputs[0]
     assert sample.finished() and sample.lora_request is None
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(llm: LLM) -> None:
+    """As vLLM refuses them (an allowed set of unknown ids would end the request at once)."""
+    vocab = llm.engine.spec.vocab_size
+    with pytest.raises(InvalidRequestError, match=r"allowed_token_ids has token ids \[\d+\]"):
+        llm.generate("hi", SamplingParams(allowed_token_ids=[vocab + 5], **GREEDY_FIELDS))
+    with pytest.raises(InvalidRequestError, match="logit_bias has token ids"):
+        llm.generate("hi", SamplingParams(logit_bias={vocab: 5.0}, **GREEDY_FIELDS))
+    assert not llm.engine.requests
