@@ -15,6 +15,7 @@ from ray.serve import Application
 
 from tandem.deploy.cluster_config import ClusterConfig, RoleConfig
 from tandem.deploy.embedded_model import ensure_embedded_model
+from tandem.engine.hub_cache import cached_snapshot
 from tandem.engine.model_config import load_model_spec
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.weights import check_weights
@@ -47,13 +48,14 @@ def chat_template_text(value: str | None) -> str | None:
 def resolve_model(config: ClusterConfig) -> str:
     """The checkpoint to serve: `config.model`, or the embedded tiny model (built once)."""
     if config.model:
-        path = Path(config.model).expanduser()
+        path = Path(cached_snapshot(config.model)).expanduser()
         if path.is_file():
             raise ValueError(f"{path} is a file: --model takes a checkpoint's directory")
         if not (path / "config.json").is_file():
             raise ValueError(
                 f"{path} is not a Hugging Face checkpoint directory (no config.json; tandem "
-                "loads local checkpoints only, nothing is downloaded)"
+                "loads local checkpoints and models the Hugging Face cache holds; nothing is "
+                "downloaded)"
             )
         # What every worker would refuse at start-up, refused here in one line (an unsupported
         # architecture or rope, missing or unreadable weight files, tensors that do not fit the

@@ -9,6 +9,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.engine.errors import TandemError
+from tandem.engine.hub_cache import cached_snapshot
 from tandem.engine.model_config import load_model_spec
 from tandem.engine.weights import stored_dtype
 
@@ -74,7 +75,10 @@ class EngineConfig(BaseModel):
     @classmethod
     def _resolve_dtype(cls, data: Any) -> Any:
         """vLLM's spellings: "auto" (the checkpoint's dtype; also when none is given), "half",
-        "float", ..."""
+        "float", ...; a model named by its Hugging Face repo id is the snapshot the Hugging
+        Face cache holds (`cached_snapshot`)."""
+        if isinstance(data, dict) and isinstance(data.get("model"), str):
+            data = {**data, "model": cached_snapshot(data["model"])}
         raw = data.get("dtype", "auto") if isinstance(data, dict) else None
         if isinstance(raw, str):
             name = DTYPE_ALIASES.get(raw, raw)

@@ -105,7 +105,7 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
     if not path.is_dir():
         raise CheckpointError(
             f"model directory {str(path)!r} does not exist (tandem loads local checkpoints "
-            "only, nothing is downloaded)"
+            "and models the Hugging Face cache holds; nothing is downloaded)"
         )
     config_path = path / "config.json"
     if not config_path.is_file():
