@@ -28,10 +28,13 @@ from tandem.engine.rpc import Handler, RPCServer
 from tandem.engine.serve_logging import use_serve_log_handlers
 from tandem.engine.worker_drain import WorkTracker, drain
 from tandem.engine.worker_loop import WorkerDeadError, WorkerLoop
-from tandem.engine.worker_registry import get_registry
+from tandem.engine.worker_registry import get_registry, registry_died
 from tandem.engine.worker_settings import WorkerSettings, create_engine_and_transport
 
 logger = logging.getLogger("tandem.worker")
+
+REGISTRY_CHECK_S = 5.0
+"""How often a worker checks that the registry it reports to lives."""
 
 
 class WorkerDeployment(ABC):
@@ -56,6 +59,8 @@ class WorkerDeployment(ABC):
         self.service = self.make_service(engine, transport, self._reporter(loop))
         self.service.start()
         loop.create_task(self._start_rpc())
+        if cfg.registry_name:
+            loop.create_task(self._keep_registry(cfg.registry_name))
         logger.info("%s: KV transport %s at %s", self.worker_id, cfg.transport, transport.address)
 
     @abstractmethod
@@ -91,6 +96,21 @@ class WorkerDeployment(ABC):
         address = await self.rpc.start(ray.util.get_node_ip_address())
         logger.info("%s: RPC endpoint at %s", self.worker_id, address)
         self._report(await self.service.get_stats())
+
+    async def _keep_registry(self, name: str) -> None:
+        """Every REGISTRY_CHECK_S, whether the registry lives: one dead for good is made anew
+        (reports are fire and forget: no failure would say so) and told the token."""
+        while not self._left:
+            await asyncio.sleep(REGISTRY_CHECK_S)
+            try:
+                await self._registry.ping.remote()  # type: ignore[union-attr]
+            except Exception as exc:
+                if not registry_died(exc) or self._left:
+                    continue  # (restarting: the next check sees it)
+                logger.warning("%s: worker registry died: reporting to a new one", self.worker_id)
+                self._registry = get_registry(name)
+                if self.settings.auth_token:
+                    self._registry.cluster_token.remote(self.settings.auth_token)
 
     def _reporter(self, loop: asyncio.AbstractEventLoop) -> Callable[[dict[str, Any]], None]:
         """What the service's thread reports its stats with: `_report` on the replica's event

@@ -3,6 +3,11 @@
 A tiny named Ray actor per application. Workers push a stats snapshot when it changes (and a
 heartbeat), fire and forget; readers get the entries that reported recently. Ray is imported
 lazily so that the engine stays usable without it.
+
+Losing it loses nothing that matters: Ray restarts a crashed one (empty), and a reader or a
+worker that finds it dead for good (`ray.kill`, restarts used up, its node gone) makes a new
+one under the same name (`registry_died`, `get_registry`). The workers' heartbeats fill it
+again within seconds; the cluster token is proposed again by every worker.
 """
 
 from __future__ import annotations
@@ -46,19 +51,31 @@ class WorkerRegistry:
         """The drains of the workers that left, oldest first."""
         return list(self._departures)
 
+    def ping(self) -> bool:
+        return True
+
     def list(self, max_age_s: float = 10.0) -> list[dict[str, Any]]:
         now = time.time()
         return [w for w in self._workers.values() if now - w["reported_at"] <= max_age_s]
 
 
 def get_registry(name: str) -> Any:
-    """The registry actor called `name` (created on first use; detached, zero CPUs)."""
+    """The registry actor called `name` (created on first use, also after the last one died
+    for good; detached, zero CPUs, restarted by Ray when its process dies)."""
     import ray
 
-    actor_cls = ray.remote(num_cpus=0)(WorkerRegistry)
+    actor_cls = ray.remote(num_cpus=0, max_restarts=-1)(WorkerRegistry)
     return actor_cls.options(
         name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True
     ).remote()
+
+
+def registry_died(exc: BaseException) -> bool:
+    """Whether a registry call failed because the actor is dead for good (not restarting):
+    the caller gets a new one with `get_registry`."""
+    from ray.exceptions import ActorDiedError
+
+    return isinstance(exc, ActorDiedError)
 
 
 def kill_registry(name: str) -> None:

@@ -137,8 +137,9 @@ class Router:
         tokenizer = Tokenizer.from_pretrained(settings["model"])
         if settings.get("chat_template"):  # the config's, instead of the checkpoint's
             tokenizer.hf.chat_template = settings["chat_template"]
+        registry = settings["registry_name"]
         self.directory = WorkerDirectory(
-            get_registry(settings["registry_name"]), settings["auth_token"]
+            get_registry(registry), settings["auth_token"], lambda: get_registry(registry)
         )
         self.directory.start()
         self.roles = ("decode",) if settings.get("mode") == "colocated" else ("prefill", "decode")

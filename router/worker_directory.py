@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.rpc import RPCClient, RPCError
+from tandem.engine.worker_registry import registry_died
 from tandem.router.errors import unavailable
 from tandem.router.prefix_index import KVEventBatch, PrefixIndex
 
@@ -96,8 +97,12 @@ _RESYNC_WHY = {
 
 
 class WorkerDirectory:
-    def __init__(self, registry: Any, auth_token: str) -> None:
+    def __init__(
+        self, registry: Any, auth_token: str, reconnect: Callable[[], Any] | None = None
+    ) -> None:
+        """`reconnect`: a new registry actor, for when this one died for good."""
         self.registry = registry
+        self.reconnect = reconnect
         self.auth_token = auth_token
         self.workers: dict[str, Worker] = {}
         self.index = PrefixIndex()
@@ -114,11 +119,20 @@ class WorkerDirectory:
         self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
 
     async def _refresh_forever(self) -> None:
+        failing = False
         while True:
             try:
                 await self.refresh()
+                if failing:
+                    logger.info("worker registry answers again")
+                failing = False
             except Exception as exc:  # the registry may be restarting; keep the last view
-                logger.warning("worker registry unavailable: %r", exc)
+                if not failing:
+                    logger.warning("worker registry unavailable: %r", exc)
+                failing = True
+                if self.reconnect is not None and registry_died(exc):
+                    logger.warning("worker registry died: a new one takes the workers' reports")
+                    self.registry = self.reconnect()
             await asyncio.sleep(REFRESH_S)
 
     async def refresh(self) -> None:

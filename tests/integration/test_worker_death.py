@@ -17,6 +17,7 @@ from typing import Any
 import openai
 import pytest
 import ray
+import requests
 
 from tandem import LLM, SamplingParams
 from tests.integration.conftest import Cluster
@@ -132,3 +133,32 @@ def test_one_token_requests_are_served_while_no_decode_worker_is_up(
     cluster.config = {}  # the next test deploys afresh (Serve is replacing the replica)
     assert texts == [ref.text for ref in expected]
     assert decode_now == []  # (served in the gap: they did not wait for the new decode worker)
+
+
+def test_the_cluster_outlives_its_worker_registry(cluster: Cluster, reference: LLM) -> None:
+    """The registry actor killed for good, then the decode worker: a new registry takes the
+    reports (the workers and the router each find it dead and make or find the new one), so
+    the router sees the decode worker Serve starts instead and serves on, exactly. Before,
+    every request waited a minute and failed with a 503 until a redeploy."""
+    base_url = cluster.deploy_pd()
+    registries = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("tandem-registry-")]  # fmt: skip
+    assert len(registries) == 1, registries
+    ray.kill(ray.get_actor(registries[0]["name"], namespace=registries[0]["namespace"]))
+    decode = [w["worker_id"] for w in cluster.workers() if w["role"] == "decode"]
+    _kill_replica(decode[0])
+    cluster.config = {}  # the next test deploys afresh
+    deadline = time.monotonic() + 90
+    health: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        health = requests.get(f"{base_url}/health", timeout=10).json()
+        if health.get("workers") == {"prefill": 1, "decode": 1}:
+            break
+        time.sleep(0.5)
+    assert health.get("workers") == {"prefill": 1, "decode": 1}, health
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = reference.generate(["after the registry"], params, use_tqdm=False)[0]
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model="tiny", prompt="after the registry", max_tokens=6,
+                                    temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert out.choices[0].text == expected.text
