@@ -105,15 +105,23 @@ def resource_shortfall(needed: dict[str, float], total: dict[str, float]) -> dic
     }
 
 
-def warn_if_short(needed: dict[str, float]) -> None:
+def warn_if_short(needed: dict[str, float], own_cluster: bool = False) -> None:
     """Says so when the cluster lacks resources the deployment asks for: Serve would wait for
-    them without a word beyond its own log (an autoscaling cluster may still add them)."""
+    them without a word beyond its own log (an autoscaling cluster may still add them). The
+    local cluster this command started never grows: there it is an error (Ray stopped)."""
     import ray
 
     total = {k: float(v) for k, v in ray.cluster_resources().items()}
     missing = resource_shortfall(needed, total)
     if missing:
         asks = ", ".join(f"{k} {needed[k]:g} (has {total.get(k, 0):g})" for k in sorted(missing))
+        if own_cluster:
+            ray.shutdown()
+            fail(
+                f"the deployment asks for {asks}, which the local Ray cluster started here "
+                "cannot give (lower num_cpus / num_gpus / resources per role, or run on a "
+                "cluster that has them: --address)"
+            )
         typer.echo(
             f"[tandem] warning: the deployment asks for {asks}; replicas that do not fit wait "
             "until the cluster has room (lower num_cpus / num_gpus / resources per role, or "

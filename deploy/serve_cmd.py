@@ -239,7 +239,7 @@ def serve(
     )
     if not own_cluster:
         refuse_running_app(cfg.app_name, ctx)
-    warn_if_short(needed)
+    warn_if_short(needed, own_cluster)
     stop = threading.Event()
     signals: list[int] = []
     serving = False

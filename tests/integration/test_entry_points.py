@@ -213,3 +213,21 @@ def test_serve_run_on_the_committed_config(isolated_env: dict[str, str], tmp_pat
         complete(port, "tiny-llama")
     finally:
         stop_ray_serve_run(proc)
+
+
+def test_tandem_serve_refuses_gpus_its_own_cluster_cannot_have(
+    isolated_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The local cluster `tandem serve` starts never grows: a role asking for a GPU on a
+    machine with none is a one-line error and an exit, not a wait that never ends."""
+    config = tmp_path / "gpu.yaml"
+    config.write_text("prefill:\n  num_gpus: 1\n")
+    isolated_env = {**isolated_env, "CUDA_VISIBLE_DEVICES": ""}
+    args = [str(BIN / "tandem"), "serve", "--config", str(config), "--port", str(free_port()),
+            "--direct-port", "0", "--grpc-port", str(free_port()), "--dashboard-port",
+            str(free_port()), "--num-cpus", "2", "--address", "local"]  # fmt: skip
+    done = subprocess.run(args, env=isolated_env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2, done.stdout + done.stderr
+    error = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1 and "GPU 1 (has 0)" in error[0], done.stderr
+    assert "Traceback" not in done.stderr
