@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -262,6 +264,7 @@ def serve(
             ray_serve.start(http_options={"host": cfg.host, "port": cfg.port})
             cfg = _on_serves_port(cfg)
             ray_serve.run(app, name=cfg.app_name, route_prefix="/")
+            _wait_for_workers(cfg)
             serving = True
             _print_urls(cfg, ctx, time.monotonic() - started, ingress if own_cluster else None)
             while not stop.wait(0.5):
@@ -310,6 +313,26 @@ def _scaling(role: Any) -> str:
     """' (autoscaling MIN..MAX)' for an autoscaled role, else ''."""
     scaling = role.autoscaling
     return f" (autoscaling {scaling.min_replicas}..{scaling.max_replicas})" if scaling else ""
+
+
+def _wait_for_workers(cfg: Any, timeout_s: float = 15.0) -> None:
+    """Until the router counts the workers the start-up line names (it learns of replicas
+    from their reports, a second or two after Serve runs them), for at most `timeout_s`."""
+    host = cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    roles = ("decode",) if cfg.mode == "colocated" else ("prefill", "decode")
+    expected = {role: getattr(cfg, role).replicas for role in roles}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            url = f"http://{host}:{cfg.port}/health"
+            with urllib.request.urlopen(url, timeout=2) as answer:  # noqa: S310 (our own URL)
+                workers = json.loads(answer.read()).get("workers") or {}
+        except (OSError, ValueError):  # (a 503 while a role has none yet, or not up yet)
+            workers = {}
+        if all(workers.get(role, 0) >= n for role, n in expected.items()):
+            return
+        time.sleep(0.25)
 
 
 def _workers_summary(cfg: Any) -> str:
