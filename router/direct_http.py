@@ -44,13 +44,8 @@ class DirectHTTPServer:
             await asyncio.wait_for(asyncio.shield(self.task), grace_s + 5.0)
 
 
-class CancelOnDisconnect:
-    """ASGI wrapper: an HTTP request whose client disconnects before the response has started
-    is cancelled (its task), as Serve's proxy cancels the replica's call; the app's own
-    clean-up (closing the request on its workers, its log line, the abort metric) then runs.
-    Once the response has started, the app sees the disconnect itself (a stream's
-    `listen_for_disconnect`). The app reads the request's messages through a queue that a
-    watcher task fills from the server's `receive`."""
+class _HTTPWrapper:
+    """An ASGI wrapper of `app` for HTTP requests (`http`); anything else goes straight on."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -59,6 +54,21 @@ class CancelOnDisconnect:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class CancelOnDisconnect(_HTTPWrapper):
+    """ASGI wrapper: an HTTP request whose client disconnects before the response has started
+    is cancelled (its task), as Serve's proxy cancels the replica's call; the app's own
+    clean-up (closing the request on its workers, its log line, the abort metric) then runs.
+    Once the response has started, the app sees the disconnect itself (a stream's
+    `listen_for_disconnect`). The app reads the request's messages through a queue that a
+    watcher task fills from the server's `receive`."""
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         messages: asyncio.Queue[Message] = asyncio.Queue()
         started = False
 
@@ -95,17 +105,11 @@ class CancelOnDisconnect:
             watcher.cancel()
 
 
-class RequestIds:
+class RequestIds(_HTTPWrapper):
     """ASGI wrapper doing what Serve's proxy does with `X-Request-Id`: a request without one
     gets a new one, and the response carries it back (the app names its response after it)."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = MutableHeaders(scope=scope)
         request_id = headers.get(REQUEST_ID)
         if request_id is None:
