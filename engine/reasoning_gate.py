@@ -26,9 +26,9 @@ THINKING, START, ANSWER = "thinking", "start", "answer"
 
 def _last_index(tokens: Sequence[int], tag: Sequence[int]) -> int:
     """Where the last occurrence of `tag` starts in `tokens` (-1: nowhere)."""
-    n = len(tag)
+    n, first, whole = len(tag), tag[0], list(tag)
     for i in range(len(tokens) - n, -1, -1):
-        if list(tokens[i : i + n]) == list(tag):
+        if tokens[i] == first and list(tokens[i : i + n]) == whole:  # (a long prompt: no slices)
             return i
     return -1
 
@@ -38,6 +38,8 @@ def prompt_opens_thoughts(
 ) -> bool:
     """Whether the prompt opened thoughts it did not close (a thinking model's template that
     ends in `<think>`): the reply then starts inside them."""
+    if not open_ids or not close_ids:
+        return False
     opened = _last_index(prompt_token_ids, open_ids)
     return opened >= 0 and opened > _last_index(prompt_token_ids, close_ids)
 
