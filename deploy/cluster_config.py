@@ -351,7 +351,10 @@ class ClusterConfig(BaseModel):
         try:
             return EngineConfig(model=model, **settings)
         except ValidationError as exc:
-            raise ValueError(f"engine settings for {role}: {summarize_validation(exc)}") from None
+            field = next((str(e["loc"][0]) for e in exc.errors() if e["loc"]), "")
+            shared = field in self.engine and field not in role_cfg.engine
+            where = "engine settings (shared)" if shared else f"engine settings for {role}"
+            raise ValueError(f"{where}: {summarize_validation(exc)}") from None
 
     def worker_settings(
         self, role: Literal["prefill", "decode"], model: str, registry_name: str

@@ -104,7 +104,8 @@ def test_router_replicas_can_ask_for_custom_ray_resources() -> None:
         (["--chat-template", "{% for m in %}"], "Error: chat_template is not a Jinja template"),
         (["--chat-template", "/no/such/t.jinja"], "looks like a path, but there is no such file"),
         (["--config", "BROKEN_YAML"], "BROKEN_YAML: not valid YAML: while parsing"),
-        (["--config", "BAD_ENGINE", "--model", "MODEL"], "engine settings for prefill: block_size"),
+        (["--config", "BAD_ENGINE", "--model", "MODEL"], "engine settings (shared): block_size"),
+        (["--config", "BAD_DECODE", "--model", "MODEL"], "engine settings for decode: block_size"),
         (["--model", "GPT2"], "Error: architecture 'GPT2LMHeadModel' is not supported"),
         (["--num-cpus", "-3"], "Invalid value for '--num-cpus'"),
     ],
@@ -119,7 +120,8 @@ def test_tandem_serve_names_a_bad_setting_in_one_line(
     from tandem.deploy.cli import app
 
     files = {"BAD_YAML": "prefill:\n  replicas: 2\n  bogus: 1\n", "BROKEN_YAML": "port: [1,\n",
-             "BAD_ENGINE": "engine:\n  block_size: -4\n"}  # fmt: skip
+             "BAD_ENGINE": "engine:\n  block_size: -4\n",
+             "BAD_DECODE": "decode:\n  engine:\n    block_size: -4\n"}  # fmt: skip
     paths = {name: tmp_path / f"{name}.yaml" for name in files}
     for name, text in files.items():
         paths[name].write_text(text)

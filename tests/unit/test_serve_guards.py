@@ -184,6 +184,6 @@ def test_serve_takes_vllm_s_dtype_spellings_and_refuses_others_before_starting_r
     code, out = _serve(tiny_checkpoint(), "--address", "local", "--dtype", "float64")
     assert code == 2
     assert out.splitlines()[-1] == (
-        "Error: engine settings for prefill: dtype 'float64' is not one of auto, float32, "
+        "Error: engine settings (shared): dtype 'float64' is not one of auto, float32, "
         "bfloat16, float16, float, half, bf16, fp16"
     )
