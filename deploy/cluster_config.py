@@ -351,9 +351,9 @@ class ClusterConfig(BaseModel):
         try:
             return EngineConfig(model=model, **settings)
         except ValidationError as exc:
-            field = next((str(e["loc"][0]) for e in exc.errors() if e["loc"]), "")
-            shared = field in self.engine and field not in role_cfg.engine
-            where = "engine settings (shared)" if shared else f"engine settings for {role}"
+            where = f"engine settings for {role}"
+            if not role_cfg.engine or not _valid_engine(model, self.engine):
+                where = "engine settings (shared)" if self.engine else where
             raise ValueError(f"{where}: {summarize_validation(exc)}") from None
 
     def worker_settings(
@@ -377,3 +377,13 @@ class ClusterConfig(BaseModel):
             hand_off=self.chunk_publisher,
             stream_interval=self.decode.stream_interval if role == "decode" else 1,
         )
+
+
+def _valid_engine(model: str, settings: dict[str, Any]) -> bool:
+    """Whether the shared engine settings alone make an EngineConfig (else a role's failure
+    is theirs)."""
+    try:
+        EngineConfig(model=model, **settings)
+    except (ValidationError, ValueError):
+        return False
+    return True
