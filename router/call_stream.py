@@ -87,7 +87,10 @@ class CallStream:
         else:
             end = len(self._text) - self._parser.undecided_tail(self._text)
         end = max(end, self._sent)
-        out, self._sent = self._text[self._sent : end], end
+        out = self._text[self._sent : end]
+        if self._sent == 0 and not out.strip():  # (leading whitespace waits: before a call,
+            return "", self._advance()  # the body strips it; before text, it goes with it)
+        self._sent = end
         return out, self._advance()
 
     def finish(self) -> tuple[str | None, list[Delta]]:

@@ -89,7 +89,7 @@ def test_every_parser_streams_its_calls(piece: int) -> None:
         '  {"name": "a", "parameters": {}}; {"name": "b", "parameters": {"y": 2}}',
         piece,
     )
-    assert "".join(llama["sent"]) == "  " and llama["rest"] is None
+    assert "".join(llama["sent"]) == "" and llama["rest"] is None  # (as its body: no content)
     assert llama["calls"] == [("a", {}), ("b", {"y": 2})]
     plain = streamed(Llama3JsonParser(), "Hello there, no call {here}", piece)
     assert "".join(plain["sent"]) == "Hello there, no call {here}" and plain["calls"] == []
@@ -142,3 +142,17 @@ def test_content_around_calls_reads_the_same_streamed_and_whole(piece: int) -> N
         out = streamed(HermesParser(), text, piece)
         joined = ("".join(out["sent"]) + (out["rest"] or "")).strip()
         assert joined == content, (text, joined, content)
+
+
+@pytest.mark.parametrize("piece", [1, 2, 100])
+def test_leading_whitespace_goes_out_with_text_and_not_before_a_call(piece: int) -> None:
+    """A reply's leading whitespace (a reasoning model's "\n\n" after its thoughts) waits:
+    before a call the body strips it (no content), before text it goes out with it."""
+    before_call = streamed(HermesParser(), "\n\n" + CALL, piece)
+    assert "".join(before_call["sent"]) == "" and before_call["rest"] is None
+    assert HermesParser()("\n\n" + CALL)[0] is None
+    text = "\n\n  Hello there"
+    plain = streamed(HermesParser(), text, piece)
+    assert "".join(plain["sent"]) + (plain["rest"] or "") == text == HermesParser()(text)[0]
+    blank = streamed(HermesParser(), " \n", piece)
+    assert "".join(blank["sent"]) + (blank["rest"] or "") == " \n"
