@@ -315,10 +315,15 @@ def _scaling(role: Any) -> str:
     return f" (autoscaling {scaling.min_replicas}..{scaling.max_replicas})" if scaling else ""
 
 
+def _local_host(cfg: Any) -> str:
+    """Where this machine reaches the API: `--host`, or 127.0.0.1 for every-interface hosts."""
+    return str(cfg.host) if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
+
+
 def _wait_for_workers(cfg: Any, timeout_s: float = 15.0) -> None:
     """Until the router counts the workers the start-up line names (it learns of replicas
     from their reports, a second or two after Serve runs them), for at most `timeout_s`."""
-    host = cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    host = _local_host(cfg)
     host = f"[{host}]" if ":" in host else host
     roles = ("decode",) if cfg.mode == "colocated" else ("prefill", "decode")
     expected = {role: getattr(cfg, role).replicas for role in roles}
@@ -361,7 +366,7 @@ def _ignored_in_colocated(cfg: Any, prefill_flag: bool) -> list[str]:
 
 def _print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress | None) -> None:
     """`ingress`: what the cluster tandem started uses (None: a cluster it joined)."""
-    host = cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    host = _local_host(cfg)
     dashboard = getattr(ctx, "dashboard_url", None)
     lines = [
         f"[tandem] serving {cfg.served_model_name or Path(cfg.model).name}: "

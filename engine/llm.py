@@ -101,7 +101,7 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The checkpoint's Hugging Face tokenizer, as vLLM's `get_tokenizer()` returns
         (`apply_chat_template(..., tokenize=False)` and all; `tokenizer` is tandem's own)."""
-        return self.engine.tokenizer.hf
+        return self.engine.get_tokenizer()
 
     def chat(
         self,
@@ -330,12 +330,13 @@ def _as_param_list(
 ) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
-    param_list = [] if isinstance(params, Mapping) else list(params)
-    if isinstance(params, Mapping) or not all(isinstance(p, SamplingParams) for p in param_list):
+    # (a dict of fields is one wrong item: refused below with the others)
+    given: list[Any] = [params] if isinstance(params, Mapping) else list(params)
+    if not all(isinstance(p, SamplingParams) for p in given):
         raise InvalidRequestError(
             "sampling_params: a SamplingParams or a list of them, one per prompt "
             "(a dict of fields: SamplingParams(**fields))"
         )
-    if len(param_list) != n:
-        raise InvalidRequestError(f"got {len(param_list)} SamplingParams for {n} prompts")
-    return param_list
+    if len(given) != n:
+        raise InvalidRequestError(f"got {len(given)} SamplingParams for {n} prompts")
+    return given

@@ -13,12 +13,15 @@ from typing import Any
 
 from tandem.engine.errors import CheckpointError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+"""The architecture transformers' `AutoModelForCausalLM` loads for a config.json's `model_type`
+(every one tandem runs)."""
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_OF_MODEL_TYPE.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -177,22 +180,13 @@ def spec_from_config(cfg: Any) -> ModelSpec:
         raise CheckpointError(f"config.json has a value tandem cannot read: {exc}") from None
 
 
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-"""The architecture transformers' `AutoModelForCausalLM` loads for a config.json's `model_type`."""
-
-
 def _architecture(cfg: dict[str, Any]) -> str:
     """The supported architecture of a config.json: its `model_type`'s, as transformers'
     `AutoModelForCausalLM` picks it (whatever `architectures` says), else the first in
     `architectures`."""
     model_type = cfg.get("model_type")
-    if isinstance(model_type, str) and model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
+    if isinstance(model_type, str) and model_type in ARCHITECTURE_OF_MODEL_TYPE:
+        return ARCHITECTURE_OF_MODEL_TYPE[model_type]
     archs = cfg.get("architectures") or []
     if isinstance(archs, str):  # (a list in every Hugging Face config; a lone name is clear)
         archs = [archs]

@@ -64,8 +64,8 @@ class Serving:
         self.tool_parser = tool_parser or HermesParser()
         """How free replies to chats with tools write their calls (`tool_parsers.py`)."""
         self.reasoning_parser = reasoning_parser
-        self._tag_ids: tuple[list[int], ...] | None = None  # (the reasoning tags', encoded)
         """Splits a chat reply's thoughts from its answer (`reasoning.py`; None: it does not)."""
+        self._tag_ids: tuple[list[int], ...] | None = None  # (the reasoning tags, encoded)
         self.sampling_defaults = dict(sampling_defaults or {})
         """The model's sampling settings (`engine.generation_defaults`), for the fields a request
         leaves out; `max_tokens` among them caps a request that gives none."""

@@ -1,8 +1,8 @@
 """vLLM's `POST /tokenize` and `POST /detokenize`: the served model's tokenizer over HTTP.
 
 `/tokenize` takes a `prompt` (text) or chat `messages` (rendered with the chat template, its
-two options and the `tools`, as `/v1/chat/completions` renders them with `tool_choice` "auto") and answers ``{"count", "max_model_len",
-"tokens"}``; `/detokenize` takes `tokens` and answers ``{"prompt"}``. Clients use them to count
+two options and the `tools`, as `/v1/chat/completions` renders them) and answers ``{"count",
+"max_model_len", "tokens"}``; `/detokenize` takes `tokens` and answers ``{"prompt"}``. Clients use them to count
 tokens exactly as the server will, e.g. to fit a prompt to the context.
 """
 
