@@ -157,9 +157,40 @@ def serve_http_port(wanted: int) -> int:
     return int(port) if isinstance(port, int) else wanted
 
 
-def shutdown(app_name: str, registry: str, drain: bool = True) -> None:
-    """Deletes the app (its requests drained first) and leaves Ray; with `drain` false (the
-    cluster is gone) only leaves Ray."""
+def wait_for_routers(registry_name: str, timeout_s: float, settle_s: float = 3.0) -> None:
+    """Tells the routers the application stops (through the worker registry) and waits, at
+    most `timeout_s`, until every router that reports has seen it and has no request left in
+    flight. Routers that never report (none within `settle_s`) are not waited for."""
+    import ray
+
+    from tandem.engine.worker_registry import NAMESPACE
+
+    try:
+        registry = ray.get_actor(registry_name, namespace=NAMESPACE)
+    except ValueError:  # (no registry: nothing reports)
+        return
+    ray.get(registry.begin_stop.remote(), timeout=10)
+    started = time.monotonic()
+    said = False
+    while (waited := time.monotonic() - started) < timeout_s:
+        routers = ray.get(registry.routers.remote(settle_s), timeout=10)
+        told = [r for r in routers if r["stopping"]]
+        if not routers and waited >= settle_s:
+            return
+        if told and len(told) == len(routers):
+            in_flight = sum(int(r["in_flight"]) for r in told)
+            if in_flight == 0:
+                return
+            if not said:
+                logger.info("waiting for %d requests in flight", in_flight)
+                said = True
+        time.sleep(0.2)
+    logger.warning("requests still in flight after %gs: Serve's drain takes them", timeout_s)
+
+
+def shutdown(app_name: str, registry: str, drain: bool = True, drain_s: float = 30.0) -> None:
+    """Deletes the app (its requests drained first, `drain_s` at most) and leaves Ray; with
+    `drain` false (the cluster is gone) only leaves Ray."""
     import ray
     from ray import serve as ray_serve
 
@@ -169,9 +200,12 @@ def shutdown(app_name: str, registry: str, drain: bool = True) -> None:
         ray.shutdown()
         return
     try:
-        # Deleting the app first drains it (the router and the workers wait for the requests,
-        # streams and KV transfers in flight); Serve's own shutdown would stop its proxy first
+        # The routers refuse new requests with a 503 while theirs in flight finish; then
+        # deleting the app drains it (the router and the workers wait for the requests,
+        # streams and KV transfers still in flight). Deleted at once, Serve's proxy would
+        # answer the new ones 404 meanwhile; Serve's own shutdown would stop its proxy first
         # and cut every stream.
+        wait_for_routers(registry, drain_s)
         ray_serve.delete(app_name)
         kill_registry(registry)
         # Serve's controller and proxies go with a cluster this command started (`ray.shutdown`

@@ -277,7 +277,7 @@ def serve(
             failed = first_line(exc)
     finally:
         try:
-            shutdown(cfg.app_name, registry_name(cfg), drain)
+            shutdown(cfg.app_name, registry_name(cfg), drain, _drain_s(cfg))
         except KeyboardInterrupt:  # Ctrl-C again while draining: stop at once
             shutdown(cfg.app_name, registry_name(cfg), drain=False)
     if failed is not None:
@@ -287,10 +287,14 @@ def serve(
     typer.echo("[tandem] stopped")
 
 
+def _drain_s(cfg: Any) -> float:
+    return float(max(cfg.decode.drain_timeout_s, cfg.prefill.drain_timeout_s))
+
+
 def _say_stopping(cfg: Any, drain: bool) -> None:
     if drain:
-        drain_s = max(cfg.decode.drain_timeout_s, cfg.prefill.drain_timeout_s)
-        typer.echo(f"[tandem] stopping: in-flight requests finish first (at most {drain_s:g}s; "
+        typer.echo(f"[tandem] stopping: new requests get a 503 while those in flight finish "
+                   f"(at most {_drain_s(cfg):g}s; "
                    "Ctrl-C again to stop at once) ...")  # fmt: skip
     else:
         typer.echo("[tandem] stopping: the Ray cluster was stopped with it (the signal reached "

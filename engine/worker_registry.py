@@ -27,6 +27,8 @@ class WorkerRegistry:
         self._workers: dict[str, dict[str, Any]] = {}
         self._departures: list[dict[str, Any]] = []
         self._cluster_token: str | None = None
+        self._routers: dict[str, dict[str, Any]] = {}
+        self._stopping = False
 
     def cluster_token(self, proposed: str) -> str:
         """The application's generated cluster token: `proposed` the first time, the same one
@@ -53,6 +55,27 @@ class WorkerRegistry:
 
     def ping(self) -> bool:
         return True
+
+    def begin_stop(self) -> None:
+        """The application is stopping (`tandem serve`'s Ctrl-C): routers refuse new requests
+        (503) while theirs in flight finish, before Serve deletes the app."""
+        self._stopping = True
+
+    def router_report(self, router_id: str, in_flight: int) -> bool:
+        """A router's requests in flight; the answer: whether the application is stopping."""
+        self._routers[router_id] = {
+            "router_id": router_id,
+            "in_flight": in_flight,
+            "stopping": self._stopping,
+            "reported_at": time.time(),
+        }
+        return self._stopping
+
+    def routers(self, max_age_s: float = 3.0) -> list[dict[str, Any]]:
+        """The routers that reported within `max_age_s`, each with `stopping`: whether it had
+        been told so when it reported."""
+        now = time.time()
+        return [r for r in self._routers.values() if now - r["reported_at"] <= max_age_s]
 
     def list(self, max_age_s: float = 10.0) -> list[dict[str, Any]]:
         now = time.time()

@@ -49,6 +49,7 @@ from tandem.router.routing_policy import RoutingConfig
 from tandem.router.serve_replicas import replica_states
 from tandem.router.serving import Serving
 from tandem.router.sse_keepalive import KEEPALIVE_S
+from tandem.router.stop_gate import StopGate, StopGateMiddleware, follow_stop
 from tandem.router.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from tandem.router.tool_parsers import pick_tool_parser
 from tandem.router.worker_directory import WorkerDirectory
@@ -89,6 +90,7 @@ async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
     return _counted(request, exc)
 
 
+api.add_middleware(StopGateMiddleware, gate=lambda: getattr(api.state, "stop_gate", None))
 api.add_middleware(APIKeyMiddleware, key=lambda: getattr(api.state, "api_key_digest", None))
 # (added last: outermost, so that a browser's preflight needs no key)
 api.add_middleware(LateCORS, origins=lambda: getattr(api.state, "cors_origins", []))
@@ -142,6 +144,7 @@ class Router:
             get_registry(registry), settings["auth_token"], lambda: get_registry(registry)
         )
         self.directory.start()
+        self.stop_gate = api.state.stop_gate = StopGate()
         self.roles = ("decode",) if settings.get("mode") == "colocated" else ("prefill", "decode")
         model_name = settings["served_model_name"]
         replica = serve.get_replica_context().replica_id.unique_id
@@ -165,6 +168,9 @@ class Router:
             )
         )
         asyncio.get_running_loop().create_task(self._follow_replica_targets())
+        asyncio.get_running_loop().create_task(
+            follow_stop(self.stop_gate, f"router/{replica}", lambda: self.directory.registry)
+        )
         planner = RoutePlanner(
             self.directory,
             RoutingConfig.model_validate(settings.get("routing", {})),
@@ -248,7 +254,8 @@ class Router:
                 host,
                 port,
                 api_key_digest=self.api_key_digest,
-                ready=lambda: all(self._live_workers().values()),
+                ready=lambda: all(self._live_workers().values()) and not self.stop_gate.stopping,
+                gate=self.stop_gate,
             )
         except Exception:
             logger.exception("gRPC server did not start on %s:%s", host, port)
@@ -310,8 +317,11 @@ class Router:
     @api.get("/ping")  # (vLLM's and SageMaker's name for it)
     @api.post("/ping")
     async def health(self) -> JSONResponse:
-        """200 when at least one worker of each role in use is reachable, else 503."""
+        """200 when at least one worker of each role in use is reachable, else 503 (also while
+        the application stops: "stopping")."""
         live = self._live_workers()
+        if self.stop_gate.stopping:
+            return JSONResponse({"status": "stopping", "workers": live}, status_code=503)
         if all(live.values()):
             return JSONResponse({"status": "ok", "workers": live})
         return JSONResponse({"status": "unavailable", "workers": live}, status_code=503)

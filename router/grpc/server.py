@@ -25,6 +25,7 @@ from tandem.router.grpc.health_status import SERVICE_NAME, GrpcServer, HealthSer
 from tandem.router.openai_protocol import MAX_TEMPERATURE
 from tandem.router.request_timings import RequestTimings
 from tandem.router.serving import Serving
+from tandem.router.stop_gate import StopGate
 from tandem.router.structured_output import Structure, one_structure, parse_schema
 
 logger = logging.getLogger("tandem.router")
@@ -111,9 +112,12 @@ def _parse_request(data: bytes) -> generation_pb2.GenerateRequest | None:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, serving: Serving, api_key_digest: str | None = None) -> None:
+    def __init__(
+        self, serving: Serving, api_key_digest: str | None = None, gate: StopGate | None = None
+    ) -> None:
         self.serving = serving
         self.api_key_digest = api_key_digest
+        self.gate = gate or StopGate()
 
     async def Generate(  # noqa: N802 - the RPC's name
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -125,48 +129,51 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, exc.message)
         timings = RequestTimings()
         try:
-            if request is None:  # (`_parse_request` could not read the bytes)
-                raise bad_request("the request is not a tandem.v1.GenerateRequest")
-            options = request.sampling
-            max_tokens = options.max_tokens if options.HasField("max_tokens") else 16
-            prompt: str | list[int] = (
-                list(request.prompt_token_ids) if request.prompt_token_ids else request.prompt
-            )
-            if request.prompt_token_ids and request.prompt:
-                raise bad_request("give prompt or prompt_token_ids, not both", "prompt")
-            if request.HasField("deadline_ms") and not request.deadline_ms > 0:
-                raise bad_request(f"deadline_ms must be > 0, got {request.deadline_ms}")
-            # A client's id may repeat (two calls at once): the workers get it made unique.
-            own_id = f"{request.request_id}@{uuid.uuid4().hex[:8]}" if request.request_id else ""
-            req = await self.serving.prepare(
-                own_id or f"grpc-{uuid.uuid4().hex}",
-                request.model or None,
-                prompt,
-                max_tokens,
-                _sampling_fields(options),
-                timings,
-                deadline_ms=request.deadline_ms if request.HasField("deadline_ms") else None,
-                priority=request.priority if request.HasField("priority") else None,
-                user=request.user or None,
-            )
-            async with contextlib.aclosing(self.serving.run(req)) as items:
-                async for item in items:
-                    finish = item.get("finish_reason") or ""
-                    usage = None
-                    if finish:
-                        usage = generation_pb2.Usage(
-                            prompt_tokens=len(req.prompt_token_ids),
-                            completion_tokens=req.completion_tokens,
-                            cached_tokens=req.num_cached_tokens,
+            with self.gate.admitted():  # (a 503 once the application stops)
+                if request is None:  # (`_parse_request` could not read the bytes)
+                    raise bad_request("the request is not a tandem.v1.GenerateRequest")
+                options = request.sampling
+                max_tokens = options.max_tokens if options.HasField("max_tokens") else 16
+                prompt: str | list[int] = (
+                    list(request.prompt_token_ids) if request.prompt_token_ids else request.prompt
+                )
+                if request.prompt_token_ids and request.prompt:
+                    raise bad_request("give prompt or prompt_token_ids, not both", "prompt")
+                if request.HasField("deadline_ms") and not request.deadline_ms > 0:
+                    raise bad_request(f"deadline_ms must be > 0, got {request.deadline_ms}")
+                # A client's id may repeat (two calls at once): the workers get it made unique.
+                own_id = (
+                    f"{request.request_id}@{uuid.uuid4().hex[:8]}" if request.request_id else ""
+                )
+                req = await self.serving.prepare(
+                    own_id or f"grpc-{uuid.uuid4().hex}",
+                    request.model or None,
+                    prompt,
+                    max_tokens,
+                    _sampling_fields(options),
+                    timings,
+                    deadline_ms=request.deadline_ms if request.HasField("deadline_ms") else None,
+                    priority=request.priority if request.HasField("priority") else None,
+                    user=request.user or None,
+                )
+                async with contextlib.aclosing(self.serving.run(req)) as items:
+                    async for item in items:
+                        finish = item.get("finish_reason") or ""
+                        usage = None
+                        if finish:
+                            usage = generation_pb2.Usage(
+                                prompt_tokens=len(req.prompt_token_ids),
+                                completion_tokens=req.completion_tokens,
+                                cached_tokens=req.num_cached_tokens,
+                            )
+                        yield generation_pb2.GenerateResponse(
+                            request_id=request.request_id or req.request_id,
+                            token_ids=item["token_ids"],
+                            text=item["text"],
+                            finish_reason=finish,
+                            usage=usage,
+                            logprobs=_logprobs(item.get("logprobs")),
                         )
-                    yield generation_pb2.GenerateResponse(
-                        request_id=request.request_id or req.request_id,
-                        token_ids=item["token_ids"],
-                        text=item["text"],
-                        finish_reason=finish,
-                        usage=usage,
-                        logprobs=_logprobs(item.get("logprobs")),
-                    )
         except APIError as exc:
             # (refusals before `prepare` are counted here, as HTTP's error handler counts them)
             exc.count(self.serving.metrics)
@@ -179,15 +186,17 @@ async def start_grpc_server(
     port: int,
     api_key_digest: str | None = None,
     ready: Callable[[], bool] = lambda: True,
+    gate: StopGate | None = None,
 ) -> GrpcServer:
     """Starts Generation, health and server reflection on `host:port`. Health reports "" and
-    the Generation service SERVING while `ready()` holds (checked every `HEALTH_EVERY_S`). With
-    `api_key_digest` (`key_digest` of the key), `Generate` wants the metadata
-    ``authorization: Bearer <key>`` (reflection and health do not)."""
+        the Generation service SERVING while `ready()` holds (checked every `HEALTH_EVERY_S`). With
+        `api_key_digest` (`key_digest` of the key), `Generate` wants the metadata
+        ``authorization: Bearer <key>`` (reflection and health do not). `gate`: the router's, which
+    counts the calls in flight and refuses new ones once the application stops."""
     server = grpc.aio.server()
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            GenerationServicer(serving, api_key_digest).Generate,
+            GenerationServicer(serving, api_key_digest, gate).Generate,
             request_deserializer=_parse_request,
             response_serializer=generation_pb2.GenerateResponse.SerializeToString,
         )

@@ -14,13 +14,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+import requests
 import yaml
 
 from tandem.deploy.ingress import DEFAULT_INGRESS
@@ -105,7 +108,6 @@ def stop_ray_serve_run(proc: subprocess.Popen[str]) -> None:
 def streams_started(port: int, model: str, count: int, max_tokens: int) -> list[Any]:
     """`count` streaming completions under way (each has its first chunk): futures of
     (tokens streamed, finish reason)."""
-    from concurrent.futures import ThreadPoolExecutor
     from threading import Barrier
 
     started = Barrier(count + 1, timeout=60)
@@ -132,6 +134,26 @@ def streams_started(port: int, model: str, count: int, max_tokens: int) -> list[
     started.wait()
     pool.shutdown(wait=False)
     return futures
+
+
+def new_requests_while(
+    streaming: list[Future[Any]], ports: tuple[int, ...]
+) -> list[tuple[int, int, str | None]]:
+    """(port, status, error code or health status) of a new completion and a `/health` on each
+    of `ports`, every 0.1 s until the `streaming` requests have ended."""
+    answers: list[tuple[int, int, str | None]] = []
+    with requests.Session() as client:
+        while not all(future.done() for future in streaming):
+            for port in ports:
+                url = f"http://127.0.0.1:{port}"
+                body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 1}
+                done = client.post(f"{url}/v1/completions", json=body, timeout=30)
+                code = done.json()["error"]["code"] if done.status_code != 200 else None
+                answers.append((port, done.status_code, code))
+                health = client.get(f"{url}/health", timeout=30)
+                answers.append((port, health.status_code, health.json()["status"]))
+            time.sleep(0.1)
+    return answers
 
 
 def complete(port: int, model: str) -> str:
@@ -175,11 +197,18 @@ def test_tandem_serve_answers_and_stops_on_ctrl_c(
     except BaseException:
         print(stop(proc)[-5000:])  # what `tandem serve` said, in the test report
         raise
-    out = stop(proc, timeout=120)  # (Ctrl-C while the streams run: they finish first)
+    with ThreadPoolExecutor(1) as pool:  # (Ctrl-C while the streams run: they finish first)
+        probed = pool.submit(new_requests_while, streaming, (port, direct_port))
+        out = stop(proc, timeout=120)
+        answers = probed.result(timeout=10)
     assert proc.returncode == 0, out[-3000:]
     ended = [future.result(timeout=10) for future in streaming]
     assert ended == [(1500, "length")] * 3, ended
-    assert "in-flight requests finish first" in out
+    # Meanwhile new requests got a 503 that says why, on either port (not Serve's 404).
+    assert {a for a in answers if a[1] != 200} == {
+        (p, 503, "shutting_down") for p in (port, direct_port)
+    } | {(p, 503, "stopping") for p in (port, direct_port)}, answers
+    assert "new requests get a 503 while those in flight finish" in out
     assert f"OpenAI API:    http://127.0.0.1:{port}/v1 (through {DEFAULT_INGRESS})" in out
     assert f"OpenAI API:    http://127.0.0.1:{direct_port}/v1 (the router's own port" in out
     assert "Ray dashboard: http://" in out

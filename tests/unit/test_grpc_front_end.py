@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from tandem.router.errors import APIError
 from tandem.router.grpc import generation_pb2, health_status
 from tandem.router.grpc.server import _sampling_fields, start_grpc_server
+from tandem.router.stop_gate import StopGate
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -120,6 +121,30 @@ def test_requests_refused_before_prepare_count_as_failures_as_http_counts_them()
     codes = asyncio.run(run())
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 6
     assert serving.metrics.failed_codes == ["invalid_request_error"] * 6
+
+
+def test_generate_is_refused_unavailable_once_the_application_stops() -> None:
+    serving = _RefusingServing()
+    gate = StopGate()
+    gate.stopping = True
+
+    async def run() -> tuple[grpc.StatusCode, str]:
+        running = await start_grpc_server(cast(Any, serving), "127.0.0.1", 0, gate=gate)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            generate = channel.unary_stream("/tandem.v1.Generation/Generate")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in generate(
+                    generation_pb2.GenerateRequest(prompt="hi").SerializeToString()
+                ):
+                    pass
+        await running.stop(0)
+        return err.value.code(), err.value.details() or ""
+
+    code, details = asyncio.run(run())
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in details
+    assert serving.metrics.failed_codes == ["shutting_down"]
+    assert gate.in_flight == 0
 
 
 def test_an_open_health_watch_does_not_hold_the_stop_for_its_whole_grace() -> None:
