@@ -148,14 +148,15 @@ def build_app(config: ClusterConfig) -> Application:
             for role in (("decode",) if config.mode == "colocated" else ("prefill", "decode"))
         },
     }
-    # the router waits for its streams as long as the workers drain (`tandem serve`'s Ctrl-C,
-    # a redeploy or a scale-down: every stream ends, or the drain timeout does)
+    # A stopping router waits for its streams as long as the workers drain, and as long again:
+    # a stream whose decode worker's drain ran out (a redeploy replaces the workers too) goes
+    # on on another worker, through this router.
     drain_s = max(config.decode.drain_timeout_s, config.prefill.drain_timeout_s)
     router_settings["drain_timeout_s"] = drain_s
     return Router.options(  # type: ignore[attr-defined]
         num_replicas=config.router.replicas,
         ray_actor_options=config.router.ray_actor_options(),
-        graceful_shutdown_timeout_s=drain_s + SHUTDOWN_MARGIN_S,
+        graceful_shutdown_timeout_s=2 * drain_s + SHUTDOWN_MARGIN_S,
     ).bind(router_settings, prefill, decode)
 
 

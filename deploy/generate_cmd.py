@@ -46,6 +46,9 @@ def generate(
     dtype: Annotated[
         str, typer.Option(help="auto (the checkpoint's) | float32 | bfloat16 | float16.")
     ] = "auto",
+    device: Annotated[
+        str, typer.Option(help="auto (CUDA when available) | cpu | cuda | cuda:N.")
+    ] = "auto",
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV block.")] = 16,
     num_kv_blocks: Annotated[
         int | None,
@@ -93,6 +96,7 @@ def generate(
         llm = LLM(
             model=str(model),
             dtype=dtype,
+            device=device,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -26,7 +26,8 @@ Prompts = str | dict[str, Any] | Sequence[str] | Sequence[Sequence[int]] | Seque
 
 
 class LLM:
-    """Loads a local Hugging Face checkpoint and generates for a batch of prompts.
+    """Loads a local Hugging Face checkpoint and generates for a batch of prompts, on a CUDA
+    GPU when there is one (`device="auto"`, as vLLM uses the GPU; `device="cpu"` stays off it).
 
     >>> llm = LLM(model="/path/to/checkpoint")
     >>> out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
@@ -40,6 +41,7 @@ class LLM:
         self,
         model: str,
         dtype: str | torch.dtype = "auto",
+        device: str = "auto",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         max_num_batched_tokens: int = 2048,
@@ -53,6 +55,7 @@ class LLM:
         config = EngineConfig(
             model=str(model),
             dtype=str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype,
+            device=device,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -95,8 +95,11 @@ class WorkerLost(APIError):
     """A worker's connection broke or was refused (it died, or its process hangs): 503. A
     request that has sent its caller nothing yet can start over on the workers still alive."""
 
-    def __init__(self, worker_id: str, message: str, code: str) -> None:
+    def __init__(self, worker_id: str, message: str, code: str, drained: bool = False) -> None:
+        """`drained`: the worker was draining (Serve stopping it) and left before the request
+        ended (its `drain_timeout_s` ran out), as against dying."""
         super().__init__(
             503, message, type="service_unavailable_error", code=code, headers=RETRY_AFTER
         )
         self.worker_id = worker_id
+        self.drained = drained

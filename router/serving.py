@@ -33,6 +33,7 @@ from tandem.router.request_record import (
 from tandem.router.request_timings import RequestTimings
 from tandem.router.route_planner import RoutePlanner
 from tandem.router.tool_parsers import HermesParser, ToolParser
+from tandem.router.worker_failures import LossAllowance
 
 logger = logging.getLogger("tandem.router")
 
@@ -42,6 +43,15 @@ the router holds a connection to each). Lost before it sent its caller anything,
 over; lost mid-stream (its decode worker died), it continues where the stream stopped when the
 continuation is the same as the lost one would have been: any request but a structured output
 (see `Prepared.resumable`)."""
+
+MAX_DRAINED_MOVES = 4
+"""Besides those, times a request goes on after a worker that was draining (Serve stopping it)
+left with it when its `drain_timeout_s` ran out: a rolling update may drain the worker it moved
+to as well, and such a move is no sign of a failing request."""
+
+
+def _loss_allowance() -> LossAllowance:
+    return LossAllowance(MAX_LOST_RETRIES, MAX_DRAINED_MOVES)
 
 
 class Serving:
@@ -220,12 +230,13 @@ class Serving:
                 user=user,
                 deadline_ms=admission.deadline_ms(deadline_ms, user),
             )
-            for attempt in range(MAX_LOST_RETRIES + 1):
+            losses = _loss_allowance()
+            while True:
                 try:
                     await self._route(req, wait_for_room)
                     break
                 except WorkerLost as exc:
-                    if attempt == MAX_LOST_RETRIES:
+                    if not losses.spend(exc):
                         raise
                     self._starting_over(req, exc)
             return req
@@ -317,7 +328,8 @@ class Serving:
         last_tokens: float | None = None  # when the last item that carried tokens came
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                for attempt in range(MAX_LOST_RETRIES + 1):
+                losses = _loss_allowance()
+                while True:
                     try:
                         async with contextlib.aclosing(self._generate(req)) as items:
                             async for item in items:
@@ -334,7 +346,7 @@ class Serving:
                         break
                     except WorkerLost as exc:
                         # Start over, or go on from the tokens sent, without that worker.
-                        if attempt == MAX_LOST_RETRIES:
+                        if not losses.spend(exc):
                             raise
                         if not (last_item is None or req.resumable):
                             if not req.buffered:

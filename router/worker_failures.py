@@ -37,8 +37,28 @@ async def lost(worker: Worker, news: asyncio.Future[Any] | None) -> bool:
 def failed(worker: Worker, message: str, code: str) -> APIError:
     """A 503 for a call to `worker` that failed; `WorkerLost` when its connection is gone."""
     if worker.client.lost_at is not None:
-        return WorkerLost(worker.worker_id, message, code)
+        return WorkerLost(worker.worker_id, message, code, drained=worker.draining)
     return unavailable(message, code)
+
+
+class LossAllowance:
+    """How many lost workers one request survives: `max_lost` deaths, and besides those
+    `max_drained` workers that left it when their drain ran out (a scale-down, or a rolling
+    update, which may drain the worker it moved to next)."""
+
+    def __init__(self, max_lost: int, max_drained: int) -> None:
+        self.lost_left = max_lost
+        self.drained_left = max_drained
+
+    def spend(self, exc: WorkerLost) -> bool:
+        """Whether the request may go on after `exc` (and one allowance less)."""
+        if exc.drained and self.drained_left > 0:
+            self.drained_left -= 1
+            return True
+        if self.lost_left > 0:
+            self.lost_left -= 1
+            return True
+        return False
 
 
 def worker_error(item: dict[str, Any]) -> APIError:

@@ -173,6 +173,15 @@ def test_the_default_dtype_is_the_checkpoints(tiny_checkpoint: Any) -> None:
     assert EngineConfig(model="/nonexistent/checkpoint").dtype == "float32"
 
 
+def test_the_default_device_is_the_gpu_when_there_is_one(llm: LLM) -> None:
+    """As vLLM, which always uses the accelerator: `device="auto"` (a cluster's engines stay
+    on "cpu" unless their role asks Ray for a GPU)."""
+    assert llm.engine.config.device == "auto"
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert llm.engine.device.type == want
+    assert EngineConfig(model="/nonexistent/checkpoint").device == "cpu"
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
     ids = list(range(10, 40))
     out = llm.generate([ids], SamplingParams(truncate_prompt_tokens=5, **GREEDY_FIELDS))[0]

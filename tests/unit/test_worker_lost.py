@@ -4,7 +4,8 @@ a request goes on from those tokens, once, with its text and stop strings handle
 across the seam and the tokens sent counted as its output on the new worker (`resumed_tokens`:
 seeded draws, penalties); a structured output fails (its grammar's state died with the worker)
 when it is streamed, and starts again from none when its caller gets the answer at its end; a
-second loss fails."""
+second loss fails (a worker that was draining and left when its drain ran out is not counted
+as one, up to MAX_DRAINED_MOVES)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from tandem.engine.sampling_params import SamplingParams
+from tandem.router import serving as serving_module
 from tandem.router.errors import WorkerLost
 from tandem.router.prepared import Prepared
 from tandem.router.request_timings import RequestTimings
@@ -51,7 +53,7 @@ ANSWER = [7, 8, 9, 10, 11]
 class FakeOrchestrator:
     """`generate` streams `ANSWER` one token per item, from where its prompt leaves off, and
     loses its worker on the calls listed in `lose` (by call number), before or after its first
-    item."""
+    item ("drained": after, a worker that was draining)."""
 
     def __init__(self, lose: dict[int, str]) -> None:
         self.lose = lose
@@ -79,8 +81,9 @@ class FakeOrchestrator:
             last = i == count - 1
             yield {"token_ids": [token], "text": self.texts.get(token, f"<{token}>"),
                    "finish_reason": "length" if last else None}  # fmt: skip
-            if when == "after" and not last:
-                raise WorkerLost("decode/b", "connection to decode/b lost", "decode_failed")
+            if when in ("after", "drained") and not last:
+                raise WorkerLost("decode/b", "connection to decode/b lost", "decode_failed",
+                                 drained=when == "drained")  # fmt: skip
 
 
 class FakeTokenizer:
@@ -270,6 +273,32 @@ def test_a_request_starts_over_once_at_most() -> None:
     with pytest.raises(WorkerLost):
         asyncio.run(_collect(serving, _prepared(planner)))
     assert orchestrator.generated == ["cmpl-1", "cmpl-1~1"]
+
+
+def test_workers_whose_drain_ran_out_do_not_use_up_the_one_loss_a_request_survives() -> None:
+    # A rolling update: the stream's decode worker drains out, and so does the next one; then
+    # a worker dies: the request still ends, exactly.
+    orchestrator = FakeOrchestrator({0: "drained", 1: "drained", 2: "after"})
+    serving, planner = _serving(orchestrator)
+    req = _prepared(planner, SamplingParams(temperature=0, max_tokens=5))
+    assert asyncio.run(_collect(serving, req)) == [[7], [8], [9], [10], [11]]
+    assert orchestrator.generated == ["cmpl-1", "cmpl-1~1", "cmpl-1~2", "cmpl-1~3"]
+    assert (req.token_ids, req.finish_reason, req.resumed_tokens) == (ANSWER, "length", 3)
+
+
+def test_drained_moves_are_bounded_too() -> None:
+    drains = dict.fromkeys(range(serving_module.MAX_DRAINED_MOVES + 1), "drained")
+    orchestrator = FakeOrchestrator({**drains, serving_module.MAX_DRAINED_MOVES + 1: "after"})
+    serving, planner = _serving(orchestrator)
+    params = SamplingParams(temperature=0, max_tokens=serving_module.MAX_DRAINED_MOVES + 4)
+    orchestrator_answer = ANSWER + list(range(12, 12 + serving_module.MAX_DRAINED_MOVES))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys.modules[__name__], "ANSWER", orchestrator_answer)
+        with pytest.raises(WorkerLost):
+            asyncio.run(_collect(serving, _prepared(planner, params)))
+    # MAX_DRAINED_MOVES drained moves; the next one spends the one loss a request survives,
+    # and the death after it fails the request
+    assert len(orchestrator.generated) == serving_module.MAX_DRAINED_MOVES + 2
 
 
 def test_requests_that_go_on_without_a_lost_worker_are_counted() -> None:
