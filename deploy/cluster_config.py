@@ -17,7 +17,7 @@ from tandem.deploy.autoscaling_config import DecodeAutoscaling, PrefillAutoscali
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import summarize_validation
 from tandem.engine.worker_settings import WorkerSettings
-from tandem.kv_transfer.registry import TRANSPORTS
+from tandem.kv_transfer.registry import TRANSPORTS, check_options
 from tandem.router.admission import AdmissionConfig
 from tandem.router.route_planner import DecodeRoutingConfig
 from tandem.router.routing_policy import RoutingConfig
@@ -176,7 +176,12 @@ class ClusterConfig(BaseModel):
         "workers; every request is prefilled and decoded by one decode-role worker.",
     )
     transport: str = Field("shm", description="KV transport between prefill and decode.")
-    transport_options: dict[str, Any] = Field(default_factory=dict)
+    transport_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The transport's own options (its constructor's keyword arguments, e.g. "
+        "torch: host, advertise_host, port, timeout); unknown ones are refused. A worker's "
+        "transport listens on its node's address unless `host` is given.",
+    )
     api_key: str | None = Field(
         None,
         description="Clients must send 'Authorization: Bearer <key>' (HTTP header or gRPC "
@@ -250,6 +255,11 @@ class ClusterConfig(BaseModel):
             what = "is in-process only: it" if value in TRANSPORTS else "is unknown: the transport"
             raise ValueError(f"transport {value!r} {what} cannot join processes (use {usable})")
         return value
+
+    @model_validator(mode="after")
+    def _transport_options_exist(self) -> ClusterConfig:
+        check_options(self.transport, self.transport_options)
+        return self
 
     @field_validator("engine", "prefill", "decode", mode="after")
     @classmethod

@@ -41,12 +41,13 @@ class WorkerDeployment(ABC):
     """Base of `PrefillWorker` / `DecodeWorker` (the classes Serve deploys)."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
+        import ray
         from ray import serve
 
         use_serve_log_handlers()
         cfg = WorkerSettings.model_validate(settings)
         self.settings = cfg
-        engine, transport = create_engine_and_transport(cfg)
+        engine, transport = create_engine_and_transport(cfg, ray.util.get_node_ip_address())
         self.worker_id = f"{cfg.role}/{serve.get_replica_context().replica_id.unique_id}"
         self._registry = get_registry(cfg.registry_name) if cfg.registry_name else None
         if self._registry is not None and cfg.auth_token:  # (a redeploy without a token of

@@ -32,17 +32,22 @@ class WorkerSettings(BaseModel):
     stream_interval: int = Field(1, ge=1)  # decode: tokens a stream gathers before they go out
 
 
-def create_engine_and_transport(settings: WorkerSettings) -> tuple[Any, Any]:
-    """The worker's KV transport, and its engine with the KV pool where the transport wants it."""
+def create_engine_and_transport(
+    settings: WorkerSettings, node_ip: str | None = None
+) -> tuple[Any, Any]:
+    """The worker's KV transport, and its engine with the KV pool where the transport wants it.
+    `node_ip`: the address of the worker's node, where its transport listens unless its
+    options say where."""
     import torch
 
     from tandem.engine.llm_engine import LLMEngine
-    from tandem.kv_transfer.registry import create_transport, pool_factory
+    from tandem.kv_transfer.registry import create_transport, pool_factory, reachable_options
 
     torch.set_num_threads(settings.torch_threads)
-    transport = create_transport(
-        settings.transport, settings.auth_token, **settings.transport_options
-    )
+    options = settings.transport_options
+    if node_ip is not None:
+        options = reachable_options(settings.transport, options, node_ip)
+    transport = create_transport(settings.transport, settings.auth_token, **options)
     config = settings.engine.model_copy(update={"enable_kv_events": True})  # for the router
     factory = pool_factory(transport, send_only=settings.role == "prefill")
     try:

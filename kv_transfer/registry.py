@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from typing import Any
 
 from tandem.kv_transfer.base import KVTransport
@@ -36,6 +37,37 @@ def transport_class(name: str) -> type[KVTransport]:
 def create_transport(name: str, auth_token: str, **options: Any) -> KVTransport:
     """Instantiates the transport called `name` with the cluster token and its own options."""
     return transport_class(name)(auth_token, **options)
+
+
+def option_names(name: str) -> set[str] | None:
+    """The options the transport called `name` takes (its constructor's keyword arguments
+    after the cluster token); None when it cannot be imported here (ucx without ucxx)."""
+    try:
+        cls = transport_class(name)
+    except ImportError:
+        return None
+    params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # (self, token)
+    return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def check_options(name: str, options: dict[str, Any]) -> None:
+    """ValueError naming the options the transport called `name` does not take."""
+    known = option_names(name)
+    if known is None:
+        return
+    if unknown := sorted(set(options) - known):
+        takes = ", ".join(sorted(known)) or "none"
+        raise ValueError(f"transport {name!r} has no option {unknown} (it takes: {takes})")
+
+
+def reachable_options(name: str, options: dict[str, Any], node_ip: str) -> dict[str, Any]:
+    """`options` for a worker's transport, with the address of the node it runs on where the
+    transport listens on one and none is given (a peer on another node or pod dials the
+    address the transport advertises: loopback, its default, reaches nobody there)."""
+    known = option_names(name) or set()
+    if "host" in known and not {"host", "advertise_host"} & set(options):
+        return {**options, "host": node_ip}
+    return dict(options)
 
 
 def pool_factory(transport: KVTransport, *, send_only: bool = False) -> Any:

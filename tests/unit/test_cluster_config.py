@@ -41,6 +41,8 @@ def test_the_serve_config_args_are_cluster_config_fields() -> None:
         {"port": 9000, "grpc_port": 9000},
         {"port": 9000, "direct_port": 9000},
         {"grpc_port": 8001},  # (the default direct_port)
+        {"transport": "torch", "transport_options": {"advertise": "10.0.0.5"}},
+        {"transport_options": {"bogus": 1}},  # (shm's)
     ],
 )
 def test_bad_settings_are_refused(bad: dict[str, object]) -> None:

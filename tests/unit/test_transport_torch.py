@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -94,3 +95,21 @@ def test_backend_is_nccl_only_with_a_cuda_pool_and_nccl(monkeypatch: pytest.Monk
     finally:
         transport._pool = None
         transport.close()
+
+
+def test_a_workers_transport_listens_on_its_nodes_address(tiny_checkpoint: Any) -> None:
+    """A peer on another node or pod dials the address a transport advertises: a worker's
+    torch transport takes its node's (loopback, the class's default, reaches nobody there),
+    unless the config's `transport_options` say where."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.worker_settings import WorkerSettings, create_engine_and_transport
+
+    engine = EngineConfig(model=str(tiny_checkpoint()), num_kv_blocks=8)
+    for options, want in (({}, "127.0.0.2"), ({"host": "127.0.0.1"}, "127.0.0.1")):
+        settings = WorkerSettings(role="decode", engine=engine, auth_token="t",
+                                  transport="torch", transport_options=options)  # fmt: skip
+        _, transport = create_engine_and_transport(settings, node_ip="127.0.0.2")
+        try:
+            assert transport.address.rsplit(":", 1)[0] == f"torch:{want}"
+        finally:
+            transport.close()
