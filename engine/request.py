@@ -52,6 +52,7 @@ class Request:
         "token_ids",
         "params",
         "stop_ids",
+        "min_tokens_ids",
         "status",
         "timestamps",
         "num_computed_tokens",
@@ -91,10 +92,10 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)
         self.params = params
-        stop_ids = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids |= eos_token_ids
-        self.stop_ids = frozenset(stop_ids)
+        stop_ids = frozenset(params.stop_token_ids or ())
+        self.stop_ids = stop_ids if params.ignore_eos else stop_ids | eos_token_ids
+        # (what `min_tokens` keeps out: EOS too with ignore_eos, as vLLM's min-tokens does)
+        self.min_tokens_ids = stop_ids | eos_token_ids
         self.status = RequestStatus.NEW
         self.timestamps: dict[RequestStatus, float] = {
             RequestStatus.NEW: arrival_time if arrival_time is not None else time.monotonic()

@@ -234,8 +234,12 @@ def _suppress_stops_before_min_tokens(logits: torch.Tensor, requests: Sequence[R
     rows: list[int] = []
     ids: list[int] = []
     for i, req in enumerate(requests):
-        if req.params.min_tokens and req.num_output_tokens < req.params.min_tokens and req.stop_ids:
-            stops = [t for t in req.stop_ids if t < logits.shape[-1]]
+        if (
+            req.params.min_tokens
+            and req.num_output_tokens < req.params.min_tokens
+            and req.min_tokens_ids
+        ):
+            stops = [t for t in req.min_tokens_ids if t < logits.shape[-1]]
             rows.extend([i] * len(stops))
             ids.extend(stops)
     if ids:

@@ -143,6 +143,14 @@ class SamplingParams(BaseModel):
                 str(where[0]) if where and isinstance(where[0], str) else None,
             ) from None
 
+    def __setattr__(self, name: str, value: object) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:  # (the constructor's one-line error)
+            raise InvalidRequestError(
+                f"invalid sampling parameters: {summarize_validation(exc)}", name
+            ) from None
+
     @field_validator("seed")
     @classmethod
     def _no_seed(cls, value: int | None) -> int | None:
@@ -260,6 +268,15 @@ class SamplingParams(BaseModel):
         if max_tokens is not None and value > max_tokens:
             raise ValueError(f"min_tokens ({value}) must be <= max_tokens ({max_tokens})")
         return value
+
+    @model_validator(mode="after")
+    def _max_tokens_above_min(self) -> SamplingParams:
+        # (`_min_tokens_within_max` at construction; this one when max_tokens is assigned)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        return self
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's `SamplingParams.clone`)."""

@@ -294,8 +294,12 @@ def test_sampling_params_take_assignments_as_vllms_do(llm: LLM) -> None:
         llm.generate([[10, 11]], params)[0].token_ids
         == llm.generate([[10, 11]], GREEDY)[0].token_ids
     )
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(InvalidRequestError, match="top_p") as refused:
         params.top_p = 5.0
+    assert "\n" not in str(refused.value)  # (the constructor's one-line error)
+    params.min_tokens = 3
+    with pytest.raises(InvalidRequestError, match=r"min_tokens \(3\) must be <= max_tokens \(2\)"):
+        params.max_tokens = 2
     with pytest.raises(ValueError, match="unknown"):
         params.unknown = 1  # type: ignore[attr-defined]
 

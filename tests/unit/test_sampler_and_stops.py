@@ -335,3 +335,13 @@ def test_a_stop_string_completed_by_the_min_tokens_th_token_does_not_count(llm: 
     assert len(at_k.token_ids) == k and at_k.stop_reason == stop  # (k > min_tokens: it counts)
     out = llm.generate([prompt], SamplingParams(min_tokens=k, stop=[stop], **greedy))[0]
     assert len(out.token_ids) > k and out.text.startswith(decode(ids[:k]))
+
+
+def test_min_tokens_keeps_eos_out_with_ignore_eos_too(llm: LLM) -> None:
+    """As vLLM's min-tokens processor: EOS is kept out of the first `min_tokens` tokens whatever
+    `ignore_eos` says (ignore_eos only keeps it from ending the request)."""
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    pushed = {"temperature": 0, "max_tokens": 4, "logit_bias": {eos: 100}, "ignore_eos": True}
+    out = llm.generate([[10, 11]], SamplingParams(min_tokens=3, **pushed))[0].token_ids
+    assert len(out) == 4 and eos not in out[:3] and out[3] == eos, out
+    assert llm.generate([[10, 11]], SamplingParams(**pushed))[0].token_ids == [eos] * 4
