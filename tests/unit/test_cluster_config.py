@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,27 @@ def test_the_example_config_validates_and_flags_override_it() -> None:
     assert cfg.admission.tenants["interactive"].deadline_ms == 2000
     assert cfg.routing.policy == "cache_affinity"
     assert cfg.engine_config("prefill", "/m").block_size == 16
+
+
+def test_the_example_config_names_every_field() -> None:
+    """README: every field has a line (with a comment) in deploy/cluster.example.yaml."""
+    from pydantic import BaseModel
+
+    from tandem.deploy import cluster_config
+    from tandem.engine.config import EngineConfig
+
+    text = (DEPLOY / "cluster.example.yaml").read_text()
+    named = set(re.findall(r"^\s*#?\s*([a-z_]+):", text, re.MULTILINE))
+    models = [EngineConfig] + [
+        m
+        for m in vars(cluster_config).values()
+        if isinstance(m, type)
+        and issubclass(m, BaseModel)
+        and m.__module__ == cluster_config.__name__
+    ]
+    missing = {m.__name__: sorted(set(m.model_fields) - named) for m in models}
+    assert {name: fields for name, fields in missing.items() if fields} == {}
+    assert len(models) >= 6  # (ClusterConfig, its roles, router, SLO and the engine's)
 
 
 def test_the_serve_config_args_are_cluster_config_fields() -> None:
