@@ -153,10 +153,11 @@ def build_app(config: ClusterConfig) -> Application:
     # on on another worker, through this router.
     drain_s = max(config.decode.drain_timeout_s, config.prefill.drain_timeout_s)
     router_settings["drain_timeout_s"] = drain_s
+    router_settings["graceful_shutdown_s"] = 2 * drain_s + SHUTDOWN_MARGIN_S
     return Router.options(  # type: ignore[attr-defined]
         num_replicas=config.router.replicas,
         ray_actor_options=config.router.ray_actor_options(),
-        graceful_shutdown_timeout_s=2 * drain_s + SHUTDOWN_MARGIN_S,
+        graceful_shutdown_timeout_s=router_settings["graceful_shutdown_s"],
     ).bind(router_settings, prefill, decode)
 
 

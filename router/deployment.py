@@ -41,12 +41,12 @@ from tandem.router.openai_api import (
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.router.pd_orchestrator import PDOrchestrator
 from tandem.router.reasoning import ReasoningParser
+from tandem.router.replica_watch import ReplicaWatch, configured_targets
 from tandem.router.responses_api import create_response
 from tandem.router.responses_protocol import ResponsesRequest
 from tandem.router.responses_store import ResponsesStore
 from tandem.router.route_planner import DecodeRoutingConfig, RoutePlanner
 from tandem.router.routing_policy import RoutingConfig
-from tandem.router.serve_replicas import replica_states
 from tandem.router.serving import Serving
 from tandem.router.sse_keepalive import KEEPALIVE_S
 from tandem.router.stop_gate import StopGate, StopGateMiddleware, follow_stop
@@ -152,22 +152,7 @@ class Router:
         self.directory.on_kv_resync.append(self.metrics.kv_resynced)
         api.state.metrics = self.metrics  # (the error handlers count what reaches them)
         self.responses_store = ResponsesStore(int(settings.get("responses_store_size", 1000)))
-        # Replicas each role should have: configured, then what Serve is bringing up (autoscaling).
         self._scrape_stats: list[tuple[str, str, dict[str, Any]]] = []
-        self.replica_targets: dict[str, int] = {
-            "router": 1,
-            **dict(settings.get("replica_targets") or {}),
-        }
-        self.running_routers = 1  # this one, until Serve's status says how many run
-        self.metrics.registry.register(
-            WorkerMetricsCollector(
-                model_name,
-                self._worker_series,
-                lambda: self.replica_targets,
-                lambda: {"router": self.running_routers},
-            )
-        )
-        asyncio.get_running_loop().create_task(self._follow_replica_targets())
         asyncio.get_running_loop().create_task(
             follow_stop(self.stop_gate, f"router/{replica}", lambda: self.directory.registry)
         )
@@ -199,6 +184,25 @@ class Router:
             ),
             sampling_defaults=settings.get("sampling_defaults"),
         )
+        # Replicas each role should have: configured, then what Serve is bringing up
+        # (autoscaling); and whether Serve stops this one.
+        self.replicas = ReplicaWatch(
+            serve.get_replica_context().app_name,
+            replica,
+            self.roles,
+            configured_targets(settings),
+            self.serving.deadlines,
+            float(settings.get("graceful_shutdown_s") or 0),
+        )
+        self.metrics.registry.register(
+            WorkerMetricsCollector(
+                model_name,
+                self._worker_series,
+                lambda: self.replicas.targets,
+                lambda: {"router": self.replicas.running_routers},
+            )
+        )
+        asyncio.get_running_loop().create_task(self.replicas.follow())
         logger.info(
             "router for %s: tool calls read as %s (%s), reasoning parser %s, chat template %s",
             model_name,
@@ -329,24 +333,6 @@ class Router:
     def _live_workers(self) -> dict[str, int]:
         """Per role in use, how many of its workers are reachable."""
         return {role: len(self.directory.live(role)) for role in self.roles}
-
-    async def _follow_replica_targets(self, every_s: float = 2.0) -> None:
-        """Per role, the replicas Serve is running or starting (not stopping): the autoscaler's
-        current target, for `tandem:role_target_replicas`."""
-        wanted = {"STARTING", "UPDATING", "RECOVERING", "RUNNING"}
-        app_name = serve.get_replica_context().app_name
-        while True:
-            await asyncio.sleep(every_s)
-            try:
-                states = await asyncio.to_thread(replica_states, app_name)
-            except Exception as exc:  # the controller may be restarting; keep the last figures
-                logger.debug("reading Serve's replica states failed: %r", exc)
-                continue
-            for role in (*self.roles, "router"):
-                if (counts := states.get(role)) is not None:
-                    self.replica_targets[role] = sum(n for st, n in counts.items() if st in wanted)
-                    if role == "router":
-                        self.running_routers = max(1, counts["RUNNING"])
 
     def _worker_series(self) -> list[tuple[str, str, dict[str, Any]]]:
         """(role, replica, stats) of every worker this router routes to, as read for the

@@ -32,26 +32,11 @@ from tandem.router.request_record import (
 )
 from tandem.router.request_timings import RequestTimings
 from tandem.router.route_planner import RoutePlanner
+from tandem.router.stream_deadlines import StreamDeadlines
 from tandem.router.tool_parsers import HermesParser, ToolParser
 from tandem.router.worker_failures import LossAllowance
 
 logger = logging.getLogger("tandem.router")
-
-MAX_LOST_RETRIES = 1
-"""Times a request goes on after losing a worker it uses (the workers' deaths are seen at once:
-the router holds a connection to each). Lost before it sent its caller anything, it starts
-over; lost mid-stream (its decode worker died), it continues where the stream stopped when the
-continuation is the same as the lost one would have been: any request but a structured output
-(see `Prepared.resumable`)."""
-
-MAX_DRAINED_MOVES = 4
-"""Besides those, times a request goes on after a worker that was draining (Serve stopping it)
-left with it when its `drain_timeout_s` ran out: a rolling update may drain the worker it moved
-to as well, and such a move is no sign of a failing request."""
-
-
-def _loss_allowance() -> LossAllowance:
-    return LossAllowance(MAX_LOST_RETRIES, MAX_DRAINED_MOVES)
 
 
 class Serving:
@@ -88,6 +73,7 @@ class Serving:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s
+        self.deadlines = StreamDeadlines(request_timeout_s)
         self._limits: ModelLimits | None = None
         self.info: dict[str, Any] = {}
 
@@ -230,7 +216,7 @@ class Serving:
                 user=user,
                 deadline_ms=admission.deadline_ms(deadline_ms, user),
             )
-            losses = _loss_allowance()
+            losses = LossAllowance()
             while True:
                 try:
                     await self._route(req, wait_for_room)
@@ -326,9 +312,10 @@ class Serving:
         outcome = "cancelled"
         last_item: float | None = None
         last_tokens: float | None = None  # when the last item that carried tokens came
+        deadline: asyncio.Timeout | None = None
         try:
-            async with asyncio.timeout(self.request_timeout_s):
-                losses = _loss_allowance()
+            async with self.deadlines.running() as deadline:
+                losses = LossAllowance()
                 while True:
                     try:
                         async with contextlib.aclosing(self._generate(req)) as items:
@@ -359,11 +346,11 @@ class Serving:
                         self._starting_over(req, exc)
                         await self._route(req)
         except TimeoutError:
-            outcome = "failed(timeout)"
-            self.metrics.failed("timeout")
-            timed_out = APIError(
-                504, f"request timed out after {self.request_timeout_s}s", type="timeout"
-            )
+            assert deadline is not None
+            timed_out = self.deadlines.timed_out(deadline)  # (a 504, or the router's stop)
+            code = timed_out.code or timed_out.type
+            outcome = f"failed({code})"
+            self.metrics.failed(code)
             timed_out.counted = True
             raise timed_out from None
         except APIError as exc:

@@ -41,12 +41,27 @@ def failed(worker: Worker, message: str, code: str) -> APIError:
     return unavailable(message, code)
 
 
+MAX_LOST_RETRIES = 1
+"""Times a request goes on after losing a worker it uses (the workers' deaths are seen at once:
+the router holds a connection to each). Lost before it sent its caller anything, it starts
+over; lost mid-stream (its decode worker died), it continues where the stream stopped when the
+continuation is the same as the lost one would have been: any request but a structured output
+(see `Prepared.resumable`)."""
+
+MAX_DRAINED_MOVES = 4
+"""Besides those, times a request goes on after a worker that was draining (Serve stopping it)
+left with it when its `drain_timeout_s` ran out: a rolling update may drain the worker it moved
+to as well, and such a move is no sign of a failing request."""
+
+
 class LossAllowance:
     """How many lost workers one request survives: `max_lost` deaths, and besides those
     `max_drained` workers that left it when their drain ran out (a scale-down, or a rolling
     update, which may drain the worker it moved to next)."""
 
-    def __init__(self, max_lost: int, max_drained: int) -> None:
+    def __init__(
+        self, max_lost: int = MAX_LOST_RETRIES, max_drained: int = MAX_DRAINED_MOVES
+    ) -> None:
         self.lost_left = max_lost
         self.drained_left = max_drained
 

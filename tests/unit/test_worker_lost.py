@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.router import serving as serving_module
+from tandem.router import worker_failures
 from tandem.router.errors import WorkerLost
 from tandem.router.prepared import Prepared
 from tandem.router.request_timings import RequestTimings
@@ -287,18 +287,18 @@ def test_workers_whose_drain_ran_out_do_not_use_up_the_one_loss_a_request_surviv
 
 
 def test_drained_moves_are_bounded_too() -> None:
-    drains = dict.fromkeys(range(serving_module.MAX_DRAINED_MOVES + 1), "drained")
-    orchestrator = FakeOrchestrator({**drains, serving_module.MAX_DRAINED_MOVES + 1: "after"})
+    drains = dict.fromkeys(range(worker_failures.MAX_DRAINED_MOVES + 1), "drained")
+    orchestrator = FakeOrchestrator({**drains, worker_failures.MAX_DRAINED_MOVES + 1: "after"})
     serving, planner = _serving(orchestrator)
-    params = SamplingParams(temperature=0, max_tokens=serving_module.MAX_DRAINED_MOVES + 4)
-    orchestrator_answer = ANSWER + list(range(12, 12 + serving_module.MAX_DRAINED_MOVES))
+    params = SamplingParams(temperature=0, max_tokens=worker_failures.MAX_DRAINED_MOVES + 4)
+    orchestrator_answer = ANSWER + list(range(12, 12 + worker_failures.MAX_DRAINED_MOVES))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys.modules[__name__], "ANSWER", orchestrator_answer)
         with pytest.raises(WorkerLost):
             asyncio.run(_collect(serving, _prepared(planner, params)))
     # MAX_DRAINED_MOVES drained moves; the next one spends the one loss a request survives,
     # and the death after it fails the request
-    assert len(orchestrator.generated) == serving_module.MAX_DRAINED_MOVES + 2
+    assert len(orchestrator.generated) == worker_failures.MAX_DRAINED_MOVES + 2
 
 
 def test_requests_that_go_on_without_a_lost_worker_are_counted() -> None:
