@@ -127,7 +127,7 @@ class BlockManager:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """A snapshot of the prefix-cache counters."""
         s = self._stats
-        return PrefixCacheStats(s.queries, s.queried_blocks, s.hit_blocks)
+        return PrefixCacheStats(s.queries, s.queried_blocks, s.hit_blocks, s.evicted_blocks)
 
     def ref_count(self, block_id: int) -> int:
         return self._blocks[block_id].ref_count
@@ -321,7 +321,7 @@ class BlockManager:
     def _evict(self, block: _Block) -> None:
         assert block.block_hash is not None
         del self._hash_to_block[block.block_hash]
-        self.prefix_cache_stats.evicted_blocks += 1
+        self._stats.evicted_blocks += 1
         if self._enable_kv_events:
             self._events.append(KVEvent("removed", block.block_hash, None, block.block_id))
         block.block_hash = None

@@ -94,6 +94,7 @@ def test_match_after_eviction_misses(env: Env) -> None:
     assert env.run("b", toks(50, 32)) == [2, 3, 4, 5, 6, 7, 1, 0]
     env.release("b")
     assert env.bm.match_prefix(hash_full_blocks(ROOT, toks(0, 8), BS), toks(0, 8)) == []
+    assert env.bm.prefix_cache_stats.evicted_blocks == 2  # (blocks 1 and 0: "a"'s cached ones)
 
 
 def test_prefix_hits_only_on_full_blocks(env: Env) -> None:
