@@ -215,6 +215,40 @@ def check_selectors(manifests: list[Manifest]) -> list[str]:
     return problems
 
 
+def check_serve_ports(manifests: list[Manifest]) -> list[str]:
+    """Every Ray pod names the Serve proxy's port `serve`: proxy_location EveryNode runs a proxy
+    on each pod that hosts a replica, and KubeRay's readiness probe of a RayService worker checks
+    /-/healthz on the container port named serve (8000 when there is none)."""
+    port = int(serve_config(manifests)["http_options"]["port"])
+    cluster = the(manifests, "RayService")["spec"]["rayClusterConfig"]
+    problems = []
+    for spec in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        name = spec.get("groupName", "head")
+        container = spec["template"]["spec"]["containers"][0]
+        serve = [p for p in container.get("ports", []) if p.get("name") == "serve"]
+        if [p["containerPort"] for p in serve] != [port]:
+            problems.append(f"group {name}: container port 'serve' is {serve}, not {port}")
+    return problems
+
+
+def check_services_select_routers(manifests: list[Manifest]) -> list[str]:
+    """The chart's Services front the router replicas only: they select router pods (by the
+    component label), never a prefill or decode pod, though those name a `serve` port too."""
+    cluster = the(manifests, "RayService")["spec"]["rayClusterConfig"]
+    specs = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    problems = []
+    for m in manifests:
+        if m["kind"] != "Service":
+            continue
+        selector = m["spec"]["selector"]
+        for spec in specs:
+            labels = spec["template"]["metadata"]["labels"]
+            if selector.items() <= labels.items() and spec.get("groupName") != "router":
+                group = spec.get("groupName", "head")
+                problems.append(f"Service {m['metadata']['name']} selects the {group} pods")
+    return problems
+
+
 def check_all(manifests: list[Manifest], deployments: list[ServeDeployment]) -> list[str]:
     return [
         *check_name(manifests),
@@ -222,4 +256,6 @@ def check_all(manifests: list[Manifest], deployments: list[ServeDeployment]) -> 
         *check_gpus(manifests, deployments),
         *check_placement(manifests, deployments),
         *check_selectors(manifests),
+        *check_serve_ports(manifests),
+        *check_services_select_routers(manifests),
     ]

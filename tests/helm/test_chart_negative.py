@@ -18,6 +18,20 @@ def test_the_acceptance_cases_are_there() -> None:
     assert {"autoscaling-min-above-max", "missing-model-path", "unknown-transport"} <= names
 
 
+def test_the_chart_owned_ray_start_params_are_refused() -> None:
+    names = {p.stem for p in CASES}
+    assert {
+        "ray-start-params-resources",
+        "ray-start-params-num-cpus",
+        "ray-start-params-num-gpus",
+        "ray-start-params-metrics-port",
+        "head-ray-start-params-dashboard-port",
+        "extra-ray-resources-role-resource",
+        "extra-ray-resources-predefined",
+        "cpu-not-integer",
+    } <= names
+
+
 @pytest.mark.parametrize("values", CASES, ids=[p.stem for p in CASES])
 def test_negative_values_fail_with_their_message(values: Path) -> None:
     expected = header(values, "expect")

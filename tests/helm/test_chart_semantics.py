@@ -130,6 +130,18 @@ def _bad_port(m: list[Manifest]) -> None:
     service["spec"]["ports"][0]["targetPort"] = "http-typo"
 
 
+def _unnamed_serve_port(m: list[Manifest]) -> None:
+    group = the(m, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]
+    group["template"]["spec"]["containers"][0]["ports"] = [
+        p for p in group["template"]["spec"]["containers"][0]["ports"] if p["name"] != "serve"
+    ]
+
+
+def _service_without_component(m: list[Manifest]) -> None:
+    service = next(x for x in m if x["kind"] == "Service")
+    del service["spec"]["selector"]["app.kubernetes.io/component"]
+
+
 @pytest.mark.parametrize(
     ("render", "breaks", "message"),
     [
@@ -140,6 +152,8 @@ def _bad_port(m: list[Manifest]) -> None:
         ("default", _long_name, "is 48 characters"),
         ("gpu", _shrink_group, "scales to 8 replicas; its groups hold 2"),
         ("colocated", _bad_port, "has no port 'http-typo'"),
+        ("default", _unnamed_serve_port, "group prefill: container port 'serve' is [], not 8000"),
+        ("default", _service_without_component, "Service tandem-openai selects the decode pods"),
     ],
 )
 def test_each_check_catches_its_break(

@@ -116,18 +116,26 @@ replicasPerPod); with Serve autoscaling the group's bounds follow the role's min
 {{- $max = include "tandem.ceilDiv" (list $v.autoscaling.max_replicas $per) | int -}}
 {{- end -}}
 {{- $gpus := int (mulf (default 0 $v.numGpus) $per) -}}
+{{- /* extraRayResources never holds rayResource (tandem.validate refuses it) */ -}}
+{{- $resources := merge (dict $v.rayResource $per) (deepCopy (default (dict) $v.extraRayResources)) -}}
+{{- /* rayStartParams never holds these keys (tandem.validate refuses them): the chart's win */ -}}
 {{- $params := dict
   "num-cpus" (toString (int $v.cpu))
-  "resources" (toJson (dict $v.rayResource $per) | squote)
+  "resources" (toJson $resources | squote)
   "metrics-export-port" (toString (int $root.Values.ports.metrics))
 -}}
 {{- if $gpus -}}
 {{- $_ := set $params "num-gpus" (toString $gpus) -}}
 {{- end -}}
-{{- $ports := list (dict "name" "metrics" "containerPort" (int $root.Values.ports.metrics)) -}}
+{{- /* `serve` on every group: proxy_location EveryNode runs a Serve proxy on each pod that
+hosts a replica, and KubeRay's readiness probe of a RayService worker checks /-/healthz on the
+container port named serve (8000 when none is). The chart's Services and the router PodMonitor
+select router pods by their component label, never by this port. */ -}}
+{{- $ports := list
+  (dict "name" "metrics" "containerPort" (int $root.Values.ports.metrics))
+  (dict "name" "serve" "containerPort" (int $root.Values.ports.http)) -}}
 {{- $env := list -}}
 {{- if eq $group "router" -}}
-{{- $ports = append $ports (dict "name" "serve" "containerPort" (int $root.Values.ports.http)) -}}
 {{- if $root.Values.ports.grpc -}}
 {{- $ports = append $ports (dict "name" "grpc" "containerPort" (int $root.Values.ports.grpc)) -}}
 {{- end -}}

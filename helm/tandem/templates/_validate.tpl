@@ -1,7 +1,8 @@
 {{/*
 Checks values.schema.json cannot express (it checks each value on its own): the model source,
-autoscaling bounds, distinct ports, and that each role's replicas fit the pods of its worker group. Fails the
-render with a message naming the values to change.
+autoscaling bounds, distinct ports, that each role's replicas fit the pods of its worker group,
+that rayStartParams leave the chart's own parameters alone, and the cluster config's cross-field
+rules (tandem.validateConfigRules). Fails the render with a message naming the values to change.
 */}}
 
 {{- define "tandem.validate" -}}
@@ -35,6 +36,120 @@ render with a message naming the values to change.
 {{- include "tandem.validateRole" (list $role (index $.Values $role)) -}}
 {{- end -}}
 {{- include "tandem.validatePacking" (list "router" .Values.router) -}}
+{{- include "tandem.validateRayParams" . -}}
+{{- include "tandem.validateConfigRules" . -}}
+{{- end -}}
+
+{{/*
+rayStartParams: `merge` would let a user's key replace what the chart derives (a role's
+`resources` lost its custom resource, so no replica could be placed), so those keys are refused,
+naming the value that sets them. extraRayResources: more custom resources per pod, never the
+group's own rayResource nor one of Ray's predefined resources.
+*/}}
+{{- define "tandem.validateRayParams" -}}
+{{- $head := dict
+  "num-cpus" "the head advertises no CPUs, so that no Serve replica is ever placed on it"
+  "dashboard-host" "the chart sets 0.0.0.0, where KubeRay reaches the dashboard"
+  "dashboard-port" "set ports.dashboard instead"
+  "metrics-export-port" "set ports.metrics instead" -}}
+{{- include "tandem.refuseParams" (list "head" .Values.head.rayStartParams $head) -}}
+{{- range $group := prepend (include "tandem.roles" . | fromJsonArray) "router" -}}
+{{- $v := index $.Values $group -}}
+{{- $owned := dict
+  "num-cpus" (printf "set %s.cpu (whole CPUs per pod: Ray's num-cpus) instead" $group)
+  "resources" (printf "set %s.extraRayResources (name: amount per pod; the chart adds %s.rayResource) instead" $group $group)
+  "metrics-export-port" "set ports.metrics instead" -}}
+{{- if eq $group "router" -}}
+{{- $_ := set $owned "num-gpus" "router pods get no GPU (router replicas use none)" -}}
+{{- else -}}
+{{- $_ := set $owned "num-gpus" (printf "set %s.numGpus (GPUs per replica; a pod gets replicasPerPod x numGpus) instead" $group) -}}
+{{- end -}}
+{{- include "tandem.refuseParams" (list $group $v.rayStartParams $owned) -}}
+{{- range $name, $amount := $v.extraRayResources -}}
+{{- if eq $name $v.rayResource -}}
+{{- fail (printf "%s.extraRayResources.%s is the group's rayResource: the chart advertises replicasPerPod (%d) of it itself" $group $name (int $v.replicasPerPod)) -}}
+{{- end -}}
+{{- if has $name (list "CPU" "GPU" "memory" "object_store_memory") -}}
+{{- fail (printf "%s.extraRayResources.%s is one of Ray's own resources: set %s.cpu, numGpus or memory instead" $group $name $group) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tandem.refuseParams" -}}
+{{- $group := index . 0 -}}
+{{- $params := index . 1 | default (dict) -}}
+{{- $owned := index . 2 -}}
+{{- range $key := keys $owned | sortAlpha -}}
+{{- if hasKey $params $key -}}
+{{- fail (printf "%s.rayStartParams.%s is the chart's own: %s" $group $key (index $owned $key)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The cluster config's model validators (tandem.deploy.cluster_config ClusterConfig
+._devices_fit_the_roles, tandem.deploy.autoscaling_config RoleAutoscaling._consistent), at
+render time: without them these values render and the RayService then fails to deploy.
+tests/helm/test_chart_config_rules.py checks that the config refuses what these refuse.
+*/}}
+{{- define "tandem.validateConfigRules" -}}
+{{- $s := .Values.serve -}}
+{{- range $role := include "tandem.roles" . | fromJsonArray -}}
+{{- $v := index $.Values $role -}}
+{{- $device := include "tandem.device" (list $s.engine $v) -}}
+{{- if hasPrefix "cuda" $device -}}
+{{- if le (float64 (default 0 $v.numGpus)) 0.0 -}}
+{{- fail (printf "%s runs on '%s' but asks Ray for no GPU: set %s.numGpus (1 for a GPU of its own, 0.5 for two replicas sharing one)" $role $device $role) -}}
+{{- end -}}
+{{- if and (eq $s.transport "ucx") (eq $s.mode "pd") -}}
+{{- fail (printf "serve.transport 'ucx' moves host-memory KV pools only, and %s runs on '%s': use serve.transport 'torch' (NCCL between GPUs)" $role $device) -}}
+{{- end -}}
+{{- end -}}
+{{- if $v.autoscaling.enabled -}}
+{{- $a := $v.autoscaling -}}
+{{- /* the defaults of tandem.deploy.autoscaling_config.RoleAutoscaling */ -}}
+{{- $lookBack := float64 (default 10.0 (index $a "look_back_period_s")) -}}
+{{- $interval := float64 (default 2.0 (index $a "metrics_interval_s")) -}}
+{{- if le $lookBack $interval -}}
+{{- fail (printf "%s.autoscaling: look_back_period_s (%v) must exceed metrics_interval_s (%v)" $role $lookBack $interval) -}}
+{{- end -}}
+{{- /* a target left out keeps its default (not null); one set to null is off */ -}}
+{{- $targets := list "kv_usage_target" "running_seqs_per_replica" "itl_target_ms" -}}
+{{- if eq $role "prefill" -}}
+{{- $targets = list "queued_prefill_tokens_per_replica" "ttft_target_ms" -}}
+{{- end -}}
+{{- $on := list -}}
+{{- range $t := $targets -}}
+{{- if not (and (hasKey $a $t) (kindIs "invalid" (index $a $t))) -}}
+{{- $on = append $on $t -}}
+{{- end -}}
+{{- end -}}
+{{- if not $on -}}
+{{- fail (printf "%s.autoscaling: every scaling target is null: set at least one (%s)" $role (join ", " $targets)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Where a role's engines run, as ClusterConfig._device says: the role's engine.device, else
+serve.engine.device, else cpu; auto is cuda exactly when each replica asks for a GPU. Called
+with (list serve.engine role-values).
+*/}}
+{{- define "tandem.device" -}}
+{{- $shared := index . 0 | default (dict) -}}
+{{- $v := index . 1 -}}
+{{- $device := "cpu" -}}
+{{- range $engine := list $shared ($v.engine | default (dict)) -}}
+{{- if and (hasKey $engine "device") (not (kindIs "invalid" (index $engine "device"))) -}}
+{{- $device = toString (index $engine "device") -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $device "auto" -}}
+{{- $device = ternary "cuda" "cpu" (gt (float64 (default 0 $v.numGpus)) 0.0) -}}
+{{- end -}}
+{{- $device -}}
 {{- end -}}
 
 {{- define "tandem.validateRole" -}}
