@@ -2,7 +2,9 @@
 
 Every request has `num_computed_tokens` that catches up with `num_tokens`. Each step:
 1. running requests that decode (one token behind) are scheduled first, for steady ITL; when the
-   pool has no block for one of them, the newest running request is preempted (recompute);
+   pool has no block for one of them, the newest running request is preempted (recompute), but
+   for one whose pages a KV transfer holds (`keep_kv`: it got blocks for its whole prompt when
+   admitted, and is passed over);
 2. running requests still in prefill get a chunk of what budget is left;
 3. waiting requests are admitted by priority (lower first), then in arrival order: prefix-cache hits advance them for free, the
    rest of their prompt is prefilled in chunks that fit the budget, up to `max_num_seqs`.
@@ -120,7 +122,7 @@ class Scheduler:
                     budget -= n
                 continue
             while not bm.allocate(req.block_table, req.num_computed_tokens + n):
-                victim = self.running.pop()
+                victim = self._pop_victim(req)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -145,7 +147,11 @@ class Scheduler:
                     req.status = RequestStatus.QUEUED
                     break
                 n = req.num_tokens - num_hit  # whole, the only prompt of this step
-            if not bm.allocate(req.block_table, num_hit + n, hit_blocks):
+            # A request whose pages go to a decode engine (`keep_kv`) gets blocks for its whole
+            # prompt now: it never asks for one mid-prefill, so it is never a deadlock's half
+            # (the pages it sent stay pinned until decode acknowledges its last chunk).
+            upto = req.num_tokens if req.keep_kv else num_hit + n
+            if not bm.allocate(req.block_table, upto, hit_blocks):
                 req.status = RequestStatus.QUEUED  # still waiting; the lookup is redone next step
                 break
             self.waiting.popleft()
@@ -178,6 +184,16 @@ class Scheduler:
         self._extend_hashes(req, req.num_tokens)
         hits = self.block_manager.match_prefix(req.block_hashes, req.token_ids, record=False)
         return hits[: (req.num_tokens - 1) // self.block_size]
+
+    def _pop_victim(self, req: Request) -> Request:
+        """The request `req`'s block preempts: the newest running one whose pages no KV
+        transfer holds (preempting one that streams them would free none of those it sent),
+        else `req` itself."""
+        for i in range(len(self.running) - 1, -1, -1):
+            candidate = self.running[i]
+            if candidate is req or not candidate.keep_kv:
+                return self.running.pop(i)
+        raise AssertionError("the request to schedule is not running")
 
     def _preempt(self, req: Request) -> None:
         self.free_blocks(req)

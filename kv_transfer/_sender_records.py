@@ -46,6 +46,7 @@ class Outgoing:
     failure: str | None = None  # set by `fail`: the request ends "failed" with this error
     deadline: float = math.inf
     told_at: float = 0.0  # when its decode worker last heard of it (a chunk, a renewal)
+    fills_context: bool = False  # the prompt and its first token reach max_model_len
 
     def lease_ends_soon(self, now: float) -> bool:
         """Streaming to a reservation that has heard nothing of it for a third of its lease
@@ -60,9 +61,10 @@ class Outgoing:
 
     def first_token_ends(self, tokenizer: Tokenizer) -> bool:
         """The sampled first token already finishes the request: end of sequence, one token
-        asked for, or its text holds a stop string (the prefill engine runs without them)."""
+        asked for, the context full, or its text holds a stop string (the prefill engine runs
+        without them)."""
         req, params = self.request, self.params
-        if req.finish_reason == "stop" or params.max_tokens == 1:
+        if req.finish_reason == "stop" or params.max_tokens == 1 or self.fills_context:
             return True
         if not params.stop or params.min_tokens > 1 or not req.output_token_ids:
             return False

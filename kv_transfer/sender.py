@@ -126,6 +126,7 @@ class KVSender:
             grant,
             next_block=grant.num_hit_blocks if grant else 0,
             told_at=self.clock(),
+            fills_context=len(prompt_token_ids) + 1 >= self.engine.max_model_len,
         )
 
     def attach_grant(self, request_id: str, grant: ReservationGrant) -> None:

@@ -55,6 +55,20 @@ def test_first_token_can_end_the_request(services: Any, reference: LLM) -> None:
     assert outcome["status"] == "sent"
 
 
+def test_a_prompt_one_token_short_of_the_context_gets_one_token_as_colocated(
+    services: Any, reference: LLM
+) -> None:
+    prefill, decode = services
+    room = min(prefill.engine.max_model_len, decode.engine.max_model_len)
+    prompt = [(7 * i) % 400 + 20 for i in range(room - 1)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = reference.generate([prompt], params)[0]
+    tokens, _, last, _ = asyncio.run(run_pd(prefill, decode, "full", prompt, params))
+    assert tokens == expected.token_ids and len(tokens) == 1
+    assert last["finish_reason"] == expected.finish_reason == "length"
+    asyncio.run(wait_idle(prefill, decode))
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "streamed"),
     [

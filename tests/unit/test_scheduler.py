@@ -114,6 +114,46 @@ def test_preemption_takes_the_newest_and_requeues_it_first() -> None:
     check(s)
 
 
+def test_a_request_whose_pages_go_to_decode_gets_its_whole_prompt_and_is_not_preempted() -> None:
+    # (a prefill engine: the pages a transfer sent stay pinned until decode acknowledges the
+    # last chunk, so preempting such a request frees none of them, and asking for blocks
+    # mid-prefill could wait forever on another one's)
+    s = make(num_blocks=6, budget=4)
+    c = Request("c", list(range(50, 62)), PARAMS, frozenset(), keep_kv=True)
+    s.add(c)
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("c", 4)]
+    assert c.block_table == [0, 1, 2]  # the whole 12-token prompt's blocks, at admission
+    a = req("a", 7, start=100)
+    s.add(a)
+    run_step(s, out)
+    s.schedule()  # (c's next chunk uses the budget: a waits)
+    assert a.block_table == [] and c.block_table == [0, 1, 2]
+    check(s)
+
+
+def test_a_decode_short_of_blocks_passes_over_a_request_whose_pages_go_to_decode() -> None:
+    s = make(num_blocks=4, budget=2)
+    d = req("d", 4)
+    s.add(d)
+    run_step(s, s.schedule())
+    run_step(s, s.schedule())  # d's prompt is in; it decodes from now on
+    e = Request("e", list(range(60, 68)), PARAMS, frozenset(), keep_kv=True)
+    s.add(e)
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("d", 1), ("e", 1)]
+    assert d.block_table == [0, 1] and e.block_table == [2, 3]  # the pool is full
+    for _ in range(4):  # d decodes on until its 8 slots are full
+        assert not out.preempted
+        run_step(s, out)
+        out = s.schedule()
+    # d needs a third block: e, newest, streams its pages (pinned until decode acknowledges
+    # them), so d gives way instead
+    assert [r.request_id for r in out.preempted] == ["d"]
+    assert e.block_table == [2, 3] and e.num_computed_tokens < 8
+    check(s)
+
+
 def test_lifecycle_timestamps_in_order() -> None:
     s = make()
     a = req("a", 3)
