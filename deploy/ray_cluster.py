@@ -4,6 +4,7 @@ runs the application), checked for room, and shut down (the application drained 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import os
@@ -186,6 +187,17 @@ def wait_for_routers(registry_name: str, timeout_s: float, settle_s: float = 3.0
                 said = True
         time.sleep(0.2)
     logger.warning("requests still in flight after %gs: Serve's drain takes them", timeout_s)
+
+
+def call_off_stop(registry_name: str) -> None:
+    """The routers take requests again (a stop begun, then called off by a second Ctrl-C on a
+    cluster that lives on, with the app on it)."""
+    import ray
+
+    from tandem.engine.worker_registry import NAMESPACE
+
+    with contextlib.suppress(Exception):  # (no registry, or it does not answer: nothing to do)
+        ray.get(ray.get_actor(registry_name, namespace=NAMESPACE).end_stop.remote(), timeout=5)
 
 
 def shutdown(app_name: str, registry: str, drain: bool = True, drain_s: float = 30.0) -> None:

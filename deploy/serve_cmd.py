@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from tandem.deploy.ingress import DEFAULT_INGRESS, Ingress
 from tandem.deploy.ray_cluster import (
+    call_off_stop,
     cluster_gone,
     refuse_running_app,
     serve_http_port,
@@ -279,6 +280,8 @@ def serve(
         try:
             shutdown(cfg.app_name, registry_name(cfg), drain, _drain_s(cfg))
         except KeyboardInterrupt:  # Ctrl-C again while draining: stop at once
+            if not own_cluster:  # (the app stays on the cluster tandem joined, serving)
+                call_off_stop(registry_name(cfg))
             shutdown(cfg.app_name, registry_name(cfg), drain=False)
     if failed is not None:
         typer.echo(f"Error: {failed} (the workers' errors are in the log above and in Ray's "

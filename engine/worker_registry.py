@@ -61,6 +61,11 @@ class WorkerRegistry:
         (503) while theirs in flight finish, before Serve deletes the app."""
         self._stopping = True
 
+    def end_stop(self) -> None:
+        """The stop was called off (a second Ctrl-C leaves the app as it is, on a cluster that
+        lives on): routers take requests again."""
+        self._stopping = False
+
     def router_report(self, router_id: str, in_flight: int) -> bool:
         """A router's requests in flight; the answer: whether the application is stopping."""
         self._routers[router_id] = {

@@ -90,6 +90,8 @@ def test_the_registry_tells_routers_and_lists_their_requests_in_flight() -> None
     assert registry.router_report("router/a", 1) is True
     assert [(r["in_flight"], r["stopping"]) for r in registry.routers()] == [(1, True)]
     assert registry.routers(max_age_s=-1.0) == []  # (stale reports are left out)
+    registry.end_stop()  # (called off: a second Ctrl-C, the app left on a joined cluster)
+    assert registry.router_report("router/a", 0) is False
 
 
 class _Remote:
