@@ -23,6 +23,7 @@ from tandem.router.errors import APIError, bad_request
 from tandem.router.grpc import generation_pb2, generation_pb2_grpc
 from tandem.router.grpc.health_status import SERVICE_NAME, GrpcServer, HealthServicer
 from tandem.router.openai_protocol import MAX_TEMPERATURE
+from tandem.router.prepared import Prepared
 from tandem.router.request_timings import RequestTimings
 from tandem.router.serving import Serving
 from tandem.router.stop_gate import StopGate
@@ -127,57 +128,64 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             check_api_key(self.api_key_digest, metadata.get("authorization"))
         except APIError as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, exc.message)
-        timings = RequestTimings()
         try:
             with self.gate.admitted():  # (a 503 once the application stops)
-                if request is None:  # (`_parse_request` could not read the bytes)
-                    raise bad_request("the request is not a tandem.v1.GenerateRequest")
-                options = request.sampling
-                max_tokens = options.max_tokens if options.HasField("max_tokens") else 16
-                prompt: str | list[int] = (
-                    list(request.prompt_token_ids) if request.prompt_token_ids else request.prompt
-                )
-                if request.prompt_token_ids and request.prompt:
-                    raise bad_request("give prompt or prompt_token_ids, not both", "prompt")
-                if request.HasField("deadline_ms") and not request.deadline_ms > 0:
-                    raise bad_request(f"deadline_ms must be > 0, got {request.deadline_ms}")
-                # A client's id may repeat (two calls at once): the workers get it made unique.
-                own_id = (
-                    f"{request.request_id}@{uuid.uuid4().hex[:8]}" if request.request_id else ""
-                )
-                req = await self.serving.prepare(
-                    own_id or f"grpc-{uuid.uuid4().hex}",
-                    request.model or None,
-                    prompt,
-                    max_tokens,
-                    _sampling_fields(options),
-                    timings,
-                    deadline_ms=request.deadline_ms if request.HasField("deadline_ms") else None,
-                    priority=request.priority if request.HasField("priority") else None,
-                    user=request.user or None,
-                )
+                req = await self._prepare(request)
                 async with contextlib.aclosing(self.serving.run(req)) as items:
                     async for item in items:
-                        finish = item.get("finish_reason") or ""
-                        usage = None
-                        if finish:
-                            usage = generation_pb2.Usage(
-                                prompt_tokens=len(req.prompt_token_ids),
-                                completion_tokens=req.completion_tokens,
-                                cached_tokens=req.num_cached_tokens,
-                            )
-                        yield generation_pb2.GenerateResponse(
-                            request_id=request.request_id or req.request_id,
-                            token_ids=item["token_ids"],
-                            text=item["text"],
-                            finish_reason=finish,
-                            usage=usage,
-                            logprobs=_logprobs(item.get("logprobs")),
-                        )
+                        yield _response(request, req, item)
         except APIError as exc:
             # (refusals before `prepare` are counted here, as HTTP's error handler counts them)
             exc.count(self.serving.metrics)
             await context.abort(_status_code(exc), exc.message)
+
+    async def _prepare(self, request: generation_pb2.GenerateRequest | None) -> Prepared:
+        if request is None:  # (`_parse_request` could not read the bytes)
+            raise bad_request("the request is not a tandem.v1.GenerateRequest")
+        options = request.sampling
+        max_tokens = options.max_tokens if options.HasField("max_tokens") else 16
+        prompt: str | list[int] = (
+            list(request.prompt_token_ids) if request.prompt_token_ids else request.prompt
+        )
+        if request.prompt_token_ids and request.prompt:
+            raise bad_request("give prompt or prompt_token_ids, not both", "prompt")
+        if request.HasField("deadline_ms") and not request.deadline_ms > 0:
+            raise bad_request(f"deadline_ms must be > 0, got {request.deadline_ms}")
+        # A client's id may repeat (two calls at once): the workers get it made unique.
+        own_id = f"{request.request_id}@{uuid.uuid4().hex[:8]}" if request.request_id else ""
+        return await self.serving.prepare(
+            own_id or f"grpc-{uuid.uuid4().hex}",
+            request.model or None,
+            prompt,
+            max_tokens,
+            _sampling_fields(options),
+            RequestTimings(),
+            deadline_ms=request.deadline_ms if request.HasField("deadline_ms") else None,
+            priority=request.priority if request.HasField("priority") else None,
+            user=request.user or None,
+        )
+
+
+def _response(
+    request: generation_pb2.GenerateRequest, req: Prepared, item: dict[str, Any]
+) -> generation_pb2.GenerateResponse:
+    """One item of the stream as a message; the last one (with a finish reason) has usage."""
+    finish = item.get("finish_reason") or ""
+    usage = None
+    if finish:
+        usage = generation_pb2.Usage(
+            prompt_tokens=len(req.prompt_token_ids),
+            completion_tokens=req.completion_tokens,
+            cached_tokens=req.num_cached_tokens,
+        )
+    return generation_pb2.GenerateResponse(
+        request_id=request.request_id or req.request_id,
+        token_ids=item["token_ids"],
+        text=item["text"],
+        finish_reason=finish,
+        usage=usage,
+        logprobs=_logprobs(item.get("logprobs")),
+    )
 
 
 async def start_grpc_server(
