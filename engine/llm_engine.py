@@ -98,7 +98,9 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(self.model, self.kv_pool)
-        self.output_processor = OutputProcessor(self.max_model_len)
+        self.output_processor = OutputProcessor(
+            self.max_model_len, getattr(self.tokenizer.hf, "eos_token_id", None)
+        )
         self.grammars = GrammarBook(self.tokenizer.hf, self.spec.vocab_size)
         self.requests: dict[str, Request] = {}
         self.last_step_tokens = 0  # tokens the last `step()` ran through the model

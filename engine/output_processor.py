@@ -17,8 +17,12 @@ from tandem.engine.sampler import NO_TOKEN
 
 
 class OutputProcessor:
-    def __init__(self, max_model_len: int) -> None:
+    def __init__(self, max_model_len: int, eos_token_id: int | None = None) -> None:
+        """`eos_token_id`: the tokenizer's own end of sequence, the one stop token a request
+        names no `stop_reason` for (as vLLM: the model's other end tokens, from its
+        generation_config.json, and `stop_token_ids` are named)."""
         self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
 
     def process(self, requests: Sequence[Request], tokens: Sequence[int]) -> list[StepOutput]:
         outputs = []
@@ -44,7 +48,7 @@ class OutputProcessor:
         params = req.params
         num_out = req.num_output_tokens
         if num_out >= params.min_tokens and token in req.stop_ids:
-            if params.stop_token_ids and token in params.stop_token_ids:
+            if token != self.eos_token_id or params.ignore_eos:
                 req.stop_reason = token
             if params.include_stop_str_in_output and req.output_text is not None:
                 req.output_text.add(token)  # (its text, as vLLM keeps a stop token's so)

@@ -345,3 +345,21 @@ def test_min_tokens_keeps_eos_out_with_ignore_eos_too(llm: LLM) -> None:
     out = llm.generate([[10, 11]], SamplingParams(min_tokens=3, **pushed))[0].token_ids
     assert len(out) == 4 and eos not in out[:3] and out[3] == eos, out
     assert llm.generate([[10, 11]], SamplingParams(**pushed))[0].token_ids == [eos] * 4
+
+
+def test_stop_reason_names_every_stop_token_but_the_tokenizers_eos(llm: LLM) -> None:
+    """As vLLM: the tokenizer's EOS (<|endoftext|>, 0) ends a request with no stop_reason; the
+    model's other end token from generation_config.json (<|im_end|>, 2) and stop_token_ids are
+    named, and with ignore_eos only stop_token_ids stop it."""
+    greedy = {"temperature": 0, "max_tokens": 3}
+
+    def stopped(token: int, **fields: Any) -> tuple[list[int], str | None, int | str | None]:
+        params = SamplingParams(logit_bias={token: 100}, **greedy, **fields)
+        out = llm.generate([[10, 11]], params)[0]
+        return out.token_ids, out.finish_reason, out.stop_reason
+
+    assert stopped(0) == ([0], "stop", None)
+    assert stopped(2) == ([2], "stop", 2)
+    assert stopped(0, stop_token_ids=[0]) == ([0], "stop", None)  # (EOS is read first)
+    assert stopped(0, stop_token_ids=[0], ignore_eos=True) == ([0], "stop", 0)
+    assert stopped(2, ignore_eos=True) == ([2, 2, 2], "length", None)
