@@ -158,10 +158,15 @@ def serve_http_port(wanted: int) -> int:
     return int(port) if isinstance(port, int) else wanted
 
 
+ENDING_WAIT_S = 5.0
+"""How long the routers get to end the requests still running once the stop's drain ran out."""
+
+
 def wait_for_routers(registry_name: str, timeout_s: float, settle_s: float = 3.0) -> None:
     """Tells the routers the application stops (through the worker registry) and waits, at
     most `timeout_s`, until every router that reports has seen it and has no request left in
-    flight. Routers that never report (none within `settle_s`) are not waited for."""
+    flight; then has them end the requests still running. Routers that never report (none
+    within `settle_s`) are not waited for."""
     import ray
 
     from tandem.engine.worker_registry import NAMESPACE
@@ -186,7 +191,15 @@ def wait_for_routers(registry_name: str, timeout_s: float, settle_s: float = 3.0
                 logger.info("waiting for %d requests in flight", in_flight)
                 said = True
         time.sleep(0.2)
-    logger.warning("requests still in flight after %gs: Serve's drain takes them", timeout_s)
+    # The drain ran out: the routers end what they still run, each with an error that says so.
+    logger.warning("requests still in flight after %gs: ending them", timeout_s)
+    ray.get(registry.end_requests.remote(), timeout=10)
+    deadline = time.monotonic() + ENDING_WAIT_S
+    while time.monotonic() < deadline:
+        routers = ray.get(registry.routers.remote(settle_s), timeout=10)
+        if not sum(int(r["in_flight"]) for r in routers):
+            return
+        time.sleep(0.2)
 
 
 def call_off_stop(registry_name: str) -> None:

@@ -28,7 +28,7 @@ class WorkerRegistry:
         self._departures: list[dict[str, Any]] = []
         self._cluster_token: str | None = None
         self._routers: dict[str, dict[str, Any]] = {}
-        self._stopping = False
+        self._stop = ""  # "", or "stopping" (`begin_stop`), or "ending" (`end_requests`)
 
     def cluster_token(self, proposed: str) -> str:
         """The application's generated cluster token: `proposed` the first time, the same one
@@ -59,22 +59,27 @@ class WorkerRegistry:
     def begin_stop(self) -> None:
         """The application is stopping (`tandem serve`'s Ctrl-C): routers refuse new requests
         (503) while theirs in flight finish, before Serve deletes the app."""
-        self._stopping = True
+        self._stop = "stopping"
+
+    def end_requests(self) -> None:
+        """The stop's drain ran out: routers end the requests they still run (a 503 error
+        that says so, not a cut connection)."""
+        self._stop = "ending"
 
     def end_stop(self) -> None:
         """The stop was called off (a second Ctrl-C leaves the app as it is, on a cluster that
         lives on): routers take requests again."""
-        self._stopping = False
+        self._stop = ""
 
-    def router_report(self, router_id: str, in_flight: int) -> bool:
-        """A router's requests in flight; the answer: whether the application is stopping."""
+    def router_report(self, router_id: str, in_flight: int) -> str:
+        """A router's requests in flight; the answer: "" (serving), "stopping" or "ending"."""
         self._routers[router_id] = {
             "router_id": router_id,
             "in_flight": in_flight,
-            "stopping": self._stopping,
+            "stopping": bool(self._stop),
             "reported_at": time.time(),
         }
-        return self._stopping
+        return self._stop
 
     def routers(self, max_age_s: float = 3.0) -> list[dict[str, Any]]:
         """The routers that reported within `max_age_s`, each with `stopping`: whether it had

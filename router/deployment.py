@@ -153,9 +153,6 @@ class Router:
         api.state.metrics = self.metrics  # (the error handlers count what reaches them)
         self.responses_store = ResponsesStore(int(settings.get("responses_store_size", 1000)))
         self._scrape_stats: list[tuple[str, str, dict[str, Any]]] = []
-        asyncio.get_running_loop().create_task(
-            follow_stop(self.stop_gate, f"router/{replica}", lambda: self.directory.registry)
-        )
         planner = RoutePlanner(
             self.directory,
             RoutingConfig.model_validate(settings.get("routing", {})),
@@ -203,6 +200,14 @@ class Router:
             )
         )
         asyncio.get_running_loop().create_task(self.replicas.follow())
+        asyncio.get_running_loop().create_task(
+            follow_stop(
+                self.stop_gate,
+                f"router/{replica}",
+                lambda: self.directory.registry,
+                self._end_requests,
+            )
+        )
         logger.info(
             "router for %s: tool calls read as %s (%s), reasoning parser %s, chat template %s",
             model_name,
@@ -333,6 +338,15 @@ class Router:
     def _live_workers(self) -> dict[str, int]:
         """Per role in use, how many of its workers are reachable."""
         return {role: len(self.directory.live(role)) for role in self.roles}
+
+    def _end_requests(self) -> None:
+        """The application's stop ran out of drain time: the requests still running end now."""
+        grace_s = float(self.settings.get("drain_timeout_s", 30.0))
+        self.serving.deadlines.cut_at(
+            asyncio.get_running_loop().time(),
+            f"the server is shutting down and this request did not finish within {grace_s:g}s: "
+            "send it again",
+        )
 
     def _worker_series(self) -> list[tuple[str, str, dict[str, Any]]]:
         """(role, replica, stats) of every worker this router routes to, as read for the

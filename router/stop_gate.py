@@ -74,21 +74,32 @@ class StopGateMiddleware:
             await self.app(scope, receive, send)
 
 
-async def follow_stop(gate: StopGate, router_id: str, registry: Callable[[], Any]) -> None:
+async def follow_stop(
+    gate: StopGate,
+    router_id: str,
+    registry: Callable[[], Any],
+    end_requests: Callable[[], None],
+) -> None:
     """Reports this router's requests in flight to the registry every `REPORT_S`, and sets
-    `gate.stopping` from its answer. `registry()`: the current registry actor (it may have
-    been replaced after dying)."""
+    `gate.stopping` from its answer; `end_requests()` once it says the stop's drain ran out.
+    `registry()`: the current registry actor (it may have been replaced after dying)."""
+    ended = False
     while True:
         try:
-            stopping = bool(await registry().router_report.remote(router_id, gate.in_flight))
-            if stopping and not gate.stopping:
+            state = await registry().router_report.remote(router_id, gate.in_flight)
+            if state and not gate.stopping:
                 logger.info(
                     "router %s: the application stops: new requests are refused (503), "
                     "%d in flight finish",
                     router_id,
                     gate.in_flight,
                 )
-            gate.stopping = stopping
+            gate.stopping = bool(state)
+            if state == "ending" and not ended:
+                ended = True
+                logger.info("router %s: ending the %d requests still running", router_id,
+                            gate.in_flight)  # fmt: skip
+                end_requests()
         except Exception as exc:  # the registry may be restarting: the next report tells
             logger.debug("reporting to the worker registry failed: %r", exc)
         await asyncio.sleep(REPORT_S)

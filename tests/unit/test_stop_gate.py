@@ -81,17 +81,19 @@ def test_admitted_raises_the_refusal_and_counts_only_admitted_requests() -> None
 
 def test_the_registry_tells_routers_and_lists_their_requests_in_flight() -> None:
     registry = WorkerRegistry()
-    assert registry.router_report("router/a", 2) is False
+    assert registry.router_report("router/a", 2) == ""
     registry.begin_stop()
     assert registry.routers() == [
         {"router_id": "router/a", "in_flight": 2, "stopping": False,
          "reported_at": registry.routers()[0]["reported_at"]}
     ]  # fmt: skip
-    assert registry.router_report("router/a", 1) is True
+    assert registry.router_report("router/a", 1) == "stopping"
     assert [(r["in_flight"], r["stopping"]) for r in registry.routers()] == [(1, True)]
+    registry.end_requests()  # (the stop's drain ran out)
+    assert registry.router_report("router/a", 1) == "ending"
     assert registry.routers(max_age_s=-1.0) == []  # (stale reports are left out)
     registry.end_stop()  # (called off: a second Ctrl-C, the app left on a joined cluster)
-    assert registry.router_report("router/a", 0) is False
+    assert registry.router_report("router/a", 0) == ""
 
 
 class _Remote:
@@ -110,23 +112,33 @@ class _FakeRegistryActor:
         self.router_report = _Remote(registry.router_report)
 
 
-def test_follow_stop_reports_in_flight_and_closes_the_gate() -> None:
+def test_follow_stop_reports_in_flight_closes_the_gate_and_ends_requests_once() -> None:
     registry = WorkerRegistry()
     actor = _FakeRegistryActor(registry)
     gate = StopGate()
     gate.in_flight = 3
+    ended: list[int] = []
+
+    async def until(condition: Any) -> None:
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            if condition():
+                return
 
     async def run() -> None:
-        task = asyncio.create_task(follow_stop(gate, "router/x", lambda: actor))
+        task = asyncio.create_task(
+            follow_stop(gate, "router/x", lambda: actor, lambda: ended.append(1))
+        )
         await asyncio.sleep(0.05)
         assert not gate.stopping
         registry.begin_stop()
-        for _ in range(40):
-            await asyncio.sleep(0.05)
-            if gate.stopping:
-                break
+        await until(lambda: gate.stopping)
+        assert gate.stopping and ended == []
+        registry.end_requests()
+        await until(lambda: ended)
+        await asyncio.sleep(1.2)  # (two more reports: ended once only)
         task.cancel()
 
     asyncio.run(run())
-    assert gate.stopping
+    assert gate.stopping and ended == [1]
     assert [(r["router_id"], r["in_flight"]) for r in registry.routers()] == [("router/x", 3)]
