@@ -18,8 +18,9 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 
-HEALTH_EVERY_S = 1.0
-"""How often the health service's status is brought in line with the router's `/health`."""
+HEALTH_EVERY_S = 0.25
+"""How often the health service's status is brought in line with the router's `/health` (and
+its stop gate: NOT_SERVING within this of the HTTP ports' 503s)."""
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):
