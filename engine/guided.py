@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine.errors import InvalidRequestError
@@ -76,16 +76,22 @@ class GrammarBook:
 
     CACHE = 256
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
+    def __init__(
+        self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int] = ()
+    ) -> None:
+        """`eos_token_ids`: every token that ends a request (the tokenizer's EOS and the model's
+        others, generation_config.json's)."""
         self._tokenizer = hf_tokenizer
         self._vocab_size = vocab_size
+        self._eos_token_ids = frozenset(eos_token_ids)
         self._compiler: Any = None
         self._compiled: dict[tuple[str, str], Any] = {}
         self._tag_cache: dict[str, list[int]] = {}
 
-    def matcher(self, structure: tuple[str, Any]) -> Any:
+    def matcher(self, structure: tuple[str, Any], stop_token_ids: Collection[int] = ()) -> Any:
         """A fresh matcher for `structure` (`SamplingParams.structure`; InvalidRequestError
-        for an unusable one)."""
+        for an unusable one) that ends on `stop_token_ids` (none: the tokenizer's EOS) and
+        allows none of them before the structure is complete."""
         import xgrammar
 
         if self._compiler is None:
@@ -105,18 +111,28 @@ class GrammarBook:
             if len(self._compiled) >= self.CACHE:
                 self._compiled.clear()
             self._compiled[(kind, text)] = compiled
-        return xgrammar.GrammarMatcher(compiled)
+        stops = sorted(stop_token_ids) or None
+        return xgrammar.GrammarMatcher(compiled, override_stop_tokens=stops)
 
     def matcher_for(self, params: SamplingParams, prompt_token_ids: Sequence[int]) -> Any:
         """The matcher of a request with structured output: with `reasoning_tags`, behind a
         `ReasoningGate` that lets the model think first (the prompt tells where it starts)."""
         structure = params.structure
         assert structure is not None, "only for requests with structured output"
-        matcher = self.matcher(structure)
+        matcher = self.matcher(structure, self._stop_token_ids(params))
         if params.reasoning_tags is None:
             return matcher
         open_ids, close_ids = (self._tag_ids(tag) for tag in params.reasoning_tags)
         return ReasoningGate(matcher, open_ids, close_ids, prompt_token_ids)
+
+    def _stop_token_ids(self, params: SamplingParams) -> set[int]:
+        """The tokens that end the request (as the engine stops on them: any of them inside
+        the structure would cut it short) and the tokenizer's EOS (the grammar's own end)."""
+        stops = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stops |= self._eos_token_ids
+        eos = getattr(self._tokenizer, "eos_token_id", None)
+        return stops | ({int(eos)} if eos is not None else set())
 
     def _tag_ids(self, tag: str) -> list[int]:
         ids = self._tag_cache.get(tag)

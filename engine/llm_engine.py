@@ -101,7 +101,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(
             self.max_model_len, getattr(self.tokenizer.hf, "eos_token_id", None)
         )
-        self.grammars = GrammarBook(self.tokenizer.hf, self.spec.vocab_size)
+        self.grammars = GrammarBook(self.tokenizer.hf, self.spec.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.last_step_tokens = 0  # tokens the last `step()` ran through the model
         self._ids = itertools.count()

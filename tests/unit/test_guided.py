@@ -219,3 +219,18 @@ def test_vllm_s_offline_spellings_of_structured_output() -> None:
     for bad in ({}, {"json": "{oops"}, {"regex": "a", "choice": ["b"]}):
         with pytest.raises(InvalidRequestError):
             SamplingParams(structured_outputs=bad)
+
+
+def test_a_stop_token_cannot_cut_a_structure_short(llm: LLM) -> None:
+    """The model's other end token (<|im_end|>, 2: generation_config.json's) and a request's
+    stop_token_ids end a request, so the grammar holds them back until the structure is whole
+    (they were text to it: pushed, one ended a JSON string half written, finishing "stop")."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}},
+              "required": ["s"], "additionalProperties": False}  # fmt: skip
+    a = llm.get_tokenizer().convert_tokens_to_ids("a")
+    for stop, extra in ((2, {}), (a, {"stop_token_ids": [a]})):
+        params = SamplingParams(temperature=0, max_tokens=40, json_schema=schema,
+                                logit_bias={stop: 100}, **extra)  # fmt: skip
+        out = llm.generate([[10, 11, 12]], params)[0]
+        assert json.loads(out.text).keys() == {"s"}, out.text
+        assert (out.finish_reason, out.stop_reason, out.token_ids[-1]) == ("stop", stop, stop)
