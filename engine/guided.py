@@ -24,6 +24,7 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine.errors import InvalidRequestError
+from tandem.engine.json_schema_support import unenforced
 from tandem.engine.reasoning_gate import ReasoningGate
 
 if TYPE_CHECKING:
@@ -38,11 +39,25 @@ def check_schema(schema: dict[str, Any]) -> None:
     check_structure(("json_schema", schema))
 
 
-def check_structure(structure: tuple[str, Any]) -> None:
+def check_enforceable(structure: tuple[str, Any] | None) -> None:
+    """InvalidRequestError when `structure` is a JSON schema some of which the grammar would
+    not enforce (`json_schema_support`): the output could break it."""
+    problem = None
+    if structure is not None and structure[0] == "json_schema":
+        problem = unenforced(structure[1])
+    if problem is not None:
+        raise InvalidRequestError(f"unusable JSON schema: the grammar cannot enforce {problem}")
+
+
+def check_structure(structure: tuple[str, Any], strict: bool = True) -> None:
     """InvalidRequestError when xgrammar cannot turn `structure` (`SamplingParams.structure`)
-    into a grammar: a bad schema, regular expression or EBNF text."""
+    into a grammar: a bad schema, regular expression or EBNF text; `strict`, also a schema
+    some of which it would not enforce (a tool's parameters are not held to that: a call
+    whose arguments break a keyword of them beats no call)."""
     import xgrammar
 
+    if strict:
+        check_enforceable(structure)
     kind, value = structure
     try:
         if kind == "json_schema":

@@ -14,6 +14,7 @@ from tandem.engine.chat_content import content_text, template_tool_calls
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.generation_defaults import sampling_defaults
+from tandem.engine.guided import check_enforceable
 from tandem.engine.llm_engine import KVPoolFactory, LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
@@ -172,6 +173,7 @@ class LLM:
         try:
             for index, (prompt, p) in enumerate(zip(prompt_list, param_list, strict=True)):
                 try:
+                    check_enforceable(p.structure)
                     for sample in _samples(p):
                         requests.append(engine.add_request(prompt, sample))
                 except InvalidRequestError as exc:

@@ -100,7 +100,7 @@ def one_structure(found: list[tuple[str, Structure]]) -> Structure | None:
     field, structure = found[0]
     _check_value(field, structure)
     try:
-        check_structure(structure)
+        check_structure(structure, strict=field != "tools")
     except InvalidRequestError as exc:
         raise bad_request(str(exc), field) from None
     return structure

@@ -1,0 +1,78 @@
+"""A JSON schema some of which the grammar would not enforce is refused (its output could break
+it while finishing "stop"), offline and through the API; a tool's parameters are not held to it."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Literal
+
+import pytest
+from pydantic import BaseModel, Field
+
+from tandem import LLM, SamplingParams
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.json_schema_support import unenforced
+from tandem.router.errors import APIError
+from tandem.router.structured_output import one_structure
+
+
+class Address(BaseModel):
+    street: str
+    zip: str = Field(pattern=r"^\d{5}$")
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=40)
+    age: int = Field(ge=0, le=150)
+    email: str | None = None
+    born: datetime.date
+    tags: list[str] = Field(min_length=1, max_length=5)
+    kind: Literal["a", "b"]
+    home: Address
+    score: float
+
+
+def test_the_schemas_pydantic_writes_every_day_are_enforced() -> None:
+    assert unenforced(Person.model_json_schema()) is None
+    assert unenforced({"type": "integer", "multipleOf": 5}) is None
+    assert unenforced({"type": "array", "items": {"type": "string"}, "uniqueItems": False}) is None
+    assert unenforced({"$ref": "#/$defs/a", "description": "x", "$defs": {"a": {}}}) is None
+
+
+@pytest.mark.parametrize(
+    ("schema", "named"),
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
+        ({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, "'not' (in the schema > properties.a)"),
+        ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "'allOf' of more than one schema"),
+        ({"type": "array", "contains": {"const": 1}}, "'contains'"),
+        ({"if": {}, "then": {}}, "'if'"),
+        ({"type": "string", "pattern": "[a-z]+", "maxLength": 3}, "'pattern' with minLength/maxLength"),
+        ({"type": "string", "format": "credit-card"}, "the string format 'credit-card'"),
+        ({"type": "number", "multipleOf": 0.5}, "'multipleOf' on a non-integer"),
+        ({"$ref": "https://example.com/s.json"}, "the external $ref"),
+        ({"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n", "minimum": 5}, "'minimum' beside a $ref"),
+        ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required ['b']"),
+        ({"type": "array", "items": [{"type": "integer"}, {"uniqueItems": True}]}, "items[1]"),
+    ],
+)  # fmt: skip
+def test_what_the_grammar_would_leave_out_is_named(schema: dict[str, Any], named: str) -> None:
+    problem = unenforced(schema)
+    assert problem is not None and named in problem, problem
+
+
+def test_the_api_refuses_it_with_a_400_but_serves_a_tools_parameters() -> None:
+    schema = {"type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(APIError) as refused:
+        one_structure([("response_format", ("json_schema", schema))])
+    assert (refused.value.status, refused.value.param) == (400, "response_format")
+    assert "cannot enforce 'uniqueItems'" in refused.value.message
+    assert one_structure([("tools", ("json_schema", schema))]) == ("json_schema", schema)
+
+
+def test_the_offline_llm_refuses_it_before_generating(tiny_checkpoint: Any) -> None:
+    llm = LLM(model=str(tiny_checkpoint()), num_kv_blocks=16)
+    params = SamplingParams(max_tokens=4, json_schema={"type": "number", "multipleOf": 0.5})
+    with pytest.raises(InvalidRequestError, match="cannot enforce 'multipleOf'"):
+        llm.generate([[1, 2, 3]], params)
+    assert not llm.engine.has_unfinished_requests()
