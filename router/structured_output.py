@@ -35,6 +35,13 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
+STRUCTURED_OUTPUT_OPTIONS = frozenset(
+    {"disable_any_whitespace", "disable_fallback", "disable_additional_properties"}
+)
+"""vLLM's `structured_outputs` options that change nothing here: JSON is always written without
+free whitespace, with no properties the schema does not name, by the one grammar backend."""
+
+
 def from_response_format(fmt: dict[str, Any] | None) -> Structure | None:
     """OpenAI's `response_format`: None for text (or no format)."""
     fmt = fmt or {}
@@ -61,7 +68,8 @@ def from_response_format(fmt: dict[str, Any] | None) -> Structure | None:
 def from_structured_outputs(spec: StructuredOutputs) -> list[tuple[str, Structure]]:
     """vLLM's `structured_outputs`: (field, structure) for each member set."""
     field = "structured_outputs"
-    unknown = sorted(k for k, v in (spec.model_extra or {}).items() if v is not None)
+    extra = (spec.model_extra or {}).items()
+    unknown = sorted(k for k, v in extra if v is not None and k not in STRUCTURED_OUTPUT_OPTIONS)
     if unknown:
         raise bad_request(
             f"{field}.{unknown[0]} is not supported (json, regex, choice, grammar, json_object)",

@@ -42,6 +42,17 @@ def _completion(**fields: Any) -> dict[str, Any]:
         ({"structured_outputs": {"choice": ["p", "q"]}}, {"choice": ["p", "q"]}),
         ({"structured_outputs": {"grammar": 'root ::= "y"'}}, {"grammar": 'root ::= "y"'}),
         ({"structured_outputs": {"regex": None, "choice": ["p"]}}, {"choice": ["p"]}),
+        (  # (vLLM's options that change nothing here)
+            {
+                "structured_outputs": {
+                    "json": SCHEMA,
+                    "disable_any_whitespace": True,
+                    "disable_fallback": True,
+                    "disable_additional_properties": True,
+                }
+            },
+            {"json_schema": SCHEMA},
+        ),  # fmt: skip
     ],
 )
 def test_each_field_becomes_the_engines_structure(
@@ -71,6 +82,11 @@ def test_each_field_becomes_the_engines_structure(
         ({"guided_choice": ["a", ""]}, "guided_choice", "non-empty strings"),
         ({"guided_regex": ""}, "guided_regex", "non-empty string"),
         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", ""),
+        (
+            {"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " *"}},
+            "structured_outputs.whitespace_pattern",
+            "not supported",
+        ),
         ({"response_format": {"type": "yaml"}}, "response_format", "not supported"),
     ],
 )
