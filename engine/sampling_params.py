@@ -344,6 +344,10 @@ def _structure_fields(name: str, spec: object) -> dict[str, object]:
                     raise InvalidRequestError(f"{name}.json is not JSON") from None
             fields[field] = value
     if get("json_object"):
+        if fields:
+            raise InvalidRequestError(
+                f"{name} sets json_object and {', '.join(sorted(fields))}: one constraint only"
+            )
         fields["json_schema"] = {"type": "object"}
     if not fields:
         raise InvalidRequestError(f"{name} sets none of json, regex, choice, grammar, json_object")

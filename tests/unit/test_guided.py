@@ -216,7 +216,8 @@ def test_vllm_s_offline_spellings_of_structured_output() -> None:
     assert SamplingParams(structured_outputs=spec).json_schema == {"type": "string"}
     assert SamplingParams(guided_decoding={"regex": "a+"}).regex == "a+"
     assert SamplingParams(guided_decoding={"json_object": True}).json_schema == {"type": "object"}
-    for bad in ({}, {"json": "{oops"}, {"regex": "a", "choice": ["b"]}):
+    for bad in ({}, {"json": "{oops"}, {"regex": "a", "choice": ["b"]},
+                {"json": {"type": "string"}, "json_object": True}):  # fmt: skip
         with pytest.raises(InvalidRequestError):
             SamplingParams(structured_outputs=bad)
 
