@@ -18,6 +18,7 @@ first token(s) the prefill sampled (`LLMEngine.attach_constraints`).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Collection, Sequence
@@ -54,20 +55,30 @@ def check_structure(structure: tuple[str, Any], strict: bool = True) -> None:
     into a grammar: a bad schema, regular expression or EBNF text; `strict`, also a schema
     some of which it would not enforce (a tool's parameters are not held to that: a call
     whose arguments break a keyword of them beats no call)."""
-    import xgrammar
-
     if strict:
         check_enforceable(structure)
     kind, value = structure
+    text = json.dumps(value) if kind == "json_schema" else _ebnf(kind, value)
+    if (problem := _grammar_problem(kind, text)) is not None:
+        raise InvalidRequestError(f"unusable {_NAMES[kind]}: {problem}")
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_problem(kind: str, text: str) -> str | None:
+    """Why xgrammar cannot turn the text of a structure into a grammar (None: it can). Kept
+    per text: clients send the same schema again and again, and a large one takes seconds."""
+    import xgrammar
+
     try:
         if kind == "json_schema":
-            xgrammar.Grammar.from_json_schema(json.dumps(value))
+            xgrammar.Grammar.from_json_schema(text)
         elif kind == "regex":
-            xgrammar.Grammar.from_regex(value)
+            xgrammar.Grammar.from_regex(text)
         else:
-            xgrammar.Grammar.from_ebnf(_ebnf(kind, value))
+            xgrammar.Grammar.from_ebnf(text)
     except (RuntimeError, ValueError, TypeError) as exc:
-        raise InvalidRequestError(f"unusable {_NAMES[kind]}: {_first_line(exc)}") from None
+        return _first_line(exc)
+    return None
 
 
 _NAMES = {
