@@ -30,6 +30,7 @@ from tandem.router.openai_format import (
 from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.router.openai_stream import ClosingStreamingResponse, sse, sse_choices
 from tandem.router.prepared import Prepared
+from tandem.router.request_prep import sampling_fields
 from tandem.router.request_timings import RequestTimings
 from tandem.router.serving import Serving, run_to_end
 from tandem.router.tool_calls import ReplyParser, template_tools
@@ -106,7 +107,7 @@ async def create_completion(
     body.check_supported()
     prompts = body.prompts()
     multi_choice.check_count(len(prompts), body.n)
-    ids, fields = ResponseIds.new("cmpl", client_id), body.sampling_dict()
+    ids, fields = ResponseIds.new("cmpl", client_id), await sampling_fields(body)
 
     async def prepare(index: int, request_id: str) -> Prepared:
         try:
@@ -150,7 +151,7 @@ async def create_chat_completion(
     arrival = time.time()
     body.check_supported()
     multi_choice.check_count(1, body.n)
-    ids, fields = ResponseIds.new("chatcmpl", client_id), body.sampling_dict()
+    ids, fields = ResponseIds.new("chatcmpl", client_id), await sampling_fields(body)
     messages, max_tokens = body.template_messages(), body.requested_max_tokens()
 
     def prepare(index: int, request_id: str) -> Awaitable[Prepared]:

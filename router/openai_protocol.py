@@ -151,6 +151,10 @@ class _SamplingFields(RequestBody):
         400 for an unsupported format, two constraining fields, or an unusable one."""
         return one_structure(self.structure_sources())
 
+    def constrains_output(self) -> bool:
+        """Whether the output is constrained (`sampling_dict` then checks a grammar)."""
+        return bool(self.structure_sources())
+
     def token_bias(self) -> dict[int, float]:
         """`logit_bias` with its keys as token ids (OpenAI sends them as strings)."""
         bias: dict[int, float] = {}
@@ -271,6 +275,9 @@ class ChatCompletionRequest(_SamplingFields):
     def forced_tools(self) -> list[ToolSpec] | None:
         """The tools the reply must call one of (`tool_calls`), or None."""
         return forced_tools(self.tools, self.tool_choice)
+
+    def constrains_output(self) -> bool:
+        return super().constrains_output() or self.forced_tools() is not None
 
     def reply_parser(self, parser: ToolParser | None = None) -> ReplyParser | None:
         """How the reply's tool calls are read (None: no tools in play)."""

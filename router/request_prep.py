@@ -45,6 +45,16 @@ async def off_the_loop_if_long(size: int, fn: Callable[..., T], *args: Any, **kw
     return await loop.run_in_executor(_TOKENIZING, lambda: fn(*args, **kwargs))
 
 
+async def sampling_fields(body: Any) -> dict[str, Any]:
+    """`body.sampling_dict()`, on a tokenizing thread when the output is constrained: checking
+    a grammar is xgrammar converting it, seconds for a large schema, which on the event loop
+    would hold up every other request (the result is cached per text: once per schema)."""
+    if not body.constrains_output():
+        return body.sampling_dict()
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_TOKENIZING, body.sampling_dict)
+
+
 def chat_text_size(messages: list[dict[str, Any]]) -> int:
     """About how many characters of text chat `messages` hold."""
     return sum(len(str(m.get("content") or "")) for m in messages)

@@ -122,3 +122,33 @@ def test_a_forced_tool_excludes_other_structures() -> None:
         assert (caught.value.status, caught.value.param) == (400, "tools")
         assert "unusable JSON schema" in caught.value.message
     assert "json_schema" not in chat(tools=[bogus], tool_choice="auto")  # not forced: free text
+
+
+def test_a_constrained_requests_grammar_is_checked_off_the_event_loop(monkeypatch: Any) -> None:
+    """Checking a grammar (xgrammar converting a schema) can take seconds: never on the router's
+    event loop, which streams every other request meanwhile."""
+    import asyncio
+    import threading
+
+    from tandem.router import structured_output
+    from tandem.router.request_prep import sampling_fields
+
+    threads: list[str] = []
+    check = structured_output.check_structure
+
+    def recording(*args: Any, **kwargs: Any) -> None:
+        threads.append(threading.current_thread().name)
+        check(*args, **kwargs)
+
+    monkeypatch.setattr(structured_output, "check_structure", recording)
+    loop_thread: list[str] = []
+
+    async def run(body: Any) -> dict[str, Any]:
+        loop_thread.append(threading.current_thread().name)
+        return await sampling_fields(body)
+
+    free = asyncio.run(run(CompletionRequest(model="m", prompt="p")))
+    constrained = CompletionRequest(model="m", prompt="p", guided_json=SCHEMA)
+    assert asyncio.run(run(constrained)) == constrained.sampling_dict()
+    assert "json_schema" not in free and len(threads) == 2
+    assert threads[0] != loop_thread[1] and threads[0].startswith("tokenize")
