@@ -32,11 +32,15 @@ class APIError(Exception):
         """Counts the refusal in the router's `metrics` (`RouterMetrics`) unless it is already:
         a 429 as an admission rejection, any other as a failure."""
         if not self.counted:
-            if self.status == 429:
-                metrics.rejected(self.code or "rate_limited")
-            else:
-                metrics.failed(self.code or self.type)
+            self.tally(metrics)
             self.counted = True
+
+    def tally(self, metrics: Any) -> None:
+        """Counts it once more (another choice of the request it refused)."""
+        if self.status == 429:
+            metrics.rejected(self.code or "rate_limited")
+        else:
+            metrics.failed(self.code or self.type)
 
     def body(self) -> dict[str, Any]:
         return {

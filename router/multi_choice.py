@@ -21,7 +21,7 @@ from typing import Any
 
 from tandem.engine.sampling_params import sample_seed
 from tandem.router.call_cleanup import to_completion
-from tandem.router.errors import bad_request
+from tandem.router.errors import APIError, bad_request
 from tandem.router.prepared import Prepared
 from tandem.router.serving import Serving, run_to_end
 
@@ -61,20 +61,28 @@ async def prepare_all(
         raise
     errors = [t.exception() for t in tasks if t.exception() is not None]
     if errors:
-        await to_completion(_abandon_admitted(serving, tasks))
-        raise errors[0]  # type: ignore[misc]
+        refused = errors[0]
+        await to_completion(
+            _abandon_admitted(serving, tasks, refused if isinstance(refused, APIError) else None)
+        )
+        raise refused  # type: ignore[misc]
     return [t.result() for t in tasks]
 
 
-async def _abandon_admitted(serving: Serving, tasks: Sequence[asyncio.Future[Prepared]]) -> None:
+async def _abandon_admitted(
+    serving: Serving, tasks: Sequence[asyncio.Future[Prepared]], refused: APIError | None = None
+) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
     admitted = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
-    await abandon_all(serving, admitted)
+    await abandon_all(serving, admitted, refused)
 
 
-async def abandon_all(serving: Serving, reqs: list[Prepared]) -> None:
-    """Closes the calls of every request here that never started to run."""
-    await asyncio.gather(*(serving.abandon(r) for r in reqs), return_exceptions=True)
+async def abandon_all(
+    serving: Serving, reqs: list[Prepared], refused: APIError | None = None
+) -> None:
+    """Closes the calls of every request here that never started to run (`refused`: the
+    error that ended their request, which counts each of them as it counted itself)."""
+    await asyncio.gather(*(serving.abandon(r, refused) for r in reqs), return_exceptions=True)
 
 
 async def run_all(serving: Serving, reqs: list[Prepared]) -> None:

@@ -286,16 +286,21 @@ class Serving:
             how,
         )
 
-    async def abandon(self, req: Prepared) -> None:
+    async def abandon(self, req: Prepared, refused: APIError | None = None) -> None:
         """A prepared request that will never `run` (a streaming client left before its first
-        byte): its calls on the workers are closed now, not by the garbage collector."""
+        byte; `refused`: another choice of its request was, and the request with it): its
+        calls on the workers are closed now, not by the garbage collector."""
         if req.plan is not None and not req.started:
             req.started = True  # once
             try:
                 await self.orchestrator.abandon(req.plan, req.worker_request_id)
             finally:
-                log_request(req, "cancelled(client left before the first byte)")
-                self._record(req)
+                if refused is None:
+                    log_request(req, "cancelled(client left before the first byte)")
+                    self._record(req)
+                else:  # (counted as its request was: a rejection or a failure, not an abort)
+                    log_request(req, f"failed({refused.code or refused.type}, another choice)")
+                    refused.tally(self.metrics)
 
     @contextlib.contextmanager
     def _counting_refusals(self) -> Iterator[None]:

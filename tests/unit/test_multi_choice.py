@@ -37,6 +37,7 @@ class FakeServing:
         self.refuse, self.fail_at, self.tokens, self.step_s = refuse, fail_at or {}, tokens, step_s
         self.admitted: list[str] = []
         self.abandoned: list[str] = []
+        self.refusals: list[APIError | None] = []  # what each abandoned choice was told
         self.ended: dict[str, str] = {}
 
     async def prepare(self, index: int) -> Prepared:
@@ -49,10 +50,11 @@ class FakeServing:
         self.admitted.append(req.request_id)
         return req
 
-    async def abandon(self, req: Prepared) -> None:
+    async def abandon(self, req: Prepared, refused: APIError | None = None) -> None:
         if not req.started:
             req.started = True
             self.abandoned.append(req.request_id)
+            self.refusals.append(refused)
 
     async def run(self, req: Prepared) -> AsyncGenerator[dict[str, Any], None]:
         req.started = True
@@ -98,6 +100,29 @@ def test_one_refused_choice_abandons_the_admitted_ones() -> None:
         _prepare_all(serving, 5)
     assert info.value.status == 429
     assert sorted(serving.abandoned) == sorted(serving.admitted) == ["r-0", "r-1", "r-2", "r-4"]
+    assert serving.refusals == [info.value] * 4  # (each counted as refused, not as an abort)
+
+
+def test_a_choice_abandoned_with_its_refused_request_counts_as_refused_not_aborted() -> None:
+    from prometheus_client import generate_latest
+
+    from tandem.router.serving import Serving
+
+    class Orchestrator:
+        async def abandon(self, *args: Any) -> None:
+            pass
+
+    serving = Serving(Orchestrator(), None, None, "tiny")  # type: ignore[arg-type]
+    plan = SimpleNamespace(prefill=None, decode=SimpleNamespace(worker_id="decode/x"),
+                           decode_hit_blocks=0, grant=None)  # fmt: skip
+    for refused in (APIError(429, "no room", code="decode_full"), None):
+        req = Prepared("r", [1, 2], SamplingParams(max_tokens=2), RequestTimings(), plan=plan)  # type: ignore[arg-type]
+        asyncio.run(serving.abandon(req, refused))
+    text = generate_latest(serving.metrics.registry).decode()
+    counted = [line for line in text.splitlines() if line.startswith("tandem:") and
+               ("decode_full" in line or 'finished_reason="abort"' in line)]  # fmt: skip
+    assert any("admission_rejections_total" in c and c.endswith(" 1.0") for c in counted), counted
+    assert any('finished_reason="abort"' in c and c.endswith(" 1.0") for c in counted), counted
 
 
 def test_the_first_refused_choice_in_order_is_reported() -> None:
