@@ -232,7 +232,7 @@ _WORKER_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("num_transfers", "kv_transfers_in_flight", "KV transfers in flight.", "gauge"),
     ("num_waiting_tokens", "num_queued_prefill_tokens", "Prompt tokens not yet prefilled.", "gauge"),
     ("prefill_tokens_per_s", "prefill_tokens_per_second", "Measured prefill throughput.", "gauge"),
-    ("num_cancelled", "num_cancelled_requests", "Requests cancelled on the worker.", "counter"),
+    ("num_cancelled", "num_cancelled_requests", "Requests cancelled on the worker: by their client, or on prefill by the router (a prefill begun before its decode reservation had to wait starts again with its grant).", "counter"),
     ("num_step_failures", "engine_step_failures", "Engine steps that failed (their requests failed).", "counter"),
 )  # fmt: skip
 
