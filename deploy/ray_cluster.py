@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -169,37 +170,45 @@ def wait_for_routers(registry_name: str, timeout_s: float, settle_s: float = 3.0
     within `settle_s`) are not waited for."""
     import ray
 
-    from tandem.engine.worker_registry import NAMESPACE
+    from tandem.engine.worker_registry import find_registry
 
-    try:
-        registry = ray.get_actor(registry_name, namespace=NAMESPACE)
-    except ValueError:  # (no registry: nothing reports)
+    registry = find_registry(registry_name)
+    if registry is None:  # (nothing reports)
         return
     ray.get(registry.begin_stop.remote(), timeout=10)
-    started = time.monotonic()
-    said = False
-    while (waited := time.monotonic() - started) < timeout_s:
-        routers = ray.get(registry.routers.remote(settle_s), timeout=10)
-        told = [r for r in routers if r["stopping"]]
-        if not routers and waited >= settle_s:
-            return
-        if told and len(told) == len(routers):
-            in_flight = sum(int(r["in_flight"]) for r in told)
-            if in_flight == 0:
-                return
-            if not said:
-                logger.info("waiting for %d requests in flight", in_flight)
-                said = True
-        time.sleep(0.2)
+
+    def drained(routers: list[dict[str, Any]], waited: float) -> bool:
+        if not routers:
+            return waited >= settle_s
+        in_flight = sum(int(r["in_flight"]) for r in routers)
+        return in_flight == 0 and all(r["stopping"] for r in routers)
+
+    if _poll_routers(registry, settle_s, timeout_s, drained):
+        return
     # The drain ran out: the routers end what they still run, each with an error that says so.
     logger.warning("requests still in flight after %gs: ending them", timeout_s)
     ray.get(registry.end_requests.remote(), timeout=10)
-    deadline = time.monotonic() + ENDING_WAIT_S
-    while time.monotonic() < deadline:
-        routers = ray.get(registry.routers.remote(settle_s), timeout=10)
-        if not sum(int(r["in_flight"]) for r in routers):
-            return
+    _poll_routers(
+        registry, settle_s, ENDING_WAIT_S, lambda rs, _: not any(r["in_flight"] for r in rs)
+    )
+
+
+def _poll_routers(
+    registry: Any,
+    settle_s: float,
+    timeout_s: float,
+    done: Callable[[list[dict[str, Any]], float], bool],
+) -> bool:
+    """Whether `done(routers that reported within settle_s, seconds waited)` held within
+    `timeout_s` (asked every 0.2 s)."""
+    import ray
+
+    started = time.monotonic()
+    while (waited := time.monotonic() - started) < timeout_s:
+        if done(ray.get(registry.routers.remote(settle_s), timeout=10), waited):
+            return True
         time.sleep(0.2)
+    return False
 
 
 def call_off_stop(registry_name: str) -> None:
@@ -207,10 +216,11 @@ def call_off_stop(registry_name: str) -> None:
     cluster that lives on, with the app on it)."""
     import ray
 
-    from tandem.engine.worker_registry import NAMESPACE
+    from tandem.engine.worker_registry import find_registry
 
-    with contextlib.suppress(Exception):  # (no registry, or it does not answer: nothing to do)
-        ray.get(ray.get_actor(registry_name, namespace=NAMESPACE).end_stop.remote(), timeout=5)
+    with contextlib.suppress(Exception):  # (the registry does not answer: nothing to do)
+        if (registry := find_registry(registry_name)) is not None:
+            ray.get(registry.end_stop.remote(), timeout=5)
 
 
 def shutdown(app_name: str, registry: str, drain: bool = True, drain_s: float = 30.0) -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.json_schema_support import unenforced
 from tandem.engine.reasoning_gate import ReasoningGate
+from tandem.engine.request import request_stop_ids
 
 if TYPE_CHECKING:
     import torch
@@ -151,14 +152,12 @@ class GrammarBook:
         open_ids, close_ids = (self._tag_ids(tag) for tag in params.reasoning_tags)
         return ReasoningGate(matcher, open_ids, close_ids, prompt_token_ids)
 
-    def _stop_token_ids(self, params: SamplingParams) -> set[int]:
+    def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
         """The tokens that end the request (as the engine stops on them: any of them inside
         the structure would cut it short) and the tokenizer's EOS (the grammar's own end)."""
-        stops = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stops |= self._eos_token_ids
         eos = getattr(self._tokenizer, "eos_token_id", None)
-        return stops | ({int(eos)} if eos is not None else set())
+        own = frozenset({int(eos)}) if eos is not None else frozenset()
+        return request_stop_ids(params, self._eos_token_ids) | own
 
     def _tag_ids(self, tag: str) -> list[int]:
         ids = self._tag_cache.get(tag)

@@ -39,6 +39,13 @@ class RequestStatus(IntEnum):
         return self >= RequestStatus.FINISHED
 
 
+def request_stop_ids(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    """The tokens that end a request: its `stop_token_ids`, and the model's end tokens unless
+    it ignores them."""
+    stop_ids = frozenset(params.stop_token_ids or ())
+    return stop_ids if params.ignore_eos else stop_ids | eos_token_ids
+
+
 class Request:
     """Mutable per-request state shared by scheduler, runner and output processing.
 
@@ -92,10 +99,9 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)
         self.params = params
-        stop_ids = frozenset(params.stop_token_ids or ())
-        self.stop_ids = stop_ids if params.ignore_eos else stop_ids | eos_token_ids
+        self.stop_ids = request_stop_ids(params, eos_token_ids)
         # (what `min_tokens` keeps out: EOS too with ignore_eos, as vLLM's min-tokens does)
-        self.min_tokens_ids = stop_ids | eos_token_ids
+        self.min_tokens_ids = self.stop_ids | eos_token_ids
         self.status = RequestStatus.NEW
         self.timestamps: dict[RequestStatus, float] = {
             RequestStatus.NEW: arrival_time if arrival_time is not None else time.monotonic()

@@ -12,7 +12,6 @@ again within seconds; the cluster token is proposed again by every worker.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
@@ -111,9 +110,19 @@ def registry_died(exc: BaseException) -> bool:
     return isinstance(exc, ActorDiedError)
 
 
+def find_registry(name: str) -> Any | None:
+    """The registry actor called `name` if there is one (None: not made, or gone)."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
 def kill_registry(name: str) -> None:
     """Removes the registry actor (when the application is torn down); no-op if absent."""
     import ray
 
-    with contextlib.suppress(ValueError):
-        ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+    if (registry := find_registry(name)) is not None:
+        ray.kill(registry)

@@ -52,6 +52,8 @@ def option_names(name: str) -> set[str] | None:
 
 def check_options(name: str, options: dict[str, Any]) -> None:
     """ValueError naming the options the transport called `name` does not take."""
+    if not options:
+        return
     known = option_names(name)
     if known is None:
         return

@@ -147,7 +147,8 @@ class Router:
         self.stop_gate = api.state.stop_gate = StopGate()
         self.roles = ("decode",) if settings.get("mode") == "colocated" else ("prefill", "decode")
         model_name = settings["served_model_name"]
-        replica = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        replica = context.replica_id.unique_id
         self.metrics = RouterMetrics(model_name, replica)
         self.directory.on_kv_resync.append(self.metrics.kv_resynced)
         api.state.metrics = self.metrics  # (the error handlers count what reaches them)
@@ -184,7 +185,7 @@ class Router:
         # Replicas each role should have: configured, then what Serve is bringing up
         # (autoscaling); and whether Serve stops this one.
         self.replicas = ReplicaWatch(
-            serve.get_replica_context().app_name,
+            context.app_name,
             replica,
             self.roles,
             configured_targets(settings),

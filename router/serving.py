@@ -353,10 +353,8 @@ class Serving:
         except TimeoutError:
             assert deadline is not None
             timed_out = self.deadlines.timed_out(deadline)  # (a 504, or the router's stop)
-            code = timed_out.code or timed_out.type
-            outcome = f"failed({code})"
-            self.metrics.failed(code)
-            timed_out.counted = True
+            outcome = f"failed({timed_out.code or timed_out.type})"
+            timed_out.count(self.metrics)
             raise timed_out from None
         except APIError as exc:
             outcome = f"failed({exc.code})"
