@@ -24,6 +24,7 @@ from tandem.decode_workers.reservation_queue import ReservationQueue, WaitEnded
 from tandem.decode_workers.token_streams import StreamOutbox, TokenStream, merge_token_items
 from tandem.engine.engine_stats import engine_queue_stats, scheduling_stages
 from tandem.engine.errors import StepFailedError
+from tandem.engine.guided import compile_ahead
 from tandem.engine.kv_io import NoFreeBlocksError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
@@ -95,6 +96,7 @@ class DecodeService(WorkerLoop):
         stream = TokenStream(asyncio.get_running_loop(), asyncio.Queue(), prompt_token_ids, params)
         finished = False
         try:
+            await compile_ahead(self.engine.grammars, params)  # (not on the engine's thread)
             if local_prefill:
                 await self.submit(lambda: self._add_local(request_id, stream, priority))
             else:

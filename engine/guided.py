@@ -18,9 +18,12 @@ first token(s) the prefill sampled (`LLMEngine.attach_constraints`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import json
 import re
+import threading
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -58,8 +61,7 @@ def check_structure(structure: tuple[str, Any], strict: bool = True) -> None:
     whose arguments break a keyword of them beats no call)."""
     if strict:
         check_enforceable(structure)
-    kind, value = structure
-    text = json.dumps(value) if kind == "json_schema" else _ebnf(kind, value)
+    kind, text = _key(structure)
     if (problem := _grammar_problem(kind, text)) is not None:
         raise InvalidRequestError(f"unusable {_NAMES[kind]}: {problem}")
 
@@ -97,9 +99,29 @@ def _ebnf(kind: str, value: Any) -> str:
     return str(value)
 
 
+def _key(structure: tuple[str, Any]) -> tuple[str, str]:
+    """A structure's kind and text (a schema's keys in its own order: the output's properties
+    come in it)."""
+    kind, value = structure
+    return kind, json.dumps(value) if kind == "json_schema" else _ebnf(kind, value)
+
+
+async def compile_ahead(book: GrammarBook, params: SamplingParams) -> None:
+    """Compiles the grammar of a request with structured output into `book` on a thread of
+    its own, so that the engine's thread finds it compiled. An unusable grammar is left for
+    the engine to refuse (as it would without this)."""
+    structure = params.structure
+    if structure is None or book.is_compiled(structure):
+        return
+    with contextlib.suppress(InvalidRequestError):
+        await asyncio.to_thread(book.compiled, structure)
+
+
 class GrammarBook:
     """One engine's grammars: its tokenizer's vocabulary as xgrammar sees it (built on first
-    use) and the grammars compiled so far, by kind and text."""
+    use) and the grammars compiled so far, by kind and text. Thread-safe: workers compile a
+    request's grammar on another thread (`compile_ahead`) before the engine's thread needs it
+    (with a large vocabulary a schema takes up to seconds, and every request would wait)."""
 
     CACHE = 256
 
@@ -114,6 +136,7 @@ class GrammarBook:
         self._compiler: Any = None
         self._compiled: dict[tuple[str, str], Any] = {}
         self._tag_cache: dict[str, list[int]] = {}
+        self._lock = threading.Lock()  # (the compiler's creation, and the cache's writes)
 
     def matcher(self, structure: tuple[str, Any], stop_token_ids: Collection[int] = ()) -> Any:
         """A fresh matcher for `structure` (`SamplingParams.structure`; InvalidRequestError
@@ -121,25 +144,28 @@ class GrammarBook:
         allows none of them before the structure is complete."""
         import xgrammar
 
-        if self._compiler is None:
-            info = xgrammar.TokenizerInfo.from_huggingface(
-                self._tokenizer, vocab_size=self._vocab_size
-            )
-            self._compiler = xgrammar.GrammarCompiler(info)
-        kind, value = structure
-        # (keys in the schema's order: the output's properties come in it)
-        text = json.dumps(value) if kind == "json_schema" else _ebnf(kind, value)
-        compiled = self._compiled.get((kind, text))
-        if compiled is None:
-            try:
-                compiled = self._compile(kind, text)
-            except (RuntimeError, ValueError) as exc:
-                raise InvalidRequestError(f"unusable {_NAMES[kind]}: {_first_line(exc)}") from None
-            if len(self._compiled) >= self.CACHE:
-                self._compiled.clear()
-            self._compiled[(kind, text)] = compiled
         stops = sorted(stop_token_ids) or None
-        return xgrammar.GrammarMatcher(compiled, override_stop_tokens=stops)
+        return xgrammar.GrammarMatcher(self.compiled(structure), override_stop_tokens=stops)
+
+    def compiled(self, structure: tuple[str, Any]) -> Any:
+        """`structure`'s compiled grammar, from the cache or compiled now (InvalidRequestError
+        for an unusable one)."""
+        key = _key(structure)
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            return compiled
+        try:
+            compiled = self._compile(*key)
+        except (RuntimeError, ValueError) as exc:
+            raise InvalidRequestError(f"unusable {_NAMES[key[0]]}: {_first_line(exc)}") from None
+        with self._lock:
+            while len(self._compiled) >= self.CACHE:  # (the oldest goes)
+                del self._compiled[next(iter(self._compiled))]
+            self._compiled[key] = compiled
+        return compiled
+
+    def is_compiled(self, structure: tuple[str, Any]) -> bool:
+        return _key(structure) in self._compiled
 
     def matcher_for(self, params: SamplingParams, prompt_token_ids: Sequence[int]) -> Any:
         """The matcher of a request with structured output: with `reasoning_tags`, behind a
@@ -166,9 +192,15 @@ class GrammarBook:
         return ids
 
     def _compile(self, kind: str, text: str) -> Any:
-        if kind == "json_schema":
-            import xgrammar
+        import xgrammar
 
+        with self._lock:
+            if self._compiler is None:
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self._vocab_size
+                )
+                self._compiler = xgrammar.GrammarCompiler(info)
+        if kind == "json_schema":
             # `{"a": 1}`-style separators and no free whitespace: a model that likes spaces
             # cannot pad its answer until max_tokens.
             grammar = xgrammar.Grammar.from_json_schema(text, any_whitespace=False)

@@ -9,6 +9,7 @@ from typing import Any
 
 from ray import serve
 
+from tandem.engine.guided import compile_ahead
 from tandem.engine.recent_mean import RecentMean
 from tandem.engine.rpc import Handler
 from tandem.engine.sampling_params import SamplingParams
@@ -100,10 +101,13 @@ class PrefillWorker(WorkerDeployment):
         first: asyncio.Future[dict[str, Any] | None] | None = (
             loop.create_future() if stream_first_token else None
         )
+        sampling = SamplingParams(**params)
+        # (a `grant` call that comes meanwhile is kept for this one: `attach_grant`)
+        await compile_ahead(self.service.engine.grammars, sampling)
         future = self.service.begin(  # queued now, before a `grant` call can arrive
             request_id,
             prompt_token_ids,
-            SamplingParams(**params),
+            sampling,
             ReservationGrant(**grant) if grant is not None else None,
             priority,
             first_token=first,

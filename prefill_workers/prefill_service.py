@@ -18,6 +18,7 @@ from typing import Any
 
 from tandem.engine.engine_stats import engine_queue_stats, scheduling_stages
 from tandem.engine.errors import StepFailedError
+from tandem.engine.guided import compile_ahead
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
 from tandem.engine.outputs import StepOutput
@@ -107,6 +108,7 @@ class PrefillService(WorkerLoop):
         """Prefills and streams; returns {status: sent|failed|cancelled, first_token_ids, error,
         timings} (or "finished" and the token "item": `finish_here`). Cancelling the awaiting
         task cancels the request (and tells decode). See `begin` for the arguments."""
+        await compile_ahead(self.engine.grammars, params)
         future = self.begin(
             request_id, prompt_token_ids, params, grant, priority, first_token, finish_here
         )
