@@ -52,6 +52,7 @@ class LLM:
         kv_pool_factory: KVPoolFactory | None = None,
         **kwargs: Any,
     ) -> None:
+        self._max_logprobs = _max_logprobs(kwargs.pop("max_logprobs", MAX_LOGPROBS))
         kwargs = _without_vllm_only(str(model), kwargs)
         config = EngineConfig(
             model=str(model),
@@ -67,6 +68,15 @@ class LLM:
         )
         self.engine = LLMEngine(config, kv_pool_factory=kv_pool_factory)
         self._sampling_defaults = sampling_defaults(config.model, config.generation_config)
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self._max_logprobs:
+                raise InvalidRequestError(
+                    f"{name}: requested {asked}, more than max_logprobs ({self._max_logprobs})",
+                    name,
+                )
 
     @property
     def tokenizer(self) -> Any:
@@ -111,21 +121,29 @@ class LLM:
         self,
         messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
         use_tqdm: bool = False,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
-        lora_request: Any = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """`generate` for one conversation or a list of them, each rendered with the
         checkpoint's chat template (as the chat completions API renders it), or with
         `chat_template` (Jinja text) instead; `tools` (OpenAI's function specs) go to the
         template, as vLLM's `LLM.chat` passes them. A message's content may be OpenAI's list of
-        text parts (joined with newlines, as the API and vLLM join them)."""
+        text parts (joined with newlines, as the API and vLLM join them, whatever
+        `chat_template_content_format`). The arguments come in vLLM's order."""
         _no_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise InvalidRequestError(
+                "chat_template_content_format: one of 'auto', 'string', 'openai'"
+            )
+        if mm_processor_kwargs:
+            raise InvalidRequestError("mm_processor_kwargs: this model takes text only")
         if chat_template is None and not self.engine.tokenizer.hf.chat_template:
             raise InvalidRequestError(
                 "the checkpoint's tokenizer has no chat template: pass one as chat_template= "
@@ -157,25 +175,34 @@ class LLM:
         self,
         prompts: Prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
         use_tqdm: bool = False,
         lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one `RequestOutput` per prompt, in input order,
-        with `SamplingParams.n` samples in its `outputs` (sample i seeded `seed + i`)."""
+        with `SamplingParams.n` samples in its `outputs` (sample i seeded `seed + i`).
+        `priority`: one per prompt; lower values are scheduled first (vLLM's)."""
         _no_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         param_list = _as_param_list(sampling_params, len(prompt_list))
+        priorities = [0] * len(prompt_list) if priority is None else [int(p) for p in priority]
+        if len(priorities) != len(prompt_list):
+            raise InvalidRequestError(
+                f"got {len(priorities)} priorities for {len(prompt_list)} prompts"
+            )
         engine = self.engine
         requests: list[Request] = []
         try:
             for index, (prompt, p) in enumerate(zip(prompt_list, param_list, strict=True)):
                 try:
+                    self._check_logprobs(p)
                     check_enforceable(p.structure)
                     for sample in _samples(p):
-                        requests.append(engine.add_request(prompt, sample))
+                        requests.append(
+                            engine.add_request(prompt, sample, priority=priorities[index])
+                        )
                 except InvalidRequestError as exc:
                     if len(prompt_list) == 1:
                         raise
@@ -224,7 +251,19 @@ _VLLM_IGNORED = (
     "disable_async_output_proc",
     "distributed_executor_backend",
     "compilation_config",
+    "download_dir",
+    "runner",
+    "load_format",
+    "limit_mm_per_prompt",
 )
+
+
+def _max_logprobs(value: Any) -> int:
+    """vLLM's `max_logprobs` (-1: no bound but this engine's own)."""
+    value = MAX_LOGPROBS if value is None or int(value) == -1 else int(value)
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"max_logprobs: from 0 to {MAX_LOGPROBS} (or -1), got {value}")
+    return value
 
 
 def _no_lora(lora_request: Any) -> None:
@@ -261,10 +300,10 @@ def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     tokenizer = kwargs.pop("tokenizer", None)
     if tokenizer is not None and str(tokenizer) != model:
         raise ValueError("tokenizer: the checkpoint directory's own tokenizer is used")
-    if (
-        max_logprobs := kwargs.pop("max_logprobs", None)
-    ) is not None and max_logprobs > MAX_LOGPROBS:
-        raise ValueError(f"max_logprobs: at most {MAX_LOGPROBS} logprobs per token here")
+    if kwargs.get("runner", "auto") not in ("auto", "generate"):
+        raise ValueError(f"runner={kwargs['runner']!r}: only text generation ('generate')")
+    if kwargs.get("load_format", "auto") not in ("auto", "safetensors"):
+        raise ValueError(f"load_format={kwargs['load_format']!r}: safetensors weights only")
     if "seed" in kwargs and kwargs["seed"] is None:  # (vLLM's "no seed": the engine's default)
         del kwargs["seed"]
     for name in _VLLM_IGNORED:
@@ -311,6 +350,8 @@ def _as_prompt_list(prompts: Prompts) -> list[str | list[int]]:
     out: list[str | list[int]] = []
     for prompt in prompts:
         if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            if prompt.get("multi_modal_data"):
+                raise InvalidRequestError("multi_modal_data: this model takes text only")
             if "prompt_token_ids" in prompt:
                 out.append(_token_ids(prompt["prompt_token_ids"]))
             elif isinstance(prompt.get("prompt"), str):

@@ -129,6 +129,12 @@ class SamplingParams(BaseModel):
     grammar: str | None = Field(None, min_length=1)
     reasoning_tags: tuple[str, str] | None = None
     resumed_tokens: int = Field(0, ge=0)
+    # vLLM's, for scripts that set them: `best_of` only n (no ranking), `output_kind`
+    # (`RequestOutputKind`: `LLM.generate` returns finished outputs whatever it is),
+    # `extra_args` (kept for whoever reads them; no sampling step does, as in vLLM)
+    best_of: int | None = None
+    output_kind: int = Field(0, ge=0, le=2)
+    extra_args: dict[str, Any] | None = None
 
     def __init__(self, **data: object) -> None:
         for name in ("structured_outputs", "guided_decoding"):  # vLLM's offline spellings
@@ -242,6 +248,14 @@ class SamplingParams(BaseModel):
         given = [k for k in STRUCTURE_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"at most one of {', '.join(STRUCTURE_KINDS)} may be set: {given}")
+        return self
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of={self.best_of} is not supported (no ranking of samples): use n"
+            )
         return self
 
     @field_validator("logits_processors")

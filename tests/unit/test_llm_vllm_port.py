@@ -1,0 +1,120 @@
+"""A script written for vLLM's offline API runs on tandem as it is: vLLM's types import from
+`tandem`, `generate` and `chat` take their arguments in vLLM's order, and vLLM's checks hold
+(`max_logprobs`, `best_of`, text-only prompts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tandem import (
+    LLM,
+    GuidedDecodingParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    TextPrompt,
+    TokensPrompt,
+)
+from tandem.engine.errors import InvalidRequestError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint: Any) -> LLM:
+    return LLM(model=str(tiny_checkpoint()), num_kv_blocks=128, max_logprobs=3)
+
+
+def test_vllms_types_import_from_tandem(llm: LLM) -> None:
+    ids = llm.get_tokenizer().encode("hello there")
+    want = llm.generate("hello there", GREEDY)[0].token_ids
+    outs = llm.generate(
+        [TextPrompt(prompt="hello there"), TokensPrompt(prompt_token_ids=ids)], GREEDY
+    )
+    assert [o.token_ids for o in outs] == [want, want]
+    assert GuidedDecodingParams is StructuredOutputsParams
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    for params in (
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice),
+        SamplingParams(
+            temperature=0, max_tokens=8, guided_decoding=GuidedDecodingParams(choice=["yes", "no"])
+        ),
+    ):
+        assert params.choice == ["yes", "no"]
+        assert llm.generate("answer:", params)[0].outputs[0].text in ("yes", "no")
+
+
+def test_vllms_sampling_fields_are_taken(llm: LLM) -> None:
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=5,
+        ignore_eos=True,
+        best_of=None,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        extra_args={"plugin": 1},
+    )
+    assert params.extra_args == {"plugin": 1}
+    assert llm.generate("hello", params)[0].token_ids == llm.generate("hello", GREEDY)[0].token_ids
+    assert SamplingParams(n=2, best_of=2).best_of == 2
+    with pytest.raises(InvalidRequestError, match="best_of=3 is not supported"):
+        SamplingParams(n=1, best_of=3)
+
+
+def test_generate_and_chat_take_vllms_positional_order(llm: LLM) -> None:
+    want = llm.generate("hello", GREEDY)[0].token_ids
+    assert llm.generate("hello", GREEDY, False)[0].token_ids == want  # (use_tqdm third)
+    chat = [{"role": "user", "content": "hi"}]
+    by_name = llm.chat(chat, GREEDY, use_tqdm=False)[0].token_ids
+    assert llm.chat(chat, GREEDY, False, None)[0].token_ids == by_name
+    assert llm.chat(chat, GREEDY, chat_template_content_format="string")[0].token_ids == by_name
+    with pytest.raises(InvalidRequestError, match="chat_template_content_format"):
+        llm.chat(chat, GREEDY, chat_template_content_format="xml")
+    with pytest.raises(InvalidRequestError, match="text only"):
+        llm.chat(chat, GREEDY, mm_processor_kwargs={"num_crops": 4})
+
+
+def test_priorities_order_the_waiting_prompts(llm: LLM) -> None:
+    prompts = ["one", "two", "three"]
+    plain = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    ranked = llm.generate(prompts, GREEDY, priority=[2, 0, 1])
+    assert [o.token_ids for o in ranked] == plain  # (outputs stay in the prompts' order)
+    with pytest.raises(InvalidRequestError, match="2 priorities for 3 prompts"):
+        llm.generate(prompts, GREEDY, priority=[0, 1])
+
+
+def test_max_logprobs_bounds_what_a_request_asks(llm: LLM) -> None:
+    out = llm.generate("hello", SamplingParams(max_tokens=2, logprobs=3, prompt_logprobs=3))
+    assert all(len(entry) >= 3 for entry in out[0].outputs[0].logprobs or [])
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(
+            InvalidRequestError, match=f"{field}: requested 4, more than max_logprobs \\(3\\)"
+        ):
+            llm.generate("hello", SamplingParams(max_tokens=2, **{field: 4}))
+
+
+def test_multimodal_data_is_refused_not_dropped(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match="multi_modal_data: this model takes text only"):
+        llm.generate({"prompt": "describe", "multi_modal_data": {"image": object()}}, GREEDY)
+
+
+def test_vllms_no_op_engine_arguments(tiny_checkpoint: Any) -> None:
+    path = str(tiny_checkpoint())
+    llm = LLM(
+        model=path,
+        num_kv_blocks=8,
+        download_dir="/nowhere",
+        load_format="safetensors",
+        runner="generate",
+        limit_mm_per_prompt={"image": 0},
+        max_logprobs=-1,
+    )
+    assert llm.generate("hi", GREEDY)[0].token_ids
+    for kwargs, match in [
+        ({"runner": "pooling"}, "runner='pooling'"),
+        ({"load_format": "dummy"}, "load_format='dummy'"),
+        ({"max_logprobs": 21}, "max_logprobs"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            LLM(model=path, num_kv_blocks=8, **kwargs)
