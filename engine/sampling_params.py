@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
-from typing import Any
+from typing import Annotated, Any
 
 import xxhash
 from pydantic import (
@@ -120,7 +121,7 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[int, Annotated[float, Field(allow_inf_nan=True)]] | None = None
     allowed_token_ids: list[int] | None = Field(None, min_length=1)
     bad_words: list[str] | None = None
     json_schema: dict[str, Any] | None = None
@@ -180,10 +181,12 @@ class SamplingParams(BaseModel):
     @classmethod
     def _bias_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
         if value is not None:
-            bad = {t: b for t, b in value.items() if t < 0 or not -100.0 <= b <= 100.0}
+            # (any bias, as vLLM's offline API: -inf bans a token; the API's range is checked
+            # by the router)
+            bad = {t: b for t, b in value.items() if t < 0 or not b < math.inf}
             if bad:
                 raise ValueError(
-                    f"logit_bias needs token ids >= 0 and biases in [-100, 100]: {bad}"
+                    f"logit_bias needs token ids >= 0 and finite or -inf biases: {bad}"
                 )
         return value
 

@@ -183,6 +183,8 @@ def sampling_params(
         max_tokens = min(max_tokens, default_max_tokens)
     if fields.get("logit_bias"):
         check_token_ids(list(fields["logit_bias"]), limits.vocab_size, "logit_bias")
+        if beyond := {t: b for t, b in fields["logit_bias"].items() if not -100 <= b <= 100}:
+            raise bad_request(f"logit_bias values are in [-100, 100]: {beyond}", "logit_bias")
     for name in ("allowed_token_ids", "stop_token_ids"):
         if fields.get(name):
             check_token_ids(fields[name], limits.vocab_size, name)

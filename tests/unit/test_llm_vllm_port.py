@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -118,3 +119,16 @@ def test_vllms_no_op_engine_arguments(tiny_checkpoint: Any) -> None:
     ]:
         with pytest.raises(ValueError, match=match):
             LLM(model=path, num_kv_blocks=8, **kwargs)
+
+
+def test_logit_bias_takes_any_value_offline_and_minus_inf_bans(llm: LLM) -> None:
+    first = llm.generate("hello", GREEDY)[0].token_ids[0]
+    banned = SamplingParams(
+        temperature=0, max_tokens=5, ignore_eos=True, logit_bias={first: -math.inf}
+    )
+    assert first not in llm.generate("hello", banned)[0].token_ids
+    forced = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={7: 1e4})
+    assert llm.generate("hello", forced)[0].token_ids == [7, 7, 7]
+    for bias in (math.inf, math.nan):
+        with pytest.raises(InvalidRequestError, match="finite or -inf"):
+            SamplingParams(logit_bias={7: bias})
