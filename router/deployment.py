@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tandem import __version__
 from tandem.deploy.ingress import HAPROXY_FLAG
@@ -101,6 +102,11 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = str(exc.detail)
     if exc.status_code == 400 and message == "There was an error parsing the body":
+        if isinstance(exc.__cause__, ClientDisconnect):  # (the client left while sending it)
+            logger.debug(
+                "%s %s: the client left before its body came", request.method, request.url.path
+            )
+            return error_response(APIError(400, "the client left before its body came"))
         # (FastAPI's answer to a body it could not decode, e.g. bytes that are not UTF-8)
         unreadable = "the request body is not valid JSON in UTF-8"
         return _counted(request, APIError(400, unreadable, code="invalid_json"))

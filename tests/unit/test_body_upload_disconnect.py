@@ -1,0 +1,76 @@
+"""A client that leaves while it still sends its request body is no `invalid_json` failure (FastAPI
+reports both as "There was an error parsing the body"); a body that is not JSON still is."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from tandem.router.deployment import api
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.codes: list[str] = []
+
+    def failed(self, code: str) -> None:
+        self.codes.append(code)
+
+    def rejected(self, code: str) -> None:
+        self.codes.append(code)
+
+
+def _post(messages: list[dict[str, Any]], length: int) -> list[dict[str, Any]]:
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(length).encode()),
+        ],
+        "server": ("127.0.0.1", 8000),
+        "client": ("127.0.0.1", 50000),
+    }
+    incoming = list(messages)
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if incoming:
+            return incoming.pop(0)
+        await asyncio.sleep(3600)  # (nothing more comes)
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(api(scope, receive, send), 10))
+    return sent
+
+
+@pytest.fixture
+def tally(monkeypatch: pytest.MonkeyPatch) -> Tally:
+    counted = Tally()
+    monkeypatch.setattr(api.state, "metrics", counted, raising=False)
+    return counted
+
+
+def test_a_client_gone_mid_body_is_not_an_invalid_json_failure(tally: Tally) -> None:
+    part = {"type": "http.request", "body": b'{"model": "tiny", "pro', "more_body": True}
+    _post([part, {"type": "http.disconnect"}], length=120)
+    assert tally.codes == []
+
+
+def test_a_body_that_is_not_utf8_json_is_one(tally: Tally) -> None:
+    body = b'{"model": "\xff\xfe"}'
+    sent = _post([{"type": "http.request", "body": body, "more_body": False}], len(body))
+    assert sent[0]["status"] == 400
+    assert tally.codes == ["invalid_json"]
