@@ -123,7 +123,6 @@ async def create_completion(
                 priority=body.priority,
                 user=body.user,
                 add_special_tokens=body.add_special_tokens,
-                wait_for_room=len(prompts) * body.n == 1,  # (choices are admitted together)
             )
         except APIError as exc:
             if len(prompts) > 1:  # say which prompt of the batch
@@ -170,7 +169,6 @@ async def create_chat_completion(
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.chat_template_kwargs,
             tools=tools,
-            wait_for_room=body.n == 1,  # (choices are admitted together)
         )
 
     read_calls = body.reply_parser(serving.tool_parser)

@@ -146,9 +146,20 @@ class PDOrchestrator:
         if not queued:  # (granted at once: there is room again)
             plan.decoder.note_reservation(refused=False)
         plan.grant = first["grant"]
-        if call is not None:
-            plan.grant_handed = True
+        if call is None:
+            # Nothing started on the prefill worker (closed while the request waited, or
+            # decode was refusing): it starts now, with the grant, not when the request runs
+            # (the choices of one request run once all are granted: this one's lease would run
+            # out meanwhile).
+            if plan.prefill.client.closed:  # (its worker died meanwhile: another takes it)
+                await move(self.directory, plan, "prefill", "lost")
+            call = start_prefill_call(
+                plan.prefill, request_id, prompt_token_ids, params, plan.grant, priority
+            )
+            plan.prefill_call = call
+        else:
             call.hand_grant(plan.prefill, request_id, first["grant"])
+        plan.grant_handed = True
         timings.mark("reserved")
 
     async def abandon(self, plan: RoutePlan, request_id: str) -> None:
@@ -192,9 +203,10 @@ class PDOrchestrator:
         completed = False
         try:
             prefill_task: asyncio.Future[Any] | None = None
+            latest: PrefillCall | None = None
 
             def start_prefill(call: PrefillCall | None = None) -> asyncio.Future[Any]:
-                nonlocal early
+                nonlocal early, latest
                 assert plan.prefill is not None
                 if early is not None:
                     pending.discard(early)
@@ -204,15 +216,11 @@ class PDOrchestrator:
                         plan.prefill, request_id, prompt_token_ids, params, plan.grant, priority
                     )
                     plan.grant_handed = True  # (`reserve` set the grant before any `generate`)
-                early = call.early
+                early, latest = call.early, call
                 pending.update((early, call.task))
                 return call.task
 
             if plan.prefill is not None:
-                if plan.prefill_call is None and plan.prefill.client.closed:
-                    # Its worker died while the request waited for decode's grant; nothing of
-                    # it started there: another worker takes it, with the grant.
-                    await move(self.directory, plan, "prefill", "lost")
                 prefill_task = start_prefill(plan.prefill_call)
             next_item = asyncio.ensure_future(read_next(stream, plan.decoder))
             pending.add(next_item)
@@ -243,7 +251,7 @@ class PDOrchestrator:
                     plan.release_prefill()
                     if outcome["status"] != "sent":
                         assert plan.prefill is not None
-                        if outcome.get("not_sent") and plan.prefill_call is None:
+                        if outcome.get("not_sent") and latest is not None and latest.carries_grant:
                             plan.grant_handed = False  # (decode frees the blocks at once)
                         message = f"prefill failed: {outcome.get('error')}"
                         if await lost(plan.decoder, next_item):  # (its pages had nowhere

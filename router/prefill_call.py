@@ -22,6 +22,7 @@ class PrefillCall:
     task: asyncio.Future[dict[str, Any]]  # the outcome
     early: asyncio.Future[dict[str, Any]]  # the first token, streamed as soon as sampled
     grant_task: asyncio.Future[None] | None = None  # hands decode's reservation over
+    carries_grant: bool = False  # started with decode's reservation (not handed over after)
 
     def futures(self) -> set[asyncio.Future[Any]]:
         """What of the call to cancel when the request ends. Not the grant's hand-over: it
@@ -54,7 +55,7 @@ def start_prefill_call(
     task = asyncio.ensure_future(
         _prefill(worker, request_id, prompt, params, grant, priority, early, finish_here)
     )
-    return PrefillCall(task, early)
+    return PrefillCall(task, early, carries_grant=grant is not None)
 
 
 async def send_grant(worker: Worker, request_id: str, grant: dict[str, Any]) -> None:

@@ -123,12 +123,11 @@ class RoutePlanner:
         deadline_ms: float | None,
         hold_s: float,
         max_tokens: int = 0,
-        wait_for_room: bool = True,
     ) -> RoutePlan:
         """Chooses workers and admits (or raises 429/503). The plan's load is held until
-        `release()`, or `hold_s` at most (a request that never runs gives it back). With
-        `wait_for_room` and no deadline, a decode worker with no KV room now makes the
-        request wait its turn (`RoutePlan.wait_for_room`)."""
+        `release()`, or `hold_s` at most (a request that never runs gives it back). Without
+        a deadline, a decode worker with no KV room now makes the request wait its turn
+        (`RoutePlan.wait_for_room`)."""
         bs = int(info["block_size"])
         namespace = str(info["namespace"])
         hashes = hash_full_blocks(int(info["root_hash"]), prompt_token_ids, bs)
@@ -141,7 +140,7 @@ class RoutePlanner:
                 prompt_token_ids, namespace, hashes, bs, deadline_ms, max_tokens
             )
         plan.hold_timer = asyncio.get_running_loop().call_later(hold_s, plan.release)
-        plan.wait_for_room = wait_for_room and deadline_ms is None
+        plan.wait_for_room = deadline_ms is None
         return plan
 
     async def _plan_decode(

@@ -165,17 +165,16 @@ class Serving:
         tools: list[dict[str, Any]] | None = None,
         truncate_prompt_tokens: int | None = None,
         add_special_tokens: bool = True,
-        wait_for_room: bool = True,
     ) -> Prepared:
         """`prompt` is text, token ids, or chat messages (rendered with the chat template, with
         the two template options of the chat API). `truncate_prompt_tokens` keeps the prompt's
         last that many tokens (-1: as many as the context holds next to `max_tokens`); a text
         prompt gets the tokenizer's special tokens (BOS) unless not `add_special_tokens`.
-        Also routes and admits the request: a 429 here means nothing was started (with
-        `wait_for_room`, and no deadline, a decode worker without KV room now makes it wait
-        its turn first: false for the choices of one request, which are admitted together,
-        so that one's wait cannot hold the others' reservations idle). A client
-        that leaves meanwhile (its task cancelled) is logged and counted as an abort."""
+        Also routes and admits the request: a 429 here means nothing was started (without a
+        deadline, a decode worker without KV room now makes it wait its turn first; each
+        choice of a request, `n` > 1 or a batch of prompts, waits its own turn, as vLLM queues
+        each sample: those granted run meanwhile). A client that leaves meanwhile (its task
+        cancelled) is logged and counted as an abort."""
         self.metrics.arrived(user, timings.arrival)
         with self._counting_refusals(), self._noting_departure(request_id, timings, user):
             self.check_model(model)
@@ -219,7 +218,7 @@ class Serving:
             losses = LossAllowance()
             while True:
                 try:
-                    await self._route(req, wait_for_room)
+                    await self._route(req)
                     break
                 except WorkerLost as exc:
                     if not losses.spend(exc):
@@ -240,7 +239,7 @@ class Serving:
             self._finished(finished_fields(None, timings, user))
             raise
 
-    async def _route(self, req: Prepared, wait_for_room: bool = True) -> None:
+    async def _route(self, req: Prepared) -> None:
         """Plans the request's workers and opens its calls (decode's reservation first)."""
         prompt, params = req.attempt_prompt(), req.attempt_params()
         plan = await self.planner.plan(
@@ -249,7 +248,6 @@ class Serving:
             req.deadline_ms,
             hold_s=self.request_timeout_s,
             max_tokens=params.max_tokens or 0,
-            wait_for_room=wait_for_room,
         )
         self.metrics.decision(self.planner.policy_name, routing_decision(plan))
         req.plan = plan

@@ -1,6 +1,6 @@
 """A reservation whose grant the router never handed to a prefill worker (the client left while
-decode reserved, or before a refusing decode worker's grant went on) is released on decode at
-once, after its stream is closed; one a prefill worker may write into is not."""
+decode reserved) is released on decode at once, after its stream is closed; one a prefill worker
+may write into is not."""
 
 from __future__ import annotations
 
@@ -90,9 +90,11 @@ def test_no_release_once_a_prefill_worker_was_handed_the_grant() -> None:
     asyncio.run(main())
 
 
-def test_a_grant_held_back_for_a_refusing_decode_worker_is_released_if_the_client_left() -> None:
-    """While a decode worker refuses reservations the prefill starts only with the grant, in
-    `generate`: a client that leaves before that point leaves the grant unhanded."""
+def test_a_refusing_decode_workers_grant_starts_the_prefill_at_once() -> None:
+    """While a decode worker refuses reservations the prefill starts only with the grant, as
+    soon as `reserve` has it (not when the request runs: the choices of one request run once
+    all are granted); the prefill worker may write into it then, so a client that leaves
+    leaves its release to that worker."""
 
     async def main() -> None:
         decode, prefill = SlowDecode("d0"), FakeWorker("p0")
@@ -101,9 +103,12 @@ def test_a_grant_held_back_for_a_refusing_decode_worker_is_released_if_the_clien
         plan = held_plan(d, "d0", "p0")
         plan.decode.note_reservation(refused=True)
         await orchestrator.reserve(plan, "r3", [1, 2, 3], {}, 0, RequestTimings())
-        assert plan.grant is not None and not plan.grant_handed and prefill.calls == 0
+        assert plan.grant is not None and plan.grant_handed
+        assert plan.prefill_call is not None and plan.prefill_call.carries_grant
+        outcome = await plan.prefill_call.task
+        assert (prefill.calls, outcome["grant"]) == (1, plan.grant)
         await orchestrator.abandon(plan, "r3")
-        assert await _settled(decode, 2) == ["closed", "release r3"]
+        assert await _settled(decode, 1) == ["closed"]
         assert (plan.decode.in_flight, plan.decode.queued_tokens) == (0, 0)
         await d.close()
 
