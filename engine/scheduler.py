@@ -5,9 +5,12 @@ Every request has `num_computed_tokens` that catches up with `num_tokens`. Each 
    pool has no block for one of them, the newest running request is preempted (recompute), but
    for one whose pages a KV transfer holds (`keep_kv`: it got blocks for its whole prompt when
    admitted, and is passed over);
-2. running requests still in prefill get a chunk of what budget is left;
-3. waiting requests are admitted by priority (lower first), then in arrival order: prefix-cache hits advance them for free, the
-   rest of their prompt is prefilled in chunks that fit the budget, up to `max_num_seqs`.
+2. running requests still in prefill get a chunk of what budget is left; one with no block for
+   its chunk preempts the newest running request after it not scheduled this step (the oldest
+   prefill always goes on), else waits;
+3. waiting requests are admitted (not in a step that preempted, as in vLLM) by priority (lower
+   first), then in arrival order: prefix-cache hits advance them for free, the rest of their
+   prompt is prefilled in chunks that fit the budget, up to `max_num_seqs`.
 
 With `enable_chunked_prefill=False` (vLLM's switch) a prompt is prefilled whole or not at all:
 it is admitted only when its uncached tokens fit the budget left, and the queue waits behind it
@@ -99,7 +102,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget, decode=True)
         budget = self._schedule_running(out, budget, decode=False)
-        self._admit_waiting(out, budget)
+        if not out.preempted:  # (what was just preempted is not admitted again at once)
+            self._admit_waiting(out, budget)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         return out
 
@@ -117,7 +121,13 @@ class Scheduler:
                 n = self._cap_for_prompt_logprobs(req, n)
                 if n < remaining and not self.enable_chunked_prefill:
                     continue
-                if bm.allocate(req.block_table, req.num_computed_tokens + n):
+                while not bm.allocate(req.block_table, req.num_computed_tokens + n):
+                    victim = self._newer_victim(req, out)
+                    if victim is None:  # it waits for what older requests give back
+                        break
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                else:
                     out.scheduled.append((req, n))
                     budget -= n
                 continue
@@ -194,6 +204,19 @@ class Scheduler:
             if candidate is req or not candidate.keep_kv:
                 return self.running.pop(i)
         raise AssertionError("the request to schedule is not running")
+
+    def _newer_victim(self, req: Request, out: SchedulerOutput) -> Request | None:
+        """What a prefill chunk of `req` with no block left preempts: the newest running
+        request after it that this step has not scheduled and whose pages no KV transfer
+        holds (None: there is none; it waits). So the oldest prefill always goes on: two
+        half-prefilled prompts that each wait for the other's blocks would wait forever."""
+        scheduled = {id(r) for r, _ in out.scheduled}
+        first = self.running.index(req) + 1
+        for i in range(len(self.running) - 1, first - 1, -1):
+            candidate = self.running[i]
+            if not candidate.keep_kv and id(candidate) not in scheduled:
+                return self.running.pop(i)
+        return None
 
     def _preempt(self, req: Request) -> None:
         self.free_blocks(req)

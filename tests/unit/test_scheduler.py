@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from tandem.engine import scheduler as scheduler_module
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
@@ -189,3 +192,36 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
     assert [r.request_id for r in sched.waiting] == ["c", "a", "e", "b", "d"]
     out = sched.schedule()
     assert [r.request_id for r, _ in out.scheduled] == ["c"]
+
+
+def test_two_half_prefilled_prompts_short_of_blocks_do_not_wait_for_each_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefill chunk with no block left preempts the newest running prompt after it (vLLM's
+    rule): two prompts that each held half the pool and waited for the other's blocks made
+    every step empty, forever. (`a` asks prompt logprobs: its chunks are capped, so `b` is
+    admitted beside it.)"""
+    monkeypatch.setattr(scheduler_module, "PROMPT_LOGPROBS_CHUNK", 4)
+    s = make(num_blocks=8, budget=8, prefix=False)
+    logprobs = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, prompt_logprobs=0)
+    a = Request("a", list(range(20)), logprobs, frozenset())  # 5 blocks
+    b = req("b", 24, start=100)  # 6 blocks: not both in 8
+    s.add(a)
+    s.add(b)
+    steps = []
+    for _ in range(6):
+        out = s.schedule()
+        steps.append(
+            ([(r.request_id, n) for r, n in out.scheduled], [v.request_id for v in out.preempted])
+        )
+        run_step(s, out)
+        check(s)
+    assert steps == [
+        ([("a", 4), ("b", 4)], []),
+        ([("a", 4), ("b", 4)], []),
+        ([("a", 4), ("b", 4)], []),
+        ([("a", 4), ("b", 4)], []),  # the pool is full: 4 + 4 blocks
+        ([("a", 4)], ["b"]),  # a's last chunk takes b's blocks; b is not admitted again at once
+        ([("a", 1), ("b", 7)], []),  # b starts over with the budget a's decode leaves
+    ]
+    assert b.num_preemptions == 1 and not s.waiting
