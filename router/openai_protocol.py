@@ -231,7 +231,9 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # (OpenAI's roles, its legacy `function`, and `ipython`, which Llama 3's templates and
+    # vLLM's clients give a tool's output)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function", "ipython"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 

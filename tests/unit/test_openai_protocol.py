@@ -157,3 +157,22 @@ def test_a_refused_body_names_the_field(body: dict[str, Any], param: str) -> Non
         model.model_validate(body)
     error = invalid_body(refused.value.errors(), body)
     assert (error.status, error.param) == (400, param)
+
+
+def test_legacy_function_and_llama_ipython_roles_go_to_the_template() -> None:
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "function", "name": "get_weather", "content": "sunny"},
+                {"role": "ipython", "content": "21 C"},
+            ]
+        }
+    )
+    assert [(m["role"], m["content"]) for m in body.template_messages()] == [
+        ("user", "weather?"),
+        ("function", "sunny"),
+        ("ipython", "21 C"),
+    ]
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "wizard", "content": "x"}]})
