@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -97,12 +98,17 @@ api.add_middleware(APIKeyMiddleware, key=lambda: getattr(api.state, "api_key_dig
 api.add_middleware(LateCORS, origins=lambda: getattr(api.state, "cors_origins", []))
 
 
+CLIENT_LEFT = (ClientDisconnect, TaskCancelledError)
+"""What reading a request's body raises when its client left: behind Serve's proxy, the proxy
+cancels the replica's wait for the body's next part more often than it sends a disconnect."""
+
+
 @api.exception_handler(StarletteHTTPException)
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = str(exc.detail)
     if exc.status_code == 400 and message == "There was an error parsing the body":
-        if isinstance(exc.__cause__, ClientDisconnect):  # (the client left while sending it)
+        if isinstance(exc.__cause__, CLIENT_LEFT):  # (the client left while sending it)
             logger.debug(
                 "%s %s: the client left before its body came", request.method, request.url.path
             )
