@@ -116,8 +116,9 @@ def test_logit_bias_steers_greedy_decoding(setup: dict[str, Any]) -> None:
     assert out.token_ids[0] != first
     ref = torch.log_softmax(hf_last_logits(setup["hf"], prompt), dim=-1)
     assert out.token_ids[0] == int(ref.topk(2).indices[1])  # the runner-up
+    assert SamplingParams(logit_bias={1: 150.0}).logit_bias == {1: 150.0}  # (offline: any, as vLLM)
     with pytest.raises(InvalidRequestError):
-        SamplingParams(logit_bias={1: 150.0})
+        SamplingParams(logit_bias={1: float("inf")})
 
 
 def test_allowed_token_ids_restrict_sampling(setup: dict[str, Any]) -> None:
