@@ -177,10 +177,16 @@ def wait_for_routers(registry_name: str, timeout_s: float, settle_s: float = 3.0
         return
     ray.get(registry.begin_stop.remote(), timeout=10)
 
+    said = False
+
     def drained(routers: list[dict[str, Any]], waited: float) -> bool:
+        nonlocal said
         if not routers:
             return waited >= settle_s
         in_flight = sum(int(r["in_flight"]) for r in routers)
+        if in_flight and not said:  # (once: what the stop now waits for)
+            logger.info("waiting for %d requests in flight", in_flight)
+            said = True
         return in_flight == 0 and all(r["stopping"] for r in routers)
 
     if _poll_routers(registry, settle_s, timeout_s, drained):

@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from tandem.engine.errors import InvalidRequestError, summarize_validation
+from tandem.engine.vllm_compat import RequestOutputKind
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """The seeds a `torch.Generator` takes (a signed or unsigned 64-bit integer)."""
@@ -134,7 +135,7 @@ class SamplingParams(BaseModel):
     # (`RequestOutputKind`: `LLM.generate` returns finished outputs whatever it is),
     # `extra_args` (kept for whoever reads them; no sampling step does, as in vLLM)
     best_of: int | None = None
-    output_kind: int = Field(0, ge=0, le=2)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
 
     def __init__(self, **data: object) -> None:

@@ -121,18 +121,10 @@ class Scheduler:
                 n = self._cap_for_prompt_logprobs(req, n)
                 if n < remaining and not self.enable_chunked_prefill:
                     continue
-                while not bm.allocate(req.block_table, req.num_computed_tokens + n):
-                    victim = self._newer_victim(req, out)
-                    if victim is None:  # it waits for what older requests give back
-                        break
-                    self._preempt(victim)
-                    out.preempted.append(victim)
-                else:
-                    out.scheduled.append((req, n))
-                    budget -= n
-                continue
             while not bm.allocate(req.block_table, req.num_computed_tokens + n):
-                victim = self._pop_victim(req)
+                victim = self._pop_victim(req, out, or_itself=decode)
+                if victim is None:  # (a prefill chunk waits for what older requests give back)
+                    break
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -195,28 +187,20 @@ class Scheduler:
         hits = self.block_manager.match_prefix(req.block_hashes, req.token_ids, record=False)
         return hits[: (req.num_tokens - 1) // self.block_size]
 
-    def _pop_victim(self, req: Request) -> Request:
-        """The request `req`'s block preempts: the newest running one whose pages no KV
-        transfer holds (preempting one that streams them would free none of those it sent),
-        else `req` itself."""
-        for i in range(len(self.running) - 1, -1, -1):
-            candidate = self.running[i]
-            if candidate is req or not candidate.keep_kv:
-                return self.running.pop(i)
-        raise AssertionError("the request to schedule is not running")
-
-    def _newer_victim(self, req: Request, out: SchedulerOutput) -> Request | None:
-        """What a prefill chunk of `req` with no block left preempts: the newest running
-        request after it that this step has not scheduled and whose pages no KV transfer
-        holds (None: there is none; it waits). So the oldest prefill always goes on: two
+    def _pop_victim(self, req: Request, out: SchedulerOutput, *, or_itself: bool) -> Request | None:
+        """What `req`, short of a block, preempts: the newest running request after it that
+        this step has not scheduled and whose pages no KV transfer holds (preempting one that
+        streams them would free none of those it sent); else `req` itself (`or_itself`: a
+        decode) or None (a prefill chunk: it waits). So the oldest prefill always goes on: two
         half-prefilled prompts that each wait for the other's blocks would wait forever."""
         scheduled = {id(r) for r, _ in out.scheduled}
-        first = self.running.index(req) + 1
-        for i in range(len(self.running) - 1, first - 1, -1):
+        for i in range(len(self.running) - 1, -1, -1):
             candidate = self.running[i]
+            if candidate is req:
+                return self.running.pop(i) if or_itself else None
             if not candidate.keep_kv and id(candidate) not in scheduled:
                 return self.running.pop(i)
-        return None
+        raise AssertionError("the request to schedule is not running")
 
     def _preempt(self, req: Request) -> None:
         self.free_blocks(req)
