@@ -23,7 +23,8 @@ character boundaries (byte-level BPE, like every checkpoint `build_tiny_checkpoi
 fallback at the ends of runs), the deltas of all steps plus `flush` concatenate to exactly
 ``tokenizer.decode(output_ids, skip_special_tokens=...)``. If the prompt's tail is an incomplete
 character (which the output might complete), the prompt is not used as context, so the output's
-leading bytes decode as they do on their own.
+leading bytes decode as they do on their own; a prompt that ends in a run of byte tokens is
+used as context up to that run.
 """
 
 from __future__ import annotations
@@ -57,13 +58,16 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        window = list(prompt_token_ids[-CONTEXT_TOKENS:]) if CONTEXT_TOKENS > 0 else []
-        prefix_text = tokenizer.decode(window, skip_special_tokens) if window else ""
         self._byte_runs = tokenizer.byte_run_ids
         # (skipped special tokens vanish before the byte tokens around them are decoded:
         # a run goes on across them)
         self._skipped = tokenizer.special_ids if skip_special_tokens and self._byte_runs else ()
-        if prefix_text.endswith(REPLACEMENT_CHAR) or (window and window[-1] in self._byte_runs):
+        # The context ends before a run of byte tokens at the prompt's end (the output's first
+        # bytes would join that run), not at the start: "hello\n" keeps "hello" as context.
+        end = self._run_start(prompt_token_ids) if self._byte_runs else len(prompt_token_ids)
+        window = list(prompt_token_ids[max(0, end - CONTEXT_TOKENS) : end])
+        prefix_text = tokenizer.decode(window, skip_special_tokens) if window else ""
+        if prefix_text.endswith(REPLACEMENT_CHAR):
             window, prefix_text = [], ""  # (the output's first bytes would join the prompt's)
         self._window: list[int] = window
         self._read = len(window)  # window[:read] have been turned into text (prefix_text)
@@ -97,6 +101,17 @@ class IncrementalDetokenizer:
             return ""  # an incomplete character at the end: wait for its remaining bytes
         return self._emit(full)
 
+    def peek(self) -> str:
+        """The text of the tokens held back as it reads if the output ends now, when that
+        is whole characters (a run of byte tokens that is valid UTF-8 so far), else "".
+        Stop strings are searched in it: a request that stops there ends the run."""
+        if self._read == len(self._window):
+            return ""
+        full = self._tokenizer.decode(self._window, self._skip)
+        if full.endswith(REPLACEMENT_CHAR):
+            return ""
+        return full[len(self._prefix_text) :]
+
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character decodes as U+FFFD)."""
         if self._read == len(self._window):
@@ -118,6 +133,18 @@ class IncrementalDetokenizer:
         if delta:
             self._pieces.append(delta)
         return delta
+
+    def _run_start(self, token_ids: Sequence[int]) -> int:
+        """Where the run of byte tokens that `token_ids` end in starts (skipped special
+        tokens within it aside); len(token_ids) if they end in none."""
+        end = len(token_ids)
+        for i in range(len(token_ids) - 1, -1, -1):
+            token = token_ids[i]
+            if token in self._byte_runs:
+                end = i
+            elif token not in self._skipped:
+                break
+        return end
 
     def _in_byte_run(self) -> bool:
         """Whether the window ends in a byte-fallback token (skipped special tokens aside)."""

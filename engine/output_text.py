@@ -56,10 +56,13 @@ class OutputText:
         (`keep`: just after it).
         Not `counting` (before `min_tokens` are out): the text so far is marked searched, so
         a stop string written there does not count later either."""
-        text = self.text
         if not counting:
-            self.checked_len = len(text)
+            self.checked_len = len(self.text)
             return None
+        # (with the text the detokenizer holds back where it is whole characters already: a
+        # stop string that ends in a run of byte tokens is found on the token that ends it)
+        held = self.detokenizer.peek()
+        text = self.text + held
         longest = max(len(s) for s in stops)
         window_start = max(0, self.checked_len - longest + 1)
         best: tuple[int, str] | None = None
@@ -67,9 +70,11 @@ class OutputText:
             idx = text.find(stop, window_start)
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, stop)
-        self.checked_len = len(text)
+        self.checked_len = len(self.text)
         if best is None:
             return None
+        if held and best[0] + len(best[1]) > len(self.text):
+            self.flush()  # (the request ends here: so does the run, and its text is `held`)
         self.truncate(best[0] + (len(best[1]) if keep else 0))
         return best[1]
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import pytest
 
 from tandem.engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
+from tandem.engine.output_text import OutputText
 from tandem.engine.tokenizer import Tokenizer
 from tests.unit.test_sentencepiece_tokenizer import _sentencepiece_checkpoint
 
@@ -57,3 +58,35 @@ def test_random_ids_stream_the_text_of_the_whole_output(tok: Tokenizer, skip: bo
         ]
         assert _streamed(tok, [], ids, skip) == tok.decode(ids, skip)
         assert _streamed(tok, prompt, ids, skip) == _in_context(tok, prompt, ids, skip)
+
+
+def test_a_prompt_ending_in_byte_tokens_is_still_context(tok: Tokenizer) -> None:
+    """ "\n" is a byte token here: the first output token after it keeps its leading space, as
+    it reads after the prompt (vLLM's text), not as at the start of a text."""
+    prompt = tok.encode("hello world\n")
+    assert prompt[-1] in tok.byte_run_ids
+    ids = tok.encode("the model", add_special_tokens=False)
+    assert _streamed(tok, prompt, ids, True) == " the model"
+    assert tok.decode(prompt + ids)[len(tok.decode(prompt)) :] == " the model"
+
+
+def test_a_stop_string_ending_in_a_byte_token_stops_on_that_token(tok: Tokenizer) -> None:
+    """The text of a run of byte tokens is held until the run ends, but a stop string is
+    searched in it as soon as it is whole characters: the request stops on the token that
+    completes the stop string, not on the next token that is not a byte token."""
+    newline = tok.encode("a\n", add_special_tokens=False)[-1]
+    assert newline in tok.byte_run_ids
+    words = tok.encode("the model", add_special_tokens=False)
+    for keep in (False, True):
+        text = OutputText.after(tok, tok.encode("hello"))
+        for token in words:
+            text.add(token)
+            assert text.find_stop(["\n"], keep=keep) is None
+        text.add(newline)
+        assert text.find_stop(["\n"], keep=keep) == "\n"
+        assert text.text == " the model" + ("\n" if keep else "")
+    text = OutputText.after(tok, tok.encode("hello"))
+    for token in [*words, newline, newline]:
+        text.add(token)
+    # (a stop string not in the held run: nothing found, and the run is still held)
+    assert text.find_stop(["x"]) is None and text.text == " the model"
