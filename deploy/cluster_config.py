@@ -252,8 +252,12 @@ class ClusterConfig(BaseModel):
     def _known_transport(cls, value: str) -> str:
         if value not in TRANSPORTS or value in ("local", "fake"):
             usable = ", ".join(sorted(set(TRANSPORTS) - {"local", "fake"}))
-            what = "is in-process only: it" if value in TRANSPORTS else "is unknown: the transport"
-            raise ValueError(f"transport {value!r} {what} cannot join processes (use {usable})")
+            why = (
+                "is in-process only: it cannot join processes"
+                if value in TRANSPORTS
+                else "is unknown"
+            )
+            raise ValueError(f"transport {value!r} {why} (use {usable})")
         return value
 
     @model_validator(mode="after")

@@ -23,6 +23,7 @@ from tandem.deploy.serve_guards import (
     fail,
     fail_if,
     first_line,
+    port_conflicts,
     unreachable,
 )
 
@@ -49,7 +50,7 @@ def start_ray(
         fail_if(unreachable(address, dialed(address)))
         try:
             return ray.init(address=address), False
-        except (ConnectionError, RuntimeError) as exc:
+        except (ConnectionError, RuntimeError, ValueError) as exc:
             fail(f"cannot join the Ray cluster at {address}: {first_line(exc)}")
     if address is None:
         try:
@@ -64,7 +65,9 @@ def start_ray(
                 f"cannot join the Ray cluster running here: {first_line(exc)} (--address local "
                 "starts a cluster of its own)"
             )
-    fail_if(busy_ports(host, {**ports, "--dashboard-port": dashboard_port}))
+    ports = {**ports, "--dashboard-port": dashboard_port}
+    fail_if(port_conflicts(ports))
+    fail_if(busy_ports(host, ports))
     env = ingress_environment(ingress, os.environ)
     os.environ.update(env)
     if STATE_DIR in env:  # HAProxy's files, made for this cluster: removed when it stops

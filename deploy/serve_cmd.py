@@ -25,6 +25,7 @@ from tandem.deploy.ray_cluster import (
     start_ray,
     warn_if_short,
 )
+from tandem.deploy.serve_banner import local_host, print_urls
 from tandem.deploy.serve_guards import context_overrun_of, fail_if, first_line
 from tandem.engine.errors import summarize_validation
 
@@ -104,7 +105,9 @@ def serve(
             "for, at least one per core).",
         ),
     ] = None,
-    dashboard_port: Annotated[int, typer.Option(help="Ray dashboard port (new cluster).")] = 8265,
+    dashboard_port: Annotated[
+        int, typer.Option(min=1, max=65535, help="Ray dashboard port (new cluster).")
+    ] = 8265,
     ingress: Annotated[
         Ingress,
         typer.Option(
@@ -267,7 +270,7 @@ def serve(
             ray_serve.run(app, name=cfg.app_name, route_prefix="/")
             _wait_for_workers(cfg)
             serving = True
-            _print_urls(cfg, ctx, time.monotonic() - started, ingress if own_cluster else None)
+            print_urls(cfg, ctx, time.monotonic() - started, ingress if own_cluster else None)
             while not stop.wait(0.5):
                 pass
             drain = not (own_cluster and signal.SIGTERM in signals and cluster_gone())
@@ -316,21 +319,10 @@ def _on_serves_port(cfg: Any) -> Any:
     return cfg.model_copy(update={"port": port})
 
 
-def _scaling(role: Any) -> str:
-    """' (autoscaling MIN..MAX)' for an autoscaled role, else ''."""
-    scaling = role.autoscaling
-    return f" (autoscaling {scaling.min_replicas}..{scaling.max_replicas})" if scaling else ""
-
-
-def _local_host(cfg: Any) -> str:
-    """Where this machine reaches the API: `--host`, or 127.0.0.1 for every-interface hosts."""
-    return str(cfg.host) if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
-
-
 def _wait_for_workers(cfg: Any, timeout_s: float = 15.0) -> None:
     """Until the router counts the workers the start-up line names (it learns of replicas
     from their reports, a second or two after Serve runs them), for at most `timeout_s`."""
-    host = _local_host(cfg)
+    host = local_host(cfg)
     host = f"[{host}]" if ":" in host else host
     roles = ("decode",) if cfg.mode == "colocated" else ("prefill", "decode")
     expected = {role: getattr(cfg, role).replicas for role in roles}
@@ -347,17 +339,6 @@ def _wait_for_workers(cfg: Any, timeout_s: float = 15.0) -> None:
         time.sleep(0.25)
 
 
-def _workers_summary(cfg: Any) -> str:
-    """The roles as the start-up line names them: counts, and each autoscaled role's range."""
-    if cfg.mode == "colocated":
-        workers = "worker" if cfg.decode.replicas == 1 else "workers"
-        return f"{cfg.decode.replicas} colocated {workers} (prefill + decode){_scaling(cfg.decode)}"
-    return (
-        f"{cfg.prefill.replicas} prefill{_scaling(cfg.prefill)} + {cfg.decode.replicas} "
-        f"decode{_scaling(cfg.decode)} workers, {cfg.transport} KV transport"
-    )
-
-
 def _ignored_in_colocated(cfg: Any, prefill_flag: bool) -> list[str]:
     """The prefill-role settings an operator gave that colocated mode (no prefill workers)
     does not use: the config's `prefill.autoscaling` / `prefill.replicas`, `--prefill-replicas`."""
@@ -369,32 +350,3 @@ def _ignored_in_colocated(cfg: Any, prefill_flag: bool) -> list[str]:
     elif "replicas" in cfg.prefill.model_fields_set:
         ignored.append("prefill.replicas")
     return ignored
-
-
-def _print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress | None) -> None:
-    """`ingress`: what the cluster tandem started uses (None: a cluster it joined)."""
-    host = _local_host(cfg)
-    dashboard = getattr(ctx, "dashboard_url", None)
-    lines = [
-        f"[tandem] serving {cfg.served_model_name or Path(cfg.model).name}: "
-        f"{_workers_summary(cfg)}, "
-        f"ready in {seconds:.1f}s",
-        f"[tandem]   OpenAI API:    http://{host}:{cfg.port}/v1"
-        + (f" (through {ingress.value})" if ingress else "")
-        + (" (API key required: 'Authorization: Bearer <key>')" if cfg.api_key else ""),
-    ]
-    if cfg.direct_port:
-        lines.append(
-            f"[tandem]   OpenAI API:    http://{host}:{cfg.direct_port}/v1 (the router's own "
-            "port: lower latency)"
-        )
-    if cfg.grpc_port:
-        lines.append(f"[tandem]   gRPC:          {host}:{cfg.grpc_port} (tandem.v1.Generation)")
-    lines.append(f"[tandem]   Metrics:       http://{host}:{cfg.port}/metrics (Prometheus)")
-    if dashboard:
-        lines.append(f"[tandem]   Ray dashboard: http://{dashboard}")
-    lines.append(
-        "[tandem]   Grafana:       deploy/dashboards/*.json (import; see docs/observability.md)"
-    )
-    lines.append("[tandem] press Ctrl-C to stop")
-    typer.echo("\n".join(lines))

@@ -49,6 +49,28 @@ def busy_ports(host: str, ports: Mapping[str, int | None]) -> str | None:
     )
 
 
+RAY_PORTS = {6379: "its GCS", 10001: "the Ray Client server"}
+RAY_WORKER_PORTS = range(10002, 20000)  # Ray's default min/max_worker_port
+
+
+def port_conflicts(ports: Mapping[str, int | None]) -> str | None:
+    """One line when two of `ports` ({flag: port}; None or 0: unused) are the same port, or
+    one is a port a new local Ray cluster takes for itself; None when they are fine."""
+    seen: dict[int, str] = {}
+    for flag, port in ports.items():
+        if not port:
+            continue
+        if port in seen:
+            return f"{flag} and {seen[port]} are both {port}: each server needs a port of its own"
+        seen[port] = flag
+        owner = RAY_PORTS.get(port)
+        if owner is None and port in RAY_WORKER_PORTS:
+            owner = "its workers (ports 10002-19999)"
+        if owner is not None:
+            return f"port {port} ({flag}) is taken by Ray for {owner}: pick another"
+    return None
+
+
 def app_conflict(app_name: str, address: str, applications: Mapping[str, str]) -> str | None:
     """One line when the cluster at `address` already runs a Serve application `app_name`
     (`applications`: {name: status}): deploying would replace it, and stopping this command
@@ -67,13 +89,19 @@ def app_conflict(app_name: str, address: str, applications: Mapping[str, str]) -
 
 def unreachable(address: str, dialed: str | None = None, timeout_s: float = 5.0) -> str | None:
     """Why a Ray cluster at `address` (HOST:PORT, the GCS) cannot be reached, or None when it
-    answers or the address is another form (`auto`, `ray://...`). `dialed`: the HOST:PORT Ray
-    will connect to for it (Ray swaps a loopback host for the machine's IP), if another. Ray
-    itself would retry for minutes and end in a traceback."""
+        answers or the address is another form (`auto`, `ray://...`); also when it is no address at
+    all (`nohost`, `host:xx`). `dialed`: the HOST:PORT Ray
+        will connect to for it (Ray swaps a loopback host for the machine's IP), if another. Ray
+        itself would retry for minutes and end in a traceback."""
+    if address == "auto" or "://" in address:
+        return None
     target = dialed or address
     host, sep, port = target.rpartition(":")
-    if not sep or "://" in address or not port.isdigit():
-        return None
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        return (
+            f"the Ray cluster address {address!r} is not HOST:PORT (its GCS, e.g. "
+            "10.0.0.5:6379), auto, local or ray://HOST:PORT"
+        )
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Annotated
 
@@ -25,6 +27,50 @@ def bench() -> None:
 
 def _float_list(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        pcts = _float_list(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--percentiles") from None
+    if not all(0 <= p <= 100 for p in pcts):
+        raise typer.BadParameter("each must be in [0, 100]", param_hint="--percentiles")
+    return pcts
+
+
+def _check_options(
+    request_rate: float, burstiness: float, tokenizer: Path | None, save_result: Path | None
+) -> None:
+    """Refuses what would fail only after the run (or in the middle of it), in one line."""
+    for hint, value in (("--request-rate", request_rate), ("--burstiness", burstiness)):
+        if not value > 0:
+            raise typer.BadParameter(f"{value} is not > 0", param_hint=hint)
+    if tokenizer is not None and not tokenizer.is_dir():
+        raise typer.BadParameter(
+            f"{tokenizer} is not a tokenizer or checkpoint directory", param_hint="--tokenizer"
+        )
+    if save_result is not None:
+        if save_result.is_dir():
+            raise typer.BadParameter(f"{save_result} is a directory", param_hint="--save-result")
+        try:  # (its directory is made now: one that cannot be fails before the run)
+            save_result.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--save-result") from None
+
+
+def _check_server(base_url: str, headers: dict[str, str]) -> None:
+    """One request before the run, as vLLM's bench sends: a server that is not there fails
+    here, in one line, instead of every request of the run failing."""
+    try:
+        request = urllib.request.Request(f"{base_url.rstrip('/')}/v1/models", headers=headers)
+        urllib.request.urlopen(request, timeout=10).close()
+    except urllib.error.HTTPError:
+        pass  # it answers (a server without /v1/models, or that wants a key: the run tells)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        typer.echo(f"Error: no server answers at {base_url}: {reason}", err=True)
+        raise typer.Exit(code=2) from None
 
 
 @bench_app.command("serve")
@@ -165,12 +211,14 @@ def serve(
         raise typer.BadParameter(f"one of {', '.join(DATASETS)}", param_hint="--dataset-name")
     try:
         slos = parse_goodput(goodput or [])
-        pcts = _float_list(percentiles)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    pcts = _percentiles(percentiles)
+    _check_options(request_rate, burstiness, tokenizer, save_result)
     if base_url.rstrip("/").endswith("/v1") and endpoint.startswith("/v1/"):
         base_url = base_url.rstrip("/").removesuffix("/v1")  # (the endpoint has it)
         typer.echo(f"[bench] --base-url is the server's root: using {base_url}", err=True)
+    _check_server(base_url, bearer_headers(api_key))
     if tokenizer is None and Path(model).is_dir():
         tokenizer = Path(model)
     maker = prompt_maker(tokenizer, server_token_counter(base_url, model, bearer_headers(api_key)))
@@ -223,7 +271,6 @@ def serve(
     )
     typer.echo(summary_text(run.metrics, [r.error for r in run.records]))
     if save_result is not None:
-        save_result.parent.mkdir(parents=True, exist_ok=True)
         save_result.write_text(json.dumps(run.result, indent=2) + "\n")
         typer.echo(f"[bench] result written to {save_result}", err=True)
     if run.metrics.completed == 0:

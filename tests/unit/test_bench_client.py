@@ -110,3 +110,36 @@ def test_word_prompts_without_a_count_are_a_word_a_token() -> None:
     prompt = maker.random(random.Random(0), 30)
     assert isinstance(prompt, str) and len(prompt.split()) == 10 and maker.length(prompt) == 30
     assert len(str(WordPrompts().random(random.Random(0), 30)).split()) == 30
+
+
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [
+        (["--percentiles", "50,150"], "Invalid value for --percentiles: each must be in [0, 100]"),
+        (["--request-rate", "0"], "Invalid value for --request-rate: 0.0 is not > 0"),
+        (["--burstiness", "-1"], "Invalid value for --burstiness: -1.0 is not > 0"),
+        (["--tokenizer", "FILE"], "Invalid value for --tokenizer: FILE is not a tokenizer"),
+        (["--save-result", "DIR"], "Invalid value for --save-result: DIR is a directory"),
+    ],
+)
+def test_the_cli_refuses_bad_options_before_the_run(
+    server: FakeServer, tmp_path: Path, extra: list[str], error: str
+) -> None:
+    (tmp_path / "file").write_text("x")
+    paths = {"FILE": str(tmp_path / "file"), "DIR": str(tmp_path)}
+    extra = [paths.get(a, a) for a in extra]
+    sent = len(server.prompts)
+    args = ["bench", "serve", "--base-url", server.base_url, "--model", "fake", "--disable-tqdm"]
+    res = CliRunner().invoke(app, [*args, *extra])
+    assert res.exit_code == 2, res.output
+    flat = " ".join(res.output.replace("│", " ").split())
+    expected = error.replace("FILE", paths["FILE"]).replace("DIR", paths["DIR"])
+    assert expected in flat, res.output
+    assert len(server.prompts) == sent  # (nothing was sent)
+
+
+def test_the_cli_stops_at_once_when_no_server_answers() -> None:
+    url = "http://127.0.0.1:1"
+    res = CliRunner().invoke(app, ["bench", "serve", "--base-url", url, "--model", "fake"])
+    assert res.exit_code == 2, res.output
+    assert res.output.splitlines()[-1].startswith(f"Error: no server answers at {url}: ")

@@ -114,7 +114,12 @@ def test_router_replicas_can_ask_for_custom_ray_resources() -> None:
     [
         (
             ["--transport", "nope"],
-            "Error: invalid configuration: transport: transport 'nope' is unknown",
+            "Error: invalid configuration: transport: transport 'nope' is unknown (use shm, "
+            "torch, ucx)",
+        ),
+        (
+            ["--transport", "local"],
+            "transport 'local' is in-process only: it cannot join processes (use shm, torch, ucx)",
         ),
         (["--config", "BAD_YAML"], "Error: invalid configuration: prefill.bogus: Extra inputs"),
         (

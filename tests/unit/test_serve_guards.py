@@ -18,6 +18,7 @@ from tandem.deploy.serve_guards import (
     app_conflict,
     busy_ports,
     context_overrun,
+    port_conflicts,
     port_in_use,
     unreachable,
 )
@@ -94,6 +95,24 @@ def test_an_unreachable_address_is_named(refused_port: int) -> None:
     )
     assert unreachable("auto") is None
     assert unreachable("ray://head:10001") is None
+    for bad in ("nohost", "bogus:xx", ":6379", "head:0"):
+        assert unreachable(bad) == (
+            f"the Ray cluster address {bad!r} is not HOST:PORT (its GCS, e.g. 10.0.0.5:6379), "
+            "auto, local or ray://HOST:PORT"
+        )
+
+
+def test_ports_that_clash_or_that_ray_takes_are_named() -> None:
+    assert port_conflicts({"--port": 8000, "--grpc-port": None, "--dashboard-port": 8265}) is None
+    assert port_conflicts({"--port": 8000, "--direct-port": 0, "--dashboard-port": 8000}) == (
+        "--dashboard-port and --port are both 8000: each server needs a port of its own"
+    )
+    assert port_conflicts({"--port": 6379}) == (
+        "port 6379 (--port) is taken by Ray for its GCS: pick another"
+    )
+    assert port_conflicts({"--port": 8000, "--grpc-port": 12345}) == (
+        "port 12345 (--grpc-port) is taken by Ray for its workers (ports 10002-19999): pick another"
+    )
 
 
 def _serve(checkpoint: Path, *args: str) -> tuple[int, str]:
@@ -116,6 +135,33 @@ def test_serve_refuses_an_unreachable_address_in_one_line(
     assert "Traceback" not in out
 
 
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (
+            ["--address", "bogus:xx"],
+            "Error: the Ray cluster address 'bogus:xx' is not HOST:PORT (its GCS, e.g. "
+            "10.0.0.5:6379), auto, local or ray://HOST:PORT",
+        ),
+        (
+            ["--address", "local", "--dashboard-port", "8000", "--port", "8000"],
+            "Error: --dashboard-port and --port are both 8000: each server needs a port of its own",
+        ),
+    ],
+)
+def test_serve_refuses_a_bad_address_or_port_in_one_line(
+    tiny_checkpoint: Callable[..., Path], args: list[str], error: str
+) -> None:
+    code, out = _serve(tiny_checkpoint(), *args)
+    assert code == 2 and "Traceback" not in out, out
+    assert out.splitlines()[-1] == error
+
+
+def test_the_dashboard_port_is_a_port(tiny_checkpoint: Callable[..., Path]) -> None:
+    code, out = _serve(tiny_checkpoint(), "--dashboard-port", "99999")
+    assert code == 2 and "'--dashboard-port': Input should be less than or equal to 65535" in out
+
+
 @pytest.mark.parametrize("flag", ["--port", "--direct-port"])
 def test_serve_refuses_a_port_in_use_before_starting_ray(
     tiny_checkpoint: Callable[..., Path], reuseport_listener: int, flag: str
@@ -123,7 +169,9 @@ def test_serve_refuses_a_port_in_use_before_starting_ray(
     """Serve's proxy and the routers' own HTTP port both bind with SO_REUSEPORT: a second
     server would share the port, so a port in use is refused."""
     port = reuseport_listener
-    code, out = _serve(tiny_checkpoint(), "--address", "local", flag, str(port))
+    # (a free dashboard port: the default one is held while any other Ray cluster runs here)
+    dashboard = ["--dashboard-port", str(_closed_port())]
+    code, out = _serve(tiny_checkpoint(), "--address", "local", flag, str(port), *dashboard)
     assert code == 2
     assert out.splitlines()[-1] == (
         f"Error: port {port} ({flag}) is already in use on 127.0.0.1 (another `tandem serve`, "

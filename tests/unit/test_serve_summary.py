@@ -3,30 +3,31 @@
 from __future__ import annotations
 
 from tandem.deploy.cluster_config import ClusterConfig
-from tandem.deploy.serve_cmd import _ignored_in_colocated, _workers_summary
+from tandem.deploy.serve_banner import workers_summary
+from tandem.deploy.serve_cmd import _ignored_in_colocated
 
 SCALING = {"min_replicas": 1, "max_replicas": 3}
 
 
 def test_fixed_replicas_summary_is_unchanged() -> None:
     cfg = ClusterConfig(prefill={"replicas": 2}, decode={"replicas": 1})
-    assert _workers_summary(cfg) == "2 prefill + 1 decode workers, shm KV transport"
+    assert workers_summary(cfg) == "2 prefill + 1 decode workers, shm KV transport"
 
 
 def test_autoscaled_roles_show_their_range() -> None:
     cfg = ClusterConfig(
         prefill={"autoscaling": SCALING}, decode={"replicas": 2, "autoscaling": SCALING}
     )
-    assert _workers_summary(cfg) == (
+    assert workers_summary(cfg) == (
         "1 prefill (autoscaling 1..3) + 2 decode (autoscaling 1..3) workers, shm KV transport"
     )
 
 
 def test_colocated_summary_shows_the_decode_range() -> None:
     cfg = ClusterConfig(mode="colocated", decode={"autoscaling": SCALING})
-    assert _workers_summary(cfg) == "1 colocated worker (prefill + decode) (autoscaling 1..3)"
+    assert workers_summary(cfg) == "1 colocated worker (prefill + decode) (autoscaling 1..3)"
     two = ClusterConfig(mode="colocated", decode={"replicas": 2})
-    assert _workers_summary(two) == "2 colocated workers (prefill + decode)"
+    assert workers_summary(two) == "2 colocated workers (prefill + decode)"
 
 
 def test_colocated_names_the_prefill_settings_it_ignores() -> None:
