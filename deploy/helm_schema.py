@@ -27,7 +27,9 @@ from tandem.router.admission import AdmissionConfig
 from tandem.router.route_planner import DecodeRoutingConfig
 from tandem.router.routing_policy import RoutingConfig
 
-SCHEMA_FILE = Path(__file__).resolve().parent.parent / "helm" / "tandem" / "values.schema.json"
+CHART_DIR = Path(__file__).resolve().parent.parent / "helm" / "tandem"
+SCHEMA_FILE = CHART_DIR / "values.schema.json"
+NUMBERS_FILE = CHART_DIR / "templates" / "_numbers.tpl"
 
 ENGINE_SET_BY_CHART = ("model",)
 """EngineConfig fields the chart sets itself (the model's path)."""
@@ -103,15 +105,137 @@ def generated_parts() -> dict[tuple[str, ...], dict[str, Any]]:
     }
 
 
+# Helm's `--set x=0.5` passes the string "0.5" (only integers, booleans and null are typed), so
+# every number of the values schema also takes a decimal string, whose pattern keeps the bounds;
+# the chart's templates turn such strings into numbers (templates/_numbers.tpl, generated below).
+_DECIMAL = r"(\d+\.?\d*|\.\d+)"
+_POSITIVE = r"(\d*[1-9]\d*\.?\d*|\d*\.\d*[1-9]\d*)"
+_AT_LEAST_1 = r"(0*[1-9]\d*\.?\d*)"
+_ABOVE_1 = r"(0*[1-9]\d*\.\d*[1-9]\d*|0*([2-9]|[1-9]\d+)\.?\d*)"
+_UNIT = r"(0*\.\d+|0+\.?|0*1(\.0*)?)"
+_POSITIVE_UNIT = r"(0*\.\d*[1-9]\d*|0*1(\.0*)?)"
+_BOUNDED_DECIMALS: dict[tuple[str, float, float | None], str] = {
+    ("minimum", 0.0, None): _DECIMAL,
+    ("exclusiveMinimum", 0.0, None): _POSITIVE,
+    ("minimum", 1.0, None): _AT_LEAST_1,
+    ("exclusiveMinimum", 1.0, None): _ABOVE_1,
+    ("minimum", 0.0, 1.0): _UNIT,
+    ("exclusiveMinimum", 0.0, 1.0): _POSITIVE_UNIT,
+}
+_BOUND_KEYS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+
+
+def decimal_pattern(bounds: dict[str, Any]) -> str | None:
+    """A regular expression for the decimal strings (no exponent) within a number schema's
+    `bounds`, or None for bounds it cannot express (the number then takes no string)."""
+    given = {k: float(v) for k, v in bounds.items() if k in _BOUND_KEYS}
+    if not given:
+        return f"^[+-]?{_DECIMAL}$"
+    if "exclusiveMaximum" in given:
+        return None
+    lower = [k for k in ("minimum", "exclusiveMinimum") if k in given]
+    if len(lower) != 1:
+        return None
+    body = _BOUNDED_DECIMALS.get((lower[0], given[lower[0]], given.get("maximum")))
+    return None if body is None else f"^\\+?{body}$"
+
+
+def _all_numeric_strings() -> list[dict[str, Any]]:
+    bounds: list[dict[str, Any]] = [{}]
+    for lower, low, high in _BOUNDED_DECIMALS:
+        bounds.append({lower: low} if high is None else {lower: low, "maximum": high})
+    return [{"type": "string", "pattern": decimal_pattern(b)} for b in bounds]
+
+
+def _is_number(node: Any) -> bool:
+    return isinstance(node, dict) and node.get("type") == "number"
+
+
+def _numeric_string(number: dict[str, Any]) -> dict[str, Any] | None:
+    pattern = decimal_pattern(number)
+    return None if pattern is None else {"type": "string", "pattern": pattern}
+
+
+def accepting_numeric_strings(node: Any) -> Any:
+    """`node` with every `type: number` schema also taking a decimal string in its bounds
+    (idempotent: a number already beside its string form is left as it is)."""
+    if isinstance(node, list):
+        return [accepting_numeric_strings(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if _is_number(node):
+        string = _numeric_string(node)
+        if string is None:
+            return dict(node)
+        number = {k: v for k, v in node.items() if k != "description"}
+        out = {"description": node["description"]} if "description" in node else {}
+        return {**out, "anyOf": [number, string]}
+    out = {}
+    for key, value in node.items():
+        if key in ("anyOf", "oneOf") and isinstance(value, list):
+            branches: list[Any] = []
+            for branch in value:
+                if branch in _all_numeric_strings():
+                    continue  # made by an earlier run: made again after its number
+                branches.append(
+                    accepting_numeric_strings(branch) if not _is_number(branch) else branch
+                )
+                string = _numeric_string(branch) if _is_number(branch) else None
+                if string is not None:
+                    branches.append(string)
+            out[key] = branches
+        else:
+            out[key] = accepting_numeric_strings(value)
+    return out
+
+
+def number_fields(node: Any) -> Any:
+    """Where the values schema takes numbers: True for a number, else {property: ...} ("*" for
+    additionalProperties), None where there is none."""
+    if not isinstance(node, dict):
+        return None
+    branches = node.get("anyOf", [node])
+    if any(_is_number(b) for b in branches):
+        return True
+    out: dict[str, Any] = {}
+    for branch in branches:
+        if not isinstance(branch, dict):
+            continue
+        for name, child in branch.get("properties", {}).items():
+            found = number_fields(child)
+            if found is not None:
+                out[name] = found
+        found = number_fields(branch.get("additionalProperties"))
+        if found is not None:
+            out["*"] = found
+    return out or None
+
+
+def numbers_template(schema: dict[str, Any]) -> str:
+    """templates/_numbers.tpl: the number fields of `schema`, for tandem.numbers."""
+    fields = json.dumps(number_fields(schema), sort_keys=True, separators=(",", ":"))
+    return (
+        "{{/* Generated by `python -m tandem.deploy.helm_schema` from values.schema.json: do\n"
+        "not edit. Where the values hold numbers that `--set` may have passed as strings\n"
+        "(tandem.numbers, in _helpers.tpl, turns them into numbers). */}}\n"
+        '{{- define "tandem.numberFields" -}}\n'
+        f"{fields}\n"
+        "{{- end -}}\n"
+    )
+
+
 def updated(schema: dict[str, Any]) -> dict[str, Any]:
-    """`schema` (the values schema) with its generated parts as the models say now."""
+    """`schema` (the values schema) with its generated parts as the models say now, and every
+    number taking its decimal string too."""
     out = json.loads(json.dumps(schema))
     for path, part in generated_parts().items():
         node = out
         for name in path[:-1]:
             node = node["properties"][name]
         node["properties"][path[-1]] = part
-    return out
+    fresh = accepting_numeric_strings(out)
+    assert isinstance(fresh, dict)
+    return fresh
 
 
 def render(schema: dict[str, Any]) -> str:
@@ -122,16 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
     parser.add_argument("--file", type=Path, default=SCHEMA_FILE)
+    parser.add_argument("--numbers-file", type=Path, default=NUMBERS_FILE)
     args = parser.parse_args(argv)
-    current = args.file.read_text()
-    fresh = render(updated(json.loads(current)))
+    schema = updated(json.loads(args.file.read_text()))
+    files = {args.file: render(schema), args.numbers_file: numbers_template(schema)}
     if args.check:
-        if fresh != current:
-            print(f"{args.file} is out of date: run python -m tandem.deploy.helm_schema")
-            return 1
-        return 0
-    args.file.write_text(fresh)
-    print(f"wrote {args.file}")
+        stale = [p for p, text in files.items() if not p.is_file() or p.read_text() != text]
+        for path in stale:
+            print(f"{path} is out of date: run python -m tandem.deploy.helm_schema")
+        return 1 if stale else 0
+    for path, text in files.items():
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0
 
 

@@ -64,3 +64,61 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $d := int (index . 1) -}}
 {{- div (add $n (sub $d 1)) $d -}}
 {{- end -}}
+
+{{/*
+Numbers given as strings: `--set decode.numGpus=0.5` passes "0.5" (Helm types only integers,
+booleans and null), which values.schema.json accepts for every number field (a decimal within
+the field's bounds). tandem.numbers turns each such string into a number in .Values, once, before
+anything renders, so Ray and the cluster config get numbers. The fields are listed by
+tandem.numberFields (_numbers.tpl, generated from the schema).
+*/}}
+{{- define "tandem.numbers" -}}
+{{- include "tandem.numbersIn" (list .Values (include "tandem.numberFields" . | fromJson)) -}}
+{{- end -}}
+
+{{/* Called with (list node spec): spec maps a key (or "*": every key) to true or a sub-spec. */}}
+{{- define "tandem.numbersIn" -}}
+{{- $node := index . 0 -}}
+{{- $spec := index . 1 -}}
+{{- if kindIs "map" $node -}}
+{{- range $key, $sub := $spec -}}
+{{- $keys := ternary (keys $node) (list $key) (eq $key "*") -}}
+{{- range $name := $keys -}}
+{{- if hasKey $node $name -}}
+{{- $value := index $node $name -}}
+{{- if kindIs "bool" $sub -}}
+{{- if kindIs "string" $value -}}
+{{- $_ := set $node $name (float64 $value) -}}
+{{- end -}}
+{{- else -}}
+{{- include "tandem.numbersIn" (list $value $sub) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A Kubernetes quantity (as the schema allows: a number, a suffix) in bytes, rounded down. */}}
+{{- define "tandem.bytes" -}}
+{{- $q := toString . -}}
+{{- $suffix := regexFind "([KMGTPE]i|[numkMGTPE])$" $q -}}
+{{- $scale := dict "" 1.0 "n" 1e-9 "u" 1e-6 "m" 1e-3 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18
+  "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 -}}
+{{- int64 (floor (mulf (float64 (trimSuffix $suffix $q)) (index $scale $suffix))) -}}
+{{- end -}}
+
+{{/*
+Ray's object store (rayStartParams object-store-memory, bytes) of a worker group with a
+memory-backed /dev/shm (shmSize): Ray's own default, 30 % of the pod's memory, but at most 80 %
+of shmSize (the rest for NCCL's and torch's shared memory). Left to Ray, the default exceeds
+/dev/shm (16Gi x 30 % > 2Gi) and Ray moves the store to /tmp, slowly. "" when the group has no
+shmSize or its rayStartParams set object-store-memory themselves. Called with the group's values.
+*/}}
+{{- define "tandem.objectStoreBytes" -}}
+{{- if and .shmSize (not (hasKey (.rayStartParams | default (dict)) "object-store-memory")) -}}
+{{- $memory := include "tandem.bytes" .memory | float64 -}}
+{{- $shm := include "tandem.bytes" .shmSize | float64 -}}
+{{- int64 (floor (minf (mulf 0.3 $memory) (mulf 0.8 $shm))) -}}
+{{- end -}}
+{{- end -}}

@@ -1,7 +1,8 @@
 {{/*
 The pod template of a Ray node (head or worker group). Called with a dict:
   root: $, group: "head" | "router" | "prefill" | "decode", v: the group's values,
-  gpus: GPUs per pod (int), ports: list of container ports, env: extra env entries.
+  gpus: GPUs per pod (int), ports: list of container ports, env: extra env entries,
+  grace (optional): terminationGracePeriodSeconds, graceWhy: its comment.
 Every pod mounts the model read-only (the Serve app is built on the head, replicas load it on
 the workers) and, on workers, a memory-backed /dev/shm.
 */}}
@@ -21,8 +22,8 @@ spec:
   {{- if not (include "tandem.autoscalerVersionField" $root) }}
   restartPolicy: Never  # autoscaler v2 before KubeRay 1.4: a restarted pod would be a new Ray node
   {{- end }}
-  {{- with $v.drainTimeoutS }}
-  terminationGracePeriodSeconds: {{ add (int .) 30 }}  # the replicas' drain, then Ray's own stop
+  {{- with .grace }}
+  terminationGracePeriodSeconds: {{ . }}  # {{ $.graceWhy }}
   {{- end }}
   securityContext:
     {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
@@ -127,6 +128,9 @@ replicasPerPod); with Serve autoscaling the group's bounds follow the role's min
 {{- if $gpus -}}
 {{- $_ := set $params "num-gpus" (toString $gpus) -}}
 {{- end -}}
+{{- with include "tandem.objectStoreBytes" $v -}}
+{{- $_ := set $params "object-store-memory" . -}}
+{{- end -}}
 {{- /* `serve` on every group: proxy_location EveryNode runs a Serve proxy on each pod that
 hosts a replica, and KubeRay's readiness probe of a RayService worker checks /-/healthz on the
 container port named serve (8000 when none is). The chart's Services and the router PodMonitor
@@ -147,6 +151,22 @@ select router pods by their component label, never by this port. */ -}}
 {{- $env = append $env (dict "name" "TANDEM_API_KEY" "valueFrom" (dict "secretKeyRef" (dict "name" $secret "key" $root.Values.apiKey.secretKey))) -}}
 {{- end -}}
 {{- end -}}
+{{- /* Kubernetes kills a stopping pod after its grace period: it must outlast Serve's graceful
+shutdown of the replicas on it (tandem.deploy.app_builder), then leave Ray time to stop. A
+worker replica drains for drainTimeoutS (+ 10 s); a router replica waits twice the longest worker
+drain (+ 10 s). Colocated, the cluster config's prefill keeps its default drain (30 s), which
+app_builder counts too. */ -}}
+{{- $grace := 0 -}}
+{{- $graceWhy := "" -}}
+{{- if eq $group "router" -}}
+{{- $prefillDrain := ternary 30.0 (float64 $root.Values.prefill.drainTimeoutS) (eq $root.Values.serve.mode "colocated") -}}
+{{- $drain := maxf (float64 $root.Values.decode.drainTimeoutS) $prefillDrain -}}
+{{- $grace = add (int (ceil (mulf 2 $drain))) 30 -}}
+{{- $graceWhy = "the router's streams: 2 x the longest worker drain, then Ray's own stop" -}}
+{{- else if $v.drainTimeoutS -}}
+{{- $grace = add (int (ceil $v.drainTimeoutS)) 30 -}}
+{{- $graceWhy = "the replicas' drain, then Ray's own stop" -}}
+{{- end -}}
 - groupName: {{ $group }}
   replicas: {{ $replicas }}
   minReplicas: {{ $min }}
@@ -154,5 +174,5 @@ select router pods by their component label, never by this port. */ -}}
   rayStartParams:
     {{- toYaml (merge (deepCopy $v.rayStartParams) $params) | nindent 4 }}
   template:
-    {{- include "tandem.podTemplate" (dict "root" $root "group" $group "v" $v "gpus" $gpus "ports" $ports "env" $env) | nindent 4 }}
+    {{- include "tandem.podTemplate" (dict "root" $root "group" $group "v" $v "gpus" $gpus "ports" $ports "env" $env "grace" $grace "graceWhy" $graceWhy) | nindent 4 }}
 {{- end -}}

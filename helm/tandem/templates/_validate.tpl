@@ -10,8 +10,10 @@ rules (tandem.validateConfigRules). Fails the render with a message naming the v
 {{- if not $m.path -}}
 {{- fail "model.path is required: the checkpoint directory as the pods see it (e.g. /models/Qwen3-8B)" -}}
 {{- end -}}
-{{- if not (hasPrefix (printf "%s/" (trimSuffix "/" $m.mountPath)) $m.path) -}}
-{{- fail (printf "model.path %q must lie under model.mountPath %q" $m.path $m.mountPath) -}}
+{{- /* the checkpoint in a folder of the volume, or at its root (model.path = mountPath) */ -}}
+{{- $mount := trimSuffix "/" $m.mountPath -}}
+{{- if not (or (hasPrefix (printf "%s/" $mount) $m.path) (eq (trimSuffix "/" $m.path) $mount)) -}}
+{{- fail (printf "model.path %q must lie under model.mountPath %q (or be it)" $m.path $m.mountPath) -}}
 {{- end -}}
 {{- $claim := $m.persistentVolumeClaim.claimName -}}
 {{- if and $claim $m.hostPath -}}
@@ -32,8 +34,9 @@ rules (tandem.validateConfigRules). Fails the render with a message naming the v
 {{- $_ := set $taken $key $name -}}
 {{- end -}}
 {{- end -}}
+{{- include "tandem.validateRayPorts" . -}}
 {{- range $role := include "tandem.roles" . | fromJsonArray -}}
-{{- include "tandem.validateRole" (list $role (index $.Values $role)) -}}
+{{- include "tandem.validateRole" (list $role (index $.Values $role) $.Values.autoscaler.enabled) -}}
 {{- end -}}
 {{- include "tandem.validatePacking" (list "router" .Values.router) -}}
 {{- include "tandem.validateRayParams" . -}}
@@ -155,6 +158,7 @@ with (list serve.engine role-values).
 {{- define "tandem.validateRole" -}}
 {{- $role := index . 0 -}}
 {{- $v := index . 1 -}}
+{{- $autoscaler := index . 2 -}}
 {{- if $v.autoscaling.enabled -}}
 {{- $min := int $v.autoscaling.min_replicas -}}
 {{- $max := int $v.autoscaling.max_replicas -}}
@@ -164,8 +168,22 @@ with (list serve.engine role-values).
 {{- if or (lt (int $v.replicas) $min) (gt (int $v.replicas) $max) -}}
 {{- fail (printf "%s.replicas (%d) is the initial count when autoscaling: it must lie within min_replicas..max_replicas (%d..%d)" $role (int $v.replicas) $min $max) -}}
 {{- end -}}
+{{- /* Without the in-tree autoscaler nothing adds pods: the group keeps its
+ceil(replicas / replicasPerPod) pods, and a Serve replica beyond their slots stays pending. */ -}}
+{{- if not $autoscaler -}}
+{{- $per := int $v.replicasPerPod -}}
+{{- $pods := include "tandem.ceilDiv" (list $v.replicas $per) | int -}}
+{{- if gt $max (mul $pods $per) -}}
+{{- fail (printf "%s.autoscaling.max_replicas (%d) needs room for %d replicas, but with autoscaler.enabled=false the %s group keeps its %d pod(s) x replicasPerPod (%d) = %d: set autoscaler.enabled=true, or %s.replicas / %s.replicasPerPod so that the pods hold max_replicas, or a lower max_replicas" $role $max $max $role $pods $per (mul $pods $per) $role $role) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- include "tandem.validatePacking" (list $role $v) -}}
+{{- with include "tandem.objectStoreBytes" $v -}}
+{{- if lt (int64 .) 78643200 -}}
+{{- fail (printf "%s.shmSize (%v) and %s.memory (%v) leave Ray's object store %s bytes (the smaller of 80 %% of /dev/shm and 30 %% of memory): Ray needs at least 75Mi; set a larger %s.shmSize (128Mi or more) and memory, or null for no memory-backed /dev/shm" $role $v.shmSize $role $v.memory . $role) -}}
+{{- end -}}
+{{- end -}}
 {{- $gpus := mulf $v.numGpus $v.replicasPerPod -}}
 {{- if ne (floor $gpus) (float64 $gpus) -}}
 {{- fail (printf "%s: replicasPerPod (%v) x numGpus (%v) = %v GPUs per pod: it must be a whole number" $role $v.replicasPerPod $v.numGpus $gpus) -}}
@@ -184,4 +202,47 @@ with (list serve.engine role-values).
 {{/* The worker roles of the chosen mode, as a JSON list. */}}
 {{- define "tandem.roles" -}}
 {{- if eq .Values.serve.mode "colocated" -}}["decode"]{{- else -}}["prefill","decode"]{{- end -}}
+{{- end -}}
+
+{{/*
+The chart's ports (ports.*) must not be one Ray (or, with serve.ingress haproxy, Ray Serve's
+HAProxy ingress) listens on itself: the head's GCS (rayStartParams port, 6379) and Ray client
+server (ray-client-server-port, 10001), each node's dashboard agent (dashboard-agent-listen-port,
+52365) and worker processes (min-worker-port..max-worker-port, 10002-19999, per group), and
+HAProxy's stats (8404) and metrics (9101) ports and the router replicas' own HTTP (30000-31000)
+and gRPC (40000-41000) ports. Ray's defaults unless the group's rayStartParams set them.
+*/}}
+{{- define "tandem.validateRayPorts" -}}
+{{- $head := .Values.head.rayStartParams | default (dict) -}}
+{{- $owners := list
+  (dict "lo" (int (index $head "port" | default 6379)) "what" "Ray's GCS port (the head's rayStartParams port, default 6379)")
+  (dict "lo" (int (index $head "ray-client-server-port" | default 10001)) "what" "the Ray client server's port (the head's rayStartParams ray-client-server-port, default 10001)") -}}
+{{- $groups := dict "head" $head -}}
+{{- range $group := prepend (include "tandem.roles" . | fromJsonArray) "router" -}}
+{{- $_ := set $groups $group ((index $.Values $group).rayStartParams | default (dict)) -}}
+{{- end -}}
+{{- range $group := keys $groups | sortAlpha -}}
+{{- $params := index $groups $group -}}
+{{- $agent := int (index $params "dashboard-agent-listen-port" | default 52365) -}}
+{{- $owners = append $owners (dict "lo" $agent "what" (printf "Ray's dashboard agent port on the %s pods (rayStartParams dashboard-agent-listen-port, default 52365)" $group)) -}}
+{{- $lo := int (index $params "min-worker-port" | default 10002) -}}
+{{- $hi := int (index $params "max-worker-port" | default 19999) -}}
+{{- $owners = append $owners (dict "lo" $lo "hi" $hi "what" (printf "Ray's worker ports %d-%d on the %s pods (rayStartParams min-worker-port..max-worker-port, default 10002-19999)" $lo $hi $group)) -}}
+{{- end -}}
+{{- if eq .Values.serve.ingress "haproxy" -}}
+{{- $owners = append $owners (dict "lo" 8404 "what" "HAProxy's stats port (serve.ingress haproxy; RAY_SERVE_HAPROXY_STATS_PORT)") -}}
+{{- $owners = append $owners (dict "lo" 9101 "what" "HAProxy's metrics port (serve.ingress haproxy; RAY_SERVE_HAPROXY_METRICS_PORT)") -}}
+{{- $owners = append $owners (dict "lo" 30000 "hi" 31000 "what" "the router replicas' own HTTP ports behind HAProxy, 30000-31000 (serve.ingress haproxy)") -}}
+{{- $owners = append $owners (dict "lo" 40000 "hi" 41000 "what" "the router replicas' own gRPC ports behind HAProxy, 40000-41000 (serve.ingress haproxy)") -}}
+{{- end -}}
+{{- range $name := list "http" "grpc" "direct" "metrics" "dashboard" -}}
+{{- $port := int (index $.Values.ports $name) -}}
+{{- if $port -}}
+{{- range $owner := $owners -}}
+{{- if and (ge $port (int $owner.lo)) (le $port (int (default $owner.lo $owner.hi))) -}}
+{{- fail (printf "ports.%s (%d) is taken by %s: choose another port" $name $port $owner.what) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
