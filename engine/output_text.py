@@ -56,8 +56,8 @@ class OutputText:
         (`keep`: just after it).
         Not `counting` (before `min_tokens` are out): the text so far is marked searched, so
         a stop string written there does not count later either."""
-        if not counting:
-            self.checked_len = len(self.text)
+        if not counting:  # (held text too: it is written by the tokens before `min_tokens`)
+            self.checked_len = len(self.text) + len(self.detokenizer.peek())
             return None
         # (with the text the detokenizer holds back where it is whole characters already: a
         # stop string that ends in a run of byte tokens is found on the token that ends it)

@@ -66,15 +66,16 @@ class Outgoing:
         req, params = self.request, self.params
         if req.finish_reason == "stop" or params.max_tokens == 1 or self.fills_context:
             return True
-        if not params.stop or params.min_tokens > 1 or not req.output_token_ids:
+        # (stop strings count after the first `min_tokens` tokens, as the engine counts them)
+        if not params.stop or params.min_tokens > 0 or not req.output_token_ids:
             return False
         text = OutputText.after(
             tokenizer,
             req.prompt_token_ids,
             req.output_token_ids,
             skip_special_tokens=params.skip_special_tokens,
-        ).text
-        return any(stop in text for stop in params.stop)
+        )
+        return text.find_stop(params.stop) is not None  # (also in text a byte run holds)
 
 
 Pinned = tuple[Outgoing, int, list[int], bool]

@@ -90,3 +90,16 @@ def test_a_stop_string_ending_in_a_byte_token_stops_on_that_token(tok: Tokenizer
         text.add(token)
     # (a stop string not in the held run: nothing found, and the run is still held)
     assert text.find_stop(["x"]) is None and text.text == " the model"
+
+
+def test_held_text_of_tokens_before_min_tokens_is_not_searched_later(tok: Tokenizer) -> None:
+    """Stop strings count after the first `min_tokens` tokens: a "\n" written by the first
+    token (a byte token, its text held until the next token) does not stop the request when
+    the second token comes (vLLM searches only the text of the tokens after them)."""
+    newline = tok.encode("a\n", add_special_tokens=False)[-1]
+    word = tok.encode("the", add_special_tokens=False)[-1]
+    text = OutputText.after(tok, tok.encode("hello"))
+    text.add(newline)
+    assert text.find_stop(["\n"], counting=False) is None
+    text.add(word)
+    assert text.find_stop(["\n"]) is None and text.text == "\n the"
