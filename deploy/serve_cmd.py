@@ -37,11 +37,14 @@ def _config(
     nested: dict[tuple[str, str], Any] | None = None,
 ) -> Any:
     """The cluster config: the file's, then the flags that were given (`overrides` at the
-    top level, replicas per role, `nested` as (section, field): value)."""
+    top level, replicas per role, `nested` as (section, field): value). `overrides`'
+    cache_dir ($TANDEM_CACHE_DIR) applies only where the file does not set one."""
     from tandem.deploy.cluster_config import ClusterConfig, read_config_file
 
     data: dict[str, Any] = read_config_file(config_file) if config_file is not None else {}
-    data.update({k: v for k, v in overrides.items() if v is not None})
+    data.update({k: v for k, v in overrides.items() if v is not None and k != "cache_dir"})
+    if overrides.get("cache_dir") and "cache_dir" not in data:  # ($TANDEM_CACHE_DIR: a default)
+        data["cache_dir"] = overrides["cache_dir"]
     for role, replicas in role_overrides.items():
         if replicas is not None:
             data[role] = {**(data.get(role) or {}), "replicas": replicas}

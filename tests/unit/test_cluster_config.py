@@ -211,6 +211,17 @@ def test_tandem_serve_flags_land_in_the_config(tmp_path: Path) -> None:
     }
 
 
+def test_the_cache_dir_environment_variable_yields_to_the_config_file(tmp_path: Path) -> None:
+    """$TANDEM_CACHE_DIR (set in the image) is a default: a config file's cache_dir wins."""
+    from tandem.deploy.serve_cmd import _config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("cache_dir: /from/file\n")
+    assert _config(path, {"cache_dir": "/from/env"}, {}).cache_dir == "/from/file"
+    assert _config(None, {"cache_dir": "/from/env"}, {}).cache_dir == "/from/env"
+    assert _config(None, {"cache_dir": None}, {}).cache_dir == "~/.cache/tandem"
+
+
 def test_ray_resources_needed_sum_every_role_at_its_most_replicas() -> None:
     """What `tandem serve` sizes a local cluster by (and warns about when joining one short of
     it): router + prefill + decode, autoscaled roles at max_replicas, custom resources too."""
