@@ -28,3 +28,10 @@ def test_serve_help_keeps_long_options_and_angle_brackets() -> None:
     assert "Bearer <key>" in text
     flat = re.sub(r"\s+", " ", text)
     assert "deploys a router, the prefill workers and the decode workers" in flat
+
+
+def test_version_prints_the_package_version() -> None:
+    from tandem import __version__
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert (result.exit_code, result.output) == (0, f"tandem {__version__}\n")
