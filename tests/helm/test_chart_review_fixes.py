@@ -28,6 +28,11 @@ def _render(*sets: str) -> list[Manifest]:
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
+def _set(*assignments: str) -> list[str]:
+    """`--set` before each of `assignments`."""
+    return [arg for assignment in assignments for arg in ("--set", assignment)]
+
+
 def _refused(*sets: str) -> str:
     done = _helm(*sets)
     assert done.returncode != 0, f"rendered with {sets}"
@@ -93,12 +98,11 @@ def test_role_autoscaling_within_the_fixed_pods_renders_without_the_autoscaler()
 def test_num_gpus_given_with_set_renders_as_a_number() -> None:
     manifests = _render(
         *GPU,
-        "--set",
-        "decode.numGpus=0.5",
-        "--set",
-        "decode.replicasPerPod=2",
-        "--set",
-        "decode.cpu=8",
+        *_set(
+            "decode.numGpus=0.5",
+            "decode.replicasPerPod=2",
+            "decode.cpu=8",
+        ),
     )
     args = _args(manifests)
     assert args["decode"]["num_gpus"] == 0.5
@@ -108,24 +112,17 @@ def test_num_gpus_given_with_set_renders_as_a_number() -> None:
 
 def test_engine_and_role_floats_given_with_set_render_as_numbers() -> None:
     manifests = _render(
-        "--set",
-        "serve.engine.gpu_memory_utilization=0.85",
-        "--set",
-        "decode.numCpus=1.5",
-        "--set",
-        "router.numCpus=0.5",
-        "--set",
-        "serve.routing.hit_weight=2.5",
-        "--set",
-        "decode.autoscaling.enabled=true",
-        "--set",
-        "decode.autoscaling.kv_usage_target=0.7",
-        "--set",
-        "prefill.drainTimeoutS=45.5",
-        "--set",
-        "serve.leaseS=12.5",
-        "--set",
-        "decode.extraRayResources.accel=0.5",
+        *_set(
+            "serve.engine.gpu_memory_utilization=0.85",
+            "decode.numCpus=1.5",
+            "router.numCpus=0.5",
+            "serve.routing.hit_weight=2.5",
+            "decode.autoscaling.enabled=true",
+            "decode.autoscaling.kv_usage_target=0.7",
+            "prefill.drainTimeoutS=45.5",
+            "serve.leaseS=12.5",
+            "decode.extraRayResources.accel=0.5",
+        )
     )
     args = _args(manifests)
     assert args["engine"]["gpu_memory_utilization"] == 0.85
