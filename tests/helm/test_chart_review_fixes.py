@@ -57,12 +57,11 @@ def _args(manifests: list[Manifest]) -> dict[str, Any]:
 
 def test_role_autoscaling_beyond_the_fixed_pods_needs_the_autoscaler() -> None:
     err = _refused(
-        "--set",
-        "autoscaler.enabled=false",
-        "--set",
-        "decode.autoscaling.enabled=true",
-        "--set",
-        "decode.autoscaling.max_replicas=6",
+        *_set(
+            "autoscaler.enabled=false",
+            "decode.autoscaling.enabled=true",
+            "decode.autoscaling.max_replicas=6",
+        ),
     )
     assert "autoscaler.enabled" in err and "decode.autoscaling.max_replicas (6)" in err, err
 
@@ -70,18 +69,14 @@ def test_role_autoscaling_beyond_the_fixed_pods_needs_the_autoscaler() -> None:
 def test_role_autoscaling_within_the_fixed_pods_renders_without_the_autoscaler() -> None:
     # 2 pods of 3 replicas each host 6 replicas: no pod need ever be added
     manifests = _render(
-        "--set",
-        "autoscaler.enabled=false",
-        "--set",
-        "decode.autoscaling.enabled=true",
-        "--set",
-        "decode.autoscaling.max_replicas=6",
-        "--set",
-        "decode.replicas=4",
-        "--set",
-        "decode.replicasPerPod=3",
-        "--set",
-        "decode.cpu=6",
+        *_set(
+            "autoscaler.enabled=false",
+            "decode.autoscaling.enabled=true",
+            "decode.autoscaling.max_replicas=6",
+            "decode.replicas=4",
+            "decode.replicasPerPod=3",
+            "decode.cpu=6",
+        ),
     )
     decode = _groups(manifests)["decode"]
     assert decode["replicas"] * 3 >= 6
