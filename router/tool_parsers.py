@@ -46,7 +46,7 @@ def call_entry(name: Any, arguments: Any) -> dict[str, Any] | None:
             return None
     if not isinstance(name, str) or not name or not isinstance(arguments, dict):
         return None
-    return call_record(name, json.dumps(arguments, separators=(",", ":")))
+    return call_record(name, json.dumps(arguments, ensure_ascii=False))  # (as vLLM writes them)
 
 
 def call_record(name: str, arguments: str) -> dict[str, Any]:

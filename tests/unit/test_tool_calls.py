@@ -151,8 +151,9 @@ def test_a_forced_call_cut_short_is_still_the_call() -> None:
     content, calls = named_call('{"name": "get_weather", "arguments": {"city": "Par')
     assert content is None and len(calls) == 1
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
-    complete = NamedCall("a")('{"name": "a", "arguments": {"x": 1}}')[1]
-    assert complete[0]["function"] == {"name": "a", "arguments": '{"x":1}'}
+    complete = NamedCall("a")('{"name": "a", "arguments": {"x": 1, "city": "Zürich"}}')[1]
+    # (a whole call's arguments as vLLM writes them: json.dumps, non-ASCII kept)
+    assert complete[0]["function"] == {"name": "a", "arguments": '{"x": 1, "city": "Zürich"}'}
     for text in ('{"name": "get_wea', '{"name": "get_weather"', ""):  # (the name is known)
         content, calls = named_call(text)
         assert content is None
