@@ -108,6 +108,8 @@ def commit_request(
             output_token_ids,
             skip_special_tokens=params.skip_special_tokens,
         )
+        if params.stop:  # (the sender judged those tokens' text: searched, as the engine's own)
+            output_text.find_stop(params.stop, counting=False)
     req = Request(
         request_id, prompt_token_ids, params, engine.eos_token_ids, output_text=output_text
     )

@@ -27,7 +27,11 @@ from tandem.router.openai_format import (
     full_body,
     merged_usage,
 )
-from tandem.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tandem.router.openai_protocol import (
+    MAX_CLIENT_ID,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from tandem.router.openai_stream import ClosingStreamingResponse, sse, sse_choices
 from tandem.router.prepared import Prepared
 from tandem.router.request_prep import sampling_fields
@@ -69,10 +73,6 @@ def _timed_errors(create: Callable[_P, Awaitable[_R]]) -> Callable[_P, Awaitable
             raise
 
     return timed
-
-
-MAX_CLIENT_ID = 256
-"""The longest `X-Request-Id` taken (longer: a 400)."""
 
 
 @dataclass(frozen=True)

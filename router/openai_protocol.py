@@ -41,6 +41,9 @@ from tandem.router.tool_parsers import ToolParser
 MAX_TEMPERATURE = 2.0
 """The highest temperature a request may ask for (OpenAI's bound; gRPC keeps it too)."""
 
+MAX_CLIENT_ID = 256
+"""The longest request id a client may give (`X-Request-Id`, gRPC's `request_id`)."""
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -22,7 +23,7 @@ from tandem.router.api_keys import check_api_key
 from tandem.router.errors import APIError, bad_request
 from tandem.router.grpc import generation_pb2, generation_pb2_grpc
 from tandem.router.grpc.health_status import SERVICE_NAME, GrpcServer, HealthServicer
-from tandem.router.openai_protocol import MAX_TEMPERATURE
+from tandem.router.openai_protocol import MAX_CLIENT_ID, MAX_TEMPERATURE
 from tandem.router.prepared import Prepared
 from tandem.router.request_timings import RequestTimings
 from tandem.router.serving import Serving
@@ -141,7 +142,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _prepare(self, request: generation_pb2.GenerateRequest | None) -> Prepared:
         if request is None:  # (`_parse_request` could not read the bytes)
-            raise bad_request("the request is not a tandem.v1.GenerateRequest")
+            raise bad_request(
+                "the request is not a tandem.v1.GenerateRequest (its bytes do not parse; its "
+                "strings must be valid UTF-8)"
+            )
         options = request.sampling
         max_tokens = options.max_tokens if options.HasField("max_tokens") else 16
         prompt: str | list[int] = (
@@ -149,8 +153,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         if request.prompt_token_ids and request.prompt:
             raise bad_request("give prompt or prompt_token_ids, not both", "prompt")
-        if request.HasField("deadline_ms") and not request.deadline_ms > 0:
-            raise bad_request(f"deadline_ms must be > 0, got {request.deadline_ms}")
+        if request.HasField("deadline_ms") and not 0 < request.deadline_ms < math.inf:
+            raise bad_request(f"deadline_ms must be > 0 and finite, got {request.deadline_ms}")
+        rid = request.request_id
+        if len(rid) > MAX_CLIENT_ID or not rid.isprintable():  # (it goes into the logs)
+            raise bad_request(
+                f"request_id must be at most {MAX_CLIENT_ID} printable characters", "request_id"
+            )
         # A client's id may repeat (two calls at once): the workers get it made unique.
         own_id = f"{request.request_id}@{uuid.uuid4().hex[:8]}" if request.request_id else ""
         return await self.serving.prepare(

@@ -101,6 +101,9 @@ def test_requests_refused_before_prepare_count_as_failures_as_http_counts_them()
         generation_pb2.GenerateRequest(prompt="hi", sampling=opts(regex="a", choice=["a"])),
         generation_pb2.GenerateRequest(prompt="hi", prompt_token_ids=[1]),
         generation_pb2.GenerateRequest(prompt="hi", deadline_ms=0),
+        generation_pb2.GenerateRequest(prompt="hi", deadline_ms=float("inf")),
+        generation_pb2.GenerateRequest(prompt="hi", request_id="r" * 257),
+        generation_pb2.GenerateRequest(prompt="hi", request_id="a\nforged log line"),
     ]
 
     async def run() -> list[grpc.StatusCode]:
@@ -119,8 +122,8 @@ def test_requests_refused_before_prepare_count_as_failures_as_http_counts_them()
         return codes
 
     codes = asyncio.run(run())
-    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 6
-    assert serving.metrics.failed_codes == ["invalid_request_error"] * 6
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 9
+    assert serving.metrics.failed_codes == ["invalid_request_error"] * 9
 
 
 def test_generate_is_refused_unavailable_once_the_application_stops() -> None:

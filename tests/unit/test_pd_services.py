@@ -157,6 +157,30 @@ def test_stop_string_in_the_first_token_ends_the_request_as_colocated(
     asyncio.run(wait_idle(prefill, decode))
 
 
+def test_a_stop_string_in_the_first_token_does_not_count_within_min_tokens(
+    services: Any, reference: LLM
+) -> None:
+    """With min_tokens=1 the first token's text is not searched (nor later, as part of the
+    text before the stop strings count): the request goes on as `LLM.generate`'s does."""
+    prefill, decode = services
+    for start in range(40):  # a prompt whose first token writes text
+        prompt = [(start * 13 + 7 * j) % 400 + 20 for j in range(40)]
+        first = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
+        shown = OutputText.after(reference.tokenizer, prompt, first.token_ids).text
+        if shown.strip():
+            break
+    params = SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, stop=[shown.strip()[-1]], min_tokens=1
+    )
+    expected = reference.generate([prompt], params)[0]
+    assert len(expected.token_ids) > 1
+    tokens, text, last, _ = asyncio.run(run_pd(prefill, decode, "min1", prompt, params))
+    assert tokens == expected.token_ids
+    assert text == expected.text
+    assert last["finish_reason"] == expected.finish_reason
+    asyncio.run(wait_idle(prefill, decode))
+
+
 def test_closing_the_stream_cancels_on_both_sides(services: Any, reference: LLM) -> None:
     prefill, decode = services
     prompt = reference.tokenizer.encode(PROMPTS[1] * 2)
