@@ -24,7 +24,7 @@ its stop gate: NOT_SERVING within this of the HTTP ports' 503s)."""
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):
-    """grpc.health.v1 `Check` and `Watch`, with grpc's reference servicer's `set` and
+    """grpc.health.v1 `Check`, `List` and `Watch`, with grpc's reference servicer's `set` and
     `enter_graceful_shutdown`. Its `Watch` streams end once they have sent the status of
     shutdown (NOT_SERVING): the reference's never end, so one open watcher (a client doing
     client-side health checking) held the server's `stop` for its whole grace."""
@@ -53,6 +53,14 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=status)
+
+    async def List(self, request: Any, context: Any) -> Any:  # noqa: N802 - the RPC's name
+        """Every service's status (grpc.health.v1's `List`, newer than `Check`)."""
+        statuses = {
+            name: health_pb2.HealthCheckResponse(status=status)
+            for name, status in self._status.items()
+        }
+        return health_pb2.HealthListResponse(statuses=statuses)
 
     async def Watch(self, request: Any, context: Any) -> None:  # noqa: N802 - the RPC's name
         sent: int | None = None

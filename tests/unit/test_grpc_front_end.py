@@ -45,6 +45,8 @@ def test_health_follows_readiness_and_goes_not_serving_on_stop(monkeypatch: Any)
                 return [reply.status for reply in replies]
 
             seen.append(await check())
+            listed = await stub.List(health_pb2.HealthListRequest())
+            seen.append(sorted((k, v.status) for k, v in listed.statuses.items()))
             ready["now"] = False
             seen.append(await check())
             ready["now"] = True
@@ -57,7 +59,15 @@ def test_health_follows_readiness_and_goes_not_serving_on_stop(monkeypatch: Any)
         return seen
 
     seen = asyncio.run(run())
-    assert seen == [[SERVING] * 2, [NOT_SERVING] * 2, [SERVING] * 2, [SERVING], [NOT_SERVING]]
+    listed = [("", SERVING), ("tandem.v1.Generation", SERVING)]
+    assert seen == [
+        [SERVING] * 2,
+        listed,
+        [NOT_SERVING] * 2,
+        [SERVING] * 2,
+        [SERVING],
+        [NOT_SERVING],
+    ]
 
 
 def test_sampling_options_are_checked_as_http_checks_them() -> None:
