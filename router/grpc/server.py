@@ -187,6 +187,7 @@ def _response(
             completion_tokens=req.completion_tokens,
             cached_tokens=req.num_cached_tokens,
         )
+    stop = req.stop_reason if finish == "stop" else None
     return generation_pb2.GenerateResponse(
         request_id=request.request_id or req.request_id,
         token_ids=item["token_ids"],
@@ -194,6 +195,8 @@ def _response(
         finish_reason=finish,
         usage=usage,
         logprobs=_logprobs(item.get("logprobs")),
+        stop_string=stop if isinstance(stop, str) else None,
+        stop_token_id=stop if isinstance(stop, int) else None,
     )
 
 

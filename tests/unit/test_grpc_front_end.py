@@ -206,3 +206,27 @@ def test_reflection_lists_the_services_and_describes_generate() -> None:
         "tandem.v1.Generation",
     ]
     assert shape == ("tandem.v1.GenerateRequest", "tandem.v1.GenerateResponse") and streams
+
+
+def test_the_last_message_names_what_stopped_the_request() -> None:
+    """vLLM's stop_reason: a stop string, a stop token id, or neither (the tokenizer's EOS)."""
+    from types import SimpleNamespace
+
+    from tandem.router.grpc.server import _response
+
+    request = generation_pb2.GenerateRequest(prompt="hi", request_id="r1")
+    item = {"token_ids": [5], "text": "x", "finish_reason": "stop"}
+    for stop, which in (("\n", "stop_string"), (7, "stop_token_id"), (None, None)):
+        req = SimpleNamespace(
+            prompt_token_ids=[1, 2],
+            completion_tokens=1,
+            num_cached_tokens=0,
+            request_id="r1@x",
+            stop_reason=stop,
+        )
+        reply = _response(request, cast(Any, req), item)
+        assert reply.WhichOneof("stop_reason") == which
+        if which is not None:
+            assert getattr(reply, which) == stop
+        running = _response(request, cast(Any, req), {**item, "finish_reason": None})
+        assert running.WhichOneof("stop_reason") is None and not running.HasField("usage")
