@@ -65,6 +65,8 @@ def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
     for name in optional + penalties:
         if options.HasField(name):
             value = getattr(options, name)
+            if isinstance(value, float) and not math.isfinite(value):  # (as HTTP refuses it)
+                raise bad_request(f"{name} must be a finite number, got {value}", name)
             # (float fields are float32 on the wire: 0.1 arrives as 0.10000000149...)
             fields[name] = float(f"{value:.7g}") if isinstance(value, float) else value
     if fields.get("temperature", 0.0) > MAX_TEMPERATURE:  # (as the HTTP API refuses it)

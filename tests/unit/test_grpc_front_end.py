@@ -77,6 +77,10 @@ def test_sampling_options_are_checked_as_http_checks_them() -> None:
         _sampling_fields(generation_pb2.SamplingOptions(temperature=2.5))
     assert err.value.status == 400 and err.value.param == "temperature"
     assert "at most 2" in err.value.message
+    for name in ("temperature", "top_p", "presence_penalty"):
+        with pytest.raises(APIError) as err:
+            _sampling_fields(generation_pb2.SamplingOptions(**{name: float("inf")}))
+        assert err.value.param == name and "must be a finite number" in err.value.message
 
 
 class _Metrics:
