@@ -181,8 +181,8 @@ def serve(
         str | None,
         typer.Option(
             envvar="TANDEM_API_KEY",
-            help="Require 'Authorization: Bearer <key>' on the API (HTTP and gRPC); /health "
-            "and /metrics stay open.",
+            help="Require 'Authorization: Bearer <key>' on the API (HTTP and gRPC); "
+            "/health, /ping and /metrics stay open.",
         ),
     ] = None,
 ) -> None:
