@@ -201,6 +201,9 @@ class PDOrchestrator:
         prompt_logprobs: list[Any] | None = None  # from the prefill worker's outcome
         first_out = False
         completed = False
+        # Decode sent its own tokens: every page is there, and a prefill worker lost now is
+        # no loss to the request (unless its outcome would bring the prompt's logprobs).
+        decoding = False
         try:
             prefill_task: asyncio.Future[Any] | None = None
             latest: PrefillCall | None = None
@@ -249,7 +252,8 @@ class PDOrchestrator:
                         prefill_task = start_prefill()
                         continue
                     plan.release_prefill()
-                    if outcome["status"] != "sent":
+                    needed = not decoding or "prompt_logprobs" in params
+                    if outcome["status"] != "sent" and needed:
                         assert plan.prefill is not None
                         if outcome.get("not_sent") and latest is not None and latest.carries_grant:
                             plan.grant_handed = False  # (decode frees the blocks at once)
@@ -287,7 +291,7 @@ class PDOrchestrator:
                 if not first_out and early is not None:
                     pending.discard(early)  # decode was first: the prefill's copy is not needed
                     early.cancel()
-                first_out = True
+                first_out = decoding = True
                 timings.mark("first_token")
                 if streamed is not None:
                     item, streamed = without_streamed(item, streamed), None

@@ -204,3 +204,30 @@ def test_decode_saying_the_sender_is_gone_before_the_router_sees_it_is_that_work
         await d.close()
 
     asyncio.run(main())
+
+
+class SlowOutcomePrefill(FakeWorker):
+    """Its outcome ("sent") comes late, as under load, after decode already streams."""
+
+    async def prefill(self, grant: dict[str, Any], **_: Any) -> AsyncIterator[dict[str, Any]]:
+        self.calls += 1
+        await asyncio.sleep(1.0)
+        yield {"status": "sent", "first_token_ids": [], "timings": {}, "grant": grant}
+
+
+def test_a_prefill_worker_lost_once_decode_streams_its_own_tokens_costs_nothing() -> None:
+    """Decode's own tokens come once every page is there: the prefill worker's death after
+    that is no loss to the request (it went on; it was started over, its one retry spent)."""
+
+    async def main() -> None:
+        decode, p0 = FakeWorker("d0", tokens=6), SlowOutcomePrefill("p0")
+        d = await start(decode, p0, roles="decode prefill")
+        plan = held_plan(d, "d0", "p0")
+        death = dies_after(d, "p0", 0.035)  # (after decode's first tokens, before its last)
+        items = await run(PDOrchestrator(d), plan)
+        await death
+        assert [i["token_ids"] for i in items] == [[i] for i in range(6)]
+        assert (decode.calls, p0.calls) == (1, 1)
+        await d.close()
+
+    asyncio.run(main())
