@@ -196,6 +196,8 @@ def serve(
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # (every request's log line as written: Ray folds alike lines of replicas into one)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     overrides = {
         "model": str(model) if model else None,
         "transport": transport,

@@ -217,7 +217,7 @@ class SlowOutcomePrefill(FakeWorker):
 
 def test_a_prefill_worker_lost_once_decode_streams_its_own_tokens_costs_nothing() -> None:
     """Decode's own tokens come once every page is there: the prefill worker's death after
-    that is no loss to the request (it went on; it was started over, its one retry spent)."""
+    that is no loss to the request (it was started over, spending its one retry)."""
 
     async def main() -> None:
         decode, p0 = FakeWorker("d0", tokens=6), SlowOutcomePrefill("p0")
