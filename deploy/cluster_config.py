@@ -252,12 +252,8 @@ class ClusterConfig(BaseModel):
     def _known_transport(cls, value: str) -> str:
         if value not in TRANSPORTS or value in ("local", "fake"):
             usable = ", ".join(sorted(set(TRANSPORTS) - {"local", "fake"}))
-            why = (
-                "is in-process only: it cannot join processes"
-                if value in TRANSPORTS
-                else "is unknown"
-            )
-            raise ValueError(f"transport {value!r} {why} (use {usable})")
+            why = "in-process only: it cannot join processes" if value in TRANSPORTS else "unknown"
+            raise ValueError(f"transport {value!r} is {why} (use {usable})")
         return value
 
     @model_validator(mode="after")
