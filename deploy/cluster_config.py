@@ -169,7 +169,7 @@ class ClusterConfig(BaseModel):
         description="Jinja chat template for the chat API, instead of the checkpoint's: the "
         "path of a file that holds it, or its text (as vLLM's --chat-template).",
     )
-    app_name: str = "tandem"
+    app_name: str = Field("tandem", pattern=r"^[A-Za-z0-9_.-]+$")  # (a name Serve shows)
     mode: Literal["pd", "colocated"] = Field(
         "pd",
         description="pd: prefill and decode workers (disaggregated). colocated: no prefill "
@@ -213,7 +213,7 @@ class ClusterConfig(BaseModel):
         description="TTFT/TPOT targets: tandem:slo_met_requests / slo_missed_requests count "
         "finished requests against them (null: no target).",
     )
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8000, ge=1, le=65535)
     grpc_port: int | None = Field(50051, ge=0, le=65535, description="0 or null: no gRPC.")
     direct_port: int | None = Field(

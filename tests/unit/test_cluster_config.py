@@ -268,3 +268,9 @@ def test_a_redeploy_keeps_the_generated_cluster_token() -> None:
     assert ClusterConfig().with_auth_token(first).auth_token == "aaaa"
     assert ClusterConfig(auth_token="mine").with_auth_token(first).auth_token == "mine"
     assert len(ClusterConfig().with_auth_token().auth_token or "") == 32
+
+
+@pytest.mark.parametrize("bad", [{"app_name": ""}, {"app_name": "a/b"}, {"host": ""}])
+def test_names_and_hosts_that_serve_cannot_use_are_refused(bad: dict[str, str]) -> None:
+    with pytest.raises(ValidationError):
+        ClusterConfig.model_validate(bad)
