@@ -41,6 +41,13 @@ class DecodeRoutingConfig(BaseModel):
     conditional_prefill_max_tokens: int = Field(
         128, ge=0, description="uncached tail the holding decode worker prefills itself"
     )
+    max_in_flight_gap: int = Field(
+        4,
+        ge=0,
+        description="a decode worker holding the prompt's prefix keeps the request while it "
+        "runs at most this many more requests than the least busy one (else that one takes it: "
+        "a replica added by autoscaling gets traffic that shares a prefix)",
+    )
 
 
 @dataclass
@@ -228,7 +235,9 @@ class RoutePlanner:
         roomy = [w for w in workers if float(w.stats.get("kv_cache_usage", 0)) < max_usage]
         candidates = roomy or workers
         holders = [w for w in candidates if matched.get(w.worker_id, 0) > 0]
+        idlest = min(candidates, key=Worker.load)
         if holders:
             best = max(holders, key=lambda w: (matched[w.worker_id], -w.in_flight))
-            return best, matched[best.worker_id]
-        return min(candidates, key=Worker.load), 0
+            if best.in_flight - idlest.in_flight <= self.decode_routing.max_in_flight_gap:
+                return best, matched[best.worker_id]
+        return idlest, matched.get(idlest.worker_id, 0)

@@ -77,6 +77,24 @@ def test_a_conversation_returns_to_its_decode_worker_and_a_short_tail_stays_ther
     assert short_turn.decode.worker_id == "d0" and short_turn.local_prefill
 
 
+def test_a_holder_busier_than_the_least_busy_decode_by_more_than_the_gap_gives_way() -> None:
+    """Prompts sharing a prefix go to the decode worker holding it only while it runs at
+    most `max_in_flight_gap` requests more than the least busy one: a replica added by
+    autoscaling (holding nothing yet) gets its share instead of none."""
+    d = directory(*WORKERS)
+    history = list(range(10, 210))
+    publish(d, "d0", history)
+    p = planner(d)
+    held = [plan(p, history + list(range(300 + 200 * i, 460 + 200 * i))) for i in range(5)]
+    # d0 keeps the first five (0..4 in flight before each: the gap of 4), then d1 takes one
+    assert [r.decode.worker_id for r in held] == ["d0"] * 5
+    moved = plan(p, history + list(range(2000, 2160)))
+    assert moved.decode.worker_id == "d1" and moved.decode_hit_blocks == 0
+    assert moved.prefill is not None and moved.prefill_tokens == 360
+    held[0].release()  # (d0 at 4 in flight, d1 at 1: within the gap again)
+    assert plan(p, history + list(range(3000, 3160))).decode.worker_id == "d0"
+
+
 def test_prefill_affinity_follows_the_index() -> None:
     d = directory(*WORKERS)
     prefix = list(range(20, 340))  # 20 blocks on p1
