@@ -151,8 +151,12 @@ class WorkerDeployment(ABC):
             raise RuntimeError(f"{self.worker_id}: engine loop stopped: {self.service.error!r}")
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Called by Serve (autoscaling deployments only); averaged over its look-back window."""
-        return self.autoscaling_signals(await self.service.get_stats())
+        """Called by Serve (autoscaling deployments only); averaged over its look-back window.
+        Nothing once the worker's loop has stopped (Serve asks until the replica is gone)."""
+        try:
+            return self.autoscaling_signals(await self.service.get_stats())
+        except WorkerDeadError:
+            return {}
 
     async def _in_flight_counts(self) -> dict[str, int]:
         try:

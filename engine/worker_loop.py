@@ -140,6 +140,8 @@ class WorkerLoop(ABC):
         """Runs `fn()` on the loop thread; the returned future gets its result or exception."""
         if self.error is not None:
             raise WorkerDeadError(f"{self.name} stopped: {self.error!r}")
+        if self._stop.is_set():  # (a command queued now would never run: its caller would hang)
+            raise WorkerDeadError(f"{self.name} is stopped")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
