@@ -35,16 +35,16 @@ def _config(
     overrides: dict[str, Any],
     role_overrides: dict[str, int | None],
     nested: dict[tuple[str, str], Any] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> Any:
-    """The cluster config: the file's, then the flags that were given (`overrides` at the
-    top level, replicas per role, `nested` as (section, field): value). `overrides`'
-    cache_dir ($TANDEM_CACHE_DIR) applies only where the file does not set one."""
+    """The cluster config: `defaults` (from the environment) where the file is silent, the
+    file's, then the flags that were given (`overrides` at the top level, replicas per role,
+    `nested` as (section, field): value)."""
     from tandem.deploy.cluster_config import ClusterConfig, read_config_file
 
-    data: dict[str, Any] = read_config_file(config_file) if config_file is not None else {}
-    data.update({k: v for k, v in overrides.items() if v is not None and k != "cache_dir"})
-    if overrides.get("cache_dir") and "cache_dir" not in data:  # ($TANDEM_CACHE_DIR: a default)
-        data["cache_dir"] = overrides["cache_dir"]
+    data: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if v is not None}
+    data.update(read_config_file(config_file) if config_file is not None else {})
+    data.update({k: v for k, v in overrides.items() if v is not None})
     for role, replicas in role_overrides.items():
         if replicas is not None:
             data[role] = {**(data.get(role) or {}), "replicas": replicas}
@@ -209,7 +209,6 @@ def serve(
         "api_key": api_key,
         "chat_template": chat_template,
         "served_model_name": served_model_name,
-        "cache_dir": os.environ.get("TANDEM_CACHE_DIR"),
     }
     try:
         roles = {"prefill": prefill_replicas, "decode": decode_replicas}
@@ -221,7 +220,8 @@ def serve(
             ("router", "tool_call_parser"): tool_call_parser,
             ("router", "reasoning_parser"): reasoning_parser,
         }
-        cfg = _config(config, overrides, roles, nested)
+        env = {"cache_dir": os.environ.get("TANDEM_CACHE_DIR")}  # (the file's beats it)
+        cfg = _config(config, overrides, roles, nested, env)
         ignored = _ignored_in_colocated(cfg, prefill_flag=prefill_replicas is not None)
         if ignored:
             typer.echo(f"[tandem] note: {', '.join(ignored)} ignored in colocated mode (the "

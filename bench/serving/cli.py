@@ -25,13 +25,9 @@ def bench() -> None:
     """Benchmarks against a running server."""
 
 
-def _float_list(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x.strip())
-
-
 def _percentiles(text: str) -> tuple[float, ...]:
     try:
-        pcts = _float_list(text)
+        pcts = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--percentiles") from None
     if not all(0 <= p <= 100 for p in pcts):

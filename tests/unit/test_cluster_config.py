@@ -217,9 +217,9 @@ def test_the_cache_dir_environment_variable_yields_to_the_config_file(tmp_path: 
 
     path = tmp_path / "c.yaml"
     path.write_text("cache_dir: /from/file\n")
-    assert _config(path, {"cache_dir": "/from/env"}, {}).cache_dir == "/from/file"
-    assert _config(None, {"cache_dir": "/from/env"}, {}).cache_dir == "/from/env"
-    assert _config(None, {"cache_dir": None}, {}).cache_dir == "~/.cache/tandem"
+    assert _config(path, {}, {}, defaults={"cache_dir": "/from/env"}).cache_dir == "/from/file"
+    assert _config(None, {}, {}, defaults={"cache_dir": "/from/env"}).cache_dir == "/from/env"
+    assert _config(None, {}, {}, defaults={"cache_dir": None}).cache_dir == "~/.cache/tandem"
 
 
 def test_ray_resources_needed_sum_every_role_at_its_most_replicas() -> None:
