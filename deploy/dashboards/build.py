@@ -4,13 +4,16 @@
 
 ``--check`` exits 1 when a written file differs from what this code builds (CI runs it through
 the tests). Panels come from `panels.py`; the Prometheus datasource is the template variable
-``${datasource}``, so the JSON imports into any Grafana.
+``${datasource}``, so the JSON imports into any Grafana. A second variable, ``job``, picks the
+scrape jobs shown (all by default): the chart's PodMonitors name theirs
+``<namespace>/<release>-tandem-router``, so two releases in one Prometheus stay apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,12 +21,28 @@ from typing import Any
 from tandem.deploy.dashboards.panels import DASHBOARDS, Dashboard
 
 HERE = Path(__file__).resolve().parent
+JOB_MATCHER = 'job=~"$job"'
+_SELECTOR = re.compile(r"(tandem:[A-Za-z0-9_:]+)(\{([^}]*)\})?")
+
+
+def scoped(expr: str) -> str:
+    """`expr` with every tandem series limited to the dashboard's ``$job`` selection."""
+
+    def add(hit: re.Match[str]) -> str:
+        inner = hit.group(3)
+        return f"{hit.group(1)}{{{inner + ', ' if inner else ''}{JOB_MATCHER}}}"
+
+    return _SELECTOR.sub(add, expr)
 
 
 def build(spec: Dashboard) -> dict[str, Any]:
     from grafana_foundation_sdk.builders import dashboard, prometheus, timeseries
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
-    from grafana_foundation_sdk.models.dashboard import DataSourceRef
+    from grafana_foundation_sdk.models.dashboard import (
+        DataSourceRef,
+        VariableOption,
+        VariableRefresh,
+    )
 
     source = DataSourceRef(type_val="prometheus", uid="${datasource}")
     board = (
@@ -34,6 +53,17 @@ def build(spec: Dashboard) -> dict[str, Any]:
         .time("now-30m", "now")
         .with_variable(
             dashboard.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
+        )
+        .with_variable(
+            dashboard.QueryVariable("job")
+            .label("Job")
+            .datasource(source)
+            .query("label_values(tandem:role_replicas, job)")
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .multi(True)
+            .include_all(True)
+            .all_value(".*")
+            .current(VariableOption(selected=True, text=["All"], value=["$__all"]))
         )
     )
     for panel in spec.panels:
@@ -49,7 +79,7 @@ def build(spec: Dashboard) -> dict[str, Any]:
         for j, query in enumerate(panel.queries):
             ts = ts.with_target(
                 prometheus.Dataquery()
-                .expr(query.expr)
+                .expr(scoped(query.expr))
                 .legend_format(query.legend)
                 .ref_id(chr(ord("A") + j))
             )

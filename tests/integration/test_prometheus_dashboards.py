@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import requests
 
+from tandem.deploy.dashboards.build import scoped
 from tandem.deploy.dashboards.panels import DASHBOARDS
 from tests.integration.conftest import free_port
 
@@ -110,8 +111,12 @@ def test_every_dashboard_expression_returns_data(cluster: Any, prometheus: str) 
     started = time.time()
     send_traffic(base, seconds=8)
     time.sleep(3 * SCRAPE_S)  # the last requests' counters scraped
+    # As Grafana sends them: each series limited to the `job` variable's choice, here the job
+    # its own query offers (this Prometheus scrapes one, "tandem").
+    jobs = query(prometheus, "count by (job) (tandem:role_replicas)")
+    assert [j["metric"]["job"] for j in jobs] == ["tandem"]
     exprs = [
-        (board.title, panel.title, q.expr)
+        (board.title, panel.title, scoped(q.expr).replace("$job", "tandem"))
         for board in DASHBOARDS
         for panel in board.panels
         for q in panel.queries
@@ -122,6 +127,8 @@ def test_every_dashboard_expression_returns_data(cluster: Any, prometheus: str) 
         time.sleep(5 * SCRAPE_S)
         empty = [e for e in empty if not query(prometheus, e[2])]
     assert not empty, "dashboard expressions without data:\n" + "\n".join(map(str, empty))
+    other = [e for e in exprs if query(prometheus, e[2].replace('"tandem"', '"other-release"'))]
+    assert not other, "expressions not limited to the chosen job:\n" + "\n".join(map(str, other))
     out = os.environ.get("TANDEM_OBSERVABILITY_PLOTS")
     if out:
         plot_main_panels(prometheus, Path(out), started, time.time())

@@ -57,3 +57,24 @@ def test_series_every_router_replica_exports_are_counted_once() -> None:
                             assert re.search(rf"max by \({by}\) \((rate\()?$", before), (
                                 f"{name} / {panel['title']}: {expr}"
                             )
+
+
+def test_every_series_is_limited_to_the_chosen_jobs() -> None:
+    """Two releases scraped by one Prometheus: each dashboard's `job` variable (all by
+    default) picks one; a selector without it would mix both releases' series."""
+    import re
+
+    assert build.scoped('rate(tandem:a_total{stage="x"}[1m]) / tandem:b') == (
+        'rate(tandem:a_total{stage="x", job=~"$job"}[1m]) / tandem:b{job=~"$job"}'
+    )
+    for name in ("overview", "kv-cache", "disaggregation", "roles"):
+        board = json.loads((DIR / f"{name}.json").read_text())
+        job = next(v for v in board["templating"]["list"] if v["name"] == "job")
+        assert job["query"] == "label_values(tandem:role_replicas, job)"
+        assert (job["includeAll"], job["allValue"], job["current"]["value"]) == (
+            True, ".*", ["$__all"],
+        )  # fmt: skip
+        for panel in board["panels"]:
+            for target in panel["targets"]:
+                selectors = re.findall(r"tandem:[A-Za-z0-9_:]+(\{[^}]*\})?", target["expr"])
+                assert selectors and all('job=~"$job"' in s for s in selectors), target["expr"]
