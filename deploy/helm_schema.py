@@ -1,8 +1,9 @@
 """The parts of the Helm chart's values schema that come from tandem's own config models.
 
 The chart forwards some values blocks as they are into the cluster config of `serveConfigV2`
-(`serve.engine`, `serve.routing`, the roles' `engine` and `autoscaling`, ...). Their schemas in
-`helm/tandem/values.schema.json` are generated here from the pydantic models that read them, so
+(`serve.engine`, `serve.routing`, the roles' `engine` and `autoscaling`, ...), and some single
+fields only when they are set (`serve.corsAllowedOrigins`, `serve.checksums`, ...). Their schemas
+in `helm/tandem/values.schema.json` are generated here from the pydantic models that read them, so
 that `helm install` refuses a typo or an out-of-range value at render time instead of the
 cluster failing the deployment later. A unit test keeps the committed file in step:
 
@@ -21,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tandem.deploy.autoscaling_config import DecodeAutoscaling, PrefillAutoscaling
-from tandem.deploy.cluster_config import SLOConfig
+from tandem.deploy.cluster_config import ClusterConfig, RouterConfig, SLOConfig
 from tandem.engine.config import DTYPE_ALIASES, EngineConfig
 from tandem.router.admission import AdmissionConfig
 from tandem.router.route_planner import DecodeRoutingConfig
@@ -66,6 +67,20 @@ def object_schema(
     }
 
 
+def optional_field(model: type[BaseModel], name: str) -> dict[str, Any]:
+    """The schema of `model`'s field `name`, or null: a value the chart forwards only when set
+    (null keeps the model's default, and the field out of the rendered config)."""
+    full = model.model_json_schema()
+    field = _inline(full["properties"][name], full.get("$defs", {}))
+    description = field.pop("description", "")
+    default = model.model_fields[name].get_default(call_default_factory=True)
+    return {
+        "description": f"{description} Forwarded as `{name}`; null: the default "
+        f"({json.dumps(default)}), left out of serveConfigV2.".lstrip(),
+        "anyOf": [field, {"type": "null"}],
+    }
+
+
 def engine_schema(description: str) -> dict[str, Any]:
     schema = object_schema(EngineConfig, description, leave_out=ENGINE_SET_BY_CHART)
     dtype = schema["properties"]["dtype"]  # vLLM's spellings are taken too
@@ -102,6 +117,17 @@ def generated_parts() -> dict[tuple[str, ...], dict[str, Any]]:
         ("serve", "slo"): object_schema(SLOConfig, forwarded.format("slo")),
         ("prefill", "autoscaling"): autoscaling_schema(PrefillAutoscaling, required),
         ("decode", "autoscaling"): autoscaling_schema(DecodeAutoscaling, required),
+    }
+
+
+def generated_fields() -> dict[tuple[str, ...], dict[str, Any]]:
+    """Path of property names in the values schema -> the schema of a single cluster-config
+    field the chart forwards only when it is set (null: left out, the model's default holds)."""
+    return {
+        ("serve", "corsAllowedOrigins"): optional_field(RouterConfig, "cors_allowed_origins"),
+        ("serve", "responsesStoreSize"): optional_field(RouterConfig, "responses_store_size"),
+        ("serve", "checksums"): optional_field(ClusterConfig, "checksums"),
+        ("serve", "chunkPublisher"): optional_field(ClusterConfig, "chunk_publisher"),
     }
 
 
@@ -228,7 +254,7 @@ def updated(schema: dict[str, Any]) -> dict[str, Any]:
     """`schema` (the values schema) with its generated parts as the models say now, and every
     number taking its decimal string too."""
     out = json.loads(json.dumps(schema))
-    for path, part in generated_parts().items():
+    for path, part in {**generated_parts(), **generated_fields()}.items():
         node = out
         for name in path[:-1]:
             node = node["properties"][name]

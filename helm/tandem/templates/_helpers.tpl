@@ -99,6 +99,24 @@ tandem.numberFields (_numbers.tpl, generated from the schema).
 {{- end -}}
 {{- end -}}
 
+{{/*
+The head's GCS and Ray client server ports, as Ray opens them: its rayStartParams `port` and
+`ray-client-server-port` (strings, as KubeRay takes every rayStartParams value; tandem.validate
+refuses one that is no port number), else Ray's defaults. A JSON {"gcs": n, "client": n}.
+*/}}
+{{- define "tandem.headRayPorts" -}}
+{{- $params := .Values.head.rayStartParams | default (dict) -}}
+{{- $gcs := 6379 -}}
+{{- $client := 10001 -}}
+{{- if hasKey $params "port" -}}
+{{- $gcs = int (index $params "port") -}}
+{{- end -}}
+{{- if hasKey $params "ray-client-server-port" -}}
+{{- $client = int (index $params "ray-client-server-port") -}}
+{{- end -}}
+{{- toJson (dict "gcs" $gcs "client" $client) -}}
+{{- end -}}
+
 {{/* A Kubernetes quantity (as the schema allows: a number, a suffix) in bytes, rounded down. */}}
 {{- define "tandem.bytes" -}}
 {{- $q := toString . -}}
@@ -109,8 +127,8 @@ tandem.numberFields (_numbers.tpl, generated from the schema).
 {{- end -}}
 
 {{/*
-Ray's object store (rayStartParams object-store-memory, bytes) of a worker group with a
-memory-backed /dev/shm (shmSize): Ray's own default, 30 % of the pod's memory, but at most 80 %
+Ray's object store (rayStartParams object-store-memory, bytes) of a Ray group (the head, a
+worker group) with a memory-backed /dev/shm (shmSize): Ray's own default, 30 % of the pod's memory, but at most 80 %
 of shmSize (the rest for NCCL's and torch's shared memory). Left to Ray, the default exceeds
 /dev/shm (16Gi x 30 % > 2Gi) and Ray moves the store to /tmp, slowly. "" when the group has no
 shmSize or its rayStartParams set object-store-memory themselves. Called with the group's values.

@@ -4,7 +4,8 @@ The pod template of a Ray node (head or worker group). Called with a dict:
   gpus: GPUs per pod (int), ports: list of container ports, env: extra env entries,
   grace (optional): terminationGracePeriodSeconds, graceWhy: its comment.
 Every pod mounts the model read-only (the Serve app is built on the head, replicas load it on
-the workers) and, on workers, a memory-backed /dev/shm.
+the workers) and, where the group sets shmSize (head, router, prefill, decode by default), a
+memory-backed /dev/shm for Ray's object store.
 */}}
 {{- define "tandem.podTemplate" -}}
 {{- $root := .root -}}

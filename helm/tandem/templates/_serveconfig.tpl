@@ -2,8 +2,15 @@
 serveConfigV2: tandem's Serve config. `args` are cluster-config fields
 (tandem.deploy.cluster_config.ClusterConfig); tests/helm validates every render with it and with
 Ray's ServeDeploySchema. The router's replicas are pinned to the router worker group through a
-deployment override (its `ray_actor_options` replace the code's).
+deployment override (its `ray_actor_options` replace the code's). Optional settings (null in
+values.yaml) are left out when unset, so the cluster config keeps its own defaults.
 */}}
+
+{{/* What each replica of a group asks Ray for besides CPUs and GPUs: one unit of the group's
+rayResource and its replicaRayResources (tandem.validate refuses rayResource among them). */}}
+{{- define "tandem.replicaResources" -}}
+{{- toJson (merge (dict .rayResource 1) (deepCopy (default (dict) .replicaRayResources))) -}}
+{{- end -}}
 
 {{- define "tandem.roleArgs" -}}
 {{- $v := . -}}
@@ -11,7 +18,7 @@ deployment override (its `ray_actor_options` replace the code's).
   "replicas" (int $v.replicas)
   "num_cpus" $v.numCpus
   "num_gpus" $v.numGpus
-  "resources" (dict $v.rayResource 1)
+  "resources" (include "tandem.replicaResources" $v | fromJson)
   "torch_threads" (int $v.torchThreads)
   "drain_timeout_s" $v.drainTimeoutS
   "engine" $v.engine
@@ -65,6 +72,19 @@ deployment override (its `ray_actor_options` replace the code's).
 {{- if $s.chatTemplate -}}
 {{- $_ := set $args "chat_template" $s.chatTemplate -}}
 {{- end -}}
+{{- /* [] is a value (CORS off): only null (or no key) is unset */ -}}
+{{- if not (kindIs "invalid" $s.corsAllowedOrigins) -}}
+{{- $_ := set $args.router "cors_allowed_origins" $s.corsAllowedOrigins -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $s.responsesStoreSize) -}}
+{{- $_ := set $args.router "responses_store_size" (int $s.responsesStoreSize) -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $s.checksums) -}}
+{{- $_ := set $args "checksums" $s.checksums -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $s.chunkPublisher) -}}
+{{- $_ := set $args "chunk_publisher" $s.chunkPublisher -}}
+{{- end -}}
 {{- toJson $args -}}
 {{- end -}}
 
@@ -77,7 +97,7 @@ deployment override (its `ray_actor_options` replace the code's).
   "args" (include "tandem.serveArgs" . | fromJson)
   "deployments" (list (dict
     "name" "router"
-    "ray_actor_options" (dict "num_cpus" $router.numCpus "resources" (dict $router.rayResource 1))))
+    "ray_actor_options" (dict "num_cpus" $router.numCpus "resources" (include "tandem.replicaResources" $router | fromJson))))
 -}}
 {{- $config := dict
   "proxy_location" "EveryNode"

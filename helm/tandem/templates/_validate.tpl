@@ -1,8 +1,10 @@
 {{/*
 Checks values.schema.json cannot express (it checks each value on its own): the model source,
-autoscaling bounds, distinct ports, that each role's replicas fit the pods of its worker group,
-that rayStartParams leave the chart's own parameters alone, and the cluster config's cross-field
-rules (tandem.validateConfigRules). Fails the render with a message naming the values to change.
+autoscaling bounds, distinct ports, the head's GCS and client ports, that each role's replicas
+fit the pods of its worker group, that each group's /dev/shm holds Ray's object store, that
+rayStartParams leave the chart's own parameters alone, that the custom resources replicas ask
+for are advertised, and the cluster config's cross-field rules (tandem.validateConfigRules).
+Fails the render with a message naming the values to change.
 */}}
 
 {{- define "tandem.validate" -}}
@@ -34,7 +36,10 @@ rules (tandem.validateConfigRules). Fails the render with a message naming the v
 {{- $_ := set $taken $key $name -}}
 {{- end -}}
 {{- end -}}
+{{- include "tandem.validateHeadPorts" . -}}
 {{- include "tandem.validateRayPorts" . -}}
+{{- include "tandem.validateShm" (list "head" .Values.head) -}}
+{{- include "tandem.validateShm" (list "router" .Values.router) -}}
 {{- range $role := include "tandem.roles" . | fromJsonArray -}}
 {{- include "tandem.validateRole" (list $role (index $.Values $role) $.Values.autoscaler.enabled) -}}
 {{- end -}}
@@ -74,6 +79,24 @@ group's own rayResource nor one of Ray's predefined resources.
 {{- end -}}
 {{- if has $name (list "CPU" "GPU" "memory" "object_store_memory") -}}
 {{- fail (printf "%s.extraRayResources.%s is one of Ray's own resources: set %s.cpu, numGpus or memory instead" $group $name $group) -}}
+{{- end -}}
+{{- end -}}
+{{- /* what each replica asks for must be on its group's pods, for replicasPerPod replicas:
+else Serve's replicas stay pending and the autoscaler knows no group to grow */ -}}
+{{- $per := int $v.replicasPerPod -}}
+{{- $offered := $v.extraRayResources | default (dict) -}}
+{{- range $name, $amount := $v.replicaRayResources -}}
+{{- if eq $name $v.rayResource -}}
+{{- fail (printf "%s.replicaRayResources.%s is the group's rayResource: each replica asks for one unit of it already" $group $name) -}}
+{{- end -}}
+{{- if has $name (list "CPU" "GPU" "memory" "object_store_memory") -}}
+{{- fail (printf "%s.replicaRayResources.%s is one of Ray's own resources: set %s.numCpus%s instead" $group $name $group (ternary "" " or numGpus" (eq $group "router"))) -}}
+{{- end -}}
+{{- $needed := mulf $amount $per -}}
+{{- $has := float64 (default 0 (index $offered $name)) -}}
+{{- /* a hair of slack: 3 x 0.1 is 0.30000000000000004 */ -}}
+{{- if gt $needed (addf $has 0.000001) -}}
+{{- fail (printf "%s.replicaRayResources.%s (%v per replica) is not on the %s pods: each pod hosts replicasPerPod (%d) replicas, so set %s.extraRayResources.%s to %v or more (now %v)" $group $name $amount $group $per $group $name $needed $has) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -179,14 +202,22 @@ ceil(replicas / replicasPerPod) pods, and a Serve replica beyond their slots sta
 {{- end -}}
 {{- end -}}
 {{- include "tandem.validatePacking" (list $role $v) -}}
-{{- with include "tandem.objectStoreBytes" $v -}}
-{{- if lt (int64 .) 78643200 -}}
-{{- fail (printf "%s.shmSize (%v) and %s.memory (%v) leave Ray's object store %s bytes (the smaller of 80 %% of /dev/shm and 30 %% of memory): Ray needs at least 75Mi; set a larger %s.shmSize (128Mi or more) and memory, or null for no memory-backed /dev/shm" $role $v.shmSize $role $v.memory . $role) -}}
-{{- end -}}
-{{- end -}}
+{{- include "tandem.validateShm" (list $role $v) -}}
 {{- $gpus := mulf $v.numGpus $v.replicasPerPod -}}
 {{- if ne (floor $gpus) (float64 $gpus) -}}
 {{- fail (printf "%s: replicasPerPod (%v) x numGpus (%v) = %v GPUs per pod: it must be a whole number" $role $v.replicasPerPod $v.numGpus $gpus) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A group's memory-backed /dev/shm (shmSize) must hold the object store the chart sizes for
+it (tandem.objectStoreBytes): Ray refuses one under 75Mi. Called with (list group values). */}}
+{{- define "tandem.validateShm" -}}
+{{- $group := index . 0 -}}
+{{- $v := index . 1 -}}
+{{- with include "tandem.objectStoreBytes" $v -}}
+{{- if lt (int64 .) 78643200 -}}
+{{- fail (printf "%s.shmSize (%v) and %s.memory (%v) leave Ray's object store %s bytes (the smaller of 80 %% of /dev/shm and 30 %% of memory): Ray needs at least 75Mi; set a larger %s.shmSize (128Mi or more) and memory, or null for no memory-backed /dev/shm" $group $v.shmSize $group $v.memory . $group) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
@@ -214,9 +245,10 @@ and gRPC (40000-41000) ports. Ray's defaults unless the group's rayStartParams s
 */}}
 {{- define "tandem.validateRayPorts" -}}
 {{- $head := .Values.head.rayStartParams | default (dict) -}}
+{{- $rayPorts := include "tandem.headRayPorts" . | fromJson -}}
 {{- $owners := list
-  (dict "lo" (int (index $head "port" | default 6379)) "what" "Ray's GCS port (the head's rayStartParams port, default 6379)")
-  (dict "lo" (int (index $head "ray-client-server-port" | default 10001)) "what" "the Ray client server's port (the head's rayStartParams ray-client-server-port, default 10001)") -}}
+  (dict "lo" (int $rayPorts.gcs) "what" "Ray's GCS port (the head's rayStartParams port, default 6379)")
+  (dict "lo" (int $rayPorts.client) "what" "the Ray client server's port (the head's rayStartParams ray-client-server-port, default 10001)") -}}
 {{- $groups := dict "head" $head -}}
 {{- range $group := prepend (include "tandem.roles" . | fromJsonArray) "router" -}}
 {{- $_ := set $groups $group ((index $.Values $group).rayStartParams | default (dict)) -}}
@@ -243,6 +275,43 @@ and gRPC (40000-41000) ports. Ray's defaults unless the group's rayStartParams s
 {{- fail (printf "ports.%s (%d) is taken by %s: choose another port" $name $port $owner.what) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The head's rayStartParams `port` (the GCS) and `ray-client-server-port`: the head container
+exposes them (tandem.headRayPorts) and KubeRay joins the workers to the GCS at `port`, so each
+must be one port number (a string, as every rayStartParams value), apart from the other and
+from the ports Ray gives the head's worker processes and dashboard agent.
+*/}}
+{{- define "tandem.validateHeadPorts" -}}
+{{- $params := .Values.head.rayStartParams | default (dict) -}}
+{{- $what := dict "port" "the GCS port (default 6379)" "ray-client-server-port" "the Ray client server's port (default 10001)" -}}
+{{- range $key := list "port" "ray-client-server-port" -}}
+{{- if hasKey $params $key -}}
+{{- $value := toString (index $params $key) -}}
+{{- /* no leading zero: Helm's int would read it as octal, Ray as decimal */ -}}
+{{- if not (and (regexMatch "^[1-9][0-9]{0,4}$" $value) (le (int $value) 65535)) -}}
+{{- fail (printf "head.rayStartParams.%s (%q), %s, must be a port number, 1-65535, given as a string (e.g. --set-string head.rayStartParams.%s=%s): the chart exposes it as the head container's %s port" $key $value (index $what $key) $key (ternary "6380" "9001" (eq $key "port")) (ternary "gcs" "client" (eq $key "port"))) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $rayPorts := include "tandem.headRayPorts" . | fromJson -}}
+{{- $gcs := int $rayPorts.gcs -}}
+{{- $client := int $rayPorts.client -}}
+{{- if eq $gcs $client -}}
+{{- fail (printf "head.rayStartParams port and ray-client-server-port are both %d: the GCS and the Ray client server need a port each" $gcs) -}}
+{{- end -}}
+{{- $lo := int (index $params "min-worker-port" | default 10002) -}}
+{{- $hi := int (index $params "max-worker-port" | default 19999) -}}
+{{- $agent := int (index $params "dashboard-agent-listen-port" | default 52365) -}}
+{{- range $key, $port := dict "port" $gcs "ray-client-server-port" $client -}}
+{{- if and (ge $port $lo) (le $port $hi) -}}
+{{- fail (printf "head.rayStartParams.%s (%d) lies in Ray's worker ports %d-%d on the head (rayStartParams min-worker-port..max-worker-port, default 10002-19999): choose another port" $key $port $lo $hi) -}}
+{{- end -}}
+{{- if eq $port $agent -}}
+{{- fail (printf "head.rayStartParams.%s (%d) is Ray's dashboard agent port on the head (rayStartParams dashboard-agent-listen-port, default 52365): choose another port" $key $port) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
