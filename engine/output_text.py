@@ -51,9 +51,9 @@ class OutputText:
     def find_stop(
         self, stops: Sequence[str], *, counting: bool = True, keep: bool = False
     ) -> str | None:
-        """The stop string that occurs first in the text not searched yet (with enough of the
-        searched text before it for one to span the boundary); the text is cut just before it
-        (`keep`: just after it).
+        """The stop string that occurs first among those that end in the text not searched yet
+        (one may start in the searched text); the text is cut just before it (`keep`: just
+        after it).
         Not `counting` (before `min_tokens` are out): the text so far is marked searched, so
         a stop string written there does not count later either."""
         if not counting:  # (held text too: it is written by the tokens before `min_tokens`)
@@ -63,11 +63,9 @@ class OutputText:
         # stop string that ends in a run of byte tokens is found on the token that ends it)
         held = self.detokenizer.peek()
         text = self.text + held
-        longest = max(len(s) for s in stops)
-        window_start = max(0, self.checked_len - longest + 1)
         best: tuple[int, str] | None = None
-        for stop in stops:
-            idx = text.find(stop, window_start)
+        for stop in stops:  # (each must end in the new text: vLLM's window, per stop string)
+            idx = text.find(stop, max(0, self.checked_len - len(stop) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, stop)
         self.checked_len = len(self.text)

@@ -185,6 +185,26 @@ def test_a_stop_string_before_min_tokens_does_not_count(llm: LLM) -> None:
     assert out.text.startswith(early)
 
 
+def test_a_longer_stop_string_in_the_list_does_not_widen_the_others_search(llm: LLM) -> None:
+    """Each stop string must end in the text not searched yet: with a long one next to it, a
+    short one written before `min_tokens` tokens were out was found one token later."""
+    greedy: dict[str, Any] = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    decode = llm.engine.tokenizer.decode
+    for first in range(40, 80):  # a prompt whose first output token writes text seen once
+        prompt = [first, 51, 52]
+        ids = llm.generate([prompt], SamplingParams(**greedy))[0].token_ids
+        stop = decode(ids[:1])  # written by the first token
+        text = decode(ids)
+        if stop.strip() and text.startswith(stop) and stop not in text[len(stop) :]:
+            break
+    assert stop.strip() and decode(ids).count(stop) == 1, (stop, decode(ids))
+    alone = llm.generate([prompt], SamplingParams(min_tokens=1, stop=[stop], **greedy))[0]
+    both = SamplingParams(min_tokens=1, stop=[stop, "\x00" * 30], **greedy)
+    out = llm.generate([prompt], both)[0]
+    assert out.token_ids == alone.token_ids == ids and out.text == alone.text == decode(ids)
+    assert out.finish_reason == "length"
+
+
 def test_max_tokens_finish_length(llm: LLM) -> None:
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
