@@ -304,6 +304,11 @@ def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"runner={kwargs['runner']!r}: only text generation ('generate')")
     if kwargs.get("load_format", "auto") not in ("auto", "safetensors"):
         raise ValueError(f"load_format={kwargs['load_format']!r}: safetensors weights only")
+    mode = kwargs.pop("logprobs_mode", "raw_logprobs")
+    if mode != "raw_logprobs":  # (vLLM's default, what this engine returns)
+        raise ValueError(
+            f"logprobs_mode={mode!r}: logprobs are the model's own ('raw_logprobs' only)"
+        )
     if "seed" in kwargs and kwargs["seed"] is None:  # (vLLM's "no seed": the engine's default)
         del kwargs["seed"]
     for name in _VLLM_IGNORED:

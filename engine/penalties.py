@@ -65,12 +65,15 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], rows: Seq
 
 
 def bad_word_sequences(words: Sequence[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
-    """The token sequences of `words`, each as written and after a space (a word at the start of
-    the text and one inside it tokenize differently), without duplicates."""
+    """The token sequences of `words` as vLLM bans them: each word as written and, where it
+    makes a word token of its own (a first token of its own, and as many tokens), after a space
+    (a word inside the text), without duplicates."""
     sequences: list[list[int]] = []
     for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = encode(text)
+        bare, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+        for ids in (bare, spaced):
+            if ids is spaced and bare and (spaced[:1] == bare[:1] or len(spaced) != len(bare)):
+                continue
             if ids and ids not in sequences:
                 sequences.append(ids)
     return sequences

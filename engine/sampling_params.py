@@ -198,11 +198,11 @@ class SamplingParams(BaseModel):
             raise ValueError("bad_words must be non-blank strings")
         return value
 
-    @field_validator("allowed_token_ids")
+    @field_validator("allowed_token_ids", "stop_token_ids")
     @classmethod
-    def _allowed_ids(cls, value: list[int] | None) -> list[int] | None:
+    def _token_ids(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
         if value is not None and any(t < 0 for t in value):
-            raise ValueError("allowed_token_ids must be token ids (>= 0)")
+            raise ValueError(f"{info.field_name} must be token ids (>= 0)")
         return value
 
     @field_validator("top_p")

@@ -65,6 +65,9 @@ def test_bad_prompt_in_a_batch_leaves_nothing_queued(llm: LLM) -> None:
         ({"seed": 2**64}, "seed"),
         ({"seed": -(2**63) - 1}, "seed"),
         ({"min_tokens": 5, "max_tokens": 4}, r"min_tokens \(5\) must be <= max_tokens \(4\)"),
+        # (-1 indexed the vocabulary from its end: min_tokens kept its last token out)
+        ({"stop_token_ids": [5, -1]}, r"stop_token_ids must be token ids \(>= 0\)"),
+        ({"allowed_token_ids": [-3]}, r"allowed_token_ids must be token ids \(>= 0\)"),
     ],
 )
 def test_bad_sampling_params(kwargs: dict[str, Any], message: str) -> None:

@@ -110,12 +110,14 @@ def test_vllms_no_op_engine_arguments(tiny_checkpoint: Any) -> None:
         runner="generate",
         limit_mm_per_prompt={"image": 0},
         max_logprobs=-1,
+        logprobs_mode="raw_logprobs",
     )
     assert llm.generate("hi", GREEDY)[0].token_ids
     for kwargs, match in [
         ({"runner": "pooling"}, "runner='pooling'"),
         ({"load_format": "dummy"}, "load_format='dummy'"),
         ({"max_logprobs": 21}, "max_logprobs"),
+        ({"logprobs_mode": "processed_logprobs"}, "logprobs_mode='processed_logprobs'"),
     ]:
         with pytest.raises(ValueError, match=match):
             LLM(model=path, num_kv_blocks=8, **kwargs)

@@ -11,6 +11,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.errors import InvalidRequestError
+from tandem.engine.penalties import bad_word_sequences
 from tests.hf_reference import hf_last_logits, load_hf_model, random_prompts
 from tests.kv_protocol_pair import Pair, colocated, model, prompt_of  # noqa: F401 - fixtures
 
@@ -141,8 +142,9 @@ def test_allowed_token_ids_restrict_sampling(setup: dict[str, Any]) -> None:
 
 
 def test_bad_words_are_never_completed(setup: dict[str, Any]) -> None:
-    """vLLM's `bad_words`: a word of the greedy output, banned, does not come out (neither as
-    written nor after a space), and the output changes only from where it would have."""
+    """vLLM's `bad_words`: a word of the greedy output, banned, does not come out (as written,
+    nor after a space where that makes a word of its own), and the output changes only from
+    where it would have."""
     llm = setup["llm"]
     tok = llm.engine.tokenizer
     prompts = random_prompts(6, 512, seed=21)
@@ -164,11 +166,21 @@ def test_bad_words_are_never_completed(setup: dict[str, Any]) -> None:
             continue
         word = tok.decode(ids[at : at + 2])
         out = llm.generate([prompt], base.model_copy(update={"bad_words": [word]}))[0].token_ids
-        for text in (word.lstrip(), " " + word.lstrip()):
-            seq = tok.encode(text, add_special_tokens=False)
+        for seq in bad_word_sequences([word], lambda t: tok.encode(t, add_special_tokens=False)):
             assert not any(out[i : i + len(seq)] == seq for i in range(len(out))), (word, out)
         assert out[: at + 1] == ids[: at + 1] and out != ids
         checked += 1
     assert checked >= 2
     with pytest.raises(InvalidRequestError):
         SamplingParams(bad_words=[" "])
+
+
+def test_a_bad_word_after_a_space_is_banned_where_vllm_bans_it() -> None:
+    """vLLM bans " word" too only where it is a word token of its own: a first token other
+    than the word's and as many tokens (so a one-token " token" is not banned for "token"
+    written in two, nor " ab" that starts as "ab" does)."""
+    ids = {"token": [324, 393], " token": [420], "red": [5], " red": [6], "ab": [1, 2],
+           " ab": [1, 3], "xy": [7, 8], " xy": [9, 10]}  # fmt: skip
+    assert bad_word_sequences(["token", " red", "ab", "xy", "red"], ids.__getitem__) == [
+        [324, 393], [5], [6], [1, 2], [7, 8], [9, 10],
+    ]  # fmt: skip
