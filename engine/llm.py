@@ -214,10 +214,11 @@ class LLM:
             raise
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req")
         remaining = len(requests)
+        own = {req.request_id for req in requests}  # (the engine may run others' requests too)
         try:
             while remaining:
                 for result in engine.step():
-                    if result.finished:
+                    if result.finished and result.request_id in own:
                         remaining -= 1
                         bar.update(1)
         except BaseException:  # a failed step (or Ctrl-C): none of these stays in the engine

@@ -271,10 +271,14 @@ class LLMEngine:
         return True
 
     def release_kv(self, request_id: str) -> None:
-        """Frees the blocks a finished `keep_kv` request still holds."""
-        req = self.requests.pop(request_id, None)
+        """Frees the blocks a finished `keep_kv` request still holds (one still running is
+        refused: `abort` it; its blocks would go while the scheduler still ran it)."""
+        req = self.requests.get(request_id)
         if req is None:
             raise KeyError(f"unknown request {request_id!r}")
+        if not req.is_finished:
+            raise ValueError(f"request {request_id!r} has not finished: abort it instead")
+        del self.requests[request_id]
         req.keep_kv = False
         self.scheduler.free_blocks(req)
 

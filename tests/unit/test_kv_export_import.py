@@ -110,3 +110,24 @@ def test_seeded_sampler_state_travels(model_path: str) -> None:
     first = _prefill(prefill, "s", prompt, params)
     decode.import_request("s", prefill.export_kv("s"), first, params)
     assert first + _decode_all(decode)["s"] == expected
+
+
+def test_releasing_the_kv_of_a_running_request_is_refused(model_path: str) -> None:
+    """`release_kv` is for a finished `keep_kv` request: on one still running it freed the
+    blocks while the scheduler went on computing into new ones (never-written KV that then
+    went into the prefix cache, so a later request with that prefix came out wrong)."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(3, 40))
+    expected = LLM(model=model_path, num_kv_blocks=64).generate([prompt], params)[0].token_ids
+    engine = LLM(model=model_path, num_kv_blocks=64, max_num_batched_tokens=16).engine
+    engine.add_request(prompt, params, request_id="x", keep_kv=True)
+    engine.step()  # one chunk of the prompt
+    with pytest.raises(ValueError, match="has not finished"):
+        engine.release_kv("x")
+    out: list[int] = []
+    while engine.has_unfinished_requests():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+    assert out == expected
+    engine.release_kv("x")
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -337,3 +337,17 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="logit_bias has token ids"):
         llm.generate("hi", SamplingParams(logit_bias={vocab: 5.0}, **GREEDY_FIELDS))
     assert not llm.engine.requests
+
+
+def test_generate_waits_for_its_own_requests_only(tiny_checkpoint: Any) -> None:
+    """A request added to the engine beforehand (vLLM's `llm.llm_engine.add_request`) that
+    finishes during `generate` is not one of generate's: generate returned its own unfinished."""
+    llm = LLM(model=str(tiny_checkpoint()), num_kv_blocks=128)
+    alone = llm.generate([[5, 6, 7]], SamplingParams(**{**GREEDY_FIELDS, "max_tokens": 10}))[0]
+    llm.llm_engine.add_request([9, 9], SamplingParams(**{**GREEDY_FIELDS, "max_tokens": 1}))
+    out = llm.generate([[5, 6, 7]], SamplingParams(**{**GREEDY_FIELDS, "max_tokens": 10}))[0]
+    assert out.finished and out.outputs[0].finish_reason == "length"
+    assert (
+        out.outputs[0].token_ids == alone.outputs[0].token_ids
+        and len(alone.outputs[0].token_ids) == 10
+    )
