@@ -153,8 +153,10 @@ def reply_message(head: ResponseHead, text: str) -> dict[str, Any]:
 def _choice_logprobs(head: ResponseHead, req: Prepared) -> dict[str, Any] | None:
     """A whole choice's logprobs: with an echoed prompt's, those of its tokens first (with
     `logprobs` alternatives each, as the output's, also when `prompt_logprobs` asked for more)."""
+    if req.params.logprobs is None:  # (`prompt_logprobs` alone has a field of its own)
+        return None
     if req.echo is not None and req.prompt_logprobs is not None:
-        prompt = _with_alternatives(req.prompt_logprobs, req.params.logprobs or 0)
+        prompt = _with_alternatives(req.prompt_logprobs, req.params.logprobs)
         entries = prompt + list(req.logprobs or ())
         return head.logprobs(req.prompt_token_ids + req.token_ids, entries)
     return head.logprobs(req.token_ids, req.logprobs)
@@ -198,8 +200,8 @@ def chunk(
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    if finish is not None:
-        choice["stop_reason"] = req.stop_reason
+    if finish is not None or head.kind == "completion":  # (vLLM's: null till the end)
+        choice["stop_reason"] = req.stop_reason if finish is not None else None
     if head.token_ids:
         choice["token_ids"] = list(new_token_ids or ())
         if first and head.kind == "completion":

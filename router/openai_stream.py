@@ -124,12 +124,12 @@ async def _events(
     parser = head.read_calls if isinstance(head.read_calls, ToolParser) else None
     split = head.kind == "chat" and (parser is not None or head.reasoning is not None)
     replies: dict[int, ReplyStream] = {}
-    emitted = 0  # completion tokens sent so far, all choices (they may run ahead)
+    emitted: dict[int, int] = {}  # completion tokens sent so far, per choice
     held_ids: dict[int, list[int]] = {}  # (`return_token_ids`: those of text held back)
     started: set[int] = set()  # choices whose first chunk went out
     try:
-        usage = _so_far(merged_usage(reqs, n), 0) if continuous else None
         for index, req in enumerate(reqs):
+            usage = _so_far(req, 0) if continuous else None
             if head.kind == "chat":
                 yield chunk(head, req, "", None, index=index, role=True, first=True, usage=usage)
                 if head.echo:
@@ -146,12 +146,13 @@ async def _events(
                     yield KEEPALIVE
                     continue
                 index, item = entry
-                emitted += len(item["token_ids"])
+                emitted[index] = emitted.get(index, 0) + len(item["token_ids"])
+                usage = _so_far(reqs[index], emitted[index]) if continuous else None
                 finish = item.get("finish_reason")
                 reasoning, calls = "", list[dict[str, Any]]()
                 if head.read_calls is not None and parser is None:  # a forced call: whole
                     if finish is not None:
-                        for event_text in from_reply(head, reqs[index], index, finish):
+                        for event_text in from_reply(head, reqs[index], index, finish, usage):
                             yield event_text
                     continue
                 if head.token_ids:
@@ -170,7 +171,6 @@ async def _events(
                 ):
                     text = item["text"] or None
                     logprobs = offsets.take(index, item)
-                    usage = _so_far(merged_usage(reqs, n), emitted) if continuous else None
                     req = reqs[index]
                     # (calls and the finish reason in one chunk: the `openai` client's stream
                     # helper then never ends the calls; OpenAI sends the finish alone)
@@ -198,9 +198,16 @@ async def _events(
     yield DONE
 
 
-def from_reply(head: ResponseHead, req: Prepared, index: int, finish: str) -> Iterator[str]:
-    """The chunks of a forced call's reply: its call (or content), then its finish reason
-    alone, as OpenAI sends them (the `openai` client's stream helper ends a call only so)."""
+def from_reply(
+    head: ResponseHead,
+    req: Prepared,
+    index: int,
+    finish: str,
+    usage: dict[str, Any] | None = None,
+) -> Iterator[str]:
+    """The chunks of a forced call's reply: its call (or content) with every token's logprobs
+    when asked, then its finish reason alone, as OpenAI sends them (the `openai` client's
+    stream helper ends a call only so); `usage` on both (`continuous_usage_stats`)."""
     message = reply_message(head, req.text)
     calls = message.get("tool_calls")
     finish = "tool_calls" if calls and finishes_with_calls(head.read_calls, finish) else finish
@@ -212,13 +219,18 @@ def from_reply(head: ResponseHead, req: Prepared, index: int, finish: str) -> It
         index=index,
         tool_calls=calls,
         new_token_ids=req.token_ids,
+        token_ids=req.token_ids,
+        logprobs=req.logprobs,
+        usage=usage,
     )
     if calls:
-        yield chunk(head, req, None, finish, index=index)
+        yield chunk(head, req, None, finish, index=index, usage=usage)
 
 
-def _so_far(usage: dict[str, Any], completion_tokens: int) -> dict[str, Any]:
-    """`usage` counting the completion tokens sent so far (the choices may have run ahead)."""
+def _so_far(req: Prepared, completion_tokens: int) -> dict[str, Any]:
+    """One choice's usage with the completion tokens it sent so far (vLLM's
+    `continuous_usage_stats`: each chunk counts its own choice's)."""
+    usage = merged_usage([req], 1)
     total = usage["prompt_tokens"] + completion_tokens
     return {**usage, "completion_tokens": completion_tokens, "total_tokens": total}
 

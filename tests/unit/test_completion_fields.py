@@ -57,6 +57,9 @@ class LetterServing:
             req.prompt_logprobs = [None] + [(-1.0, [], 1)] * (len(req.prompt_token_ids) - 1)
         yield {"token_ids": [25], "text": "z", "finish_reason": "length"}
 
+    async def abandon(self, req: Prepared, refused: Any = None) -> None:
+        pass  # (every request here runs to its end)
+
     def prompt_text(self, token_ids: list[int]) -> str:
         return "".join(LETTERS[t] for t in token_ids)
 
@@ -146,3 +149,30 @@ def test_a_refusal_carries_the_time_from_arrival_to_it() -> None:
     assert (refused.value.status, headers["Retry-After"]) == (429, "2")
     assert set(json.loads(headers["x-tandem-timings"])) == {"e2e"}
     assert 30.0 <= json.loads(headers["x-tandem-timings"])["e2e"] < 30_000.0
+
+
+def test_prompt_logprobs_alone_give_no_choice_logprobs() -> None:
+    """vLLM fills a choice's `logprobs` only when `logprobs` asks for them: `echo` with
+    `prompt_logprobs` alone gave one covering the prompt only (the output's were missing)."""
+    choice = _complete(prompt="abc", prompt_logprobs=0)
+    assert choice["text"] == "abcz" and choice["logprobs"] is None
+    assert [e and next(iter(e.values()))["logprob"] for e in choice["prompt_logprobs"]] == [
+        None, -1.0, -1.0,
+    ]  # fmt: skip
+    both = _complete(prompt="abc", prompt_logprobs=0, logprobs=0)["logprobs"]
+    assert both["tokens"] == ["a", "b", "c", "z"]
+
+
+def test_continuous_usage_counts_each_chunks_own_choice() -> None:
+    """vLLM's `continuous_usage_stats`: a chunk's usage is its own choice's (its prompt, its
+    tokens so far), not the sum over every choice sent so far."""
+    both = {"continuous_usage_stats": True, "include_usage": True}
+    chunks = _stream(prompt=["ab", "abcd"], n=2, stream_options=both)
+    per_choice = [
+        (d["choices"][0]["index"], d["usage"]["prompt_tokens"], d["usage"]["completion_tokens"])
+        for d in chunks[:-1]
+    ]
+    assert sorted(per_choice) == [(0, 2, 1), (1, 2, 1), (2, 4, 1), (3, 4, 1)]
+    assert chunks[-1]["usage"]["prompt_tokens"] == 6
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all(d["choices"][0]["stop_reason"] is None for d in chunks[:-1])  # (finished: None)

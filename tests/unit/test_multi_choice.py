@@ -310,10 +310,13 @@ def _continuous_usage_chunks(count: int, kind: Any) -> list[dict[str, Any]]:
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk() -> None:
+    """As vLLM's: each chunk's usage is its own choice's (its tokens so far)."""
     data = _continuous_usage_chunks(2, "completion")
-    completions = [d["usage"]["completion_tokens"] for d in data]
-    assert completions == list(range(1, 7))  # one token a chunk, both choices
-    assert {d["usage"]["prompt_tokens"] for d in data} == {6}
+    by_choice: dict[int, list[int]] = {}
+    for d in data:
+        by_choice.setdefault(d["choices"][0]["index"], []).append(d["usage"]["completion_tokens"])
+    assert by_choice == {0: [1, 2, 3], 1: [1, 2, 3]}  # one token a chunk each
+    assert {d["usage"]["prompt_tokens"] for d in data} == {3}  # (its own prompt's)
 
 
 def test_continuous_usage_stats_start_with_the_chat_role_chunk() -> None:

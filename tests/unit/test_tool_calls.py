@@ -194,6 +194,29 @@ def test_a_cut_required_call_s_body_and_stream_finish_with_length() -> None:
     assert [e["choices"][0]["finish_reason"] for e in events] == [None, "tool_calls"]
 
 
+def test_a_streamed_forced_call_carries_its_logprobs_and_usage() -> None:
+    """Streamed, a forced call (one chunk at its end) gave no logprobs and no running usage,
+    where the same request not streamed gave every token's."""
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.router.openai_format import ResponseHead
+    from tandem.router.openai_stream import from_reply
+    from tandem.router.prepared import Prepared
+    from tandem.router.request_timings import RequestTimings
+
+    head = ResponseHead("chatcmpl-1", 0, "m", "chat", token_text=chr, read_calls=forced_call)
+    req = Prepared("r", [1, 2], SamplingParams(max_tokens=9, logprobs=1), RequestTimings(0.0))
+    req.text, req.finish_reason = '{"name": "a", "arguments": {}}', "stop"
+    req.token_ids = [65, 66, 67]
+    req.logprobs = [(-0.5, [(65, -0.5)]), (-0.25, [(66, -0.25)]), (-1.0, [(68, -0.75)])]
+    usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    events = [json.loads(e[len("data: ") :]) for e in from_reply(head, req, 0, "stop", usage)]
+    content = events[0]["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"]) for c in content] == [("A", -0.5), ("B", -0.25), ("C", -1.0)]
+    assert content[2]["top_logprobs"] == [{"token": "D", "logprob": -0.75, "bytes": [68]}]
+    assert [e["usage"] for e in events] == [usage, usage]
+    assert events[1]["choices"][0]["logprobs"] is None
+
+
 def test_a_function_without_parameters_takes_no_arguments() -> None:
     bare = ToolSpec(function=FunctionSpec(name="ping"))
     schema = call_schema([bare])
