@@ -117,6 +117,29 @@ def test_preemption_takes_the_newest_and_requeues_it_first() -> None:
     check(s)
 
 
+def test_a_preempted_request_waits_behind_more_urgent_ones() -> None:
+    """Requeued first of its own priority: ahead of it go only waiting requests of a higher
+    one (lower value), as vLLM's priority queue puts it back; it went before all of them."""
+    s = make(num_blocks=4, budget=100, max_seqs=2)
+    a, b = req("a", 4), req("b", 4, start=50)
+    b.priority = 3
+    s.add(a)
+    s.add(b)
+    run_step(s, s.schedule())
+    urgent, same, later = req("u", 4, start=80), req("s", 4, start=90), req("l", 4, start=99)
+    urgent.priority, same.priority, later.priority = 0, 3, 5
+    for r in (urgent, same, later):
+        s.add(r)  # (max_seqs=2: they wait)
+    for _ in range(5):  # a and b fill their second blocks; a then needs a third
+        out = s.schedule()
+        run_step(s, out)
+        if out.preempted:
+            break
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert [r.request_id for r in s.waiting] == ["u", "b", "s", "l"]
+    check(s)
+
+
 def test_a_request_whose_pages_go_to_decode_gets_its_whole_prompt_and_is_not_preempted() -> None:
     # (a prefill engine: the pages a transfer sent stay pinned until decode acknowledges the
     # last chunk, so preempting such a request frees none of them, and asking for blocks
