@@ -105,6 +105,8 @@ class ResponsesRequest(RequestBody):
                 role = item.get("role")
                 if role not in ("user", "assistant", "system", "developer"):
                     raise bad_request(f"input[{i}].role {role!r} is not supported", "input")
+                if "content" not in item:  # (OpenAI's: a message has content, maybe "")
+                    raise bad_request(f"input[{i}] is a message without content", "input")
                 out.append({"role": role, "content": _text(item.get("content"), i)})
             elif kind == "function_call":
                 call = {
@@ -156,9 +158,17 @@ class ResponsesRequest(RequestBody):
 
     def response_format(self) -> dict[str, Any] | None:
         fmt = (self.text or {}).get("format")
-        if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+        if fmt is None:
             return None
-        if fmt.get("type") == "json_schema":
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise bad_request(
+                "text.format must be an object whose type is text, json_object or json_schema",
+                "text.format",
+            )
+        if kind == "text":
+            return None
+        if kind == "json_schema":
             schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
             return {"type": "json_schema", "json_schema": schema}
         return {"type": fmt.get("type")}

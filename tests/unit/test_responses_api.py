@@ -80,6 +80,9 @@ def test_a_request_becomes_its_chat_completion() -> None:
         ({"input": [{"type": "computer_call"}]}, "input"),
         ({"input": []}, "input"),
         ({"temperature": 5}, "temperature"),
+        ({"input": [{"role": "user"}]}, "input"),  # (a message without content)
+        ({"text": {"format": "bad"}}, "text.format"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ],
 )  # fmt: skip
 def test_what_cannot_be_a_chat_completion_is_a_400(fields: dict[str, Any], param: str) -> None:
