@@ -115,6 +115,8 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
             return error_response(APIError(400, "the client left before its body came"))
         # (FastAPI's answer to a body it could not decode, e.g. bytes that are not UTF-8)
         unreadable = "the request body is not valid JSON in UTF-8"
+        if isinstance(exc.__cause__, RecursionError):  # (valid JSON, too deep for Python)
+            unreadable = "the request body's JSON is nested too deeply"
         return _counted(request, APIError(400, unreadable, code="invalid_json"))
     if exc.status_code in (404, 405):  # name what was asked for
         message = f"{message}: {request.method} {request.url.path}"

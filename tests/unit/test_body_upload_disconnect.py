@@ -82,3 +82,15 @@ def test_a_body_that_is_not_utf8_json_is_one(tally: Tally) -> None:
     sent = _post([{"type": "http.request", "body": body, "more_body": False}], len(body))
     assert sent[0]["status"] == 400
     assert tally.codes == ["invalid_json"]
+
+
+def test_json_nested_too_deeply_says_so(tally: Tally) -> None:
+    """Valid JSON deeper than Python's parser goes was "not valid JSON in UTF-8"."""
+    import json
+
+    body = b'{"model": "tiny", "prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    sent = _post([{"type": "http.request", "body": body, "more_body": False}], len(body))
+    assert sent[0]["status"] == 400
+    error = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
+    assert error["message"] == "the request body's JSON is nested too deeply"
+    assert tally.codes == ["invalid_json"]
