@@ -171,8 +171,10 @@ class HermesParser(MarkerParser):
             calls.append(call)
         if not calls:
             return text, []
-        content = "".join([*pieces, rest]).strip()
-        return content or None, calls
+        # (unstripped, as vLLM keeps the text before a call, and as it streams; whitespace
+        # alone, e.g. a reasoning model's "\n\n" after its thoughts, is no content)
+        content = "".join([*pieces, rest])
+        return content if content.strip() else None, calls
 
 
 class Llama3JsonParser(ToolParser):
