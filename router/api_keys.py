@@ -40,9 +40,14 @@ def check_api_key(expected_digest: str | None, authorization: str | None) -> Non
     )
 
 
-def is_open_path(path: str) -> bool:
-    """Paths served without a key (whatever prefix the app is mounted under)."""
-    return path.rstrip("/").endswith(OPEN_PATHS)
+def is_open_path(path: str, root_path: str = "") -> bool:
+    """Paths served without a key: exactly these under the prefix the app is mounted at
+    (`root_path`: Serve's route prefix; a path that merely ends so, e.g. /v1/models/health,
+    is guarded)."""
+    root = root_path.rstrip("/")
+    if root and path.startswith(root + "/"):
+        path = path[len(root) :]
+    return path.rstrip("/") in OPEN_PATHS
 
 
 class APIKeyMiddleware:
@@ -57,7 +62,11 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         expected = self.key()
-        if scope["type"] == "http" and expected and not is_open_path(scope["path"]):
+        if (
+            scope["type"] == "http"
+            and expected
+            and not is_open_path(scope["path"], scope.get("root_path", ""))
+        ):
             header = dict(scope.get("headers") or ()).get(b"authorization", b"")
             try:
                 check_api_key(expected, header.decode("latin-1"))

@@ -64,7 +64,11 @@ class StopGateMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gate = self.gate()
-        if scope["type"] != "http" or gate is None or is_open_path(scope["path"]):
+        if (
+            scope["type"] != "http"
+            or gate is None
+            or is_open_path(scope["path"], scope.get("root_path", ""))
+        ):
             await self.app(scope, receive, send)
             return
         if (refused := gate.refusal()) is not None:

@@ -30,9 +30,14 @@ def test_anything_else_is_401_with_an_openai_style_body(header: str | None) -> N
     assert refused.value.headers == {"WWW-Authenticate": "Bearer"}
 
 
-def test_probes_and_metrics_stay_open_under_any_prefix() -> None:
-    assert is_open_path("/health") and is_open_path("/tandem/metrics/")
+def test_probes_and_metrics_stay_open_under_the_apps_prefix_only() -> None:
+    assert is_open_path("/health") and is_open_path("/tandem/metrics/", "/tandem")
+    assert is_open_path("/ping/", "/") and is_open_path("/metrics", "")
     assert not is_open_path("/v1/models") and not is_open_path("/debug/workers")
+    # (a path that only ends so was open: a 404 there named the served model without a key)
+    for path in ("/v1/models/health", "/v1/models/x/metrics", "/v1/responses/ping"):
+        assert not is_open_path(path) and not is_open_path(path, "/v1")
+    assert not is_open_path("/tandem/metrics")  # (mounted at /, that is another path)
 
 
 def test_the_router_is_given_the_keys_digest_not_the_key(tmp_path: Path) -> None:
