@@ -9,7 +9,9 @@ know. Its state, from the prompt and then from each sampled token:
   have been sampled;
 - `start`: the reply may open thoughts itself (Qwen3): the grammar's tokens are allowed, and
   the open tag's token; sampling that token starts `thinking`, any other is the answer's first;
-- `answer`: the grammar constrains every token.
+- `answer`: the grammar constrains every token. Also from the start when the prompt ends in
+  thoughts it closed (a template with thinking off writes `<think>\n\n</think>\n\n` last,
+  e.g. Qwen3's with `enable_thinking: false`), as vLLM's parser then reads reasoning as ended.
 Only a one-token open tag can start thoughts in the reply (the tags of Qwen3 and DeepSeek-R1 are
 single tokens in their tokenizers); with a longer one the reply starts as the answer. The same
 tokens always give the same state, so a request that moves between engines (prefill to decode)
@@ -22,6 +24,10 @@ from collections.abc import Sequence
 from typing import Any
 
 THINKING, START, ANSWER = "thinking", "start", "answer"
+CLOSED_AT_END_TOKENS = 2
+"""How many tokens (the template's "\n\n") may follow a close tag that ends the prompt's
+thoughts for the reply to be the answer from its first token. An earlier turn's closed
+thoughts are followed by its answer and the next turns: the reply may open thoughts then."""
 
 
 def _last_index(tokens: Sequence[int], tag: Sequence[int]) -> int:
@@ -44,6 +50,14 @@ def prompt_opens_thoughts(
     return opened >= 0 and opened > _last_index(prompt_token_ids, close_ids)
 
 
+def _closes_thoughts_at_end(
+    prompt_token_ids: Sequence[int], open_ids: Sequence[int], close_ids: Sequence[int]
+) -> bool:
+    closed = _last_index(prompt_token_ids, close_ids)
+    after = len(prompt_token_ids) - closed - len(close_ids)
+    return closed > _last_index(prompt_token_ids, open_ids) and 0 <= after <= CLOSED_AT_END_TOKENS
+
+
 class ReasoningGate:
     def __init__(
         self,
@@ -60,6 +74,8 @@ class ReasoningGate:
         self._recent: list[int] = []  # the last tokens sampled while thinking
         if prompt_opens_thoughts(prompt_token_ids, self._open, self._close):
             self.state = THINKING
+        elif _closes_thoughts_at_end(prompt_token_ids, self._open, self._close):
+            self.state = ANSWER
         else:
             self.state = START if len(self._open) == 1 else ANSWER
 

@@ -124,7 +124,8 @@ class FakeMatcher:
 
 def test_the_gate_states_and_bitmask() -> None:
     inner = FakeMatcher()
-    gate = ReasoningGate(inner, [63], [7, 8], prompt_token_ids=[1, 63, 2, 7, 8])  # closed
+    earlier_turn = [1, 63, 2, 7, 8, 4, 4, 4]  # thoughts closed, then more turns
+    gate = ReasoningGate(inner, [63], [7, 8], prompt_token_ids=earlier_turn)
     assert gate.state == START
     mask = torch.zeros((2, 2), dtype=torch.int32)
     gate.fill_next_token_bitmask(mask, 1)
@@ -137,6 +138,10 @@ def test_the_gate_states_and_bitmask() -> None:
     assert gate.state == ANSWER and inner.accepted == [] and not gate.is_terminated()
     assert not gate.accept_token(99) and gate.accept_token(5) and gate.is_terminated()
     assert ReasoningGate(FakeMatcher(), [63], [7], [1, 63, 2]).state == THINKING
+    # thinking off: the template closed the thoughts last ("<think>\n\n</think>\n\n"), so
+    # the grammar holds from the first token (the open tag was allowed: the model could escape)
+    for closed_last in ([1, 63, 2, 7, 8], [1, 63, 2, 7, 8, 4, 4], [63, 7, 8, 4]):
+        assert ReasoningGate(FakeMatcher(), [63], [7, 8], closed_last).state == ANSWER
     assert ReasoningGate(FakeMatcher(), [6, 3], [7], [1, 2]).state == ANSWER
     with pytest.raises(ValueError, match="at least one token"):
         ReasoningGate(FakeMatcher(), [], [7], [])
