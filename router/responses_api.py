@@ -34,6 +34,7 @@ from tandem.router.serving import Serving
 
 CHAT_FIELD_NAMES = {
     "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
     "messages": "input",
     "response_format": "text.format",
 }

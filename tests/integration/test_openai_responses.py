@@ -171,3 +171,8 @@ def test_what_is_not_supported_is_a_400(url: str) -> None:
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == "max_output_tokens", error
     assert "max_tokens" not in error["message"].replace("max_output_tokens", "")
+    with pytest.raises(openai.BadRequestError) as caught:  # (max_completion_tokens, as chat)
+        c.responses.create(model="tiny", input="hi", max_output_tokens=0)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "max_output_tokens", error
+    assert "max_completion_tokens" not in error["message"], error
