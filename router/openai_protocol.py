@@ -310,13 +310,7 @@ class ChatCompletionRequest(_SamplingFields):
                 f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
                 "max_completion_tokens",
             )
-        if self.chat_template is not None:  # (a client's Jinja runs in the server)
-            raise bad_request(
-                "a chat_template in the request is not accepted: the server renders with its "
-                "own (tandem serve --chat-template)",
-                "chat_template",
-                "unsupported",
-            )
+        refuse_request_template(self.chat_template)
         check_template_options(
             self.messages, self.add_generation_prompt, self.continue_final_message
         )
@@ -361,6 +355,18 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     {"messages", "conversation", "tokenize", "return_dict", "add_generation_prompt",
      "continue_final_message", "chat_template", "tools", "documents"}
 )  # fmt: skip
+
+
+def refuse_request_template(chat_template: str | None) -> None:
+    """A chat template given in a request is refused (a client's Jinja would run in the
+    server): a 400 naming it."""
+    if chat_template is not None:
+        raise bad_request(
+            "a chat_template in the request is not accepted: the server renders with its "
+            "own (tandem serve --chat-template)",
+            "chat_template",
+            "unsupported",
+        )
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:

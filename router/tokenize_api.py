@@ -17,6 +17,7 @@ from tandem.router.openai_protocol import (
     ChatMessage,
     check_template_kwargs,
     check_template_options,
+    refuse_request_template,
     template_messages,
 )
 from tandem.router.request_body import RequestBody
@@ -35,6 +36,7 @@ class TokenizeRequest(RequestBody):
     add_generation_prompt: bool = True  # for `messages`
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # (refused, as chat refuses it)
     tools: list[ToolSpec] | None = None  # for `messages`: shown to the template, as chat does
     return_token_strs: bool = False  # vLLM's: also each token as the vocabulary spells it
 
@@ -56,6 +58,7 @@ async def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:
             body.messages, body.add_generation_prompt, body.continue_final_message
         )
         check_template_kwargs(body.chat_template_kwargs)
+        refuse_request_template(body.chat_template)
         tokens = serving.render_chat(
             template_messages(body.messages),
             add_generation_prompt=body.add_generation_prompt,

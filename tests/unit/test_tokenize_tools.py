@@ -74,3 +74,21 @@ def test_a_chat_shows_every_tool_whatever_tool_choice_says(
     with pytest.raises(APIError, match="seen"):
         asyncio.run(create_chat_completion(serving, request))
     assert [t["function"]["name"] for t in shown[0]] == ["get_weather", "b"]
+
+
+def test_a_chat_template_in_the_request_is_refused_as_chat_refuses_it(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    """It was taken silently and the server's own template rendered the messages."""
+    from tandem.router.errors import APIError
+
+    serving = Serving(None, None, Tokenizer.from_pretrained(tiny_checkpoint()), "tiny")  # type: ignore[arg-type]
+
+    async def limits() -> Any:
+        return SimpleNamespace(max_model_len=2048)
+
+    serving.limits = limits  # type: ignore[method-assign]
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 'x' }}"}
+    with pytest.raises(APIError) as refused:
+        asyncio.run(tokenize(serving, TokenizeRequest.model_validate(body)))
+    assert (refused.value.status, refused.value.param) == (400, "chat_template")
