@@ -197,13 +197,14 @@ async def _serve(
     token_text = _token_id_text if body.return_tokens_as_token_ids else serving.token_text
     ids, asked = body.return_token_ids, body.prompt_logprobs
     echo = body.echoed_text() if isinstance(body, ChatCompletionRequest) else ""
+    thoughts = not isinstance(body, ChatCompletionRequest) or body.include_reasoning
     response_id, base = response_ids.response, response_ids.requests
     if count == 1:
         req = await prepare(0, base)
         reasoning = serving.reasoning_after(req.prompt_token_ids) if kind == "chat" else None
         head = ResponseHead.of(
             req, serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids,
-            asked, echo, serving.token_bytes,
+            asked, echo, serving.token_bytes, thoughts,
         )  # fmt: skip
         if body.stream:
             return ClosingStreamingResponse(
@@ -217,7 +218,7 @@ async def _serve(
     reasoning = serving.reasoning_after(reqs[0].prompt_token_ids) if kind == "chat" else None
     head = ResponseHead.of(
         reqs[0], serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids,
-        asked, echo, serving.token_bytes,
+        asked, echo, serving.token_bytes, thoughts,
     )  # fmt: skip
     if body.stream:
         return ClosingStreamingResponse(

@@ -40,6 +40,7 @@ class ResponseHead:
     prompt_logprobs: int | None = None  # vLLM's field, with this many alternatives (None: none)
     echo: str = ""  # chat: what every choice's content starts with (vLLM's `echo`)
     token_bytes: TokenBytes | None = None  # chat logprobs' `bytes` (None: the text's UTF-8)
+    include_reasoning: bool = True  # chat: False leaves the thoughts out (still not content)
 
     @classmethod
     def of(
@@ -55,6 +56,7 @@ class ResponseHead:
         prompt_logprobs: int | None = None,
         echo: str = "",
         token_bytes: TokenBytes | None = None,
+        include_reasoning: bool = True,
     ) -> ResponseHead:
         """`prompt_logprobs`: what the request asked for in vLLM's field (the engine may score
         the prompt with more alternatives, for an echoed prompt's `logprobs`)."""
@@ -64,7 +66,7 @@ class ResponseHead:
         rid = response_id or req.request_id
         return cls(
             rid, arrival, model, kind, names, read_calls, reasoning, token_ids, prompt_logprobs,
-            echo, token_bytes,
+            echo, token_bytes, include_reasoning,
         )  # fmt: skip
 
     def logprobs(
@@ -141,6 +143,8 @@ def reply_message(head: ResponseHead, text: str) -> dict[str, Any]:
     content: str | None = text
     if head.reasoning is not None:
         message["reasoning_content"], content = head.reasoning.split(text)
+        if not head.include_reasoning:
+            message["reasoning_content"] = None
     calls: list[dict[str, Any]] = []
     if head.read_calls is not None and content is not None:
         content, calls = head.read_calls(content)

@@ -265,6 +265,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     echo: bool = False  # vLLM's: the reply opens with the last message if it is the reply's role
+    include_reasoning: bool = True  # vLLM's: False leaves a reasoning parser's thoughts out
 
     def echoed_text(self) -> str:
         """With `echo`, the text the reply's content starts with: the last message's, when its

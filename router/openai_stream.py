@@ -160,6 +160,7 @@ async def _events(
                 if split:
                     reply = replies.setdefault(index, ReplyStream(head.reasoning, parser))
                     reasoning, content, calls = reply.feed(item["text"], finish is not None)
+                    reasoning = reasoning if head.include_reasoning else ""
                     item = {**item, "text": content}
                     finish = "tool_calls" if finish is not None and reply.has_calls else finish
                 if (

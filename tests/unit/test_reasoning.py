@@ -118,3 +118,48 @@ def test_a_prompt_that_opens_the_thoughts_starts_the_reply_inside_them(
     assert serving.reasoning_after(closed) is qwen3
     assert serving.reasoning_after(encode("<|im_start|>assistant\n")) is qwen3
     assert qwen3.split(reply) == (None, reply)  # (the shared parser is untouched)
+
+
+@pytest.mark.parametrize("include", [True, False])
+def test_include_reasoning_false_leaves_the_thoughts_out(include: bool) -> None:
+    """vLLM's `include_reasoning`: False gives no `reasoning_content` (whole or streamed), and
+    the thoughts are not content either; it was ignored."""
+    import asyncio
+    from collections.abc import AsyncGenerator
+    from types import SimpleNamespace
+
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.router.openai_format import ResponseHead, full_body
+    from tandem.router.openai_stream import sse
+    from tandem.router.prepared import Prepared
+    from tandem.router.request_timings import RequestTimings
+
+    pieces = ["<think>", "sum", " it</think>", "4", "2"]
+    head = ResponseHead(
+        "c", 0, "m", "chat", reasoning=ReasoningParser("qwen3"), include_reasoning=include
+    )
+
+    def request() -> Prepared:
+        req = Prepared("r", [1], SamplingParams(max_tokens=5), RequestTimings(0.0))
+        req.text, req.finish_reason = "".join(pieces), "length"
+        return req
+
+    message = full_body(head, [request()], {})["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (
+        "sum it" if include else None,
+        "42",
+    )
+
+    async def run(req: Prepared) -> AsyncGenerator[dict[str, Any], None]:
+        for i, text in enumerate(pieces):
+            yield {"token_ids": [i], "text": text, "finish_reason": "length" if i == 4 else None}
+
+    serving = SimpleNamespace(sse_keepalive_s=None, run=run, model_name="m")
+
+    async def events() -> list[str]:
+        return [e async for e in sse(serving, request(), "chat", False, head)]  # type: ignore[arg-type]
+
+    deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in asyncio.run(events())[:-1]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == ("sum it" if include else "")
+    assert "".join(d.get("content") or "" for d in deltas) == "42"
+    assert all(d for d in deltas)  # (no empty chunk where only thoughts came)
