@@ -89,3 +89,18 @@ def serve_config(manifests: list[Manifest]) -> dict[str, Any]:
     config = yaml.safe_load(the(manifests, "RayService")["spec"]["serveConfigV2"])
     assert isinstance(config, dict)
     return config
+
+
+def ray_groups(manifests: list[Manifest]) -> dict[str, dict[str, Any]]:
+    """The RayService's Ray groups by name: "head" and each worker group's `groupName`."""
+    cluster = the(manifests, "RayService")["spec"]["rayClusterConfig"]
+    return {"head": cluster["headGroupSpec"]} | {
+        g["groupName"]: g for g in cluster["workerGroupSpecs"]
+    }
+
+
+def app_args(manifests: list[Manifest]) -> dict[str, Any]:
+    """The Serve application's `args` (the cluster config the chart rendered)."""
+    args = serve_config(manifests)["applications"][0]["args"]
+    assert isinstance(args, dict)
+    return args

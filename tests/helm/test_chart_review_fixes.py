@@ -13,7 +13,15 @@ import yaml
 
 from tandem.deploy import helm_schema
 from tandem.deploy.cluster_config import ClusterConfig
-from tests.helm.chart import CHART, Manifest, run_helm, serve_config, template_args, the
+from tests.helm.chart import (
+    CHART,
+    Manifest,
+    app_args,
+    ray_groups,
+    run_helm,
+    serve_config,
+    template_args,
+)
 
 GPU = ("--set", "serve.engine.device=cuda", "--set", "prefill.numGpus=1")
 
@@ -37,19 +45,6 @@ def _refused(*sets: str) -> str:
     done = _helm(*sets)
     assert done.returncode != 0, f"rendered with {sets}"
     return str(done.stderr)
-
-
-def _groups(manifests: list[Manifest]) -> dict[str, dict[str, Any]]:
-    cluster = the(manifests, "RayService")["spec"]["rayClusterConfig"]
-    return {"head": cluster["headGroupSpec"]} | {
-        g["groupName"]: g for g in cluster["workerGroupSpecs"]
-    }
-
-
-def _args(manifests: list[Manifest]) -> dict[str, Any]:
-    args = serve_config(manifests)["applications"][0]["args"]
-    assert isinstance(args, dict)
-    return args
 
 
 # 1. Serve autoscaling without the in-tree autoscaler
@@ -78,7 +73,7 @@ def test_role_autoscaling_within_the_fixed_pods_renders_without_the_autoscaler()
             "decode.cpu=6",
         ),
     )
-    decode = _groups(manifests)["decode"]
+    decode = ray_groups(manifests)["decode"]
     assert decode["replicas"] * 3 >= 6
     assert decode["minReplicas"] <= decode["replicas"] <= decode["maxReplicas"]
     # autoscaler on, the same values render as before
@@ -99,9 +94,9 @@ def test_num_gpus_given_with_set_renders_as_a_number() -> None:
             "decode.cpu=8",
         ),
     )
-    args = _args(manifests)
+    args = app_args(manifests)
     assert args["decode"]["num_gpus"] == 0.5
-    assert _groups(manifests)["decode"]["rayStartParams"]["num-gpus"] == "1"
+    assert ray_groups(manifests)["decode"]["rayStartParams"]["num-gpus"] == "1"
     ClusterConfig.model_validate(args)
 
 
@@ -119,7 +114,7 @@ def test_engine_and_role_floats_given_with_set_render_as_numbers() -> None:
             "decode.extraRayResources.accel=0.5",
         )
     )
-    args = _args(manifests)
+    args = app_args(manifests)
     assert args["engine"]["gpu_memory_utilization"] == 0.85
     assert args["decode"]["num_cpus"] == 1.5
     assert args["router"]["num_cpus"] == 0.5
@@ -129,7 +124,7 @@ def test_engine_and_role_floats_given_with_set_render_as_numbers() -> None:
     assert args["lease_s"] == 12.5
     router = serve_config(manifests)["applications"][0]["deployments"][0]
     assert router["ray_actor_options"]["num_cpus"] == 0.5
-    resources = _groups(manifests)["decode"]["rayStartParams"]["resources"]
+    resources = ray_groups(manifests)["decode"]["rayStartParams"]["resources"]
     assert json.loads(resources.strip("'")) == {"accel": 0.5, "decode": 1}
     ClusterConfig.model_validate(args)
 
@@ -191,7 +186,7 @@ def test_the_numeric_string_pattern_keeps_the_bounds(bounds: dict[str, float]) -
 
 def test_model_path_may_be_the_mount_path() -> None:
     for path in ("/models", "/models/"):
-        args = _args(_render("--set", f"model.path={path}"))
+        args = app_args(_render("--set", f"model.path={path}"))
         assert args["model"] == path
     assert "must lie under" in _refused("--set", "model.path=/modelsX")
 
@@ -200,7 +195,7 @@ def test_model_path_may_be_the_mount_path() -> None:
 
 
 def _grace(manifests: list[Manifest], group: str) -> int:
-    grace = _groups(manifests)[group]["template"]["spec"]["terminationGracePeriodSeconds"]
+    grace = ray_groups(manifests)[group]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert isinstance(grace, int)
     return grace
 
@@ -280,14 +275,14 @@ def test_quantities_render(setting: str) -> None:
 
 
 def _object_store(manifests: list[Manifest], group: str) -> int:
-    return int(_groups(manifests)[group]["rayStartParams"]["object-store-memory"])
+    return int(ray_groups(manifests)[group]["rayStartParams"]["object-store-memory"])
 
 
 def test_object_store_fits_dev_shm() -> None:
     gib = 1024**3
     manifests = _render()
     for group in ("prefill", "decode"):
-        spec = _groups(manifests)[group]["template"]["spec"]
+        spec = ray_groups(manifests)[group]["template"]["spec"]
         (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
         assert shm["emptyDir"]["sizeLimit"] == "2Gi"
         assert 0 < _object_store(manifests, group) <= 2 * gib
@@ -298,7 +293,7 @@ def test_object_store_fits_dev_shm() -> None:
     own = _render("--set-string", "decode.rayStartParams.object-store-memory=1000000000")
     assert _object_store(own, "decode") == 1000000000
     none = _render("--set", "decode.shmSize=null")
-    assert "object-store-memory" not in _groups(none)["decode"]["rayStartParams"]
+    assert "object-store-memory" not in ray_groups(none)["decode"]["rayStartParams"]
 
 
 def test_a_dev_shm_too_small_for_rays_object_store_is_refused() -> None:

@@ -14,7 +14,14 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from tandem.deploy.cluster_config import ClusterConfig
-from tests.helm.chart import Manifest, run_helm, serve_config, template_args, the
+from tests.helm.chart import (
+    Manifest,
+    app_args,
+    ray_groups,
+    run_helm,
+    serve_config,
+    template_args,
+)
 from tests.helm.semantics import build_deployments, check_all
 
 GIB = 1024**3
@@ -42,19 +49,6 @@ def _values_file(tmp_path: Path, values: dict[str, Any]) -> Path:
     return path
 
 
-def _groups(manifests: list[Manifest]) -> dict[str, dict[str, Any]]:
-    cluster = the(manifests, "RayService")["spec"]["rayClusterConfig"]
-    return {"head": cluster["headGroupSpec"]} | {
-        g["groupName"]: g for g in cluster["workerGroupSpecs"]
-    }
-
-
-def _args(manifests: list[Manifest]) -> dict[str, Any]:
-    args = serve_config(manifests)["applications"][0]["args"]
-    assert isinstance(args, dict)
-    return args
-
-
 # 1. /dev/shm on the head and router pods
 
 
@@ -74,7 +68,7 @@ def _shm(group: dict[str, Any]) -> str | None:
 def test_head_and_router_pods_get_a_memory_backed_dev_shm() -> None:
     # without it the container runtime's 64Mi /dev/shm is far below Ray's object store (30 % of
     # the pod's memory), and Ray put the store in /tmp on these pods
-    groups = _groups(_render())
+    groups = ray_groups(_render())
     for name in ("head", "router", "prefill", "decode"):
         assert _shm(groups[name]) is not None, name
     assert (_shm(groups["head"]), _shm(groups["router"])) == ("1Gi", "1Gi")
@@ -84,21 +78,21 @@ def test_head_and_router_pods_get_a_memory_backed_dev_shm() -> None:
 
 
 def test_head_and_router_shm_size_can_be_set_or_turned_off() -> None:
-    groups = _groups(_render("--set", "head.shmSize=2Gi", "--set", "router.shmSize=512Mi"))
+    groups = ray_groups(_render("--set", "head.shmSize=2Gi", "--set", "router.shmSize=512Mi"))
     assert (_shm(groups["head"]), _shm(groups["router"])) == ("2Gi", "512Mi")
     assert int(groups["head"]["rayStartParams"]["object-store-memory"]) == int(1.6 * GIB)
     assert int(groups["router"]["rayStartParams"]["object-store-memory"]) == int(0.4 * GIB)
     # a small router pod: Ray's own 30 % of memory, when that is below 80 % of /dev/shm
-    small = _groups(_render("--set", "router.memory=2Gi", "--set", "router.shmSize=2Gi"))
+    small = ray_groups(_render("--set", "router.memory=2Gi", "--set", "router.shmSize=2Gi"))
     assert int(small["router"]["rayStartParams"]["object-store-memory"]) == int(0.3 * 2 * GIB)
     # null: no memory-backed /dev/shm, and Ray sizes its store itself
-    off = _groups(_render("--set", "head.shmSize=null", "--set", "router.shmSize=null"))
+    off = ray_groups(_render("--set", "head.shmSize=null", "--set", "router.shmSize=null"))
     for name in ("head", "router"):
         assert _shm(off[name]) is None, name
         assert "object-store-memory" not in off[name]["rayStartParams"], name
         assert "dshm" not in [v["name"] for v in off[name]["template"]["spec"]["volumes"]]
     # an explicit object-store-memory wins
-    own = _groups(_render("--set-string", "head.rayStartParams.object-store-memory=200000000"))
+    own = ray_groups(_render("--set-string", "head.rayStartParams.object-store-memory=200000000"))
     assert own["head"]["rayStartParams"]["object-store-memory"] == "200000000"
 
 
@@ -121,7 +115,7 @@ def test_head_and_router_shm_size_are_checked_as_the_workers_are(
 
 
 def _head_ports(manifests: list[Manifest]) -> dict[str, int]:
-    container = _groups(manifests)["head"]["template"]["spec"]["containers"][0]
+    container = ray_groups(manifests)["head"]["template"]["spec"]["containers"][0]
     return {p["name"]: p["containerPort"] for p in container["ports"]}
 
 
@@ -130,7 +124,7 @@ def test_head_container_ports_follow_the_gcs_and_client_ports() -> None:
     # at rayStartParams `port`: a container port of 6379 left a GCS on 6380 unreachable
     default = _render()
     assert (_head_ports(default)["gcs"], _head_ports(default)["client"]) == (6379, 10001)
-    head_params = _groups(default)["head"]["rayStartParams"]
+    head_params = ray_groups(default)["head"]["rayStartParams"]
     assert "port" not in head_params and "ray-client-server-port" not in head_params
     moved = _render(
         "--set-string",
@@ -139,7 +133,7 @@ def test_head_container_ports_follow_the_gcs_and_client_ports() -> None:
         "head.rayStartParams.ray-client-server-port=9001",
     )
     assert (_head_ports(moved)["gcs"], _head_ports(moved)["client"]) == (6380, 9001)
-    params = _groups(moved)["head"]["rayStartParams"]
+    params = ray_groups(moved)["head"]["rayStartParams"]
     # KubeRay's rayStartParams are strings
     assert (params["port"], params["ray-client-server-port"]) == ("6380", "9001")
     assert check_all(moved, build_deployments(serve_config(moved))) == []
@@ -202,7 +196,7 @@ OPTIONS: dict[str, Any] = {
 
 def test_the_settings_reach_the_serve_config_and_the_cluster_config(tmp_path: Path) -> None:
     manifests = _render(values=_values_file(tmp_path, OPTIONS))
-    args = _args(manifests)
+    args = app_args(manifests)
     assert args["router"]["cors_allowed_origins"] == ["https://app.example.com"]
     assert args["router"]["responses_store_size"] == 50
     assert (args["checksums"], args["chunk_publisher"]) == (True, False)
@@ -240,7 +234,7 @@ def test_off_is_a_setting_too(tmp_path: Path) -> None:
             "chunkPublisher": True,
         }
     }
-    args = _args(_render(values=_values_file(tmp_path, values)))
+    args = app_args(_render(values=_values_file(tmp_path, values)))
     assert args["router"]["cors_allowed_origins"] == []
     assert args["router"]["responses_store_size"] == 0
     assert (args["checksums"], args["chunk_publisher"]) == (False, True)
@@ -249,7 +243,7 @@ def test_off_is_a_setting_too(tmp_path: Path) -> None:
 
 
 def test_unset_settings_stay_out_of_the_serve_config() -> None:
-    args = _args(_render())
+    args = app_args(_render())
     assert not {"checksums", "chunk_publisher"} & set(args)
     assert not {"cors_allowed_origins", "responses_store_size"} & set(args["router"])
     assert (args["prefill"]["resources"], args["decode"]["resources"]) == (
@@ -273,7 +267,7 @@ def test_settings_given_with_set() -> None:
         "--set",
         "decode.extraRayResources.accel=0.5",
     )
-    args = _args(manifests)
+    args = app_args(manifests)
     assert args["router"]["cors_allowed_origins"] == ["https://a.example", "https://b.example"]
     assert args["decode"]["resources"] == {"decode": 1, "accel": 0.5}  # a number, not "0.5"
     ClusterConfig.model_validate(args)
