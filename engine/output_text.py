@@ -68,7 +68,8 @@ class OutputText:
             idx = text.find(stop, max(0, self.checked_len - len(stop) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, stop)
-        self.checked_len = len(self.text)
+        # (not back before held text a check before `min_tokens` marked searched)
+        self.checked_len = max(self.checked_len, len(self.text))
         if best is None:
             return None
         if held and best[0] + len(best[1]) > len(self.text):

@@ -103,3 +103,19 @@ def test_held_text_of_tokens_before_min_tokens_is_not_searched_later(tok: Tokeni
     assert text.find_stop(["\n"], counting=False) is None
     text.add(word)
     assert text.find_stop(["\n"]) is None and text.text == "\n the"
+
+
+def test_a_byte_run_begun_before_min_tokens_stays_searched(tok: Tokenizer) -> None:
+    """A run still held over several counting tokens: its text written before `min_tokens`
+    (here "é") was searched again once a counting check had moved the mark back to the text
+    let out, and the request stopped on it."""
+    ids = tok.encode("éè", add_special_tokens=False)
+    assert len(ids) >= 4 and all(
+        tok.hf.convert_ids_to_tokens(i).startswith("<0x") for i in ids[-4:]
+    )
+    text = OutputText.after(tok, tok.encode("hello"))
+    found = []
+    for n, token in enumerate(ids[-4:], start=1):  # <C3><A9> (é) <C3><A8> (è), one run
+        text.add(token)
+        found.append(text.find_stop(["é"], counting=n > 2))
+    assert found == [None] * 4
