@@ -229,8 +229,8 @@ class MistralParser(MarkerParser):
             if made is None:
                 return text, []
             calls += made
-        content = text[:start].strip()
-        return content or None, calls
+        content = text[:start]  # (unstripped, as vLLM's and as it streams)
+        return content if content.strip() else None, calls
 
     @staticmethod
     def _calls(part: str) -> Calls | None:

@@ -142,6 +142,10 @@ def test_content_around_calls_reads_the_same_streamed_and_whole(piece: int) -> N
         out = streamed(HermesParser(), text, piece)
         joined = "".join(out["sent"]) + (out["rest"] or "")
         assert joined == content, (text, joined, content)  # (whitespace too)
+    mistral_text = 'Sure. [TOOL_CALLS][{"name": "a", "arguments": {}}]'
+    out = streamed(MistralParser(), mistral_text, piece)
+    joined = "".join(out["sent"]) + (out["rest"] or "")
+    assert joined == MistralParser()(mistral_text)[0] == "Sure. "
 
 
 @pytest.mark.parametrize("piece", [1, 2, 100])
