@@ -9,7 +9,7 @@ Every request has `num_computed_tokens` that catches up with `num_tokens`. Each 
    its chunk preempts the newest running request after it not scheduled this step (the oldest
    prefill always goes on), else waits;
 3. waiting requests are admitted (not in a step that preempted, as in vLLM) by priority (lower
-   first), then in arrival order (a preempted request waits first among its priority): prefix-cache hits advance them for free, the rest of their
+   first), then in arrival order (a preempted request goes back by its own arrival): prefix-cache hits advance them for free, the rest of their
    prompt is prefilled in chunks that fit the budget, up to `max_num_seqs`.
 
 With `enable_chunked_prefill=False` (vLLM's switch) a prompt is prefilled whole or not at all:
@@ -208,8 +208,9 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.set_status(RequestStatus.QUEUED)
-        i = 0  # first of its priority (it arrived before those waiting), after higher ones
-        while i < len(self.waiting) and self.waiting[i].priority < req.priority:
+        key = _order(req)  # (as vLLM's priority queue)
+        i = 0
+        while i < len(self.waiting) and _order(self.waiting[i]) <= key:
             i += 1
         self.waiting.insert(i, req)
 
@@ -243,3 +244,8 @@ class Scheduler:
                 parent=parent,
             )
         )
+
+
+def _order(request: Request) -> tuple[int, float]:
+    """Where a request waits: by priority, then arrival."""
+    return request.priority, request.timestamps[RequestStatus.NEW]
