@@ -51,8 +51,8 @@ class OutputText:
     def find_stop(
         self, stops: Sequence[str], *, counting: bool = True, keep: bool = False
     ) -> str | None:
-        """The stop string that occurs first among those that end in the text not searched yet
-        (one may start in the searched text); the text is cut just before it (`keep`: just
+        """The first of `stops` (in list order, as vLLM's) that ends in the text not searched
+        yet (it may start in the searched text); the text is cut just before it (`keep`: just
         after it).
         Not `counting` (before `min_tokens` are out): the text so far is marked searched, so
         a stop string written there does not count later either."""
@@ -66,8 +66,9 @@ class OutputText:
         best: tuple[int, str] | None = None
         for stop in stops:  # (each must end in the new text: vLLM's window, per stop string)
             idx = text.find(stop, max(0, self.checked_len - len(stop) + 1))
-            if idx != -1 and (best is None or idx < best[0]):
+            if idx != -1:  # (the first in list order, as vLLM's, where two end in one step)
                 best = (idx, stop)
+                break
         # (not back before held text a check before `min_tokens` marked searched)
         self.checked_len = max(self.checked_len, len(self.text))
         if best is None:
