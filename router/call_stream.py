@@ -9,7 +9,8 @@ whose head the parser cannot read early (`ToolParser.call_head`: e.g. its argume
 its name), or whose arguments are not an object, comes whole when the reply ends. What went out
 is checked against the whole reply's parse at the end; a reply whose calls do not parse after
 all ends with its text as content and finishes as one without calls ("stop", as its body does;
-the call deltas that went out cannot be taken back).
+the call deltas that went out cannot be taken back); one cut short by the token limit ends with
+the pieces that went out, finish "length" (its text is not sent again as content).
 """
 
 from __future__ import annotations
@@ -93,14 +94,18 @@ class CallStream:
         self._sent = end
         return out, self._advance()
 
-    def finish(self) -> tuple[str | None, list[Delta]]:
+    def finish(self, cut: bool = False) -> tuple[str | None, list[Delta]]:
+        """The rest of the content and the last deltas; `cut`: the reply ended at its token
+        limit (a call cut short, whose deltas went out, is not sent again as content)."""
         held, self._sent = self._text[self._sent :], len(self._text)
         if self._call is None:
             return held or None, []
         deltas = self._advance()
         content, calls = self._parser(held)
         if not calls:  # (the reply's text is its content: it ends as one without calls)
-            self.has_calls = False
+            sent_calls, self.has_calls = self.has_calls, False
+            if cut and sent_calls:  # (as vLLM streams it: the call's pieces only; "length")
+                return None, _merged(deltas)
             return held or None, _merged(deltas)
         for k, call in enumerate(calls):
             seen = self._calls[k] if k < len(self._calls) else None

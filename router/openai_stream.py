@@ -159,7 +159,9 @@ async def _events(
                     held_ids.setdefault(index, []).extend(item["token_ids"])
                 if split:
                     reply = replies.setdefault(index, ReplyStream(head.reasoning, parser))
-                    reasoning, content, calls = reply.feed(item["text"], finish is not None)
+                    reasoning, content, calls = reply.feed(
+                        item["text"], finish is not None, cut=finish == "length"
+                    )
                     reasoning = reasoning if head.include_reasoning else ""
                     item = {**item, "text": content}
                     finish = "tool_calls" if finish is not None and reply.has_calls else finish

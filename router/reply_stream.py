@@ -21,9 +21,11 @@ class ReplyStream:
         """A call went out (the reply's finish reason is then "tool_calls")."""
         return self._calls is not None and self._calls.has_calls
 
-    def feed(self, text: str, finished: bool) -> tuple[str, str, list[dict[str, Any]]]:
+    def feed(
+        self, text: str, finished: bool, cut: bool = False
+    ) -> tuple[str, str, list[dict[str, Any]]]:
         """(reasoning, content, call deltas) to send for the next delta of the reply's text
-        (`finished`: the last one)."""
+        (`finished`: the last one; `cut`: it ended at the token limit)."""
         reasoning, content = ("", text) if self._reasoning is None else self._reasoning.feed(text)
         if finished and self._reasoning is not None:
             more_reasoning, more_content = self._reasoning.finish()
@@ -32,6 +34,6 @@ class ReplyStream:
         if self._calls is not None:
             content, calls = self._calls.feed(content)
             if finished:
-                rest, more = self._calls.finish()
+                rest, more = self._calls.finish(cut)
                 content, calls = content + (rest or ""), calls + more
         return reasoning, content, calls

@@ -131,6 +131,21 @@ def test_a_call_that_does_not_parse_at_the_end_finishes_as_content(piece: int) -
     assert not stream.has_calls
 
 
+@pytest.mark.parametrize("piece", [1, 4, 100])
+def test_a_call_cut_at_the_token_limit_is_not_sent_again_as_content(piece: int) -> None:
+    """Cut short (finish "length"), the call's pieces that went out are the stream's, as
+    vLLM's: its text came again as content after them (the client held both)."""
+    cut = 'Pre <tool_call>{"name": "a", "arguments": {"x"'
+    stream = CallStream(HermesParser())
+    fed = [stream.feed(cut[i : i + piece]) for i in range(0, len(cut), piece)]
+    rest, last = stream.finish(cut=True)
+    assert "".join(c for c, _ in fed) == "Pre " and rest is None
+    pieces = [d for _, deltas in fed for d in deltas] + last
+    assert pieces[0]["function"]["name"] == "a" and {d["index"] for d in pieces} == {0}
+    assert "".join(d["function"]["arguments"] for d in pieces) == '{"x"'
+    assert not stream.has_calls  # (the finish reason stays "length")
+
+
 @pytest.mark.parametrize("piece", [1, 6, 100])
 def test_content_around_calls_reads_the_same_streamed_and_whole(piece: int) -> None:
     for text in (
