@@ -37,7 +37,7 @@ def test_mistral_calls_both_formats() -> None:
     parse = MistralParser().parse
     listed = 'Sure. [TOOL_CALLS][{"name": "a", "arguments": {"q": "x"}}, {"name": "b", "arguments": "{}"}]'
     content, calls = parse(listed)
-    assert content == "Sure." and _named(calls) == [("a", {"q": "x"}), ("b", {})]
+    assert content == "Sure. " and _named(calls) == [("a", {"q": "x"}), ("b", {})]
     newer = '[TOOL_CALLS]a[ARGS]{"q": "x"}[TOOL_CALLS]b[ARGS]{}'
     assert parse(newer)[0] is None and _named(parse(newer)[1]) == [("a", {"q": "x"}), ("b", {})]
     for text in ("no call", "[TOOL_CALLS][{bad", '[TOOL_CALLS]{"name": "a"}', "[TOOL_CALLS][]"):
