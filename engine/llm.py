@@ -72,7 +72,7 @@ class LLM:
     def _check_logprobs(self, params: SamplingParams) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
-            if asked is not None and asked > self._max_logprobs:
+            if asked is not None and self._max_logprobs is not None and asked > self._max_logprobs:
                 raise InvalidRequestError(
                     f"{name}: requested {asked}, more than max_logprobs ({self._max_logprobs})",
                     name,
@@ -259,12 +259,12 @@ _VLLM_IGNORED = (
 )
 
 
-def _max_logprobs(value: Any) -> int:
-    """vLLM's `max_logprobs` (-1: no bound but this engine's own)."""
-    value = MAX_LOGPROBS if value is None or int(value) == -1 else int(value)
-    if not 0 <= value <= MAX_LOGPROBS:
-        raise ValueError(f"max_logprobs: from 0 to {MAX_LOGPROBS} (or -1), got {value}")
-    return value
+def _max_logprobs(value: Any) -> int | None:
+    """vLLM's `max_logprobs` (-1: no bound, the whole vocabulary may be asked for)."""
+    value = MAX_LOGPROBS if value is None else int(value)
+    if value < -1:
+        raise ValueError(f"max_logprobs: 0 or more (or -1: no bound), got {value}")
+    return None if value == -1 else value
 
 
 def _no_lora(lora_request: Any) -> None:

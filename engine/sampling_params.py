@@ -24,7 +24,8 @@ from tandem.engine.vllm_compat import RequestOutputKind
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """The seeds a `torch.Generator` takes (a signed or unsigned 64-bit integer)."""
 MAX_LOGPROBS = 20
-"""Most alternatives a request may ask log-probabilities of, per token (vLLM's default)."""
+"""Most alternatives a request may ask log-probabilities of, per token, by default (vLLM's
+`max_logprobs`): the API's bound, and `LLM`'s unless it is given another."""
 STRUCTURE_KINDS = ("json_schema", "regex", "choice", "grammar")
 """The fields that constrain the output's structure; a request sets at most one."""
 
@@ -117,8 +118,8 @@ class SamplingParams(BaseModel):
     logits_processors: list[Any] | None = None  # vLLM's; only None or [] (none are run here)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     ignore_eos: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # (bounded by `LLM(max_logprobs=)`, the API's)
+    prompt_logprobs: int | None = Field(None, ge=0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)

@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.engine.sampling_params import MAX_LOGPROBS
 from tandem.router.api_keys import check_api_key
 from tandem.router.errors import APIError, bad_request
 from tandem.router.grpc import generation_pb2, generation_pb2_grpc
@@ -69,6 +70,10 @@ def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
                 raise bad_request(f"{name} must be a finite number, got {value}", name)
             # (float fields are float32 on the wire: 0.1 arrives as 0.10000000149...)
             fields[name] = float(f"{value:.7g}") if isinstance(value, float) else value
+    if fields.get("logprobs", 0) > MAX_LOGPROBS:  # (as the HTTP API bounds it)
+        raise bad_request(
+            f"logprobs must be at most {MAX_LOGPROBS}, got {fields['logprobs']}", "logprobs"
+        )
     if fields.get("temperature", 0.0) > MAX_TEMPERATURE:  # (as the HTTP API refuses it)
         raise bad_request(
             f"temperature must be at most {MAX_TEMPERATURE:g}, got {fields['temperature']}",

@@ -81,6 +81,10 @@ def test_sampling_options_are_checked_as_http_checks_them() -> None:
         with pytest.raises(APIError) as err:
             _sampling_fields(generation_pb2.SamplingOptions(**{name: float("inf")}))
         assert err.value.param == name and "must be a finite number" in err.value.message
+    assert _sampling_fields(generation_pb2.SamplingOptions(logprobs=20))["logprobs"] == 20
+    with pytest.raises(APIError) as err:  # (the engine's own bound is the offline LLM's)
+        _sampling_fields(generation_pb2.SamplingOptions(logprobs=21))
+    assert err.value.param == "logprobs" and "at most 20" in err.value.message
 
 
 class _Metrics:

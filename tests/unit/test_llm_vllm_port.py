@@ -95,6 +95,19 @@ def test_max_logprobs_bounds_what_a_request_asks(llm: LLM) -> None:
             llm.generate("hello", SamplingParams(max_tokens=2, **{field: 4}))
 
 
+def test_max_logprobs_may_be_raised_past_the_default_as_vllms(tiny_checkpoint: Any) -> None:
+    """`LLM(max_logprobs=50)` (or -1: no bound) lets a request ask for more than the API's 20
+    alternatives; by default 21 is refused."""
+    path = str(tiny_checkpoint())
+    params = SamplingParams(max_tokens=2, logprobs=30, prompt_logprobs=25)
+    for bound in (50, -1):
+        out = LLM(model=path, num_kv_blocks=16, max_logprobs=bound).generate("hello", params)
+        assert all(len(entry) >= 30 for entry in out[0].outputs[0].logprobs or [None])
+        assert all(len(e) >= 25 for e in (out[0].prompt_logprobs or [None])[1:])
+    with pytest.raises(InvalidRequestError, match="more than max_logprobs \\(20\\)"):
+        LLM(model=path, num_kv_blocks=16).generate("hello", params)
+
+
 def test_multimodal_data_is_refused_not_dropped(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="multi_modal_data: this model takes text only"):
         llm.generate({"prompt": "describe", "multi_modal_data": {"image": object()}}, GREEDY)
@@ -116,7 +129,7 @@ def test_vllms_no_op_engine_arguments(tiny_checkpoint: Any) -> None:
     for kwargs, match in [
         ({"runner": "pooling"}, "runner='pooling'"),
         ({"load_format": "dummy"}, "load_format='dummy'"),
-        ({"max_logprobs": 21}, "max_logprobs"),
+        ({"max_logprobs": -5}, "max_logprobs"),
         ({"logprobs_mode": "processed_logprobs"}, "logprobs_mode='processed_logprobs'"),
     ]:
         with pytest.raises(ValueError, match=match):

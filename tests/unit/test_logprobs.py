@@ -66,9 +66,9 @@ def test_without_logprobs_there_are_none(setup: dict[str, Any]) -> None:
     assert out.logprobs is None
 
 
-def test_logprobs_are_bounded() -> None:
-    with pytest.raises(InvalidRequestError, match="logprobs"):
-        SamplingParams(logprobs=21)
+def test_logprobs_are_counts() -> None:
+    """(their bound is the engine's: `LLM(max_logprobs=)`, the API's 20)"""
+    assert SamplingParams(logprobs=21).logprobs == 21
     with pytest.raises(InvalidRequestError, match="logprobs"):
         SamplingParams(logprobs=-1)
 
