@@ -261,6 +261,12 @@ def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
         raise UnsupportedModelError(
             f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if rope_type != "default" and partial != 1.0:  # (transformers' rotation fails on it too)
+        raise UnsupportedModelError(
+            f"partial_rotary_factor {partial} with rope_type {rope_type!r} is not supported "
+            "(these architectures rotate the whole head)"
+        )
     max_position = int(cfg.get("max_position_embeddings") or 2048)
     original = int(
         cfg.get("original_max_position_embeddings")  # (Phi-3 style: outside the rope dict)
@@ -278,10 +284,8 @@ def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=original,
         # (transformers' default rope of these architectures rotates the whole head whatever
-        # the factor says; its scaled ropes take the factor)
-        partial_rotary_factor=1.0
-        if rope_type == "default"
-        else float(params.get("partial_rotary_factor", 1.0)),
+        # the factor says; with a scaled one, a factor other than 1 is refused above)
+        partial_rotary_factor=1.0,
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
         attention_factor=_optional_float(params.get("attention_factor")),
@@ -296,7 +300,10 @@ def _optional_float(value: Any) -> float | None:
 
 
 def _sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
-    """Per-layer sliding window (None = full attention), following transformers' conventions."""
+    """Per-layer sliding window (None = full attention), following transformers' conventions
+    (its Llama attends in full whatever `sliding_window` or `layer_types` say)."""
+    if arch == "LlamaForCausalLM":
+        return (None,) * num_layers
     window = cfg.get("sliding_window")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get(
         "use_sliding_window", False

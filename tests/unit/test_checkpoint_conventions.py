@@ -40,6 +40,10 @@ def test_keys_left_out_take_transformers_class_defaults() -> None:
     assert _spec("MistralForCausalLM", sliding_window=None).sliding_windows == (None,) * 30
     windows = _spec("Qwen2ForCausalLM", use_sliding_window=True).sliding_windows
     assert windows == (None,) * 28 + (4096, 4096)  # (max_window_layers: 28)
+    # (transformers' Llama attends in full: a window in its config.json changes nothing)
+    layers = ["sliding_attention", "full_attention"] * 15
+    llama = _spec("LlamaForCausalLM", sliding_window=8, layer_types=layers)
+    assert llama.sliding_windows == (None,) * 30
     assert _spec("Qwen3ForCausalLM").head_dim == 128
     assert _spec("Qwen3ForCausalLM", head_dim=16).head_dim == 16
     assert _spec("LlamaForCausalLM").num_kv_heads == 4

@@ -48,17 +48,29 @@ def config(rope: dict[str, Any], partial: float = 1.0) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("rope", YARN_CASES)
-@pytest.mark.parametrize("partial", [1.0, 0.5])
-def test_yarn_frequencies_and_factor_are_transformers(rope: dict[str, Any], partial: float) -> None:
+def test_yarn_frequencies_and_factor_are_transformers(rope: dict[str, Any]) -> None:
     from transformers import Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    cfg = config(rope, partial)
+    cfg = config(rope)
     hf = Qwen3Config(**{k: v for k, v in cfg.items() if k != "architectures"})
     inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
     spec = spec_from_config(cfg)
     assert torch.equal(inverse_frequencies(spec.rope, spec.head_dim), inv_freq)
     assert attention_scaling(spec.rope) == factor
+
+
+def test_a_scaled_rope_over_part_of_the_head_is_refused() -> None:
+    """transformers' Llama / Qwen / Mistral rotate the whole head: with a partial factor its
+    own forward fails on a scaled rope (tandem ran a partial rotation no reference runs)."""
+    from tandem.engine.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5 with rope_type"):
+        spec_from_config(config(YARN_CASES[0], 0.5))
+    top_level = {**config(YARN_CASES[0]), "partial_rotary_factor": 0.25}  # (moved in, by HF)
+    del top_level["rope_parameters"]["partial_rotary_factor"]
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.25"):
+        spec_from_config(top_level)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
