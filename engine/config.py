@@ -41,8 +41,8 @@ class EngineConfig(BaseModel):
     from `gpu_memory_utilization` (the share of the GPU's memory the engine may use for weights,
     its largest step and the pool; `kv_memory`), and on the CPU 1 GiB. Either way the pool is
     capped at what `max_num_seqs` requests of `max_model_len` tokens could ever use.
-    `max_model_len=None` takes the model's `max_position_embeddings`, reduced to what the pool
-    holds when the pool is smaller.
+    `max_model_len=None` takes the model's context (`max_position_embeddings`, times a linear
+    or yarn rope's factor, as vLLM derives it), reduced to what the pool holds when smaller.
     `dtype` of weights and KV cache; "auto" (the default, as in vLLM and transformers 5) takes the
     checkpoint's (config.json's, else the stored weights'), and vLLM's "half" / "float" are accepted.
     `device` places weights and the KV pool ("auto": CUDA when available); `attention_backend`

@@ -49,7 +49,7 @@ def kv_bytes_by_utilization(
 ) -> int:
     """The pool's share of `gpu_memory_utilization`, after one profiling step of
     `max_num_batched_tokens` prompt tokens (the weights loaded since `baseline`)."""
-    max_len = config.max_model_len or spec.max_position_embeddings
+    max_len = config.max_model_len or spec.context_length
     peak = peak_forward_bytes(
         model,
         spec,
@@ -85,7 +85,7 @@ def pool_blocks(config: EngineConfig, spec: ModelSpec, kv_bytes: int | None) -> 
             f"max_model_len={config.max_model_len} exceeds the model's context of {context} "
             f"tokens ({CONTEXT_SOURCE})"
         )
-    target_len = config.max_model_len or spec.max_position_embeddings
+    target_len = config.max_model_len or spec.context_length  # (vLLM's derived length)
     blocks_per_seq = math.ceil(target_len / config.block_size)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks

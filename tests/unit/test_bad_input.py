@@ -188,6 +188,8 @@ def test_max_model_len_beyond_the_models_context(tiny_checkpoint: Any, tmp_path:
     (scaled / "config.json").write_text(json.dumps(config))
     long = LLM(model=str(scaled), num_kv_blocks=300, max_model_len=4096)
     assert long.engine.max_model_len == 4096
+    # (no max_model_len: the whole scaled context, as vLLM derives it; it was 2048)
+    assert LLM(model=str(scaled), num_kv_blocks=300).engine.max_model_len == 4096
 
 
 def test_max_model_len_larger_than_pool(tiny_checkpoint: Any) -> None:
