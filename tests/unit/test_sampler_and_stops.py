@@ -383,30 +383,3 @@ def test_stop_reason_names_every_stop_token_but_the_tokenizers_eos(llm: LLM) -> 
     assert stopped(0, stop_token_ids=[0]) == ([0], "stop", None)  # (EOS is read first)
     assert stopped(0, stop_token_ids=[0], ignore_eos=True) == ([0], "stop", 0)
     assert stopped(2, ignore_eos=True) == ([2, 2, 2], "length", None)
-
-
-class _TextPerToken:
-    """A detokenizer whose token i writes `pieces[i]`."""
-
-    def __init__(self, pieces: list[str]) -> None:
-        self.pieces = pieces
-
-    def step(self, ids: list[int]) -> str:
-        return "".join(self.pieces[i] for i in ids)
-
-    def peek(self) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
-
-
-def test_two_stop_strings_ending_in_one_step_the_first_listed_wins() -> None:
-    """vLLM's order: the first stop string of the list found in the new text (it was the one
-    that starts first in the text)."""
-    for stops, text, reason in ((["b", "a"], "xa", "b"), (["a", "b"], "x", "a")):
-        out = OutputText(_TextPerToken(["x", "ab"]))  # type: ignore[arg-type]
-        out.add(0)
-        assert out.find_stop(stops) is None
-        out.add(1)
-        assert (out.find_stop(stops), out.text) == (reason, text)
