@@ -9,8 +9,9 @@ Every request has `num_computed_tokens` that catches up with `num_tokens`. Each 
    its chunk preempts the newest running request after it not scheduled this step (the oldest
    prefill always goes on), else waits;
 3. waiting requests are admitted (not in a step that preempted, as in vLLM) by priority (lower
-   first), then in arrival order (a preempted request goes back by its own arrival): prefix-cache hits advance them for free, the rest of their
-   prompt is prefilled in chunks that fit the budget, up to `max_num_seqs`.
+   first), then in arrival order (a preempted request goes back by its own arrival):
+   prefix-cache hits advance them for free, the rest of their prompt is prefilled in chunks
+   that fit the budget, up to `max_num_seqs`.
 
 With `enable_chunked_prefill=False` (vLLM's switch) a prompt is prefilled whole or not at all:
 it is admitted only when its uncached tokens fit the budget left, and the queue waits behind it
