@@ -261,7 +261,8 @@ def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
         raise UnsupportedModelError(
             f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1))
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    partial = 1.0 if partial is None else float(partial)
     if rope_type != "default" and partial != 1.0:  # (transformers' rotation fails on it too)
         raise UnsupportedModelError(
             f"partial_rotary_factor {partial} with rope_type {rope_type!r} is not supported "
