@@ -258,8 +258,11 @@ class PDOrchestrator:
                         if outcome.get("not_sent") and latest is not None and latest.carries_grant:
                             plan.grant_handed = False  # (decode frees the blocks at once)
                         message = f"prefill failed: {outcome.get('error')}"
-                        if await lost(plan.decoder, next_item):  # (its pages had nowhere
-                            # to go: the request may start over without that worker)
+                        # (unless that worker is gone itself, its pages may have had nowhere
+                        # to go: the request may then start over without the decode worker)
+                        if plan.prefill.client.lost_at is None and await lost(
+                            plan.decoder, next_item
+                        ):
                             raise failed(plan.decoder, message, "decode_failed")
                         raise failed(plan.prefill, message, "prefill_failed")
                     timings.worker.update(outcome.get("timings", {}))

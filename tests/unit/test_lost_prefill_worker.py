@@ -161,6 +161,28 @@ def test_a_request_whose_prefill_worker_is_lost_after_the_grant_names_it_to_deco
     asyncio.run(main())
 
 
+def test_a_prefill_worker_known_lost_is_not_blamed_on_decode_after_a_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its call failed because its connection is gone: the request starts over at once,
+    without first waiting `PEER_LOSS_S` for the live decode worker to turn out dead (each
+    request on a killed prefill worker started over ~0.5 s late)."""
+    from tandem.router import worker_failures
+
+    monkeypatch.setattr(worker_failures, "PEER_LOSS_S", 30.0)
+
+    async def main() -> None:
+        d = await start(HoldingDecode("d0"), HangingPrefill("p0"), roles="decode prefill")
+        death = dies_after(d, "p0", 0.1)
+        with pytest.raises(WorkerLost) as lost:
+            await asyncio.wait_for(run(PDOrchestrator(d), held_plan(d, "d0", "p0")), 10)
+        await death
+        assert (lost.value.worker_id, lost.value.code) == ("p0", "prefill_failed")
+        await d.close()
+
+    asyncio.run(main())
+
+
 def test_no_release_when_the_prefill_worker_with_the_grant_is_alive() -> None:
     """A client that leaves: decode's blocks wait for that worker's own word (its cancel)."""
 
