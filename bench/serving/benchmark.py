@@ -25,7 +25,7 @@ from tandem.bench.serving.datasets import (
 )
 from tandem.bench.serving.metrics import BenchmarkMetrics, calculate_metrics
 from tandem.bench.serving.prompts import PromptMaker, TokenPrompts, WordPrompts
-from tandem.bench.serving.records import RequestRecord
+from tandem.bench.serving.records import RequestRecord, count_output_tokens
 from tandem.bench.serving.result import result_json
 from tandem.bench.serving.runner import LoadConfig, run_load
 
@@ -137,6 +137,8 @@ def run_benchmark(
 ) -> BenchmarkRun:
     """Runs the load (its own event loop) and computes the metrics and the result JSON."""
     outcome = asyncio.run(run_load(load, conversations, maker))
+    if isinstance(maker, TokenPrompts):  # (a tokenizer: output tokens without usage counted)
+        count_output_tokens(outcome.records, maker.length)
     metrics = calculate_metrics(outcome.records, outcome.duration, slos, percentiles)
     info = {
         "model_id": load.model,

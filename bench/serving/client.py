@@ -3,7 +3,8 @@
 `StreamReader` turns the SSE lines of a response (with their arrival times) into a
 `RequestRecord`: every chunk that carries `choices` is a token chunk (its time is a TTFT or an
 ITL sample, even when its text is empty); a chunk with `usage` gives the token counts; an
-`error` event fails the request. It needs no network, so tests feed it lines directly.
+`error` event, or one that is not an OpenAI chunk, fails the request. It needs no network, so
+tests feed it lines directly.
 """
 
 from __future__ import annotations
@@ -36,16 +37,23 @@ class StreamReader:
         if data == "[DONE]":
             self.done = True
             return
-        event: dict[str, Any] = json.loads(data)
+        event = json.loads(data)
+        if not isinstance(event, dict):  # (ValueError: the request fails, the run goes on)
+            raise ValueError(f"an event that is not a JSON object: {data[:80]}")
         if "error" in event:
             err = event["error"]
             self.record.error = str(err.get("message", err) if isinstance(err, dict) else err)
             return
         if choices := event.get("choices"):
+            if not isinstance(choices, list) or not isinstance(choices[0], dict):
+                raise ValueError(f"choices that are not a list of objects: {data[:80]}")
             self.chunk_times.append(now)
-            self.text.append(choices[0].get("text") or "")
+            self.text.append(str(choices[0].get("text") or ""))
         if usage := event.get("usage"):
+            if not isinstance(usage, dict):
+                raise ValueError(f"a usage that is not an object: {data[:80]}")
             self.record.output_tokens = int(usage.get("completion_tokens") or 0)
+            self.record.output_tokens_from_usage = True
             if usage.get("prompt_tokens"):
                 self.record.prompt_len = int(usage["prompt_tokens"])
 
@@ -55,7 +63,8 @@ class StreamReader:
         rec.generated_text = "".join(self.text)
         if self.chunk_times:
             rec.set_chunk_times(self.sent, self.chunk_times)
-            if not rec.output_tokens:  # no usage chunk: one token per non-empty chunk
+            if not rec.output_tokens:  # no usage chunk: one token per non-empty chunk (a
+                # tokenizer's count replaces it: `count_output_tokens`)
                 rec.output_tokens = sum(1 for t in self.text if t)
         if not rec.error and not self.chunk_times:
             rec.error = "never received a chunk with a token"
@@ -96,6 +105,6 @@ async def send_completion(
                 return reader.finish()
             async for line in resp.content:
                 reader.feed(line, time.perf_counter())
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ValueError, TypeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     return reader.finish()

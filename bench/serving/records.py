@@ -7,7 +7,7 @@ chunk, whatever number of tokens it carries; E2EL (`latency`) runs to the last s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -26,6 +26,7 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     output_tokens: int = 0
+    output_tokens_from_usage: bool = False  # (else counted by the client)
     generated_text: str = ""
 
     def set_chunk_times(self, sent: float, chunk_times: Sequence[float]) -> None:
@@ -42,3 +43,12 @@ class RequestRecord:
         if self.output_tokens <= 1:
             return 0.0
         return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+def count_output_tokens(records: Sequence[RequestRecord], count: Callable[[str], int]) -> None:
+    """Where the server sent no usage, each successful request's output tokens as `count`
+    (a tokenizer) counts its text, as `vllm bench serve` counts them (chunks may carry
+    several tokens)."""
+    for rec in records:
+        if rec.success and not rec.output_tokens_from_usage:
+            rec.output_tokens = count(rec.generated_text)

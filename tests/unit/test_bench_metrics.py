@@ -117,6 +117,36 @@ def test_stream_reader_error_event_and_empty_stream_fail() -> None:
     assert not empty.success and "never received" in empty.error
 
 
+@pytest.mark.parametrize(
+    "event", ["null", "[1, 2]", '"text"', '{"choices": ["x"]}', '{"choices": [{}], "usage": 3}']
+)
+def test_an_event_that_is_not_an_openai_chunk_fails_its_request_only(event: str) -> None:
+    """It stopped the whole run (TypeError / AttributeError out of the reader): as vLLM's
+    client, it is that request's failure (`send_completion` records a ValueError)."""
+    reader = StreamReader(RequestRecord(3, 4), sent=0.0)
+    reader.feed('data: {"choices":[{"text":"a"}]}', 0.1)
+    with pytest.raises(ValueError, match="not"):
+        reader.feed(f"data: {event}", 0.2)
+
+
+def test_without_usage_a_tokenizer_counts_the_output_tokens() -> None:
+    """Chunks may carry several tokens: with no usage from the server, vLLM's client counts the
+    text's tokens (a chunk was counted as one token, halving output throughput and doubling
+    TPOT for two-token chunks); a count the server sent stays."""
+    from tandem.bench.serving.records import count_output_tokens
+
+    reader = StreamReader(RequestRecord(3, 4), sent=0.0)
+    for i, text in enumerate(["ab", "cd"]):
+        reader.feed(f'data: {{"choices":[{{"text":"{text}"}}]}}', 0.1 * (i + 1))
+    counted = reader.finish()
+    served = record([0.1, 0.2], 7)
+    served.output_tokens_from_usage = True
+    assert counted.output_tokens == 2  # (one a chunk, until a tokenizer counts)
+    count_output_tokens([counted, served], len)  # (a character a token here)
+    assert (counted.output_tokens, served.output_tokens) == (4, 7)
+    assert counted.tpot == pytest.approx(0.1 / 3)
+
+
 VLLM_KEYS = {
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
     "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
