@@ -71,9 +71,8 @@ def bad_word_sequences(words: Sequence[str], encode: Callable[[str], list[int]])
     sequences: list[list[int]] = []
     for word in words:
         bare, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
-        for ids in (bare, spaced):
-            if ids is spaced and bare and (spaced[:1] == bare[:1] or len(spaced) != len(bare)):
-                continue
+        own_word = not bare or (spaced[:1] != bare[:1] and len(spaced) == len(bare))
+        for ids in (bare, spaced) if own_word else (bare,):
             if ids and ids not in sequences:
                 sequences.append(ids)
     return sequences

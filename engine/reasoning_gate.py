@@ -46,16 +46,22 @@ def prompt_opens_thoughts(
     ends in `<think>`): the reply then starts inside them."""
     if not open_ids or not close_ids:
         return False
-    opened = _last_index(prompt_token_ids, open_ids)
-    return opened >= 0 and opened > _last_index(prompt_token_ids, close_ids)
+    return _prompt_state(prompt_token_ids, open_ids, close_ids) == THINKING
 
 
-def _closes_thoughts_at_end(
+def _prompt_state(
     prompt_token_ids: Sequence[int], open_ids: Sequence[int], close_ids: Sequence[int]
-) -> bool:
+) -> str | None:
+    """THINKING where the prompt opened thoughts it did not close, ANSWER where it ends in
+    thoughts it closed (`CLOSED_AT_END_TOKENS`), else None (the reply decides)."""
+    opened = _last_index(prompt_token_ids, open_ids)
     closed = _last_index(prompt_token_ids, close_ids)
+    if opened >= 0 and opened > closed:
+        return THINKING
     after = len(prompt_token_ids) - closed - len(close_ids)
-    return closed > _last_index(prompt_token_ids, open_ids) and 0 <= after <= CLOSED_AT_END_TOKENS
+    if closed > opened and after <= CLOSED_AT_END_TOKENS:
+        return ANSWER
+    return None
 
 
 class ReasoningGate:
@@ -72,12 +78,9 @@ class ReasoningGate:
         self._open = list(open_ids)
         self._close = list(close_ids)
         self._recent: list[int] = []  # the last tokens sampled while thinking
-        if prompt_opens_thoughts(prompt_token_ids, self._open, self._close):
-            self.state = THINKING
-        elif _closes_thoughts_at_end(prompt_token_ids, self._open, self._close):
-            self.state = ANSWER
-        else:
-            self.state = START if len(self._open) == 1 else ANSWER
+        self.state = _prompt_state(prompt_token_ids, self._open, self._close) or (
+            START if len(self._open) == 1 else ANSWER
+        )
 
     def accept_token(self, token: int) -> bool:
         if self.state == ANSWER:

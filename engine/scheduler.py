@@ -70,8 +70,14 @@ class Scheduler:
     # ---- queue management -------------------------------------------------------------------
     def add(self, request: Request) -> None:
         request.set_status(RequestStatus.QUEUED)
+        self._wait(request)
+
+    def _wait(self, request: Request) -> None:
+        """Into the waiting queue, ordered by (priority, arrival) as vLLM's priority queue (a
+        new request goes last of its priority; a preempted one back by its own arrival)."""
+        key = _order(request)
         i = len(self.waiting)
-        while i > 0 and self.waiting[i - 1].priority > request.priority:
+        while i > 0 and _order(self.waiting[i - 1]) > key:
             i -= 1
         self.waiting.insert(i, request)
 
@@ -209,11 +215,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.set_status(RequestStatus.QUEUED)
-        key = _order(req)  # (as vLLM's priority queue)
-        i = 0
-        while i < len(self.waiting) and _order(self.waiting[i]) <= key:
-            i += 1
-        self.waiting.insert(i, req)
+        self._wait(req)
 
     # ---- after the model ran --------------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> None:
