@@ -10,6 +10,10 @@ Byte layout (all integers little-endian; hash = XXH3-64 with seed 0, as an unsig
 - root hash of a cache namespace:
   ``root = XXH3_64(namespace_digest.encode("utf-8"))``, where ``namespace_digest`` is the hex string
   returned by ``CacheNamespace.digest()``.
+- root of a request with a ``cache_salt`` (its blocks are shared only with requests of the same
+  namespace and salt, as vLLM's ``cache_salt``):
+  ``salted = XXH3_64(u64le(root) || b"cache_salt" || salt.encode("utf-8"))``; without a salt the
+  request's root is the namespace's ``root``.
 - hash of one block:
   ``h = XXH3_64(u64le(parent) || i64le(t_0) || ... || i64le(t_{n-1}) || extra)``, where ``parent``
   is the previous block's hash (the root hash for block 0), ``t_i`` are the block's token ids as
@@ -31,7 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-__all__ = ["hash_block", "hash_full_blocks", "root_hash", "tokens_to_bytes"]
+__all__ = ["hash_block", "hash_full_blocks", "root_hash", "salted_root", "tokens_to_bytes"]
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -49,6 +53,15 @@ def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
 def root_hash(namespace_digest: str) -> int:
     """The parent hash of block 0 for a cache namespace: XXH3-64 of the digest's UTF-8 bytes."""
     return xxhash.xxh3_64_intdigest(namespace_digest.encode("utf-8"))
+
+
+def salted_root(root: int, cache_salt: str | None) -> int:
+    """The parent hash of block 0 for a request with `cache_salt` (None: `root` itself)."""
+    if cache_salt is None:
+        return root
+    return xxhash.xxh3_64_intdigest(
+        root.to_bytes(8, "little") + b"cache_salt" + cache_salt.encode("utf-8")
+    )
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int] | np.ndarray, extra: bytes = b"") -> int:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tandem.engine.errors import InvalidRequestError, TandemError
-from tandem.engine.hashing import hash_full_blocks
+from tandem.engine.hashing import hash_full_blocks, salted_root
 from tandem.engine.kv_blocks import KVBlocks
 from tandem.engine.output_text import OutputText
 from tandem.engine.request import Request, RequestStatus
@@ -42,7 +42,9 @@ def export_kv(engine: LLMEngine, request_id: str) -> KVBlocks:
         block_size=bs,
         num_tokens=num_tokens,
         token_ids=token_ids,
-        block_hashes=hash_full_blocks(engine.namespace.root_hash(), token_ids, bs),
+        block_hashes=hash_full_blocks(
+            salted_root(engine.namespace.root_hash(), req.params.cache_salt), token_ids, bs
+        ),
         data=engine.kv_pool.export_blocks(blocks),
         sampler_state=req.generator.get_state() if req.generator is not None else None,
     )
@@ -121,7 +123,9 @@ def commit_request(
     req.block_table = block_table
     req.num_computed_tokens = len(prompt_token_ids)
     req.num_prefix_hit_tokens = num_hit_blocks * bs
-    req.block_hashes = hash_full_blocks(engine.namespace.root_hash(), prompt_token_ids, bs)
+    req.block_hashes = hash_full_blocks(
+        salted_root(engine.namespace.root_hash(), params.cache_salt), prompt_token_ids, bs
+    )
     req.num_cached_blocks = engine.block_manager.cache_blocks(
         block_table, req.block_hashes, req.token_ids, num_hit_blocks
     )

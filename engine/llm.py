@@ -35,7 +35,7 @@ class LLM:
     >>> out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=8))
 
     Prompts are texts, token id lists, or vLLM's dicts (`{"prompt": ...}` or
-    `{"prompt_token_ids": [...]}`).
+    `{"prompt_token_ids": [...]}`, either with a `"cache_salt"`: see `SamplingParams`).
     """
 
     def __init__(
@@ -183,10 +183,10 @@ class LLM:
         with `SamplingParams.n` samples in its `outputs` (sample i seeded `seed + i`).
         `priority`: one per prompt; lower values are scheduled first (vLLM's)."""
         _no_lora(lora_request)
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list, salts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        param_list = _as_param_list(sampling_params, len(prompt_list))
+        param_list = _salted(_as_param_list(sampling_params, len(prompt_list)), salts)
         priorities = [0] * len(prompt_list) if priority is None else [int(p) for p in priority]
         if len(priorities) != len(prompt_list):
             raise InvalidRequestError(
@@ -348,13 +348,17 @@ def _token_ids(ids: Any) -> list[int]:
         raise InvalidRequestError(f"token-id prompts are lists of ints, got {ids!r:.80}") from None
 
 
-def _as_prompt_list(prompts: Prompts) -> list[str | list[int]]:
+def _as_prompt_list(prompts: Prompts) -> tuple[list[str | list[int]], list[str | None]]:
+    """The prompts as texts and token-id lists, and each one's `cache_salt` (a dict prompt's,
+    as vLLM takes it; else None)."""
     if prompts is None:
         raise InvalidRequestError("prompts: give a text, token ids or a list of them")
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]  # type: ignore[assignment]
     out: list[str | list[int]] = []
+    salts: list[str | None] = []
     for prompt in prompts:
+        salts.append(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
             if prompt.get("multi_modal_data"):
                 raise InvalidRequestError("multi_modal_data: this model takes text only")
@@ -374,7 +378,18 @@ def _as_prompt_list(prompts: Prompts) -> list[str | list[int]]:
             )
         else:
             out.append(_token_ids(prompt))
-    return out
+    return out, salts
+
+
+def _salted(params: list[SamplingParams], salts: list[str | None]) -> list[SamplingParams]:
+    """Each prompt's params with its prompt's `cache_salt` (a copy where it has one)."""
+    salted = []
+    for p, salt in zip(params, salts, strict=True):
+        if salt is not None:
+            p = p.model_copy()
+            p.cache_salt = salt  # (checked as the constructor checks it)
+        salted.append(p)
+    return salted
 
 
 def _as_param_list(

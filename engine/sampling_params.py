@@ -95,6 +95,8 @@ class SamplingParams(BaseModel):
     parser). `resumed_tokens`: the prompt's last tokens are this request's own output, streamed
     by an attempt whose worker was lost (the router sets it): the seeded sampler's draws, the
     presence and frequency penalties and `bad_words` go on from them as one attempt would have.
+    `cache_salt` (vLLM's, which takes it with the prompt): the request shares prefix-cache blocks
+    only with requests of the same salt (`hashing.salted_root`); None shares with all unsalted.
     """
 
     # (mutable, as vLLM's: scripts set fields of `get_default_sampling_params()`; each
@@ -132,6 +134,7 @@ class SamplingParams(BaseModel):
     grammar: str | None = Field(None, min_length=1)
     reasoning_tags: tuple[str, str] | None = None
     resumed_tokens: int = Field(0, ge=0)
+    cache_salt: str | None = Field(None, min_length=1)
     # vLLM's, for scripts that set them: `best_of` only n (no ranking), `output_kind`
     # (`RequestOutputKind`: `LLM.generate` returns finished outputs whatever it is),
     # `extra_args` (kept for whoever reads them; no sampling step does, as in vLLM)

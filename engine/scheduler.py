@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tandem.engine.block_manager import BlockManager
-from tandem.engine.hashing import hash_full_blocks
+from tandem.engine.hashing import hash_full_blocks, salted_root
 from tandem.engine.request import Request, RequestStatus
 
 PROMPT_LOGPROBS_CHUNK = 256
@@ -237,7 +237,9 @@ class Scheduler:
         have = len(req.block_hashes)
         if (have + 1) * self.block_size > num_tokens:
             return
-        parent = req.block_hashes[-1] if have else None
+        parent = (
+            req.block_hashes[-1] if have else salted_root(self.root_hash, req.params.cache_salt)
+        )
         req.block_hashes.extend(
             hash_full_blocks(
                 self.root_hash,

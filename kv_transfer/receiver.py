@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from tandem.engine.hashing import hash_full_blocks
+from tandem.engine.hashing import hash_full_blocks, salted_root
 from tandem.engine.kv_io import NoFreeBlocksError, commit_request
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
@@ -99,7 +99,8 @@ class KVReceiver:
         if request_id in self.reservations or request_id in engine.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         bs = engine.config.block_size
-        hashes = hash_full_blocks(engine.namespace.root_hash(), prompt_token_ids, bs)
+        root = salted_root(engine.namespace.root_hash(), params.cache_salt)
+        hashes = hash_full_blocks(root, prompt_token_ids, bs)
         bm = engine.block_manager
         # (counted once, when reserved: a reservation that waits for room is tried again)
         hits = bm.match_prefix(hashes, prompt_token_ids, record=False)

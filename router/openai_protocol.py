@@ -91,6 +91,9 @@ class _SamplingFields(RequestBody):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
 
     use_beam_search: bool = False  # vLLM's: refused, not ignored (tandem samples)
+    cache_salt: str | None = Field(  # vLLM's
+        None, min_length=1, description="prefix-cache blocks are shared only with this salt"
+    )
 
     @field_validator("seed")
     @classmethod
@@ -137,6 +140,8 @@ class _SamplingFields(RequestBody):
             params[structure[0]] = structure[1]
         if self.prompt_logprobs is not None:
             params["prompt_logprobs"] = self.prompt_logprobs
+        if self.cache_salt is not None:
+            params["cache_salt"] = self.cache_salt
         return params
 
     def structure_sources(self) -> list[tuple[str, Structure]]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.engine.hashing import hash_full_blocks
+from tandem.engine.hashing import hash_full_blocks, salted_root
 from tandem.router.admission import Admission, AdmissionConfig
 from tandem.router.pending_prefixes import PendingPrefixes, merge_matches
 from tandem.router.routing_policy import RoutingConfig, WorkerLoad, make_policy
@@ -130,14 +130,17 @@ class RoutePlanner:
         deadline_ms: float | None,
         hold_s: float,
         max_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> RoutePlan:
         """Chooses workers and admits (or raises 429/503). The plan's load is held until
         `release()`, or `hold_s` at most (a request that never runs gives it back). Without
         a deadline, a decode worker with no KV room now makes the request wait its turn
-        (`RoutePlan.wait_for_room`)."""
+        (`RoutePlan.wait_for_room`). `cache_salt`: the request's (its blocks' hashes are
+        salted, `hashing.salted_root`)."""
         bs = int(info["block_size"])
         namespace = str(info["namespace"])
-        hashes = hash_full_blocks(int(info["root_hash"]), prompt_token_ids, bs)
+        root = salted_root(int(info["root_hash"]), cache_salt)
+        hashes = hash_full_blocks(root, prompt_token_ids, bs)
         if max_tokens == 1 and not self.colocated:  # (no decode worker is needed, or chosen)
             plan = await self._plan_prefill(
                 None, namespace, hashes, len(prompt_token_ids), bs, 0, deadline_ms

@@ -248,6 +248,7 @@ class Serving:
             req.deadline_ms,
             hold_s=self.request_timeout_s,
             max_tokens=params.max_tokens or 0,
+            cache_salt=params.cache_salt,
         )
         self.metrics.decision(self.planner.policy_name, routing_decision(plan))
         req.plan = plan

@@ -169,12 +169,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         # A client's id may repeat (two calls at once): the workers get it made unique.
         own_id = f"{request.request_id}@{uuid.uuid4().hex[:8]}" if request.request_id else ""
+        fields = _sampling_fields(options)
+        if request.cache_salt:
+            fields["cache_salt"] = request.cache_salt
         return await self.serving.prepare(
             own_id or f"grpc-{uuid.uuid4().hex}",
             request.model or None,
             prompt,
             max_tokens,
-            _sampling_fields(options),
+            fields,
             RequestTimings(),
             deadline_ms=request.deadline_ms if request.HasField("deadline_ms") else None,
             priority=request.priority if request.HasField("priority") else None,
