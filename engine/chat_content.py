@@ -1,7 +1,7 @@
 """A chat message as chat templates take it.
 
 OpenAI lets `content` be a list of parts (`[{"type": "text", "text": ...}, ...]`). Only text
-parts are supported; they are joined with a newline, as vLLM joins them for templates that take
+parts are supported (and `refusal` / `input_text` parts, as text); they are joined with a newline, as vLLM joins them for templates that take
 a string. An assistant's `tool_calls` carry their `arguments` as the object they encode (OpenAI
 sends JSON text). For Mistral's templates, tool-call ids are 9 letters and digits
 (`nine_character_call_ids`). Shared by `LLM.chat` and the router's chat API.
@@ -30,13 +30,21 @@ def content_text(content: str | Iterable[Mapping[str, Any]] | None, param: str =
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-        if kind != "text":
+        key = _TEXT_KEYS.get(kind) if isinstance(kind, str) else None
+        if key is None:
             raise InvalidRequestError(f"content parts of type {kind!r} are not supported", param)
-        text = part.get("text")
+        text = part.get(key)
         if not isinstance(text, str):
-            raise InvalidRequestError("a content part of type 'text' needs a 'text' string", param)
+            raise InvalidRequestError(
+                f"a content part of type {kind!r} needs a {key!r} string", param
+            )
         texts.append(text)
     return "\n".join(texts)
+
+
+_TEXT_KEYS = {"text": "text", "input_text": "text", "refusal": "refusal"}
+"""The content parts taken as text, as vLLM takes them (OpenAI's assistant `refusal`, the
+Responses API's `input_text`), and where each keeps its text."""
 
 
 def template_tool_calls(calls: Any) -> Any:

@@ -21,7 +21,9 @@ held until a token that is not a byte token ends it (or `flush`).
 Contract: for a tokenizer whose decode of a concatenation is the concatenation of decodes at
 character boundaries (byte-level BPE, like every checkpoint `build_tiny_checkpoint` writes; byte
 fallback at the ends of runs), the deltas of all steps plus `flush` concatenate to exactly
-``tokenizer.decode(output_ids, skip_special_tokens=...)``. If the prompt's tail is an incomplete
+``tokenizer.decode(output_ids, skip_special_tokens=..., clean_up=False)``: the tokenizer's
+`clean_up_tokenization_spaces` is never applied (it rewrites text already emitted; vLLM's
+detokenizer does not apply it either). If the prompt's tail is an incomplete
 character (which the output might complete), the prompt is not used as context, so the output's
 leading bytes decode as they do on their own; a prompt that ends in a run of byte tokens is
 used as context up to that run.
@@ -66,7 +68,7 @@ class IncrementalDetokenizer:
         # bytes would join that run), not at the start: "hello\n" keeps "hello" as context.
         end = self._run_start(prompt_token_ids) if self._byte_runs else len(prompt_token_ids)
         window = list(prompt_token_ids[max(0, end - CONTEXT_TOKENS) : end])
-        prefix_text = tokenizer.decode(window, skip_special_tokens) if window else ""
+        prefix_text = tokenizer.decode(window, skip_special_tokens, False) if window else ""
         if prefix_text.endswith(REPLACEMENT_CHAR):
             window, prefix_text = [], ""  # (the output's first bytes would join the prompt's)
         self._window: list[int] = window
@@ -96,7 +98,7 @@ class IncrementalDetokenizer:
         window.extend(new_token_ids)
         if self._byte_runs and self._in_byte_run():
             return ""  # a run of byte-fallback tokens goes on: its text is known at its end
-        full = self._tokenizer.decode(window, self._skip)
+        full = self._tokenizer.decode(window, self._skip, False)
         if full.endswith(REPLACEMENT_CHAR):
             return ""  # an incomplete character at the end: wait for its remaining bytes
         return self._emit(full)
@@ -107,7 +109,7 @@ class IncrementalDetokenizer:
         Stop strings are searched in it: a request that stops there ends the run."""
         if self._read == len(self._window):
             return ""
-        full = self._tokenizer.decode(self._window, self._skip)
+        full = self._tokenizer.decode(self._window, self._skip, False)
         if full.endswith(REPLACEMENT_CHAR):
             return ""
         return full[len(self._prefix_text) :]
@@ -116,7 +118,7 @@ class IncrementalDetokenizer:
         """Emit whatever is held back (an incomplete character decodes as U+FFFD)."""
         if self._read == len(self._window):
             return ""
-        return self._emit(self._tokenizer.decode(self._window, self._skip))
+        return self._emit(self._tokenizer.decode(self._window, self._skip, False))
 
     def _emit(self, full: str) -> str:
         """Emit ``full`` (the decode of the whole window) beyond ``prefix_text``; move the window."""
@@ -162,7 +164,7 @@ class IncrementalDetokenizer:
         None: no such tail now (the window grows and is tried again next time)."""
         window = self._window
         for keep in range(CONTEXT_TOKENS, len(window)):
-            text = self._tokenizer.decode(window[-keep:], self._skip)
+            text = self._tokenizer.decode(window[-keep:], self._skip, False)
             if full.endswith(text) and not text.startswith(REPLACEMENT_CHAR):
                 return len(window) - keep, text
         return None

@@ -136,7 +136,9 @@ class LLM:
         `chat_template` (Jinja text) instead; `tools` (OpenAI's function specs) go to the
         template, as vLLM's `LLM.chat` passes them. A message's content may be OpenAI's list of
         text parts (joined with newlines, as the API and vLLM join them, whatever
-        `chat_template_content_format`). The arguments come in vLLM's order."""
+        `chat_template_content_format`). `chat_template_kwargs` are more template variables
+        (`documents` among them), and may set the other template arguments too, as vLLM's.
+        The arguments come in vLLM's order."""
         _no_lora(lora_request)
         if chat_template_content_format not in ("auto", "string", "openai"):
             raise InvalidRequestError(
@@ -144,7 +146,17 @@ class LLM:
             )
         if mm_processor_kwargs:
             raise InvalidRequestError("mm_processor_kwargs: this model takes text only")
-        if chat_template is None and not self.engine.tokenizer.hf.chat_template:
+        # (as vLLM's: `chat_template_kwargs` may set the other arguments too, and win)
+        template_kwargs = dict(chat_template_kwargs or {})
+        render: dict[str, Any] = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "tools": tools,
+            "chat_template": chat_template,
+            "documents": None,
+        }
+        render.update({k: template_kwargs.pop(k) for k in render if k in template_kwargs})
+        if render["chat_template"] is None and not self.engine.tokenizer.hf.chat_template:
             raise InvalidRequestError(
                 "the checkpoint's tokenizer has no chat template: pass one as chat_template= "
                 "(Jinja text), or use generate() with a prompt"
@@ -156,11 +168,8 @@ class LLM:
         prompts = [
             self.engine.tokenizer.apply_chat_template(
                 [_with_text_content(m) for m in conversation],
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                template_kwargs=chat_template_kwargs,
-                tools=tools,
-                chat_template=chat_template,
+                template_kwargs=template_kwargs,
+                **render,
             )
             for conversation in conversations
         ]
@@ -276,8 +285,8 @@ def _with_text_content(message: dict[str, Any]) -> dict[str, Any]:
     """`message` with a content given as OpenAI's parts as one string (`content_text`), and
     its tool calls' arguments as objects (`template_tool_calls`)."""
     content = message.get("content")
-    if isinstance(content, list) or (content is None and "content" in message):
-        # (None: an assistant turn of calls alone; templates read its content as "")
+    if isinstance(content, list) or content is None:
+        # (None or none: an assistant turn of calls alone; templates read its content as "")
         message = {**message, "content": content_text(content)}
     if "tool_calls" in message:
         message = {**message, "tool_calls": template_tool_calls(message["tool_calls"])}

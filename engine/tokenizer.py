@@ -88,6 +88,14 @@ def check_tokenizer_files(root: Path) -> None:
         )
 
 
+_TOKENIZING_OPTIONS = frozenset(
+    {"truncation", "max_length", "padding", "return_tensors", "return_dict", "tokenizer_kwargs",
+     "return_assistant_tokens_mask", "tokenize"}
+)  # fmt: skip
+"""transformers' `apply_chat_template` options about tokenizing its text: not template
+variables (vLLM renders text and tokenizes it apart, so none of them changes its prompt)."""
+
+
 class Tokenizer:
     """A loaded tokenizer plus the checkpoint facts the engine needs (eos ids, digest).
 
@@ -183,12 +191,21 @@ class Tokenizer:
         decoding it alone drops) and part of a character is U+FFFD; special tokens kept."""
         return self._token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``, exactly as ``hf.decode`` gives it (unknown ids decode to nothing)."""
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, clean_up: bool = True
+    ) -> str:
+        """Text of ``ids``, exactly as ``hf.decode`` gives it (unknown ids decode to nothing);
+        not `clean_up`: without the tokenizer's `clean_up_tokenization_spaces` (which rewrites
+        text already written, " ," to ","), as vLLM's detokenizer writes outputs."""
         id_list = ids if isinstance(ids, list) else list(ids)
         if self._backend is not None:
             text: str = self._backend.decode(id_list, skip_special_tokens=skip_special_tokens)
             return text
+        if not clean_up:
+            text = self._hf.decode(
+                id_list, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+            )
+            return str(text)
         return str(self._hf.decode(id_list, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
@@ -199,31 +216,38 @@ class Tokenizer:
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Render ``messages`` with the tokenizer's chat template and return the token ids.
 
-        `continue_final_message` leaves the last (assistant) message open, for the model to go
-        on with it; `template_kwargs` are more variables for the template (e.g. Qwen3's
-        `enable_thinking`); `tools` are function specs for templates that present them;
-        `chat_template` (Jinja text) renders instead of the tokenizer's own.
-        transformers raises ValueError if the tokenizer has no chat template. A Mistral
-        template (one that writes `[TOOL_CALLS]`) gets tool-call ids of its own 9-character
-        form (`nine_character_call_ids`).
+        As vLLM: the template writes text, which is then encoded without the tokenizer's
+        special tokens (the template writes its own BOS) unless `add_special_tokens`; so
+        `template_kwargs` are only ever the template's variables (e.g. Qwen3's
+        `enable_thinking`; transformers' tokenizing options such as `truncation` or
+        `max_length` change nothing). `continue_final_message` leaves the last message open,
+        for the model to go on with it; `tools` are function specs and `documents` retrieved
+        texts for templates that present them; `chat_template` (Jinja text) renders instead
+        of the tokenizer's own. transformers raises ValueError if the tokenizer has no chat
+        template. A Mistral template (one that writes `[TOOL_CALLS]`) gets tool-call ids of
+        its own 9-character form (`nine_character_call_ids`).
         """
         template = chat_template or self._hf.chat_template
         if isinstance(template, str) and "[TOOL_CALLS]" in template:
             messages = nine_character_call_ids(messages)
-        out = self._hf.apply_chat_template(
+        kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _TOKENIZING_OPTIONS}
+        documents = kwargs.pop("documents", documents)  # (vLLM's kwargs win)
+        text = self._hf.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            tokenize=True,
-            return_dict=False,
+            tokenize=False,
             tools=tools,
+            documents=documents,
             chat_template=chat_template,
-            **(template_kwargs or {}),
+            **kwargs,
         )
-        return [int(i) for i in out]
+        return self.encode(str(text), add_special_tokens=add_special_tokens)
 
     def digest(self) -> str:
         """A stable hex digest (xxh3_128) of what determines tokenization and decoding.

@@ -169,6 +169,8 @@ async def create_chat_completion(
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.chat_template_kwargs,
             tools=tools,
+            documents=body.documents,
+            add_special_tokens=body.add_special_tokens,
         )
 
     read_calls = body.reply_parser(serving.tool_parser)
@@ -196,15 +198,16 @@ async def _serve(
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     token_text = _token_id_text if body.return_tokens_as_token_ids else serving.token_text
     ids, asked = body.return_token_ids, body.prompt_logprobs
-    echo = body.echoed_text() if isinstance(body, ChatCompletionRequest) else ""
-    thoughts = not isinstance(body, ChatCompletionRequest) or body.include_reasoning
+    echo, role, thoughts = "", "assistant", True
+    if isinstance(body, ChatCompletionRequest):
+        echo, role, thoughts = body.echoed_text(), body.reply_role(), body.include_reasoning
     response_id, base = response_ids.response, response_ids.requests
     if count == 1:
         req = await prepare(0, base)
         reasoning = serving.reasoning_after(req.prompt_token_ids) if kind == "chat" else None
         head = ResponseHead.of(
             req, serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids,
-            asked, echo, serving.token_bytes, thoughts,
+            asked, echo, serving.token_bytes, thoughts, role,
         )  # fmt: skip
         if body.stream:
             return ClosingStreamingResponse(
@@ -218,7 +221,7 @@ async def _serve(
     reasoning = serving.reasoning_after(reqs[0].prompt_token_ids) if kind == "chat" else None
     head = ResponseHead.of(
         reqs[0], serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids,
-        asked, echo, serving.token_bytes, thoughts,
+        asked, echo, serving.token_bytes, thoughts, role,
     )  # fmt: skip
     if body.stream:
         return ClosingStreamingResponse(

@@ -41,6 +41,7 @@ class ResponseHead:
     echo: str = ""  # chat: what every choice's content starts with (vLLM's `echo`)
     token_bytes: TokenBytes | None = None  # chat logprobs' `bytes` (None: the text's UTF-8)
     include_reasoning: bool = True  # chat: False leaves the thoughts out (still not content)
+    role: str = "assistant"  # chat: the reply's (`ChatCompletionRequest.reply_role`)
 
     @classmethod
     def of(
@@ -57,6 +58,7 @@ class ResponseHead:
         echo: str = "",
         token_bytes: TokenBytes | None = None,
         include_reasoning: bool = True,
+        role: str = "assistant",
     ) -> ResponseHead:
         """`prompt_logprobs`: what the request asked for in vLLM's field (the engine may score
         the prompt with more alternatives, for an echoed prompt's `logprobs`)."""
@@ -66,7 +68,7 @@ class ResponseHead:
         rid = response_id or req.request_id
         return cls(
             rid, arrival, model, kind, names, read_calls, reasoning, token_ids, prompt_logprobs,
-            echo, token_bytes, include_reasoning,
+            echo, token_bytes, include_reasoning, role,
         )  # fmt: skip
 
     def logprobs(
@@ -139,7 +141,7 @@ def _with_alternatives(entries: Sequence[Any], k: int) -> list[Any]:
 def reply_message(head: ResponseHead, text: str) -> dict[str, Any]:
     """A chat reply's message: its thoughts apart (with a reasoning parser), then its calls
     read from the rest (with tools)."""
-    message: dict[str, Any] = {"role": "assistant"}
+    message: dict[str, Any] = {"role": head.role}
     content: str | None = text
     if head.reasoning is not None:
         message["reasoning_content"], content = head.reasoning.split(text)
@@ -193,7 +195,7 @@ def chunk(
         "logprobs": head.logprobs(token_ids, logprobs, text_offset),
     }
     if head.kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        delta: dict[str, Any] = {"role": head.role} if role else {}
         if reasoning:
             delta["reasoning_content"] = reasoning
         if text is not None:

@@ -12,7 +12,7 @@ engine's structured output (`structured_output.py`).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -239,9 +239,10 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    # (OpenAI's roles, its legacy `function`, and `ipython`, which Llama 3's templates and
-    # vLLM's clients give a tool's output)
-    role: Literal["system", "developer", "user", "assistant", "tool", "function", "ipython"]
+    # (any role, as vLLM's: OpenAI's, its legacy `function`, `ipython`, which Llama 3's
+    # templates and vLLM's clients give a tool's output, and those of other templates, e.g.
+    # `observation`; a template that does not know one refuses it: a 400)
+    role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -271,14 +272,20 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     echo: bool = False  # vLLM's: the reply opens with the last message if it is the reply's role
     include_reasoning: bool = True  # vLLM's: False leaves a reasoning parser's thoughts out
+    documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that present them
+    add_special_tokens: bool = False  # vLLM's: True adds BOS etc. to what the template writes
 
     def echoed_text(self) -> str:
         """With `echo`, the text the reply's content starts with: the last message's, when its
         role is the reply's (assistant after a generation prompt, else the last one's), as
         vLLM's; otherwise ""."""
         last = self.messages[-1]
-        role = "assistant" if self.add_generation_prompt else last.role
-        return last.text() if self.echo and last.role == role else ""
+        return last.text() if self.echo and last.role == self.reply_role() else ""
+
+    def reply_role(self) -> str:
+        """The reply's role, as vLLM's: assistant after a generation prompt, else the last
+        message's (the model goes on with it)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -317,9 +324,7 @@ class ChatCompletionRequest(_SamplingFields):
                 "max_completion_tokens",
             )
         refuse_request_template(self.chat_template)
-        check_template_options(
-            self.messages, self.add_generation_prompt, self.continue_final_message
-        )
+        check_template_options(self.add_generation_prompt, self.continue_final_message)
         check_template_kwargs(self.chat_template_kwargs)
 
     def requested_max_tokens(self) -> int | None:
@@ -359,7 +364,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"messages", "conversation", "tokenize", "return_dict", "add_generation_prompt",
-     "continue_final_message", "chat_template", "tools", "documents"}
+     "continue_final_message", "chat_template", "tools"}
 )  # fmt: skip
 
 
@@ -384,17 +389,10 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
         )
 
 
-def check_template_options(
-    messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool
-) -> None:
-    """`continue_final_message` continues an assistant message: no generation prompt after it."""
-    if not continue_final_message:
-        return
-    if add_generation_prompt:
+def check_template_options(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """`continue_final_message` leaves the last message open (any role's, as transformers
+    and vLLM do): no generation prompt after it."""
+    if continue_final_message and add_generation_prompt:
         raise bad_request(
             "continue_final_message needs add_generation_prompt=false", "continue_final_message"
-        )
-    if messages[-1].role != "assistant":
-        raise bad_request(
-            "continue_final_message needs an assistant message last", "continue_final_message"
         )

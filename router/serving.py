@@ -19,6 +19,7 @@ from tandem.router.reasoning import REASONING_TAGS, ReasoningParser
 from tandem.router.request_prep import (
     ModelLimits,
     chat_text_size,
+    check_token_ids,
     off_the_loop_if_long,
     prompt_token_ids,
     sampling_params,
@@ -128,6 +129,8 @@ class Serving:
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The token ids of chat `messages` through the chat template (400 if it fails)."""
         try:
@@ -137,6 +140,8 @@ class Serving:
                 continue_final_message=continue_final_message,
                 template_kwargs=template_kwargs,
                 tools=tools,
+                documents=documents,
+                add_special_tokens=add_special_tokens,
             )
         except Exception as exc:  # (the template's own refusals, and what its code raises on
             # messages it does not expect: `| dictsort` of a string, a division by zero)
@@ -163,13 +168,16 @@ class Serving:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
         truncate_prompt_tokens: int | None = None,
         add_special_tokens: bool = True,
     ) -> Prepared:
         """`prompt` is text, token ids, or chat messages (rendered with the chat template, with
-        the two template options of the chat API). `truncate_prompt_tokens` keeps the prompt's
+        the chat API's template options). `truncate_prompt_tokens` keeps the prompt's
         last that many tokens (-1: as many as the context holds next to `max_tokens`); a text
-        prompt gets the tokenizer's special tokens (BOS) unless not `add_special_tokens`.
+        prompt gets the tokenizer's special tokens (BOS) unless not `add_special_tokens`, a
+        chat prompt only what its template writes unless `add_special_tokens` (the chat API
+        passes its own field, False by default, as vLLM's).
         Also routes and admits the request: a 429 here means nothing was started (without a
         deadline, a decode worker without KV room now makes it wait its turn first; each
         choice of a request, `n` > 1 or a batch of prompts, waits its own turn, as vLLM queues
@@ -182,9 +190,13 @@ class Serving:
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
                 chat = {"add_generation_prompt": add_generation_prompt, "tools": tools,
                         "continue_final_message": continue_final_message,
-                        "template_kwargs": chat_template_kwargs}  # fmt: skip
+                        "template_kwargs": chat_template_kwargs, "documents": documents,
+                        "add_special_tokens": add_special_tokens}  # fmt: skip
                 size = chat_text_size(prompt)
                 token_ids = await off_the_loop_if_long(size, self.render_chat, prompt, **chat)
+                if not token_ids:  # (as a text prompt's; the workers would refuse it later)
+                    raise bad_request("the chat template rendered an empty prompt", "messages")
+                check_token_ids(token_ids, limits.vocab_size, "messages", "prompt token ids")
             else:
                 truncating = truncate_prompt_tokens is not None
                 text_or_ids: str | list[int] = prompt  # type: ignore[assignment]

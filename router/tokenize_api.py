@@ -32,12 +32,13 @@ class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = True  # for `prompt`
+    add_special_tokens: bool = True  # (for `messages`, False unless given, as vLLM's)
     add_generation_prompt: bool = True  # for `messages`
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # (refused, as chat refuses it)
     tools: list[ToolSpec] | None = None  # for `messages`: shown to the template, as chat does
+    documents: list[dict[str, Any]] | None = None  # for `messages`, as chat takes them
     return_token_strs: bool = False  # vLLM's: also each token as the vocabulary spells it
 
 
@@ -54,9 +55,7 @@ async def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give either prompt or messages", "prompt")
     if body.messages is not None:
-        check_template_options(
-            body.messages, body.add_generation_prompt, body.continue_final_message
-        )
+        check_template_options(body.add_generation_prompt, body.continue_final_message)
         check_template_kwargs(body.chat_template_kwargs)
         refuse_request_template(body.chat_template)
         tokens = serving.render_chat(
@@ -65,6 +64,10 @@ async def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:
             continue_final_message=body.continue_final_message,
             template_kwargs=body.chat_template_kwargs,
             tools=template_tools(body.tools) if body.tools else None,
+            documents=body.documents,
+            # (vLLM's default for messages: none but what the template writes)
+            add_special_tokens="add_special_tokens" in body.model_fields_set
+            and body.add_special_tokens,
         )
     else:
         assert body.prompt is not None

@@ -124,9 +124,11 @@ def test_cost_per_step_is_bounded(tok: Tokenizer, monkeypatch: pytest.MonkeyPatc
     decoded_lengths: list[int] = []
     real_decode = tok.decode
 
-    def counting_decode(ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def counting_decode(
+        ids: Sequence[int], skip_special_tokens: bool = True, clean_up: bool = True
+    ) -> str:
         decoded_lengths.append(len(ids))
-        return real_decode(ids, skip_special_tokens)
+        return real_decode(ids, skip_special_tokens, clean_up)
 
     monkeypatch.setattr(tok, "decode", counting_decode)
     output = tok.encode("the model serves tokens fast and slow " * 100)

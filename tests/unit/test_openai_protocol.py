@@ -159,7 +159,7 @@ def test_a_refused_body_names_the_field(body: dict[str, Any], param: str) -> Non
     assert (error.status, error.param) == (400, param)
 
 
-def test_legacy_function_and_llama_ipython_roles_go_to_the_template() -> None:
+def test_legacy_function_llama_ipython_and_custom_roles_go_to_the_template() -> None:
     body = ChatCompletionRequest.model_validate(
         {
             "messages": [
@@ -174,5 +174,10 @@ def test_legacy_function_and_llama_ipython_roles_go_to_the_template() -> None:
         ("function", "sunny"),
         ("ipython", "21 C"),
     ]
+    # any other role too, as vLLM's (a template that does not know it refuses it: a 400)
+    custom = {"messages": [{"role": "observation", "content": "x"}]}
+    assert ChatCompletionRequest.model_validate(custom).template_messages()[0]["role"] == (
+        "observation"
+    )
     with pytest.raises(ValidationError):
-        ChatCompletionRequest.model_validate({"messages": [{"role": "wizard", "content": "x"}]})
+        ChatCompletionRequest.model_validate({"messages": [{"role": "", "content": "x"}]})
