@@ -106,7 +106,8 @@ class ReservationQueue:
             resolve(head.granted.get_loop(), head.granted, grant)
         now = time.monotonic()
         for late in [w for w in waiters if now > w.until]:
-            message = f"no KV cache room for {late.request_id!r} within {self.wait_s:g} s"
+            # (no request id: the router's is not the one its client knows)
+            message = f"none came free within {self.wait_s:g} s"
             self._end(late, "no_capacity", message)
 
     def cancel(self, request_id: str) -> bool:

@@ -37,11 +37,14 @@ def no_seed_as_none(seed: int | None) -> int | None:
 
 def sample_seed(seed: int | None, sample: int) -> int | None:
     """The seed of sample `sample` (0-based) of a request seeded `seed`: `seed + sample`,
-    wrapped into the seed range (None: unseeded)."""
+    wrapped into the seed range (None: unseeded). -1 comes out as its equal 2**64 - 1 (torch
+    and `draw_seed` read seeds modulo 2**64), so that checking the sample's params again does
+    not take it as vLLM's "no seed"."""
     if seed is None:
         return None
     span = SEED_MAX - SEED_MIN + 1
-    return (seed + sample - SEED_MIN) % span + SEED_MIN
+    wrapped = (seed + sample - SEED_MIN) % span + SEED_MIN
+    return SEED_MAX if wrapped == -1 else wrapped
 
 
 def draw_seed(seed: int, draw: int) -> int:

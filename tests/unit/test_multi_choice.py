@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from tandem.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from tandem.router import multi_choice, openai_stream
@@ -259,6 +260,16 @@ def test_samples_get_successive_seeds_wrapped_into_the_range() -> None:
     seeds = [multi_choice.sample_fields(fields, j).get("seed") for j in range(4)]
     assert seeds == [SEED_MAX - 1, SEED_MAX, SEED_MIN, SEED_MIN + 1]
     assert multi_choice.sample_fields({"temperature": 0.0}, 3) == {"temperature": 0.0}
+
+
+def test_the_sample_seeded_minus_one_stays_seeded() -> None:
+    """Seed -2, n = 3: sample 1 is seeded -1, which checking its params again took as vLLM's
+    "no seed" (it came back different each time through the cluster, unlike `LLM`'s)."""
+    fields = {"seed": -2, "temperature": 1.0}
+    seeds = [SamplingParams(**multi_choice.sample_fields(fields, j)).seed for j in range(3)]
+    assert seeds == [-2, SEED_MAX, 0]
+    a, b = (torch.Generator().manual_seed(s) for s in (-1, SEED_MAX))
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
 
 
 def test_batch_prompts_and_the_choice_limit() -> None:
