@@ -3,27 +3,31 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, cast
 
 import torch
 from tqdm import tqdm
 
-from tandem.engine.chat_content import content_text, template_tool_calls
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.generation_defaults import sampling_defaults
 from tandem.engine.guided import check_enforceable
 from tandem.engine.llm_engine import KVPoolFactory, LLMEngine
+from tandem.engine.llm_inputs import (
+    Prompts,
+    engine_samples,
+    params_per_prompt,
+    parse_prompts,
+    salted,
+    template_message,
+)
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
-from tandem.engine.sampling_params import MAX_LOGPROBS, SamplingParams, sample_seed
+from tandem.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-Prompts = str | dict[str, Any] | Sequence[str] | Sequence[Sequence[int]] | Sequence[dict[str, Any]]
-"""One prompt or several: texts, token id lists, or vLLM's prompt dicts."""
 
 
 class LLM:
@@ -167,7 +171,7 @@ class LLM:
         )
         prompts = [
             self.engine.tokenizer.apply_chat_template(
-                [_with_text_content(m) for m in conversation],
+                [template_message(m) for m in conversation],
                 template_kwargs=template_kwargs,
                 **render,
             )
@@ -192,10 +196,10 @@ class LLM:
         with `SamplingParams.n` samples in its `outputs` (sample i seeded `seed + i`).
         `priority`: one per prompt; lower values are scheduled first (vLLM's)."""
         _no_lora(lora_request)
-        prompt_list, salts = _as_prompt_list(prompts)
+        prompt_list, salts = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        param_list = _salted(_as_param_list(sampling_params, len(prompt_list)), salts)
+        param_list = salted(params_per_prompt(sampling_params, len(prompt_list)), salts)
         priorities = [0] * len(prompt_list) if priority is None else [int(p) for p in priority]
         if len(priorities) != len(prompt_list):
             raise InvalidRequestError(
@@ -208,7 +212,7 @@ class LLM:
                 try:
                     self._check_logprobs(p)
                     check_enforceable(p.structure)
-                    for sample in _samples(p):
+                    for sample in engine_samples(p):
                         requests.append(
                             engine.add_request(prompt, sample, priority=priorities[index])
                         )
@@ -281,18 +285,6 @@ def _no_lora(lora_request: Any) -> None:
         raise ValueError("lora_request: LoRA adapters are not supported")
 
 
-def _with_text_content(message: dict[str, Any]) -> dict[str, Any]:
-    """`message` with a content given as OpenAI's parts as one string (`content_text`), and
-    its tool calls' arguments as objects (`template_tool_calls`)."""
-    content = message.get("content")
-    if isinstance(content, list) or content is None:
-        # (None or none: an assistant turn of calls alone; templates read its content as "")
-        message = {**message, "content": content_text(content)}
-    if "tool_calls" in message:
-        message = {**message, "tool_calls": template_tool_calls(message["tool_calls"])}
-    return message
-
-
 def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` less vLLM's arguments: those that change nothing here are dropped (and logged);
     those asking for what this engine does not do are refused by name (ValueError)."""
@@ -334,85 +326,3 @@ def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 _NO_OP_VALUES: tuple[Any, ...] = (None, False, 0, "auto", "main", {}, [])
 """The values with which an engine argument tandem does not know asks for nothing (vLLM's
 defaults: `revision="main"`, `enable_lora=False`, `cpu_offload_gb=0`, `load_format="auto"`)."""
-
-
-def _samples(params: SamplingParams) -> list[SamplingParams]:
-    """The engine requests of `params`' `n` samples (sample i seeded `seed + i`)."""
-    if params.n == 1:
-        return [params]
-    seeds = [sample_seed(params.seed, i) for i in range(params.n)]
-    return [params.model_copy(update={"n": 1, "seed": seed}) for seed in seeds]
-
-
-def _token_ids(ids: Any) -> list[int]:
-    """A prompt's token ids; a `BatchEncoding` (what transformers 5's `apply_chat_template`
-    returns, tokenized) gives its `input_ids`."""
-    if isinstance(ids, Mapping):
-        if "input_ids" not in ids:
-            raise InvalidRequestError("token-id prompts are lists of ints (got a mapping)")
-        ids = ids["input_ids"]
-    try:
-        return [int(t) for t in ids]
-    except (TypeError, ValueError):
-        raise InvalidRequestError(f"token-id prompts are lists of ints, got {ids!r:.80}") from None
-
-
-def _as_prompt_list(prompts: Prompts) -> tuple[list[str | list[int]], list[str | None]]:
-    """The prompts as texts and token-id lists, and each one's `cache_salt` (a dict prompt's,
-    as vLLM takes it; else None)."""
-    if prompts is None:
-        raise InvalidRequestError("prompts: give a text, token ids or a list of them")
-    if isinstance(prompts, (str, dict)):
-        prompts = [prompts]  # type: ignore[assignment]
-    out: list[str | list[int]] = []
-    salts: list[str | None] = []
-    for prompt in prompts:
-        salts.append(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
-        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
-            if prompt.get("multi_modal_data"):
-                raise InvalidRequestError("multi_modal_data: this model takes text only")
-            if "prompt_token_ids" in prompt:
-                out.append(_token_ids(prompt["prompt_token_ids"]))
-            elif isinstance(prompt.get("prompt"), str):
-                out.append(prompt["prompt"])
-            else:
-                raise InvalidRequestError(
-                    "a dict prompt needs 'prompt' (text) or 'prompt_token_ids'"
-                )
-        elif isinstance(prompt, str):
-            out.append(prompt)
-        elif isinstance(prompt, int):
-            raise InvalidRequestError(
-                "token-id prompts must be a list of lists of ints, one per prompt"
-            )
-        else:
-            out.append(_token_ids(prompt))
-    return out, salts
-
-
-def _salted(params: list[SamplingParams], salts: list[str | None]) -> list[SamplingParams]:
-    """Each prompt's params with its prompt's `cache_salt` (a copy where it has one)."""
-    salted = []
-    for p, salt in zip(params, salts, strict=True):
-        if salt is not None:
-            p = p.model_copy()
-            p.cache_salt = salt  # (checked as the constructor checks it)
-        salted.append(p)
-    return salted
-
-
-def _as_param_list(
-    params: SamplingParams | Sequence[SamplingParams], n: int
-) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    # (a dict of fields is one wrong item: refused below with the others)
-    given: list[Any] = [params] if isinstance(params, Mapping) else list(params)
-    if not all(isinstance(p, SamplingParams) for p in given):
-        raise InvalidRequestError(
-            "sampling_params: a SamplingParams or a list of them, one per prompt "
-            "(a dict of fields: SamplingParams(**fields))"
-        )
-    if len(given) != n:
-        raise InvalidRequestError(f"got {len(given)} SamplingParams for {n} prompts")
-    return given
