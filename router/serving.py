@@ -22,6 +22,7 @@ from tandem.router.request_prep import (
     check_token_ids,
     off_the_loop_if_long,
     prompt_token_ids,
+    render_chat,
     sampling_params,
     truncated,
 )
@@ -121,36 +122,9 @@ class Serving:
                 code="model_not_found",
             )
 
-    def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        documents: list[dict[str, Any]] | None = None,
-        add_special_tokens: bool = False,
-    ) -> list[int]:
-        """The token ids of chat `messages` through the chat template (400 if it fails)."""
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                template_kwargs=template_kwargs,
-                tools=tools,
-                documents=documents,
-                add_special_tokens=add_special_tokens,
-            )
-        except Exception as exc:  # (the template's own refusals, and what its code raises on
-            # messages it does not expect: `| dictsort` of a string, a division by zero)
-            hint = (
-                ""
-                if self.tokenizer.hf.chat_template
-                else " (the model has none: serve it with --chat-template)"
-            )
-            raise bad_request(f"cannot apply the chat template: {exc}{hint}", "messages") from None
+    def render_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """The token ids of chat `messages` (`request_prep.render_chat`: 400 if it fails)."""
+        return render_chat(self.tokenizer, messages, **options)
 
     async def prepare(
         self,
