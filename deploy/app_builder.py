@@ -33,7 +33,12 @@ def chat_template_text(value: str | None) -> str | None:
         return None
     path = Path(value).expanduser()
     if "\n" not in value and len(value) < 4096 and path.is_file():
-        value = path.read_text()
+        try:
+            value = path.read_text()
+        except UnicodeDecodeError:
+            raise ValueError(f"chat_template {str(path)!r} is not UTF-8 text") from None
+    elif "\n" not in value and len(value) < 4096 and path.is_dir():
+        raise ValueError(f"chat_template {value!r} is a directory: give the template's file")
     elif not any(c in value for c in "{}\n"):  # (as vLLM: path-like, yet no such file)
         raise ValueError(f"chat_template {value!r} looks like a path, but there is no such file")
     import jinja2
@@ -64,6 +69,24 @@ def resolve_model(config: ClusterConfig) -> str:
         Tokenizer.from_pretrained(path)  # (loaded, not only found: a broken file says so here)
         return str(path.resolve())
     return str(ensure_embedded_model(Path(config.cache_dir).expanduser()))
+
+
+KV_LAYOUT_SETTINGS = ("dtype", "block_size", "model_revision")
+"""Engine settings the two roles must share: a prefill worker's pages land in a decode
+worker's pool as they are (the decode side refuses other layouts or namespaces)."""
+
+
+def check_roles_agree(config: ClusterConfig, model: str) -> None:
+    """ValueError naming the setting where prefill's and decode's engine settings (the shared
+    ones with each role's own over them) would move KV pages between different layouts."""
+    prefill, decode = (config.engine_config(role, model) for role in ("prefill", "decode"))
+    for name in KV_LAYOUT_SETTINGS:
+        if getattr(prefill, name) != getattr(decode, name):
+            raise ValueError(
+                f"prefill and decode engines must agree on {name} (KV pages move between "
+                f"them as they are): prefill {getattr(prefill, name)!r}, decode "
+                f"{getattr(decode, name)!r}"
+            )
 
 
 def registry_name(config: ClusterConfig) -> str:
@@ -112,6 +135,7 @@ def build_app(config: ClusterConfig) -> Application:
     model = resolve_model(config)
     prefill = None
     if config.mode == "pd":
+        check_roles_agree(config, model)
         prefill = PrefillWorker.options(  # type: ignore[attr-defined]
             **worker_options(config.prefill, "prefill")
         ).bind(config.worker_settings("prefill", model, registry).model_dump(mode="json"))

@@ -30,6 +30,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except yaml.YAMLError as exc:
         raise ValueError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text (a YAML or JSON file)") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
     return data

@@ -59,7 +59,7 @@ def generate(
     ] = 2048,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Max running requests.")] = 256,
     max_model_len: Annotated[
-        int | None, typer.Option(min=1, help="Context length (default: the model's).")
+        int | None, typer.Option(min=2, help="Context length (default: the model's).")
     ] = None,
     prefix_caching: Annotated[
         bool, typer.Option(help="Reuse KV of shared prompt prefixes.")

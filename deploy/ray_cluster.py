@@ -33,7 +33,7 @@ logger = logging.getLogger("tandem.deploy")
 def start_ray(
     address: str | None,
     host: str,
-    num_cpus: float | None,
+    num_cpus: int | None,
     dashboard_port: int,
     ingress: Ingress,
     needed: dict[str, float],

@@ -39,7 +39,7 @@ def _config(
 ) -> Any:
     """The cluster config: `defaults` (from the environment) where the file is silent, the
     file's, then the flags that were given (`overrides` at the top level, replicas per role,
-    `nested` as (section, field): value)."""
+    `nested` as (section, field): value; an engine flag also over a role's own setting)."""
     from tandem.deploy.cluster_config import ClusterConfig, read_config_file
 
     data: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if v is not None}
@@ -51,7 +51,17 @@ def _config(
     for (section, field), value in (nested or {}).items():
         if value is not None:
             data[section] = {**(data.get(section) or {}), field: value}
+            if section == "engine":  # (the flag sets it for both roles: theirs give way)
+                for role in ("prefill", "decode"):
+                    _drop_role_engine_field(data, role, field)
     return ClusterConfig.model_validate(data)
+
+
+def _drop_role_engine_field(data: dict[str, Any], role: str, field: str) -> None:
+    role_data = data.get(role)
+    engine = role_data.get("engine") if isinstance(role_data, dict) else None
+    if isinstance(role_data, dict) and isinstance(engine, dict) and field in engine:
+        data[role] = {**role_data, "engine": {k: v for k, v in engine.items() if k != field}}
 
 
 def serve(
@@ -101,7 +111,7 @@ def serve(
         ),
     ] = None,
     num_cpus: Annotated[
-        float | None,
+        int | None,
         typer.Option(
             min=1,
             help="CPUs of a newly started local Ray cluster (default: what the replicas ask "
@@ -222,6 +232,10 @@ def serve(
         }
         env = {"cache_dir": os.environ.get("TANDEM_CACHE_DIR")}  # (the file's beats it)
         cfg = _config(config, overrides, roles, nested, env)
+        if cfg.mode == "pd":  # (a transport whose package is missing fails here, before Ray)
+            from tandem.kv_transfer.registry import transport_class
+
+            transport_class(cfg.transport)
         ignored = _ignored_in_colocated(cfg, prefill_flag=prefill_replicas is not None)
         if ignored:
             typer.echo(f"[tandem] note: {', '.join(ignored)} ignored in colocated mode (the "
@@ -235,7 +249,7 @@ def serve(
     except ValidationError as exc:
         typer.echo(f"Error: invalid configuration: {summarize_validation(exc)}", err=True)
         raise typer.Exit(code=2) from None
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, ImportError) as exc:
         typer.echo(f"Error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
     if cfg.host in ("127.0.0.1", "localhost"):

@@ -90,6 +90,12 @@ class EngineConfig(BaseModel):
             data = {**data, "dtype": name}
         return data
 
+    @model_validator(mode="after")
+    def _kernels_fit_the_device(self) -> EngineConfig:
+        if self.attention_backend == "triton" and self.device == "cpu":
+            raise ValueError("attention_backend 'triton' runs on CUDA only, and device is 'cpu'")
+        return self
+
     def resolved_device(self) -> torch.device:
         """`device` with "auto" resolved (CUDA when available); ValueError when CUDA is asked for
         and absent."""

@@ -140,8 +140,9 @@ class Tokenizer:
 
         try:
             hf = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"cannot load the tokenizer in {str(root)!r}: {exc}") from exc
+        except Exception as exc:  # (also transformers' own refusal of a config.json it checks)
+            why = " ".join(str(exc).split())
+            raise CheckpointError(f"cannot load the tokenizer in {str(root)!r}: {why}") from exc
         # The engine checks prompt lengths against its own `max_model_len`; the tokenizer's
         # config limit (often the training context) would only log a misleading "Token indices
         # sequence length is longer than ..." warning for a long text that the model takes.

@@ -37,9 +37,17 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            weight_map = json.loads(index.read_text()).get("weight_map")
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{index} is not valid JSON: {exc}") from None
+        except AttributeError:  # (not an object)
+            weight_map = None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise CheckpointError(
+                f"{index} has no weight_map (an object naming each tensor's shard file)"
+            )
         files = sorted({model_dir / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -122,7 +130,7 @@ def load_weights(
     """Copies every checkpoint tensor into `model`, fusing projections; strict about names."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    pending: dict[str, dict[str, torch.Tensor]] = {}
+    pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}  # target -> part -> stored
     tied: dict[str, torch.Tensor] = {}  # (with tied embeddings: those of `_TIED` stored)
     for hf_name, tensor in read(checkpoint_files(model_dir)):
         name = hf_name.removeprefix("model.")
@@ -138,10 +146,11 @@ def load_weights(
             continue
         target, part = fused
         parts = pending.setdefault(target, {})
-        parts[part] = tensor
+        parts[part] = (hf_name, tensor)
         if len(parts) == len(_FUSED[_fused_kind(target)]):
-            order = _FUSED[_fused_kind(target)]
-            _copy(params, target, torch.cat([parts[p] for p in order], dim=0), dtype)
+            stored = [parts[p] for p in _FUSED[_fused_kind(target)]]
+            _check_fusable(params.get(target), stored)
+            _copy(params, target, torch.cat([t for _, t in stored], dim=0), dtype)
             loaded.add(target)
             del pending[target]
     if pending:
@@ -200,6 +209,23 @@ def _fused_target(name: str) -> tuple[str, str] | None:
         if module in members:
             return ".".join([*pieces[:-2], fused, leaf]), module
     return None
+
+
+def _check_fusable(
+    param: torch.nn.Parameter | None, stored: list[tuple[str, torch.Tensor]]
+) -> None:
+    """CheckpointError naming the stored tensors when they cannot be stacked into `param`
+    (q, k, v or gate, up projections whose other dimensions or rows do not fit the config)."""
+    if param is None:
+        return  # (`_copy` names the missing counterpart)
+    rows = sum(t.shape[0] if t.dim() else 0 for _, t in stored)
+    if rows == param.shape[0] and all(t.shape[1:] == param.shape[1:] for _, t in stored):
+        return
+    shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in stored)
+    raise CheckpointError(
+        f"shape mismatch: {shapes}; the config expects {tuple(param.shape)} for them together "
+        "(their rows stacked)"
+    )
 
 
 def _copy(
