@@ -109,6 +109,11 @@ def pool_blocks(config: EngineConfig, spec: ModelSpec, kv_bytes: int | None) -> 
             "raise num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization or lower "
             "max_model_len"
         )
+    if capacity < 2:  # (a prompt token and a generated one)
+        raise InvalidRequestError(
+            f"the KV pool holds {capacity} token ({num_blocks} block x {config.block_size}): "
+            "no request fits; raise num_kv_blocks / kv_cache_memory_gb / block_size"
+        )
     if capacity < target_len:  # (vLLM refuses to start here; a small pool is fine for tests)
         logger.warning(
             "max_model_len lowered from %d to %d tokens: the KV pool holds only %d blocks x %d; "

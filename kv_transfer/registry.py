@@ -5,7 +5,10 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import typing
 from typing import Any
+
+import pydantic
 
 from tandem.kv_transfer.base import KVTransport
 
@@ -51,7 +54,8 @@ def option_names(name: str) -> set[str] | None:
 
 
 def check_options(name: str, options: dict[str, Any]) -> None:
-    """ValueError naming the options the transport called `name` does not take."""
+    """ValueError naming the options the transport called `name` does not take, or a value
+    not of the type its constructor declares (strictly: "5" is not an int)."""
     if not options:
         return
     known = option_names(name)
@@ -60,6 +64,16 @@ def check_options(name: str, options: dict[str, Any]) -> None:
     if unknown := sorted(set(options) - known):
         takes = ", ".join(sorted(known)) or "none"
         raise ValueError(f"transport {name!r} has no option {unknown} (it takes: {takes})")
+    hints = typing.get_type_hints(transport_class(name).__init__)
+    for option, value in options.items():
+        if option in hints:
+            try:
+                pydantic.TypeAdapter(hints[option]).validate_python(value, strict=True)
+            except pydantic.ValidationError:
+                kind = getattr(hints[option], "__name__", str(hints[option]))
+                raise ValueError(
+                    f"transport {name!r} option {option}: {value!r} is not of type {kind}"
+                ) from None
 
 
 def reachable_options(name: str, options: dict[str, Any], node_ip: str) -> dict[str, Any]:

@@ -130,3 +130,19 @@ def test_a_config_transformers_refuses_is_a_checkpoint_error(
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="not a multiple of the number of attention heads"):
         LLM(model=str(path), device="cpu")
+
+
+def test_a_pool_that_holds_no_request_is_refused(tiny_checkpoint: Callable[..., Path]) -> None:
+    from tandem.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="the KV pool holds 1 token"):
+        LLM(model=str(tiny_checkpoint()), device="cpu", num_kv_blocks=1, block_size=1)
+
+
+def test_a_transport_option_of_the_wrong_type_is_named() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="option port: 'x' is not of type int"):
+        ClusterConfig.model_validate({"transport": "torch", "transport_options": {"port": "x"}})
+    config = {"transport": "shm", "transport_options": {"timeout": 2, "pull": None}}
+    assert ClusterConfig.model_validate(config).transport_options["timeout"] == 2
