@@ -54,7 +54,12 @@ ANNOTATIONS = frozenset(
     {"$ref", "title", "description", "default", "examples", "$comment", "deprecated",
      "readOnly", "writeOnly", "$defs", "definitions", "$schema", "$id"}
 )  # fmt: skip
-"""Keywords beside a `$ref` that constrain nothing there (any other one is left out)."""
+"""Keywords beside a `$ref` or a combinator that constrain nothing there (any other one is
+left out: the grammar enforces the `$ref` or the combinator alone)."""
+
+COMBINATORS = ("anyOf", "oneOf", "allOf")
+"""`oneOf` is enforced as `anyOf` (an output may match more than one branch), as vLLM's
+xgrammar backend takes it: real schemas' branches rarely overlap."""
 
 
 def unenforced(schema: Any) -> str | None:
@@ -76,20 +81,64 @@ def _problems(schema: Any, where: str) -> Iterator[str]:
         yield f"the external $ref {ref!r} (in {where})"
     if ref is not None and (extra := sorted(set(schema) - ANNOTATIONS)):
         yield f"{', '.join(map(repr, extra))} beside a $ref (in {where})"
+    for keyword in COMBINATORS:
+        if isinstance(schema.get(keyword), list):
+            if not schema[keyword]:
+                yield f"an empty {keyword!r}: no value matches it (in {where})"
+            if extra := sorted(set(schema) - ANNOTATIONS - {keyword}):
+                yield f"{', '.join(map(repr, extra))} beside {keyword!r} (in {where})"
+            break
+    yield from _value_problems(schema, where)
     yield from _string_problems(schema, where)
     if "multipleOf" in schema and schema.get("type") != "integer":
         yield f"'multipleOf' on a non-integer (in {where})"
     properties, required = schema.get("properties"), schema.get("required")
-    if isinstance(properties, dict) and isinstance(required, list):
-        missing = [name for name in required if name not in properties]
+    if isinstance(required, list) and required:
+        missing = [name for name in required if name not in (properties or {})]
         if missing:
             yield f"required {missing} not among the properties (in {where})"
     for name, sub in _subschemas(schema):
         yield from _problems(sub, f"{where} > {name}")
 
 
+def _value_problems(schema: dict[str, Any], where: str) -> Iterator[str]:
+    """A `type` no value has, or a `const` / `enum` value that is not of the schema's type
+    (the grammar writes the value anyway)."""
+    types = schema.get("type")
+    allowed = [types] if isinstance(types, str) else types
+    if not isinstance(allowed, list):
+        return
+    if not allowed:
+        yield f"an empty 'type' list: no value matches it (in {where})"
+        return
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    for value in values if isinstance(values, list) else ():
+        if not any(_is_of_type(value, kind) for kind in allowed):
+            yield f"the value {value!r} is not of type {types!r} (in {where})"
+
+
+def _is_of_type(value: Any, kind: Any) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    python = {"null": type(None), "boolean": bool, "string": str, "array": list,
+              "object": dict, "number": (int, float)}.get(kind)  # fmt: skip
+    if python is None:
+        return True  # (an unknown type name: xgrammar's to refuse)
+    return isinstance(value, python) and not (kind == "number" and isinstance(value, bool))
+
+
 def _string_problems(schema: dict[str, Any], where: str) -> Iterator[str]:
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    if isinstance(types, list) and types and "string" not in types:
+        return  # (`format` of an integer or a number, e.g. OpenAPI's int32: an annotation)
     bounded = "minLength" in schema or "maxLength" in schema
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and ('"' in pattern or "\\\\" in pattern):
+        yield (
+            f"a 'pattern' that matches '\"' or '\\\\' (the grammar writes them unescaped: the "
+            f"output would not be JSON) (in {where})"
+        )
     fmt = schema.get("format")
     if isinstance(fmt, str) and fmt not in STRING_FORMATS:
         yield f"the string format {fmt!r} (in {where}; known: {', '.join(sorted(STRING_FORMATS))})"

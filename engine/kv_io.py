@@ -66,7 +66,11 @@ def import_request(
     if request_id in engine.requests:
         raise InvalidRequestError(f"request id {request_id!r} is already in use")
     bm = engine.block_manager
-    hits = bm.match_prefix(kv.block_hashes, kv.token_ids)
+    # (this request's own hashes, under its own cache_salt: those the export carries may be
+    # another salt's, and a hit would cross salts)
+    root = salted_root(engine.namespace.root_hash(), params.cache_salt)
+    hashes = hash_full_blocks(root, kv.token_ids, engine.config.block_size)
+    hits = bm.match_prefix(hashes, kv.token_ids)
     block_table: list[int] = []
     if not bm.allocate(block_table, kv.num_tokens, hits):
         raise NoFreeBlocksError(f"no room for {kv.num_blocks} blocks of request {request_id!r}")
@@ -83,6 +87,7 @@ def import_request(
         num_hit_blocks=len(hits),
         sampler_state=kv.sampler_state,
         stream_text=stream_text,
+        block_hashes=hashes,
     )
 
 
@@ -98,6 +103,7 @@ def commit_request(
     sampler_state: torch.Tensor | None = None,
     stream_text: bool = False,
     matcher: Any = None,
+    block_hashes: list[int] | None = None,
 ) -> Request:
     """Turns blocks that hold the prompt's KV (already referenced by `block_table`) into a
     running request that continues after `output_token_ids`. The request owns the blocks now."""
@@ -123,9 +129,10 @@ def commit_request(
     req.block_table = block_table
     req.num_computed_tokens = len(prompt_token_ids)
     req.num_prefix_hit_tokens = num_hit_blocks * bs
-    req.block_hashes = hash_full_blocks(
-        salted_root(engine.namespace.root_hash(), params.cache_salt), prompt_token_ids, bs
-    )
+    if block_hashes is None:  # (the prompt's full blocks, under the request's cache_salt)
+        root = salted_root(engine.namespace.root_hash(), params.cache_salt)
+        block_hashes = hash_full_blocks(root, prompt_token_ids, bs)
+    req.block_hashes = block_hashes
     req.num_cached_blocks = engine.block_manager.cache_blocks(
         block_table, req.block_hashes, req.token_ids, num_hit_blocks
     )

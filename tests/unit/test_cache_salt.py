@@ -115,3 +115,27 @@ def test_grpc_passes_the_salt_on() -> None:
     assert seen["fields"]["cache_salt"] == "t"
     asyncio.run(front._prepare(generation_pb2.GenerateRequest(prompt="x")))
     assert "cache_salt" not in seen["fields"]
+
+
+def test_an_import_matches_blocks_under_its_own_salt(model: str) -> None:
+    """The hashes an export carries are its exporter's: matched as given, a request salted
+    "c" reused blocks another imported under "a"."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, cache_salt="a")
+    prefill = LLM(model=model, num_kv_blocks=64).engine
+    decode = LLM(model=model, num_kv_blocks=64).engine
+
+    def handed_over(rid: str, import_params: SamplingParams) -> int:
+        prefill.add_request(
+            PROMPT, params.model_copy(update={"max_tokens": 1}), request_id=rid, keep_kv=True
+        )
+        first = [t for _ in range(8) for out in prefill.step() for t in out.new_token_ids]
+        req = decode.import_request(rid, prefill.export_kv(rid), first[:1], import_params)
+        prefill.release_kv(rid)
+        while decode.has_unfinished_requests():
+            decode.step()
+        return req.num_prefix_hit_tokens
+
+    assert handed_over("a1", params) == 0
+    assert handed_over("c1", params.model_copy(update={"cache_salt": "c"})) == 0
+    assert handed_over("a2", params) == 64
+    decode.check_integrity()

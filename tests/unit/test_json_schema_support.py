@@ -37,6 +37,13 @@ def test_the_schemas_pydantic_writes_every_day_are_enforced() -> None:
     assert unenforced({"type": "integer", "multipleOf": 5}) is None
     assert unenforced({"type": "array", "items": {"type": "string"}, "uniqueItems": False}) is None
     assert unenforced({"$ref": "#/$defs/a", "description": "x", "$defs": {"a": {}}}) is None
+    # OpenAPI's number formats are annotations; a oneOf is enforced as an anyOf (vLLM's)
+    assert unenforced({"type": "integer", "format": "int32"}) is None
+    assert (
+        unenforced({"type": ["number", "null"], "format": "double", "enum": [1, 2.5, None]}) is None
+    )
+    assert unenforced({"oneOf": [{"type": "integer"}, {"type": "string"}], "title": "t"}) is None
+    assert unenforced({"type": "string", "pattern": r"^\d+\.\w$"}) is None
 
 
 @pytest.mark.parametrize(
@@ -54,6 +61,19 @@ def test_the_schemas_pydantic_writes_every_day_are_enforced() -> None:
         ({"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n", "minimum": 5}, "'minimum' beside a $ref"),
         ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required ['b']"),
         ({"type": "array", "items": [{"type": "integer"}, {"uniqueItems": True}]}, "items[1]"),
+        # (keywords beside a combinator: the grammar enforced the combinator alone)
+        ({"type": "object", "properties": {"a": {}}, "oneOf": [{"required": ["a"]}]}, "'properties', 'type' beside 'oneOf'"),
+        ({"type": "integer", "minimum": 0, "anyOf": [{"maximum": 3}]}, "'minimum', 'type' beside 'anyOf'"),
+        ({"type": "string", "allOf": [{"type": "integer"}]}, "'type' beside 'allOf'"),
+        ({"anyOf": []}, "an empty 'anyOf'"),
+        ({"type": "object", "required": ["x"]}, "required ['x'] not among the properties"),
+        # (values the grammar would write although they break the schema)
+        ({"type": "integer", "const": "x"}, "the value 'x' is not of type 'integer'"),
+        ({"type": "string", "enum": ["a", 1, None]}, "the value 1 is not of type 'string'"),
+        ({"type": "boolean", "const": 1}, "the value 1 is not of type 'boolean'"),
+        ({"type": []}, "an empty 'type' list"),
+        ({"type": "string", "pattern": '^a"b$'}, "a 'pattern' that matches"),
+        ({"type": "string", "pattern": r"^a\\b$"}, "a 'pattern' that matches"),
     ],
 )  # fmt: skip
 def test_what_the_grammar_would_leave_out_is_named(schema: dict[str, Any], named: str) -> None:
