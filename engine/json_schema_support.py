@@ -117,11 +117,16 @@ def _value_problems(schema: dict[str, Any], where: str) -> Iterator[str]:
             yield f"the value {value!r} is not of type {types!r} (in {where})"
 
 
+_PYTHON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "null": type(None), "boolean": bool, "string": str, "array": list, "object": dict,
+    "number": (int, float),
+}  # fmt: skip
+
+
 def _is_of_type(value: Any, kind: Any) -> bool:
     if kind == "integer":
         return isinstance(value, int) and not isinstance(value, bool)
-    python = {"null": type(None), "boolean": bool, "string": str, "array": list,
-              "object": dict, "number": (int, float)}.get(kind)  # fmt: skip
+    python = _PYTHON_TYPES.get(kind)
     if python is None:
         return True  # (an unknown type name: xgrammar's to refuse)
     return isinstance(value, python) and not (kind == "number" and isinstance(value, bool))
