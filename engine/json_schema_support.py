@@ -126,7 +126,7 @@ _PYTHON_TYPES: dict[str, type | tuple[type, ...]] = {
 def _is_of_type(value: Any, kind: Any) -> bool:
     if kind == "integer":
         return isinstance(value, int) and not isinstance(value, bool)
-    python = _PYTHON_TYPES.get(kind)
+    python = _PYTHON_TYPES.get(kind) if isinstance(kind, str) else None
     if python is None:
         return True  # (an unknown type name: xgrammar's to refuse)
     return isinstance(value, python) and not (kind == "number" and isinstance(value, bool))
