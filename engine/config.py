@@ -92,6 +92,7 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _kernels_fit_the_device(self) -> EngineConfig:
+        # (on a device left "auto" the kernels may run under Triton's interpreter: tests)
         if self.attention_backend == "triton" and self.device == "cpu":
             raise ValueError("attention_backend 'triton' runs on CUDA only, and device is 'cpu'")
         return self

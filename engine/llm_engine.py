@@ -65,11 +65,6 @@ class LLMEngine:
         # as vLLM stops; config.json's eos is not added when generation_config.json has its own.
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.device = config.resolved_device()
-        if config.attention_backend == "triton" and self.device.type != "cuda":
-            raise ValueError(
-                f"attention_backend 'triton' runs on CUDA only, and this engine runs on "
-                f"{self.device.type!r} ('auto' picks the kernels for the device)"
-            )
         self.model = CausalLM(self.spec, attention_backend=config.attention_backend)
         memory = sizing_memory(config, self.device)  # (`kv_pool_size`)
         baseline = MemoryBaseline.take(memory) if memory is not None else None

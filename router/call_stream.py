@@ -8,9 +8,9 @@ index. The arguments stream as the model writes their JSON object (its own spaci
 whose head the parser cannot read early (`ToolParser.call_head`: e.g. its arguments come before
 its name), or whose arguments are not an object, comes whole when the reply ends. What went out
 is checked against the whole reply's parse at the end; a reply whose calls do not parse after
-all ends with its text as content and finishes as one without calls ("stop", as its body does;
-the call deltas that went out cannot be taken back); one cut short by the token limit ends with
-the pieces that went out, finish "length" (its text is not sent again as content).
+all ends, once a call's deltas went out (they cannot be taken back), with those pieces, as
+vLLM streams it: finish "tool_calls", or "length" when the token limit cut it short (its text is
+not sent again as content; the body, read whole, has the text as content and no call).
 """
 
 from __future__ import annotations
@@ -102,11 +102,14 @@ class CallStream:
             return held or None, []
         deltas = self._advance()
         content, calls = self._parser(held)
-        if not calls:  # (the reply's text is its content: it ends as one without calls)
-            sent_calls, self.has_calls = self.has_calls, False
-            if cut and sent_calls:  # (as vLLM streams it: the call's pieces only; "length")
-                return None, _merged(deltas)
-            return held or None, _merged(deltas)
+        if not calls:
+            if not self.has_calls:  # (the reply's text is its content: no call went out)
+                return held or None, _merged(deltas)
+            # Call deltas went out and cannot be taken back: as vLLM streams it, the reply
+            # ends with them, its text not sent again as content; finish "tool_calls", or
+            # "length" where it was `cut` (`has_calls` False).
+            self.has_calls = not cut
+            return None, _merged(deltas)
         for k, call in enumerate(calls):
             seen = self._calls[k] if k < len(self._calls) else None
             if seen is None:

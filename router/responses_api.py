@@ -85,6 +85,7 @@ class _Head:
             "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature,
             "top_p": body.top_p,
+            "top_logprobs": body.top_logprobs,
             "tools": body.tools or [],
             "tool_choice": body.tool_choice or "auto",
             "parallel_tool_calls": body.parallel_tool_calls,
@@ -111,6 +112,7 @@ class _Head:
             "created_at": self.created_at,
             "model": self.model,
             "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "error": error,
             "incomplete_details": incomplete,
             "output": output,
@@ -126,7 +128,8 @@ class _Head:
         if message.get("reasoning_content"):
             output.append(_reasoning_item(_new_id("rs"), message["reasoning_content"]))
         calls = message.get("tool_calls") or []
-        if message.get("content") or not calls:
+        if message.get("content") or not (calls or output):  # (as streamed: no empty message
+            # after thoughts alone)
             logprobs = (choice.get("logprobs") or {}).get("content") or []
             output.append(_message_item(_new_id("msg"), message.get("content") or "", logprobs))
         for call in calls:

@@ -314,6 +314,8 @@ class Serving:
                                 if tokens := len(item.get("token_ids") or ()):
                                     if last_tokens is not None:
                                         self.metrics.token_gap(now - last_tokens, tokens)
+                                    elif tokens > 1:  # (tokens that came with the first)
+                                        self.metrics.token_gap(0.0, tokens - 1)
                                     last_tokens = now
                                 last_item = now
                                 outcome = req.take(item) or outcome

@@ -119,16 +119,26 @@ def test_parallel_tool_calls_false_reads_the_first_call_only(piece: int) -> None
 
 
 @pytest.mark.parametrize("piece", [1, 4, 100])
-def test_a_call_that_does_not_parse_at_the_end_finishes_as_content(piece: int) -> None:
-    """Its head went out as it was written, but its arguments are not JSON: the reply's text
-    is its content, as in the body (finish "stop": `has_calls` is False at the end)."""
+def test_a_call_that_does_not_parse_at_the_end_is_not_sent_again_as_content(piece: int) -> None:
+    """Its head went out as it was written, but its arguments are not JSON: the pieces that
+    went out end the stream, finish "tool_calls", as vLLM's (its text came again as content
+    after them: the client held a call and the call's text)."""
     broken = 'Pre <tool_call>{"name": "a", "arguments": {"x": }}</tool_call>'
     stream = CallStream(HermesParser())
-    sent = [stream.feed(broken[i : i + piece])[0] for i in range(0, len(broken), piece)]
+    fed = [stream.feed(broken[i : i + piece]) for i in range(0, len(broken), piece)]
     assert stream.has_calls  # (the name went out)
-    rest, _ = stream.finish()
-    assert "".join(sent) + (rest or "") == broken == HermesParser()(broken)[0]
-    assert not stream.has_calls
+    rest, last = stream.finish()
+    assert "".join(c for c, _ in fed) == "Pre " and rest is None
+    pieces = [d for _, deltas in fed for d in deltas] + last
+    assert pieces[0]["function"]["name"] == "a" and {d["index"] for d in pieces} == {0}
+    assert stream.has_calls  # (finish "tool_calls")
+    without_a_call = "Pre <tool_call>{not json</tool_call>"  # (no head went out: content)
+    plain = CallStream(HermesParser())
+    sent = [
+        plain.feed(without_a_call[i : i + piece])[0] for i in range(0, len(without_a_call), piece)
+    ]
+    rest, _ = plain.finish()
+    assert "".join(sent) + (rest or "") == without_a_call and not plain.has_calls
 
 
 @pytest.mark.parametrize("piece", [1, 4, 100])

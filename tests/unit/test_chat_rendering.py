@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +15,11 @@ import pytest
 from tokenizers.processors import TemplateProcessing
 
 from tandem import LLM, SamplingParams
-from tandem.engine.tokenizer import Tokenizer
 from tandem.router import openai_api
 from tandem.router.errors import APIError
 from tandem.router.openai_protocol import ChatCompletionRequest
-from tandem.router.prepared import Prepared
 from tandem.router.serving import Serving
+from tests.unit.fake_serving import OneTokenServing, fake_serving
 
 DOCS_TEMPLATE = (
     "{% for d in documents or [] %}[doc {{ d.title }}: {{ d.text }}]{% endfor %}"
@@ -34,56 +33,7 @@ SKIPS_SYSTEM = (
 USER = {"role": "user", "content": "the river"}
 
 
-class _Limits:
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-
-    async def limits(self) -> dict[str, int]:
-        return {"max_model_len": 2048, "vocab_size": self.vocab_size}
-
-
-class _Admission:
-    def priority(self, priority: int | None, user: str | None) -> int:
-        return priority or 0
-
-    def deadline_ms(self, deadline_ms: float | None, user: str | None) -> float | None:
-        return deadline_ms
-
-
-class _Planner:
-    admission = _Admission()
-    policy_name = "test"
-
-
-class _OneTokenServing(Serving):
-    """Prepares for real (template, tokens, checks); every request then writes "X"."""
-
-    async def _route(self, req: Prepared) -> None:
-        self.last = req
-
-    async def run(self, req: Prepared) -> AsyncIterator[dict[str, Any]]:
-        req.started = True
-        req.token_ids, req.text, req.completion_tokens = [70], "X", 1
-        req.finish_reason = "length"
-        yield {"token_ids": [70], "text": "X", "finish_reason": "length"}
-
-    async def abandon(self, req: Prepared, refused: Any = None) -> None:
-        return None
-
-
-_metrics: list[Any] = []  # (one RouterMetrics for the module: its series register once)
-
-
-def _serving(path: Path, template: str, vocab_size: int = 512) -> _OneTokenServing:
-    tokenizer = Tokenizer.from_pretrained(path)
-    tokenizer.hf.chat_template = template
-    metrics = _metrics[0] if _metrics else None
-    serving = _OneTokenServing(_Limits(vocab_size), _Planner(), tokenizer, "tiny", metrics=metrics)  # type: ignore[arg-type]
-    _metrics[:] = [serving.metrics]
-    return serving
-
-
-def _chat(serving: _OneTokenServing, **body: Any) -> tuple[list[int], dict[str, Any]]:
+def _chat(serving: OneTokenServing, **body: Any) -> tuple[list[int], dict[str, Any]]:
     request = ChatCompletionRequest.model_validate({"max_tokens": 1, **body})
     response = asyncio.run(openai_api.create_chat_completion(serving, request))
     if body.get("stream"):
@@ -120,14 +70,14 @@ def path(tiny_checkpoint: Callable[..., Path]) -> Path:
 def test_tokenizing_options_in_template_kwargs_change_nothing(
     path: Path, kwargs: dict[str, Any]
 ) -> None:
-    serving = _serving(path, DOCS_TEMPLATE)
+    serving = fake_serving(path, DOCS_TEMPLATE)
     plain, _ = _chat(serving, messages=[USER])
     ids, _ = _chat(serving, messages=[USER], chat_template_kwargs=kwargs)
     assert ids == plain and _text(serving, ids) == "<user>the river</user><assistant>"
 
 
 def test_documents_reach_the_template(path: Path) -> None:
-    serving = _serving(path, DOCS_TEMPLATE)
+    serving = fake_serving(path, DOCS_TEMPLATE)
     docs = [{"title": "Oslo", "text": "cold"}]
     ids, _ = _chat(serving, messages=[USER], documents=docs)
     assert _text(serving, ids) == "[doc Oslo: cold]<user>the river</user><assistant>"
@@ -136,7 +86,7 @@ def test_documents_reach_the_template(path: Path) -> None:
 
 
 def test_a_user_message_can_be_continued_and_the_reply_takes_its_role(path: Path) -> None:
-    serving = _serving(path, DOCS_TEMPLATE)
+    serving = fake_serving(path, DOCS_TEMPLATE)
     body = {"messages": [USER], "add_generation_prompt": False, "continue_final_message": True}
     ids, reply = _chat(serving, **body, echo=True)
     assert _text(serving, ids) == "<user>the river"
@@ -152,14 +102,14 @@ def test_a_user_message_can_be_continued_and_the_reply_takes_its_role(path: Path
 
 
 def test_refusal_and_input_text_parts_are_text(path: Path) -> None:
-    serving = _serving(path, DOCS_TEMPLATE)
+    serving = fake_serving(path, DOCS_TEMPLATE)
     parts = [{"type": "input_text", "text": "a"}, {"type": "refusal", "refusal": "no"}]
     ids, _ = _chat(serving, messages=[{"role": "assistant", "content": parts}])
     assert _text(serving, ids) == "<assistant>a\nno</assistant><assistant>"
 
 
 def test_add_special_tokens_adds_the_tokenizer_s_to_the_template_s_text(path: Path) -> None:
-    serving = _serving(path, DOCS_TEMPLATE)
+    serving = fake_serving(path, DOCS_TEMPLATE)
     hf = serving.tokenizer.hf
     bos = hf.convert_tokens_to_ids("<|endoftext|>")
     hf.backend_tokenizer.post_processor = TemplateProcessing(
@@ -172,12 +122,12 @@ def test_add_special_tokens_adds_the_tokenizer_s_to_the_template_s_text(path: Pa
 
 
 def test_an_empty_or_out_of_vocabulary_rendering_is_a_400(path: Path) -> None:
-    serving = _serving(path, SKIPS_SYSTEM)
+    serving = fake_serving(path, SKIPS_SYSTEM)
     with pytest.raises(APIError) as empty:
         _chat(serving, messages=[{"role": "system", "content": "x"}], add_generation_prompt=False)
     assert (empty.value.status, empty.value.param) == (400, "messages")
     assert "empty" in str(empty.value)
-    small = _serving(path, SKIPS_SYSTEM, vocab_size=50)
+    small = fake_serving(path, SKIPS_SYSTEM, vocab_size=50)
     with pytest.raises(APIError) as outside:
         _chat(small, messages=[{"role": "user", "content": "zebra quartz"}])
     assert (outside.value.status, outside.value.param) == (400, "messages")

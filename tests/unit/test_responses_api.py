@@ -136,6 +136,13 @@ def test_a_chat_completion_becomes_a_response() -> None:
     only_call = {"choices": [{"message": {"content": None, "tool_calls": chat["choices"][0][
         "message"]["tool_calls"]}, "finish_reason": "tool_calls"}], "usage": USAGE}  # fmt: skip
     assert [i["type"] for i in _head().from_chat(only_call)["output"]] == ["function_call"]
+    # thoughts alone: no empty message after them, as streamed
+    thoughts = {"choices": [{"message": {"content": None, "reasoning_content": "hm"},
+                             "finish_reason": "length"}], "usage": USAGE}  # fmt: skip
+    assert [i["type"] for i in _head().from_chat(thoughts)["output"]] == ["reasoning"]
+    assert _head().from_chat(thoughts)["completed_at"] is None  # (incomplete)
+    done = _head(top_logprobs=3).from_chat(only_call)
+    assert done["top_logprobs"] == 3 and isinstance(done["completed_at"], int)
 
 
 def _stream(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -175,6 +182,7 @@ def test_chat_chunks_become_the_responses_events_in_order() -> None:
         "Hel", "lo"
     ]  # fmt: skip
     final = events[-1]["response"]
+    assert final["completed_at"] is None and final["top_logprobs"] is None
     assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
     assert final["output"][1]["content"][0]["text"] == "Hello"
     assert final["usage"]["output_tokens"] == 3 and final["status"] == "incomplete"
