@@ -28,10 +28,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     is not valid YAML or not a mapping."""
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text (a YAML or JSON file)") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        why = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else "not valid YAML"
+        raise ValueError(f"{path}: {why}: {' '.join(str(exc).split())}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
     return data

@@ -58,3 +58,7 @@ class CacheNamespace(BaseModel):
     def root_hash(self) -> int:
         """Parent hash of block 0 for requests in this namespace."""
         return hashing.root_hash(self.digest())
+
+    def request_root(self, cache_salt: str | None) -> int:
+        """Parent hash of block 0 for a request with `cache_salt` (`hashing.salted_root`)."""
+        return hashing.salted_root(self.root_hash(), cache_salt)

@@ -1,10 +1,11 @@
 """A chat message as chat templates take it.
 
 OpenAI lets `content` be a list of parts (`[{"type": "text", "text": ...}, ...]`). Only text
-parts are supported (and `refusal` / `input_text` parts, as text); they are joined with a newline, as vLLM joins them for templates that take
-a string. An assistant's `tool_calls` carry their `arguments` as the object they encode (OpenAI
-sends JSON text). For Mistral's templates, tool-call ids are 9 letters and digits
-(`nine_character_call_ids`). Shared by `LLM.chat` and the router's chat API.
+parts are supported (`refusal` and `input_text` ones as text); they are joined with a newline,
+as vLLM joins them for templates that take a string. An assistant's `tool_calls` carry their
+`arguments` as the object they encode (OpenAI sends JSON text). For Mistral's templates,
+tool-call ids are 9 letters and digits (`nine_character_call_ids`). Shared by `LLM.chat` and
+the router's chat API.
 """
 
 from __future__ import annotations

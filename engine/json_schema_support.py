@@ -79,13 +79,13 @@ def _problems(schema: Any, where: str) -> Iterator[str]:
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         yield f"the external $ref {ref!r} (in {where})"
-    if ref is not None and (extra := sorted(set(schema) - ANNOTATIONS)):
+    if ref is not None and (extra := _constraining(schema, "$ref")):
         yield f"{', '.join(map(repr, extra))} beside a $ref (in {where})"
     for keyword in COMBINATORS:
         if isinstance(schema.get(keyword), list):
             if not schema[keyword]:
                 yield f"an empty {keyword!r}: no value matches it (in {where})"
-            if extra := sorted(set(schema) - ANNOTATIONS - {keyword}):
+            if extra := _constraining(schema, keyword):
                 yield f"{', '.join(map(repr, extra))} beside {keyword!r} (in {where})"
             break
     yield from _value_problems(schema, where)
@@ -99,6 +99,15 @@ def _problems(schema: Any, where: str) -> Iterator[str]:
             yield f"required {missing} not among the properties (in {where})"
     for name, sub in _subschemas(schema):
         yield from _problems(sub, f"{where} > {name}")
+
+
+def _constraining(schema: dict[str, Any], enforced: str) -> list[str]:
+    """The keywords of `schema` beside `enforced` (a `$ref` or a combinator, which the grammar
+    enforces alone there) that would constrain the value: not annotations, OpenAPI's
+    `discriminator` (each branch's own `const` does its work) or `x-` extensions."""
+    return sorted(
+        k for k in set(schema) - ANNOTATIONS - {enforced, "discriminator"} if not k.startswith("x-")
+    )
 
 
 def _value_problems(schema: dict[str, Any], where: str) -> Iterator[str]:
@@ -124,8 +133,9 @@ _PYTHON_TYPES: dict[str, type | tuple[type, ...]] = {
 
 
 def _is_of_type(value: Any, kind: Any) -> bool:
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "integer":  # (1.0 is an integer to JSON Schema)
+        whole = isinstance(value, float) and value.is_integer()
+        return whole or (isinstance(value, int) and not isinstance(value, bool))
     python = _PYTHON_TYPES.get(kind) if isinstance(kind, str) else None
     if python is None:
         return True  # (an unknown type name: xgrammar's to refuse)
@@ -139,7 +149,7 @@ def _string_problems(schema: dict[str, Any], where: str) -> Iterator[str]:
         return  # (`format` of an integer or a number, e.g. OpenAPI's int32: an annotation)
     bounded = "minLength" in schema or "maxLength" in schema
     pattern = schema.get("pattern")
-    if isinstance(pattern, str) and ('"' in pattern or "\\\\" in pattern):
+    if isinstance(pattern, str) and _matches_quote_or_backslash(pattern):
         yield (
             f"a 'pattern' that matches '\"' or '\\\\' (the grammar writes them unescaped: the "
             f"output would not be JSON) (in {where})"
@@ -163,3 +173,31 @@ def _subschemas(schema: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         if isinstance(schema.get(keyword), list):
             for i, sub in enumerate(schema[keyword]):
                 yield f"{keyword}[{i}]", sub
+
+
+def _matches_quote_or_backslash(pattern: str) -> bool:
+    """Whether `pattern` names '"' or '\\' as a character it may match: written as such, or
+    in a character class that is not negated (`[^"]` excludes it: the grammar keeps such output
+    JSON)."""
+    in_class = negated = False
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            if pattern[i + 1] in '"\\' and not (in_class and negated):
+                return True
+            i += 2
+            continue
+        if in_class:
+            if c == "]":
+                in_class = False
+            elif c == '"' and not negated:
+                return True
+        elif c == "[":
+            in_class, negated = True, pattern[i + 1 : i + 2] == "^"
+            i += 2 if negated else 1
+            continue
+        elif c == '"':
+            return True
+        i += 1
+    return False

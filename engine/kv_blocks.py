@@ -1,4 +1,4 @@
-"""A request's KV blocks as one contiguous array with their hashes (the seam for kv_transfer)."""
+"""A request's KV blocks as one contiguous array (the seam for kv_transfer)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ class KVBlocks:
     """KV of the first `num_tokens` tokens of `token_ids`, in ceil(num_tokens / block_size) blocks.
 
     `data` has the pool's block layout: (n_blocks, num_layers, 2, block_size, kv_heads, head_dim).
-    `block_hashes` are the chained hashes of the full blocks, rooted at `namespace`'s digest.
+    (No block hashes: an importer hashes the tokens under its request's own `cache_salt`.)
     """
 
     namespace: str
     block_size: int
     num_tokens: int
     token_ids: list[int]
-    block_hashes: list[int]
     data: torch.Tensor
     sampler_state: torch.Tensor | None = None
 

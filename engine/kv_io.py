@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tandem.engine.errors import InvalidRequestError, TandemError
-from tandem.engine.hashing import hash_full_blocks, salted_root
+from tandem.engine.hashing import hash_full_blocks
 from tandem.engine.kv_blocks import KVBlocks
 from tandem.engine.output_text import OutputText
 from tandem.engine.request import Request, RequestStatus
@@ -42,9 +42,6 @@ def export_kv(engine: LLMEngine, request_id: str) -> KVBlocks:
         block_size=bs,
         num_tokens=num_tokens,
         token_ids=token_ids,
-        block_hashes=hash_full_blocks(
-            salted_root(engine.namespace.root_hash(), req.params.cache_salt), token_ids, bs
-        ),
         data=engine.kv_pool.export_blocks(blocks),
         sampler_state=req.generator.get_state() if req.generator is not None else None,
     )
@@ -66,14 +63,13 @@ def import_request(
     if request_id in engine.requests:
         raise InvalidRequestError(f"request id {request_id!r} is already in use")
     bm = engine.block_manager
-    # (this request's own hashes, under its own cache_salt: those the export carries may be
-    # another salt's, and a hit would cross salts)
-    root = salted_root(engine.namespace.root_hash(), params.cache_salt)
+    # (hashed under this request's own cache_salt: a hit never crosses salts)
+    root = engine.namespace.request_root(params.cache_salt)
     hashes = hash_full_blocks(root, kv.token_ids, engine.config.block_size)
     hits = bm.match_prefix(hashes, kv.token_ids)
     block_table: list[int] = []
     if not bm.allocate(block_table, kv.num_tokens, hits):
-        raise NoFreeBlocksError(f"no room for {kv.num_blocks} blocks of request {request_id!r}")
+        raise NoFreeBlocksError(f"no room for {kv.num_blocks} blocks ({kv.num_tokens} tokens)")
     fresh = block_table[len(hits) :]
     if fresh:
         engine.kv_pool.import_blocks(fresh, kv.data[len(hits) :])
@@ -130,8 +126,9 @@ def commit_request(
     req.num_computed_tokens = len(prompt_token_ids)
     req.num_prefix_hit_tokens = num_hit_blocks * bs
     if block_hashes is None:  # (the prompt's full blocks, under the request's cache_salt)
-        root = salted_root(engine.namespace.root_hash(), params.cache_salt)
-        block_hashes = hash_full_blocks(root, prompt_token_ids, bs)
+        block_hashes = hash_full_blocks(
+            engine.namespace.request_root(params.cache_salt), prompt_token_ids, bs
+        )
     req.block_hashes = block_hashes
     req.num_cached_blocks = engine.block_manager.cache_blocks(
         block_table, req.block_hashes, req.token_ids, num_hit_blocks
@@ -156,7 +153,7 @@ def _check_compatible(engine: LLMEngine, kv: KVBlocks) -> None:
         raise InvalidRequestError(
             f"KV data {tuple(kv.data.shape)} {kv.data.dtype} != expected {expected} {engine.kv_pool.dtype}"
         )
-    if len(kv.token_ids) != kv.num_tokens or len(kv.block_hashes) != kv.num_tokens // kv.block_size:
-        raise InvalidRequestError("KV token ids / block hashes do not match num_tokens")
+    if len(kv.token_ids) != kv.num_tokens:
+        raise InvalidRequestError("KV token ids do not match num_tokens")
     if kv.num_tokens + 1 >= engine.max_model_len:
         raise InvalidRequestError(f"{kv.num_tokens} tokens leave no room below max_model_len")

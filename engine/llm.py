@@ -157,7 +157,6 @@ class LLM:
             "continue_final_message": continue_final_message,
             "tools": tools,
             "chat_template": chat_template,
-            "documents": None,
         }
         render.update({k: template_kwargs.pop(k) for k in render if k in template_kwargs})
         if render["chat_template"] is None and not self.engine.tokenizer.hf.chat_template:

@@ -122,7 +122,11 @@ class Tokenizer:
         self._eos_token_ids = frozenset(eos)
         self._vocab_size = len(hf)
         self._digest: str | None = None
-        self._backend = self._fast_backend()
+        self._raw_backend = self._fast_backend()  # (decodes without the clean-up)
+        cleans = self._raw_backend is not None and (
+            getattr(hf, "clean_up_tokenization_spaces", False) and not _cleanup_skipped(hf)
+        )
+        self._backend = None if cleans else self._raw_backend  # (decodes as hf.decode)
         self._token_bytes = TokenBytes(hf)
         added = getattr(hf, "added_tokens_decoder", None) or {}
         specials = {i for i, t in added.items() if getattr(t, "special", False)}
@@ -199,8 +203,9 @@ class Tokenizer:
         not `clean_up`: without the tokenizer's `clean_up_tokenization_spaces` (which rewrites
         text already written, " ," to ","), as vLLM's detokenizer writes outputs."""
         id_list = ids if isinstance(ids, list) else list(ids)
-        if self._backend is not None:
-            text: str = self._backend.decode(id_list, skip_special_tokens=skip_special_tokens)
+        backend = self._backend if clean_up else self._raw_backend
+        if backend is not None:
+            text: str = backend.decode(id_list, skip_special_tokens=skip_special_tokens)
             return text
         if not clean_up:
             text = self._hf.decode(
@@ -287,7 +292,8 @@ class Tokenizer:
         ]
 
     def _fast_backend(self) -> Any | None:
-        """The Rust backend if its decode matches ``hf.decode`` exactly, else None."""
+        """The Rust backend if its decode is ``hf.decode``'s but for the clean-up of
+        tokenization spaces, else None."""
         try:
             from transformers.tokenization_utils_tokenizers import TokenizersBackend
         except ImportError:  # pragma: no cover - transformers layout changed
@@ -298,8 +304,6 @@ class Tokenizer:
             or type(hf)._decode is not TokenizersBackend._decode
         ):
             return None
-        if getattr(hf, "clean_up_tokenization_spaces", False) and not _cleanup_skipped(hf):
-            return None  # hf.decode post-processes the text
         return hf.backend_tokenizer
 
     def __repr__(self) -> str:

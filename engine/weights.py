@@ -42,8 +42,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
             raise CheckpointError(f"{index} is not valid JSON: {exc}") from None
         except AttributeError:  # (not an object)
             weight_map = None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(v, str) for v in weight_map.values()
+        if (
+            not isinstance(weight_map, dict)
+            or not weight_map
+            or not all(isinstance(v, str) for v in weight_map.values())
         ):
             raise CheckpointError(
                 f"{index} has no weight_map (an object naming each tensor's shard file)"

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from tandem.engine.hashing import hash_full_blocks, salted_root
+from tandem.engine.hashing import hash_full_blocks
 from tandem.engine.kv_io import NoFreeBlocksError, commit_request
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
@@ -99,16 +99,16 @@ class KVReceiver:
         if request_id in self.reservations or request_id in engine.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         bs = engine.config.block_size
-        root = salted_root(engine.namespace.root_hash(), params.cache_salt)
-        hashes = hash_full_blocks(root, prompt_token_ids, bs)
+        hashes = hash_full_blocks(
+            engine.namespace.request_root(params.cache_salt), prompt_token_ids, bs
+        )
         bm = engine.block_manager
         # (counted once, when reserved: a reservation that waits for room is tried again)
         hits = bm.match_prefix(hashes, prompt_token_ids, record=False)
         table: list[int] = []
         if not bm.allocate(table, len(prompt_token_ids), hits):
-            raise NoFreeBlocksError(
-                f"no room to reserve {request_id!r} ({len(prompt_token_ids)} tokens)"
-            )
+            # (no request id: the router's is not the one its client knows)
+            raise NoFreeBlocksError(f"no room for {len(prompt_token_ids)} prompt tokens")
         if bm.enable_prefix_caching:
             bm.record_lookup(min(len(hashes), len(prompt_token_ids) // bs), len(hits))
         self.reservations[request_id] = Reservation(

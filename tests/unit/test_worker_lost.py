@@ -93,7 +93,9 @@ class FakeTokenizer:
     byte_run_ids: frozenset[int] = frozenset()  # (no SentencePiece byte fallback)
     special_ids: frozenset[int] = frozenset()
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, clean_up: bool = True
+    ) -> str:
         out, i = "", 0
         while i < len(ids):
             if ids[i] == 300:
