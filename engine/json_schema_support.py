@@ -8,6 +8,7 @@ xgrammar backend refuses it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,7 +85,7 @@ def _problems(schema: Any, where: str) -> Iterator[str]:
     for keyword in COMBINATORS:
         if isinstance(schema.get(keyword), list):
             if not schema[keyword]:
-                yield f"an empty {keyword!r}: no value matches it (in {where})"
+                yield f"an empty {keyword!r}, which no value matches (in {where})"
             if extra := _constraining(schema, keyword):
                 yield f"{', '.join(map(repr, extra))} beside {keyword!r} (in {where})"
             break
@@ -118,12 +119,12 @@ def _value_problems(schema: dict[str, Any], where: str) -> Iterator[str]:
     if not isinstance(allowed, list):
         return
     if not allowed:
-        yield f"an empty 'type' list: no value matches it (in {where})"
+        yield f"an empty 'type' list, which no value matches (in {where})"
         return
     values = [schema["const"]] if "const" in schema else schema.get("enum")
     for value in values if isinstance(values, list) else ():
         if not any(_is_of_type(value, kind) for kind in allowed):
-            yield f"the value {value!r} is not of type {types!r} (in {where})"
+            yield f"the value {value!r}, which is not of type {types!r} (in {where})"
 
 
 _PYTHON_TYPES: dict[str, type | tuple[type, ...]] = {
@@ -175,6 +176,10 @@ def _subschemas(schema: dict[str, Any]) -> Iterator[tuple[str, Any]]:
                 yield f"{keyword}[{i}]", sub
 
 
+_ESCAPED = re.compile(r'\\(["\\]|x(22|5[cC])|u00(22|5[cC])|x\{0*(22|5[cC])\})')
+"""A regular expression's escape for '"' or '\\' (as a character, by hex or unicode)."""
+
+
 def _matches_quote_or_backslash(pattern: str) -> bool:
     """Whether `pattern` names '"' or '\\' as a character it may match: written as such, or
     in a character class that is not negated (`[^"]` excludes it: the grammar keeps such output
@@ -184,9 +189,10 @@ def _matches_quote_or_backslash(pattern: str) -> bool:
     while i < len(pattern):
         c = pattern[i]
         if c == "\\" and i + 1 < len(pattern):
-            if pattern[i + 1] in '"\\' and not (in_class and negated):
+            escaped = _ESCAPED.match(pattern, i)  # (\\, \", \x22, \u005c, ...)
+            if escaped and not (in_class and negated):
                 return True
-            i += 2
+            i += len(escaped.group()) if escaped else 2
             continue
         if in_class:
             if c == "]":

@@ -63,6 +63,7 @@ def test_the_schemas_pydantic_writes_every_day_are_enforced() -> None:
     assert unenforced(Owner.model_json_schema()) is None
     assert unenforced({"anyOf": [{"type": "integer"}], "x-order": 1}) is None
     assert unenforced({"type": "string", "pattern": '^[^"\\\\]*$'}) is None
+    assert unenforced({"type": "string", "pattern": r"^[^\x22]\x41$"}) is None
     assert unenforced({"type": "integer", "enum": [1.0, 2]}) is None
 
 
@@ -88,12 +89,14 @@ def test_the_schemas_pydantic_writes_every_day_are_enforced() -> None:
         ({"anyOf": []}, "an empty 'anyOf'"),
         ({"type": "object", "required": ["x"]}, "required ['x'] not among the properties"),
         # (values the grammar would write although they break the schema)
-        ({"type": "integer", "const": "x"}, "the value 'x' is not of type 'integer'"),
-        ({"type": "string", "enum": ["a", 1, None]}, "the value 1 is not of type 'string'"),
-        ({"type": "boolean", "const": 1}, "the value 1 is not of type 'boolean'"),
+        ({"type": "integer", "const": "x"}, "the value 'x', which is not of type 'integer'"),
+        ({"type": "string", "enum": ["a", 1, None]}, "the value 1, which is not of type 'string'"),
+        ({"type": "boolean", "const": 1}, "the value 1, which is not of type 'boolean'"),
         ({"type": []}, "an empty 'type' list"),
         ({"type": "string", "pattern": '^a"b$'}, "a 'pattern' that matches"),
         ({"type": "string", "pattern": r"^a\\b$"}, "a 'pattern' that matches"),
+        ({"type": "string", "pattern": r"^\x22$"}, "a 'pattern' that matches"),
+        ({"type": "string", "pattern": r"^[\u005c]$"}, "a 'pattern' that matches"),
     ],
 )  # fmt: skip
 def test_what_the_grammar_would_leave_out_is_named(schema: dict[str, Any], named: str) -> None:
