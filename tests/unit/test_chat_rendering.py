@@ -83,6 +83,11 @@ def test_documents_reach_the_template(path: Path) -> None:
     assert _text(serving, ids) == "[doc Oslo: cold]<user>the river</user><assistant>"
     again, _ = _chat(serving, messages=[USER], chat_template_kwargs={"documents": docs})
     assert again == ids
+    other = [{"title": "Bergen", "text": "wet"}]  # (both given: the kwargs' win, as vLLM's)
+    both, _ = _chat(
+        serving, messages=[USER], documents=other, chat_template_kwargs={"documents": docs}
+    )
+    assert both == ids
 
 
 def test_a_user_message_can_be_continued_and_the_reply_takes_its_role(path: Path) -> None:
