@@ -78,13 +78,21 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
         invalid = APIError(400, "the request body is not valid JSON", code="invalid_json")
         return _counted(request, invalid)
     kind = request.headers.get("content-type", "")
-    if request.method == "POST" and "json" not in kind.lower():  # (the body was not read)
+    if request.method == "POST" and not _json_media_type(kind):  # (the body was not read)
         given = f"{kind!r}" if kind else "none"
         message = (
             f"the request body must be JSON, sent with Content-Type: application/json (got {given})"
         )
         return _counted(request, APIError(400, message, code="invalid_content_type"))
     return _counted(request, invalid_body(errors, exc.body))
+
+
+def _json_media_type(content_type: str) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON: application/json or
+    application/*+json (text/json or application/jsonx it leaves unread)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    maintype, _, subtype = media.partition("/")
+    return maintype == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 @api.exception_handler(APIError)
@@ -120,7 +128,9 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
         return _counted(request, APIError(400, unreadable, code="invalid_json"))
     if exc.status_code in (404, 405):  # name what was asked for
         message = f"{message}: {request.method} {request.url.path}"
-    return error_response(APIError(exc.status_code, message, type=kind))
+    # (a 405's Allow header, which RFC 9110 asks for, goes with it)
+    headers = dict(exc.headers) if exc.headers else None
+    return error_response(APIError(exc.status_code, message, type=kind, headers=headers))
 
 
 @api.exception_handler(Exception)
@@ -130,7 +140,15 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _counted(request, failed)
 
 
-@serve.deployment(name="router", max_ongoing_requests=1024)
+ROUTER_MAX_ONGOING = 960
+"""Requests one router replica takes through Serve's proxy at once (more wait in the proxy;
+the direct port is not counted). Below Ray's default concurrency of an async actor (1000):
+Serve makes the replica's concurrency equal to this when it is larger, and at 1024 a replica
+whose 1024 slots were taken (long streams, or clients that never send their body) queued the
+controller's health checks behind them, failed them and was restarted, its streams lost."""
+
+
+@serve.deployment(name="router", max_ongoing_requests=ROUTER_MAX_ONGOING)
 @serve.ingress(api)
 class Router:
     app: Any  # (Serve's ingress wrapper: the ASGI app this replica runs, its routes bound here)

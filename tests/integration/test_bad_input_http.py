@@ -272,11 +272,20 @@ def test_malformed_json_and_unknown_route(base_url: str) -> None:
     assert missing.json()["error"]["message"] == "Not Found: POST /v1/nothing"
     body = json.dumps(OK).encode()  # (curl -d sends a form's Content-Type)
     assert requests.head(f"{base_url}/health", timeout=10).status_code == 200
-    for kind in ("application/x-www-form-urlencoded", "text/plain"):
+    # (text/json and application/jsonx too: FastAPI reads neither as JSON)
+    for kind in (
+        "application/x-www-form-urlencoded",
+        "text/plain",
+        "text/json",
+        "application/jsonx",
+    ):
         form = post(base_url, "/v1/completions", data=body, headers={"content-type": kind})
         assert_error(form, 400)
         assert form.json()["error"]["code"] == "invalid_content_type"
         assert "Content-Type: application/json" in form.json()["error"]["message"]
+    wrong_method = requests.get(f"{base_url}/v1/completions", timeout=10)
+    assert_error(wrong_method, 405)
+    assert wrong_method.headers["allow"] == "POST"  # (RFC 9110 asks for it)
 
 
 def test_a_model_card_is_retrieved_by_name(base_url: str) -> None:
