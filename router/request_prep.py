@@ -41,6 +41,11 @@ async def off_the_loop_if_long(size: int, fn: Callable[..., T], *args: Any, **kw
     tokenizing thread."""
     if size <= INLINE_TEXT_CHARS:
         return fn(*args, **kwargs)
+    return await on_a_tokenizing_thread(fn, *args, **kwargs)
+
+
+async def on_a_tokenizing_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` on a thread of `_TOKENIZING`, off the event loop."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(_TOKENIZING, lambda: fn(*args, **kwargs))
 
@@ -51,8 +56,7 @@ async def sampling_fields(body: Any) -> dict[str, Any]:
     would hold up every other request (the result is cached per text: once per schema)."""
     if not body.constrains_output():
         return body.sampling_dict()
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_TOKENIZING, body.sampling_dict)
+    return await on_a_tokenizing_thread(body.sampling_dict)
 
 
 def chat_text_size(messages: list[dict[str, Any]]) -> int:
@@ -184,7 +188,8 @@ def sampling_params(
     if fields.get("logit_bias"):
         check_token_ids(list(fields["logit_bias"]), limits.vocab_size, "logit_bias")
         if beyond := {t: b for t, b in fields["logit_bias"].items() if not -100 <= b <= 100}:
-            raise bad_request(f"logit_bias values are in [-100, 100]: {beyond}", "logit_bias")
+            some = dict(list(beyond.items())[:5])  # (the message quotes a few, not them all)
+            raise bad_request(f"logit_bias values are in [-100, 100]: {some}", "logit_bias")
     for name in ("allowed_token_ids", "stop_token_ids"):
         if fields.get(name):
             check_token_ids(fields[name], limits.vocab_size, name)

@@ -117,7 +117,8 @@ class Serving:
         if model and model != self.model_name:
             raise APIError(
                 404,
-                f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
+                f"The model `{model:.200}` does not exist (this server serves "
+                f"`{self.model_name}`).",
                 param="model",
                 code="model_not_found",
             )

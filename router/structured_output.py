@@ -132,6 +132,8 @@ def parse_schema(value: Any, field: str) -> dict[str, Any]:
             value = json.loads(value)
         except ValueError:
             raise bad_request(f"{field} is not JSON", field) from None
+        except RecursionError:
+            raise bad_request(f"{field} is nested too deeply", field) from None
     if not isinstance(value, dict):
         raise bad_request(f"{field} must be a JSON schema (an object)", field)
     return value

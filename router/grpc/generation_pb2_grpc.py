@@ -48,7 +48,9 @@ class GenerationServicer:
         """Streams the request's tokens as they are generated; the last message has finish_reason
         and usage. Errors: INVALID_ARGUMENT (bad input), NOT_FOUND (unknown model),
         OUT_OF_RANGE (prompt too long), RESOURCE_EXHAUSTED (deadline unmeetable, queue full, no KV
-        room: retry later), UNAVAILABLE (worker failure).
+        room: retry later), UNAVAILABLE (worker failure, or the server stopping: retry),
+        UNAUTHENTICATED (a missing or wrong API key in `authorization: Bearer <key>`),
+        DEADLINE_EXCEEDED (the router's request timeout), INTERNAL (a worker's step failed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

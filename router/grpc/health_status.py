@@ -93,12 +93,14 @@ class GrpcServer:
 
     async def _follow(self) -> None:
         serving: bool | None = None
+        failing = False  # (a failing check is logged when it starts failing, not every round)
         while True:
             try:
-                now = bool(self.ready())
+                now, failing = bool(self.ready()), False
             except Exception:  # (a check that fails says "not serving")
-                logger.exception("gRPC health: the readiness check failed")
-                now = False
+                if not failing:
+                    logger.exception("gRPC health: the readiness check failed")
+                now, failing = False, True
             if now != serving:
                 status = _SERVING if now else _NOT_SERVING
                 for service in ("", SERVICE_NAME):

@@ -26,6 +26,7 @@ from tandem.router.grpc import generation_pb2, generation_pb2_grpc
 from tandem.router.grpc.health_status import SERVICE_NAME, GrpcServer, HealthServicer
 from tandem.router.openai_protocol import MAX_CLIENT_ID, MAX_TEMPERATURE
 from tandem.router.prepared import Prepared
+from tandem.router.request_prep import on_a_tokenizing_thread
 from tandem.router.request_timings import RequestTimings
 from tandem.router.serving import Serving
 from tandem.router.stop_gate import StopGate
@@ -47,6 +48,20 @@ _STATUS_CODES = {
     500: grpc.StatusCode.INTERNAL,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+
+
+MAX_REQUEST_BYTES = 64 << 20
+"""The largest GenerateRequest the server reads."""
+
+MAX_STATUS_MESSAGE = 2000
+"""Characters of an error message a status carries (gRPC's metadata limits are 8 and 16 KiB:
+a longer one, e.g. quoting a client's huge field, came out as RESOURCE_EXHAUSTED instead)."""
+
+
+def _status_message(message: str) -> str:
+    if len(message) <= MAX_STATUS_MESSAGE:
+        return message
+    return message[: MAX_STATUS_MESSAGE - 1] + "…"
 
 
 def _status_code(exc: APIError) -> grpc.StatusCode:
@@ -145,7 +160,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except APIError as exc:
             # (refusals before `prepare` are counted here, as HTTP's error handler counts them)
             exc.count(self.serving.metrics)
-            await context.abort(_status_code(exc), exc.message)
+            await context.abort(_status_code(exc), _status_message(exc.message))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # (as HTTP's 500: the class, not the details, goes out)
+            logger.exception("gRPC Generate: unexpected error")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
     async def _prepare(self, request: generation_pb2.GenerateRequest | None) -> Prepared:
         if request is None:  # (`_parse_request` could not read the bytes)
@@ -169,7 +189,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         # A client's id may repeat (two calls at once): the workers get it made unique.
         own_id = f"{request.request_id}@{uuid.uuid4().hex[:8]}" if request.request_id else ""
-        fields = _sampling_fields(options)
+        constrained = options.json_schema or options.regex or options.choice or options.grammar
+        # (checking a grammar takes seconds for a large schema: off the event loop, as HTTP)
+        fields = (
+            await on_a_tokenizing_thread(_sampling_fields, options)
+            if constrained
+            else (_sampling_fields(options))
+        )
         if request.cache_salt:
             fields["cache_salt"] = request.cache_salt
         return await self.serving.prepare(
@@ -223,7 +249,9 @@ async def start_grpc_server(
         `api_key_digest` (`key_digest` of the key), `Generate` wants the metadata
         ``authorization: Bearer <key>`` (reflection and health do not). `gate`: the router's, which
     counts the calls in flight and refuses new ones once the application stops."""
-    server = grpc.aio.server()
+    # (a request over grpc's default 4 MiB was RESOURCE_EXHAUSTED, "retry later"; HTTP takes
+    # such a body and answers a prompt too long with its 400)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             GenerationServicer(serving, api_key_digest, gate).Generate,
