@@ -116,10 +116,10 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("stop wrong type", "/v1/completions", {**OK, "stop": 5}, 400, "stop"),
     ("messages missing", "/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
     ("messages empty", "/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
-    (
+    (  # (any role name goes to the template, as vLLM's custom roles; a role must be a name)
         "bad role",
         "/v1/chat/completions",
-        {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+        {**CHAT, "messages": [{"role": "", "content": "x"}]},
         400,
         None,
     ),
@@ -184,13 +184,6 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         "continue_final_message with a generation prompt",
         "/v1/chat/completions",
         {**CHAT, "continue_final_message": True},
-        400,
-        "continue_final_message",
-    ),
-    (
-        "continue_final_message after a user message",
-        "/v1/chat/completions",
-        {**CHAT, "continue_final_message": True, "add_generation_prompt": False},
         400,
         "continue_final_message",
     ),
