@@ -52,8 +52,9 @@ STRING_FORMATS = frozenset(
 """The string formats the grammar writes out."""
 
 ANNOTATIONS = frozenset(
-    {"$ref", "title", "description", "default", "examples", "$comment", "deprecated",
-     "readOnly", "writeOnly", "$defs", "definitions", "$schema", "$id"}
+    {"$ref", "title", "description", "default", "examples", "example", "$comment", "deprecated",
+     "readOnly", "writeOnly", "$defs", "definitions", "$schema", "$id", "$anchor",
+     "contentMediaType", "contentEncoding"}
 )  # fmt: skip
 """Keywords beside a `$ref` or a combinator that constrain nothing there (any other one is
 left out: the grammar enforces the `$ref` or the combinator alone)."""
@@ -66,7 +67,10 @@ xgrammar backend takes it: real schemas' branches rarely overlap."""
 def unenforced(schema: Any) -> str | None:
     """The first part of `schema` the grammar would not enforce, said with where it is; None
     when the grammar holds the output to all of it."""
-    return next(_problems(schema, "the schema"), None)
+    try:
+        return next(_problems(schema, "the schema"), None)
+    except RecursionError:  # (deeper than Python's stack: a grammar would not be built either)
+        return "a schema nested too deeply"
 
 
 def _problems(schema: Any, where: str) -> Iterator[str]:
@@ -150,10 +154,10 @@ def _string_problems(schema: dict[str, Any], where: str) -> Iterator[str]:
         return  # (`format` of an integer or a number, e.g. OpenAPI's int32: an annotation)
     bounded = "minLength" in schema or "maxLength" in schema
     pattern = schema.get("pattern")
-    if isinstance(pattern, str) and _matches_quote_or_backslash(pattern):
+    if isinstance(pattern, str) and _names_json_escaped_character(pattern):
         yield (
-            f"a 'pattern' that matches '\"' or '\\\\' (the grammar writes them unescaped: the "
-            f"output would not be JSON) (in {where})"
+            f"a 'pattern' that matches '\"', '\\\\' or a control character (the grammar writes "
+            f"them unescaped: the output would not be JSON) (in {where})"
         )
     fmt = schema.get("format")
     if isinstance(fmt, str) and fmt not in STRING_FORMATS:
@@ -176,34 +180,51 @@ def _subschemas(schema: dict[str, Any]) -> Iterator[tuple[str, Any]]:
                 yield f"{keyword}[{i}]", sub
 
 
-_ESCAPED = re.compile(r'\\(["\\]|x(22|5[cC])|u00(22|5[cC])|x\{0*(22|5[cC])\})')
-"""A regular expression's escape for '"' or '\\' (as a character, by hex or unicode)."""
+_ESCAPE = re.compile(r"\\(x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|u\{[0-9A-Fa-f]+\}|c[A-Za-z]|.)", re.S)
+"""One escape of a regular expression: by hex (\\x22), by unicode (\\u0022, \\u{22}), a
+control letter (\\cJ), or a character (\\n, \\", \\d)."""
+
+_CONTROL_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00}
 
 
-def _matches_quote_or_backslash(pattern: str) -> bool:
-    """Whether `pattern` names '"' or '\\' as a character it may match: written as such, or
-    in a character class that is not negated (`[^"]` excludes it: the grammar keeps such output
-    JSON)."""
+def _escaped_code(escape: str) -> int | None:
+    """The character an escape names (None: a class such as \\d, or an anchor)."""
+    body = escape[1:]
+    if body[0] in "xu" and len(body) > 1:
+        return int(body[1:].strip("{}"), 16)
+    if body[0] == "c" and len(body) == 2:
+        return ord(body[1].upper()) - 0x40
+    if body in _CONTROL_ESCAPES:
+        return _CONTROL_ESCAPES[body]
+    return ord(body) if not body.isalnum() else None
+
+
+def _must_be_escaped(code: int | None) -> bool:
+    """Whether JSON writes this character escaped in a string: '"', '\\', U+0000 - U+001F."""
+    return code is not None and (code < 0x20 or code in (0x22, 0x5C))
+
+
+def _names_json_escaped_character(pattern: str) -> bool:
+    """Whether `pattern` names a character JSON writes escaped ('"', '\\', a control
+    character) as one it may match: written as such or by an escape, alone or in a character
+    class that is not negated. xgrammar writes such a character raw (the output would not be
+    JSON); a negated class (`[^"]`) or `.` / `\\s` / `\\W` keep them out."""
     in_class = negated = False
     i = 0
     while i < len(pattern):
         c = pattern[i]
-        if c == "\\" and i + 1 < len(pattern):
-            escaped = _ESCAPED.match(pattern, i)  # (\\, \", \x22, \u005c, ...)
-            if escaped and not (in_class and negated):
+        if c == "\\" and (escape := _ESCAPE.match(pattern, i)):
+            if _must_be_escaped(_escaped_code(escape.group())) and not (in_class and negated):
                 return True
-            i += len(escaped.group()) if escaped else 2
+            i = escape.end()
             continue
-        if in_class:
-            if c == "]":
-                in_class = False
-            elif c == '"' and not negated:
-                return True
-        elif c == "[":
+        if in_class and c == "]":
+            in_class = False
+        elif not in_class and c == "[":
             in_class, negated = True, pattern[i + 1 : i + 2] == "^"
             i += 2 if negated else 1
             continue
-        elif c == '"':
+        elif _must_be_escaped(ord(c)) and not (in_class and negated):
             return True
         i += 1
     return False

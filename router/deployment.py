@@ -22,6 +22,7 @@ from ray import serve
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from tandem import __version__
 from tandem.deploy.ingress import HAPROXY_FLAG
@@ -128,9 +129,23 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
         return _counted(request, APIError(400, unreadable, code="invalid_json"))
     if exc.status_code in (404, 405):  # name what was asked for
         message = f"{message}: {request.method} {request.url.path}"
-    # (a 405's Allow header, which RFC 9110 asks for, goes with it)
     headers = dict(exc.headers) if exc.headers else None
+    if exc.status_code == 405:  # (RFC 9110: Allow lists every method the path takes)
+        headers = {**(headers or {}), "Allow": ", ".join(_methods_of(request))}
     return error_response(APIError(exc.status_code, message, type=kind, headers=headers))
+
+
+_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
+def _methods_of(request: Request) -> list[str]:
+    """The methods the app's routes take at the request's path (Starlette's own Allow names
+    the first route's only: GET /ping, not its POST)."""
+    return [
+        method
+        for method in _METHODS
+        if any(r.matches({**request.scope, "method": method})[0] == Match.FULL for r in api.routes)
+    ]
 
 
 @api.exception_handler(Exception)

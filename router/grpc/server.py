@@ -54,20 +54,27 @@ MAX_REQUEST_BYTES = 64 << 20
 """The largest GenerateRequest the server reads."""
 
 MAX_STATUS_MESSAGE = 2000
-"""Characters of an error message a status carries (gRPC's metadata limits are 8 and 16 KiB:
+"""Bytes of an error message a status carries (gRPC's metadata limits are 8 and 16 KiB:
 a longer one, e.g. quoting a client's huge field, came out as RESOURCE_EXHAUSTED instead)."""
 
 
 def _status_message(message: str) -> str:
-    if len(message) <= MAX_STATUS_MESSAGE:
+    """`message` cut to `MAX_STATUS_MESSAGE` bytes of UTF-8 (gRPC percent-encodes each byte
+    that is not ASCII: 2,000 characters of "é" were 12 KB on the wire)."""
+    data = message.encode("utf-8")
+    if len(data) <= MAX_STATUS_MESSAGE:
         return message
-    return message[: MAX_STATUS_MESSAGE - 1] + "…"
+    return data[: MAX_STATUS_MESSAGE - 3].decode("utf-8", errors="ignore") + "…"
 
 
 def _status_code(exc: APIError) -> grpc.StatusCode:
     if exc.code == "context_length_exceeded" and exc.param == "prompt":
         return grpc.StatusCode.OUT_OF_RANGE  # (the prompt alone does not fit)
     return _STATUS_CODES.get(exc.status, grpc.StatusCode.UNAVAILABLE)
+
+
+_STRUCTURE_FIELDS = ("json_schema", "regex", "choice", "grammar")
+"""The SamplingOptions that constrain the output (checking them may take seconds)."""
 
 
 def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
@@ -101,7 +108,7 @@ def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
         found.append(
             ("json_schema", ("json_schema", parse_schema(options.json_schema, "json_schema")))
         )
-    for kind in ("regex", "choice", "grammar"):
+    for kind in _STRUCTURE_FIELDS[1:]:
         if value := getattr(options, kind):
             found.append((kind, (kind, list(value) if kind == "choice" else value)))
     if (structure := one_structure(found)) is not None:
@@ -163,9 +170,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(_status_code(exc), _status_message(exc.message))
         except grpc.aio.AbortError:
             raise
-        except Exception as exc:  # (as HTTP's 500: the class, not the details, goes out)
+        except Exception as exc:  # (as HTTP's 500: counted; the class, not the details, goes out)
             logger.exception("gRPC Generate: unexpected error")
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+            failed = APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
+            failed.count(self.serving.metrics)
+            await context.abort(grpc.StatusCode.INTERNAL, failed.message)
 
     async def _prepare(self, request: generation_pb2.GenerateRequest | None) -> Prepared:
         if request is None:  # (`_parse_request` could not read the bytes)
@@ -189,7 +198,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         # A client's id may repeat (two calls at once): the workers get it made unique.
         own_id = f"{request.request_id}@{uuid.uuid4().hex[:8]}" if request.request_id else ""
-        constrained = options.json_schema or options.regex or options.choice or options.grammar
+        constrained = any(getattr(options, kind) for kind in _STRUCTURE_FIELDS)
         # (checking a grammar takes seconds for a large schema: off the event loop, as HTTP)
         fields = (
             await on_a_tokenizing_thread(_sampling_fields, options)

@@ -49,6 +49,12 @@ def serving(tiny_checkpoint: Callable[..., Path]) -> Any:
 def test_a_refusal_that_quotes_a_huge_field_keeps_its_status(serving: Any) -> None:
     code, details = _call(serving, generation_pb2.GenerateRequest(prompt="hi", model="m" * 20000))
     assert code == grpc.StatusCode.NOT_FOUND and len(details) <= MAX_STATUS_MESSAGE
+    emoji = generation_pb2.SamplingOptions(
+        json_schema='{"type": "integer", "const": "%s"}' % ("😀" * 1990)
+    )
+    code, details = _call(serving, generation_pb2.GenerateRequest(prompt="hi", sampling=emoji))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT  # (cut by bytes: 2,000 emoji were 23 KB)
+    assert len(details.encode()) <= MAX_STATUS_MESSAGE
     bias = generation_pb2.SamplingOptions(logit_bias={i: 1e30 for i in range(500)})
     code, details = _call(serving, generation_pb2.GenerateRequest(prompt="hi", sampling=bias))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and len(details) < 500
@@ -76,8 +82,15 @@ def test_an_unexpected_error_is_internal_without_its_details(
         raise KeyError("secret internals")
 
     monkeypatch.setattr(serving, "prepare", broken)
+    counted = serving.metrics.registry.get_sample_value(
+        "tandem:request_failure_total", {**serving.metrics.labels, "code": "server_error"}
+    )
     code, details = _call(serving, generation_pb2.GenerateRequest(prompt="hi"))
     assert (code, details) == (grpc.StatusCode.INTERNAL, "internal error: KeyError")
+    after = serving.metrics.registry.get_sample_value(
+        "tandem:request_failure_total", {**serving.metrics.labels, "code": "server_error"}
+    )
+    assert (after or 0) - (counted or 0) == 1  # (counted, as HTTP's 500s)
 
 
 def test_a_grammar_is_checked_off_the_event_loop(serving: Any, monkeypatch: Any) -> None:

@@ -64,6 +64,10 @@ def test_the_schemas_pydantic_writes_every_day_are_enforced() -> None:
     assert unenforced({"anyOf": [{"type": "integer"}], "x-order": 1}) is None
     assert unenforced({"type": "string", "pattern": '^[^"\\\\]*$'}) is None
     assert unenforced({"type": "string", "pattern": r"^[^\x22]\x41$"}) is None
+    # (xgrammar keeps '"', '\\' and control characters out of these classes itself)
+    for pattern in (r"^a\sb$", r"^\S+$", r"^[^\n]+$", r"^.+$", r"^x\{2}$"):
+        assert unenforced({"type": "string", "pattern": pattern}) is None, pattern
+    assert unenforced({"$ref": "#/$defs/a", "example": "x", "$defs": {"a": {}}}) is None
     assert unenforced({"type": "integer", "enum": [1.0, 2]}) is None
 
 
@@ -96,6 +100,10 @@ def test_the_schemas_pydantic_writes_every_day_are_enforced() -> None:
         ({"type": "string", "pattern": '^a"b$'}, "a 'pattern' that matches"),
         ({"type": "string", "pattern": r"^a\\b$"}, "a 'pattern' that matches"),
         ({"type": "string", "pattern": r"^\x22$"}, "a 'pattern' that matches"),
+        ({"type": "string", "pattern": r"^\u{22}$"}, "a 'pattern' that matches"),
+        ({"type": "string", "pattern": r"^a\nb$"}, "or a control character"),
+        ({"type": "string", "pattern": "^[\t\n]{2}$"}, "or a control character"),
+        ({"type": "string", "pattern": r"^\cA$"}, "or a control character"),
         ({"type": "string", "pattern": r"^[\u005c]$"}, "a 'pattern' that matches"),
     ],
 )  # fmt: skip
@@ -119,3 +127,12 @@ def test_the_offline_llm_refuses_it_before_generating(tiny_checkpoint: Any) -> N
     with pytest.raises(InvalidRequestError, match="cannot enforce 'multipleOf'"):
         llm.generate([[1, 2, 3]], params)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_schema_nested_too_deeply_is_refused_offline_too(tiny_checkpoint: Any) -> None:
+    schema: dict[str, Any] = {}
+    for _ in range(2000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    llm = LLM(model=str(tiny_checkpoint()), num_kv_blocks=16)
+    with pytest.raises(InvalidRequestError, match="nested too deeply"):
+        llm.generate(["hi"], SamplingParams(json_schema=schema, max_tokens=2))
