@@ -169,7 +169,8 @@ def _string_problems(schema: dict[str, Any], where: str) -> Iterator[str]:
 
 def _subschemas(schema: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     for keyword in ("properties", "$defs", "definitions"):
-        for name, sub in (schema.get(keyword) or {}).items():
+        named = schema.get(keyword)
+        for name, sub in named.items() if isinstance(named, dict) else ():
             yield f"{keyword}.{name}", sub
     for keyword in ("items", "additionalProperties"):
         if isinstance(schema.get(keyword), dict):

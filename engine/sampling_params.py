@@ -26,6 +26,10 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_LOGPROBS = 20
 """Most alternatives a request may ask log-probabilities of, per token, by default (vLLM's
 `max_logprobs`): the API's bound, and `LLM`'s unless it is given another."""
+MAX_BAD_WORDS = 1024
+"""Most `bad_words` a request may give: each is tokenized when the request starts and checked
+at every step it runs (40,000 held a prefill worker's loop for 20 s: its other requests
+failed as if it were gone)."""
 STRUCTURE_KINDS = ("json_schema", "regex", "choice", "grammar")
 """The fields that constrain the output's structure; a request sets at most one."""
 
@@ -130,7 +134,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     logit_bias: dict[int, Annotated[float, Field(allow_inf_nan=True)]] | None = None
     allowed_token_ids: list[int] | None = Field(None, min_length=1)
-    bad_words: list[str] | None = None
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     json_schema: dict[str, Any] | None = None
     regex: str | None = Field(None, min_length=1)
     choice: list[str] | None = Field(None, min_length=1)

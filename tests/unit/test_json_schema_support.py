@@ -136,3 +136,22 @@ def test_a_schema_nested_too_deeply_is_refused_offline_too(tiny_checkpoint: Any)
     llm = LLM(model=str(tiny_checkpoint()), num_kv_blocks=16)
     with pytest.raises(InvalidRequestError, match="nested too deeply"):
         llm.generate(["hi"], SamplingParams(json_schema=schema, max_tokens=2))
+
+
+def test_properties_that_are_not_an_object_are_refused_not_a_crash() -> None:
+    """`properties: [1]` raised an AttributeError in the check: a 500 / gRPC INTERNAL."""
+    from tandem.engine.guided import check_structure
+
+    for schema in ({"type": "object", "properties": [1]}, {"properties": {"a": {"properties": 5}}}):
+        with pytest.raises(InvalidRequestError, match="properties must be an object"):
+            check_structure(("json_schema", schema))
+
+
+def test_bad_words_are_bounded() -> None:
+    """40,000 bad words held a prefill worker's loop for 20 s (each is tokenized when the
+    request starts and checked at every step)."""
+    from tandem.engine.sampling_params import MAX_BAD_WORDS
+
+    assert SamplingParams(bad_words=["a"] * MAX_BAD_WORDS).bad_words is not None
+    with pytest.raises(InvalidRequestError, match="bad_words"):
+        SamplingParams(bad_words=["a"] * (MAX_BAD_WORDS + 1))
