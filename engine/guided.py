@@ -59,9 +59,9 @@ def check_structure(structure: tuple[str, Any], strict: bool = True) -> None:
     into a grammar: a bad schema, regular expression or EBNF text; `strict`, also a schema
     some of which it would not enforce (a tool's parameters are not held to that: a call
     whose arguments break a keyword of them beats no call)."""
+    if strict:
+        check_enforceable(structure)
     try:
-        if strict:
-            check_enforceable(structure)
         kind, text = _key(structure)
     except RecursionError:  # (a schema nested deeper than Python's stack: no grammar either)
         raise InvalidRequestError(f"unusable {_NAMES[structure[0]]}: nested too deeply") from None

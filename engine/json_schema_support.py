@@ -119,8 +119,8 @@ def _value_problems(schema: dict[str, Any], where: str) -> Iterator[str]:
     """A `type` no value has, or a `const` / `enum` value that is not of the schema's type
     (the grammar writes the value anyway)."""
     types = schema.get("type")
-    allowed = [types] if isinstance(types, str) else types
-    if not isinstance(allowed, list):
+    allowed = _type_names(schema)
+    if allowed is None:
         return
     if not allowed:
         yield f"an empty 'type' list, which no value matches (in {where})"
@@ -129,6 +129,12 @@ def _value_problems(schema: dict[str, Any], where: str) -> Iterator[str]:
     for value in values if isinstance(values, list) else ():
         if not any(_is_of_type(value, kind) for kind in allowed):
             yield f"the value {value!r}, which is not of type {types!r} (in {where})"
+
+
+def _type_names(schema: dict[str, Any]) -> list[Any] | None:
+    """The schema's `type` as a list (None: no type, or not a name nor a list)."""
+    types = schema.get("type")
+    return [types] if isinstance(types, str) else types if isinstance(types, list) else None
 
 
 _PYTHON_TYPES: dict[str, type | tuple[type, ...]] = {
@@ -148,9 +154,8 @@ def _is_of_type(value: Any, kind: Any) -> bool:
 
 
 def _string_problems(schema: dict[str, Any], where: str) -> Iterator[str]:
-    types = schema.get("type")
-    types = [types] if isinstance(types, str) else types
-    if isinstance(types, list) and types and "string" not in types:
+    types = _type_names(schema)
+    if types and "string" not in types:
         return  # (`format` of an integer or a number, e.g. OpenAPI's int32: an annotation)
     bounded = "minLength" in schema or "maxLength" in schema
     pattern = schema.get("pattern")

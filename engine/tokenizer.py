@@ -207,12 +207,8 @@ class Tokenizer:
         if backend is not None:
             text: str = backend.decode(id_list, skip_special_tokens=skip_special_tokens)
             return text
-        if not clean_up:
-            text = self._hf.decode(
-                id_list, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-            )
-            return str(text)
-        return str(self._hf.decode(id_list, skip_special_tokens=skip_special_tokens))
+        raw = {} if clean_up else {"clean_up_tokenization_spaces": False}
+        return str(self._hf.decode(id_list, skip_special_tokens=skip_special_tokens, **raw))
 
     def apply_chat_template(
         self,

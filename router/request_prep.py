@@ -199,28 +199,11 @@ def sampling_params(
         raise bad_request(str(exc), exc.param) from None
 
 
-def render_chat(
-    tokenizer: Tokenizer,
-    messages: list[dict[str, Any]],
-    *,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    template_kwargs: dict[str, Any] | None = None,
-    tools: list[dict[str, Any]] | None = None,
-    documents: list[dict[str, Any]] | None = None,
-    add_special_tokens: bool = False,
-) -> list[int]:
-    """The token ids of chat `messages` through the chat template (400 if it fails)."""
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+    """The token ids of chat `messages` through the chat template (`options`: those of
+    `Tokenizer.apply_chat_template`); a 400 if it fails."""
     try:
-        return tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            template_kwargs=template_kwargs,
-            tools=tools,
-            documents=documents,
-            add_special_tokens=add_special_tokens,
-        )
+        return tokenizer.apply_chat_template(messages, **options)
     except Exception as exc:  # (the template's own refusals, and what its code raises on
         # messages it does not expect: `| dictsort` of a string, a division by zero)
         hint = (

@@ -198,13 +198,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         # A client's id may repeat (two calls at once): the workers get it made unique.
         own_id = f"{request.request_id}@{uuid.uuid4().hex[:8]}" if request.request_id else ""
-        constrained = any(getattr(options, kind) for kind in _STRUCTURE_FIELDS)
-        # (checking a grammar takes seconds for a large schema: off the event loop, as HTTP)
-        fields = (
-            await on_a_tokenizing_thread(_sampling_fields, options)
-            if constrained
-            else (_sampling_fields(options))
-        )
+        if any(getattr(options, kind) for kind in _STRUCTURE_FIELDS):
+            # (checking a grammar takes seconds for a large schema: off the event loop, as HTTP)
+            fields = await on_a_tokenizing_thread(_sampling_fields, options)
+        else:
+            fields = _sampling_fields(options)
         if request.cache_salt:
             fields["cache_salt"] = request.cache_salt
         return await self.serving.prepare(
