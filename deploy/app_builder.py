@@ -145,7 +145,7 @@ def build_app(config: ClusterConfig) -> Application:
     router_settings = {
         "model": model,
         "mode": config.mode,
-        "served_model_name": config.served_model_name or Path(model).name,
+        "served_model_name": config.model_names(model),
         "registry_name": registry,
         "auth_token": config.auth_token,
         "api_key_sha256": key_digest(config.api_key) if config.api_key else None,

@@ -162,8 +162,10 @@ class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description="Local Hugging Face checkpoint directory.")
-    served_model_name: str | None = Field(
-        None, description="Model name clients send (default: the checkpoint folder's name)."
+    served_model_name: str | list[str] | None = Field(
+        None,
+        description="Model name clients send (default: the checkpoint folder's name); a list "
+        "gives several names for the same model (replies carry the first, as vLLM's).",
     )
     chat_template: str | None = Field(
         None,
@@ -256,6 +258,22 @@ class ClusterConfig(BaseModel):
             why = "in-process only: it cannot join processes" if value in TRANSPORTS else "unknown"
             raise ValueError(f"transport {value!r} is {why} (use {usable})")
         return value
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _names_given(cls, value: str | list[str] | None) -> str | list[str] | None:
+        names = [value] if isinstance(value, str) else value or []
+        if value is not None and (not names or not all(n.strip() for n in names)):
+            raise ValueError("served_model_name: give a non-empty name (or a list of them)")
+        if len(set(names)) < len(names):
+            raise ValueError(f"served_model_name: a name comes twice in {names}")
+        return value
+
+    def model_names(self, model: str) -> list[str]:
+        """The names clients may send for `model` (a checkpoint path): the configured ones,
+        else the checkpoint folder's name."""
+        names = self.served_model_name
+        return [names] if isinstance(names, str) else names or [Path(model).name]
 
     @model_validator(mode="after")
     def _transport_options_exist(self) -> ClusterConfig:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -37,7 +36,7 @@ def print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress | None) -> N
     host = local_host(cfg)
     dashboard = getattr(ctx, "dashboard_url", None)
     lines = [
-        f"[tandem] serving {cfg.served_model_name or Path(cfg.model).name}: "
+        f"[tandem] serving {' / '.join(cfg.model_names(cfg.model))}: "
         f"{workers_summary(cfg)}, "
         f"ready in {seconds:.1f}s",
         f"[tandem]   OpenAI API:    http://{host}:{cfg.port}/v1"

@@ -133,8 +133,12 @@ def serve(
         ),
     ] = DEFAULT_INGRESS,
     served_model_name: Annotated[
-        str | None,
-        typer.Option(help="Model name clients send (default: the checkpoint folder's name)."),
+        list[str] | None,
+        typer.Option(
+            metavar="NAME",
+            help="Model name clients send (default: the checkpoint folder's name). Repeat it "
+            "for several names of the same model: replies carry the first."
+        ),
     ] = None,
     max_model_len: Annotated[
         int | None,
@@ -218,7 +222,11 @@ def serve(
         "direct_port": direct_port,
         "api_key": api_key,
         "chat_template": chat_template,
-        "served_model_name": served_model_name,
+        "served_model_name": (
+            served_model_name[0]
+            if served_model_name and len(served_model_name) == 1
+            else served_model_name or None
+        ),
     }
     try:
         roles = {"prefill": prefill_replicas, "decode": decode_replicas}

@@ -239,6 +239,7 @@ class Tokenizer:
             messages = nine_character_call_ids(messages)
         kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _TOKENIZING_OPTIONS}
         documents = kwargs.pop("documents", documents)  # (vLLM's kwargs win)
+        tools = kwargs.pop("tools", tools)
         text = self._hf.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,

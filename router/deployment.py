@@ -101,7 +101,10 @@ class Router:
         self.directory.start()
         self.stop_gate = api.state.stop_gate = StopGate()
         self.roles = ("decode",) if settings.get("mode") == "colocated" else ("prefill", "decode")
-        model_name = settings["served_model_name"]
+        names = settings["served_model_name"]  # (one name, or a list: vLLM's several)
+        model_names = [names] if isinstance(names, str) else list(names)
+        model_name = model_names[0]
+        self.model_root = settings["model"]  # (what `/v1/models` names as each card's root)
         context = serve.get_replica_context()
         replica = context.replica_id.unique_id
         self.metrics = RouterMetrics(model_name, replica)
@@ -120,7 +123,7 @@ class Router:
             PDOrchestrator(self.directory),
             planner,
             tokenizer,
-            model_name,
+            model_names,
             settings.get("request_timeout_s", 600.0),
             self.metrics,
             settings.get("slo"),
@@ -261,7 +264,7 @@ class Router:
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         limits = await self.serving.limits()
-        return models_body(self.serving.model_name, limits.max_model_len)
+        return models_body(self.serving.model_names, self.model_root, limits.max_model_len)
 
     @api.get("/v1/models/{model:path}")
     async def model_card(self, model: str) -> dict[str, Any]:
@@ -271,7 +274,7 @@ class Router:
             return await self.models()
         self.serving.check_model(model)
         limits = await self.serving.limits()
-        return model_card(self.serving.model_name, limits.max_model_len)
+        return model_card(model, self.model_root, limits.max_model_len)
 
     @api.get("/version")
     async def version(self) -> dict[str, str]:

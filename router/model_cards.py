@@ -1,19 +1,20 @@
-"""`GET /v1/models` bodies, in OpenAI's shape with vLLM's fields (`root`, `parent`,
-`max_model_len`, `permission`)."""
+"""`GET /v1/models` bodies, in OpenAI's shape with vLLM's fields (`root`: the checkpoint the
+name serves, `parent`, `max_model_len`, `permission`): one card per served name."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 
-def model_card(model: str, max_model_len: int) -> dict[str, Any]:
+def model_card(model: str, root: str, max_model_len: int) -> dict[str, Any]:
     return {
         "id": model,
         "object": "model",
         "created": int(time.time()),
         "owned_by": "tandem",
-        "root": model,
+        "root": root,
         "parent": None,
         "max_model_len": max_model_len,
         "permission": [  # (vLLM's card has one, with these values)
@@ -35,5 +36,5 @@ def model_card(model: str, max_model_len: int) -> dict[str, Any]:
     }
 
 
-def models_body(model: str, max_model_len: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(model, max_model_len)]}
+def models_body(models: Sequence[str], root: str, max_model_len: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(m, root, max_model_len) for m in models]}

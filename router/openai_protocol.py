@@ -19,6 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tandem.engine.chat_content import content_text, template_tool_calls
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, no_seed_as_none
+from tandem.router.chat_template_options import (
+    check_template_kwargs,
+    check_template_options,
+    lift_template_options,
+    refuse_request_template,
+)
 from tandem.router.errors import bad_request
 from tandem.router.request_body import RequestBody
 from tandem.router.structured_output import (
@@ -324,8 +330,9 @@ class ChatCompletionRequest(_SamplingFields):
                 "max_completion_tokens",
             )
         refuse_request_template(self.chat_template)
-        check_template_options(self.add_generation_prompt, self.continue_final_message)
         check_template_kwargs(self.chat_template_kwargs)
+        lift_template_options(self)
+        check_template_options(self.add_generation_prompt, self.continue_final_message)
 
     def requested_max_tokens(self) -> int | None:
         return (
@@ -360,39 +367,3 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             message["name"] = m.name
         out.append(message)
     return out
-
-
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "conversation", "tokenize", "return_dict", "add_generation_prompt",
-     "continue_final_message", "chat_template", "tools"}
-)  # fmt: skip
-
-
-def refuse_request_template(chat_template: str | None) -> None:
-    """A chat template given in a request is refused (a client's Jinja would run in the
-    server): a 400 naming it."""
-    if chat_template is not None:
-        raise bad_request(
-            "a chat_template in the request is not accepted: the server renders with its "
-            "own (tandem serve --chat-template)",
-            "chat_template",
-            "unsupported",
-        )
-
-
-def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
-    """`chat_template_kwargs` may set the template's own variables, not the call's options."""
-    clash = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
-    if clash:
-        raise bad_request(
-            f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs"
-        )
-
-
-def check_template_options(add_generation_prompt: bool, continue_final_message: bool) -> None:
-    """`continue_final_message` leaves the last message open (any role's, as transformers
-    and vLLM do): no generation prompt after it."""
-    if continue_final_message and add_generation_prompt:
-        raise bad_request(
-            "continue_final_message needs add_generation_prompt=false", "continue_final_message"
-        )

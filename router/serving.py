@@ -47,7 +47,7 @@ class Serving:
         orchestrator: PDOrchestrator,
         planner: RoutePlanner,
         tokenizer: Tokenizer,
-        model_name: str,
+        model_name: str | Sequence[str],
         request_timeout_s: float = 600.0,
         metrics: RouterMetrics | None = None,
         slo: dict[str, float | None] | None = None,
@@ -66,14 +66,18 @@ class Serving:
         self.sampling_defaults = dict(sampling_defaults or {})
         """The model's sampling settings (`engine.generation_defaults`), for the fields a request
         leaves out; `max_tokens` among them caps a request that gives none."""
-        self.metrics = metrics or RouterMetrics(model_name, "router")
+        names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        self.model_names = names
+        """The names clients may send as `model` (vLLM's `--served-model-name a b`)."""
+        self.model_name = names[0]
+        """The name replies carry (the first, as vLLM's)."""
+        self.metrics = metrics or RouterMetrics(self.model_name, "router")
         slo = slo or {}
         self.slo_ttft_s = _seconds(slo.get("ttft_ms"))
         self.slo_tpot_s = _seconds(slo.get("tpot_ms"))
         self.orchestrator = orchestrator
         self.planner = planner
         self.tokenizer = tokenizer
-        self.model_name = model_name
         self.request_timeout_s = request_timeout_s
         self.deadlines = StreamDeadlines(request_timeout_s)
         self._limits: ModelLimits | None = None
@@ -114,11 +118,11 @@ class Serving:
         return self.tokenizer.token_bytes(token_id)
 
     def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
+        if model and model not in self.model_names:
+            served = ", ".join(f"`{name}`" for name in self.model_names)
             raise APIError(
                 404,
-                f"The model `{model:.200}` does not exist (this server serves "
-                f"`{self.model_name}`).",
+                f"The model `{model:.200}` does not exist (this server serves {served}).",
                 param="model",
                 code="model_not_found",
             )

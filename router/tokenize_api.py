@@ -12,14 +12,14 @@ from typing import Any
 
 from pydantic import ConfigDict, Field
 
-from tandem.router.errors import bad_request
-from tandem.router.openai_protocol import (
-    ChatMessage,
+from tandem.router.chat_template_options import (
     check_template_kwargs,
     check_template_options,
+    lift_template_options,
     refuse_request_template,
-    template_messages,
 )
+from tandem.router.errors import bad_request
+from tandem.router.openai_protocol import ChatMessage, template_messages
 from tandem.router.request_body import RequestBody
 from tandem.router.request_prep import check_token_ids, off_the_loop_if_long
 from tandem.router.serving import Serving
@@ -55,8 +55,9 @@ async def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give either prompt or messages", "prompt")
     if body.messages is not None:
-        check_template_options(body.add_generation_prompt, body.continue_final_message)
         check_template_kwargs(body.chat_template_kwargs)
+        lift_template_options(body)
+        check_template_options(body.add_generation_prompt, body.continue_final_message)
         refuse_request_template(body.chat_template)
         tokens = serving.render_chat(
             template_messages(body.messages),

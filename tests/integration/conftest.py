@@ -89,7 +89,7 @@ class Cluster:
 
         config = {
             "model": str(self.model),
-            "served_model_name": "tiny",
+            "served_model_name": ["tiny", "tiny-alias"],  # (a second name: vLLM's several)
             "grpc_port": self.grpc_port,
             "direct_port": self.direct_port,
             "engine": {"num_kv_blocks": 512, "max_num_batched_tokens": 256},

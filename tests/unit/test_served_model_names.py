@@ -1,0 +1,71 @@
+"""Several names for one model (vLLM's `--served-model-name a b`): each is accepted as a
+request's `model` and listed by `/v1/models` with the checkpoint as its root; replies carry
+the first."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from tandem.deploy.cli import app
+from tandem.deploy.cluster_config import ClusterConfig
+from tandem.router.errors import APIError
+from tandem.router.model_cards import models_body
+from tandem.router.serving import Serving
+
+
+def test_the_names_default_to_the_checkpoint_folder() -> None:
+    assert ClusterConfig().model_names("/models/qwen3-0.6b") == ["qwen3-0.6b"]
+    assert ClusterConfig(served_model_name="m").model_names("/x/y") == ["m"]
+    both = ClusterConfig(served_model_name=["a", "b"])
+    assert both.model_names("/x/y") == ["a", "b"]
+
+
+@pytest.mark.parametrize("names", [[], [""], ["a", " "], ["a", "a"], ""])
+def test_empty_or_repeated_names_are_refused(names: Any) -> None:
+    with pytest.raises(ValueError, match="served_model_name"):
+        ClusterConfig(served_model_name=names)
+
+
+def test_every_name_is_served_and_replies_carry_the_first() -> None:
+    serving = Serving(None, None, None, ["main", "alias"])  # type: ignore[arg-type]
+    assert serving.model_name == "main"
+    serving.check_model("alias")
+    serving.check_model("main")
+    serving.check_model(None)  # (a request without a model gets the first)
+    with pytest.raises(APIError) as refused:
+        serving.check_model("mai")
+    assert refused.value.status == 404 and "`main`, `alias`" in refused.value.message
+
+
+def test_the_models_list_has_a_card_per_name_rooted_at_the_checkpoint() -> None:
+    body = models_body(["main", "alias"], "/models/ckpt", 4096)
+    assert [(c["id"], c["root"], c["max_model_len"]) for c in body["data"]] == [
+        ("main", "/models/ckpt", 4096),
+        ("alias", "/models/ckpt", 4096),
+    ]
+
+
+def test_the_cli_option_repeats(
+    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tandem.deploy.app_builder as app_builder
+
+    seen: list[ClusterConfig] = []
+
+    def build_app(cfg: ClusterConfig) -> None:
+        seen.append(cfg)
+        raise ValueError("built")  # (stops `tandem serve` before Ray)
+
+    monkeypatch.setattr(app_builder, "build_app", build_app)
+    model = str(tiny_checkpoint())
+    args = ["serve", "--model", model, "--served-model-name", "a", "--served-model-name", "b"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "built" in res.output, res.output
+    assert seen[0].model_names(model) == ["a", "b"]
+    res = CliRunner().invoke(app, ["serve", "--model", model, "--served-model-name", "a"])
+    assert seen[1].served_model_name == "a"
