@@ -137,7 +137,7 @@ def serve(
         typer.Option(
             metavar="NAME",
             help="Model name clients send (default: the checkpoint folder's name). Repeat it "
-            "for several names of the same model: replies carry the first."
+            "for several names of the same model: replies carry the first.",
         ),
     ] = None,
     max_model_len: Annotated[

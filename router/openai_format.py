@@ -89,6 +89,16 @@ class ResponseHead:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
 
 
+_MESSAGE_FIELDS: dict[str, Any] = {
+    "role": "assistant", "content": None, "refusal": None, "annotations": None, "audio": None,
+    "function_call": None, "tool_calls": [], "reasoning_content": None,
+}  # fmt: skip
+"""Every field of a whole chat reply's message, null or empty unless set, in vLLM's order: its
+server writes them all (code that reads `message["tool_calls"]` finds a list)."""
+_BODY_FIELDS: dict[str, Any] = {"service_tier": None, "system_fingerprint": None}
+"""vLLM's whole responses carry these top-level fields as null."""
+
+
 def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -> dict[str, Any]:
     """A non-streaming response: one choice per request, in order."""
     choices = []
@@ -100,7 +110,7 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
         }
         choice["stop_reason"] = req.stop_reason
         if head.kind == "chat":
-            choice["message"] = reply_message(head, req.text)
+            choice["message"] = {**_MESSAGE_FIELDS, **reply_message(head, req.text)}
             if head.echo:
                 choice["message"]["content"] = head.echo + (choice["message"]["content"] or "")
             if choice["message"].get("tool_calls") and finishes_with_calls(
@@ -116,9 +126,9 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
         if head.token_ids:
             choice["token_ids"] = req.token_ids
         choices.append(choice)
-    body = {**head.fields(chunk=False), "choices": choices, "usage": usage}
-    if head.kind == "chat" and (prompt := _prompt_logprobs(head, reqs[0])) is not None:
-        body["prompt_logprobs"] = prompt  # (vLLM's place for chat: one prompt)
+    body = {**head.fields(chunk=False), "choices": choices, **_BODY_FIELDS, "usage": usage}
+    if head.kind == "chat":  # (vLLM's place for chat: one prompt)
+        body["prompt_logprobs"] = _prompt_logprobs(head, reqs[0])
     if head.kind == "chat" and head.token_ids:
         body["prompt_token_ids"] = reqs[0].prompt_token_ids
     return {**body, "tandem_timings": reqs[0].timings.stages_ms()}

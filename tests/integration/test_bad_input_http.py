@@ -302,7 +302,9 @@ def test_a_second_served_name_is_served_and_answered_as_the_first(base_url: str)
     assert resp.json()["model"] == "tiny"  # (vLLM's replies name the first served name)
     alias = requests.get(f"{base_url}/v1/models/tiny-alias", timeout=30)
     assert alias.status_code == 200 and alias.json()["id"] == "tiny-alias", alias.text
-    unknown = requests.post(f"{base_url}/v1/completions", json={**body, "model": "tiny-"}, timeout=30)
+    unknown = requests.post(
+        f"{base_url}/v1/completions", json={**body, "model": "tiny-"}, timeout=30
+    )
     assert_error(unknown, 404, "model")
     assert "`tiny`, `tiny-alias`" in unknown.json()["error"]["message"]
 

@@ -226,3 +226,46 @@ def test_a_function_without_parameters_takes_no_arguments() -> None:
         "properties": {},
         "additionalProperties": False,
     }
+
+
+@pytest.mark.parametrize(
+    "choice", ["auto", "required", {"type": "function", "function": {"name": "a"}}]
+)
+def test_a_tool_choice_without_tools_is_a_400(choice: Any) -> None:
+    """As vLLM's: any tool_choice but "none" needs `tools` (an empty list passes, as there)."""
+    from tandem.router.openai_protocol import ChatCompletionRequest
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "tool_choice": choice}
+    with pytest.raises(APIError) as refused:
+        ChatCompletionRequest.model_validate(body).check_supported()
+    assert (refused.value.status, refused.value.param) == (400, "tool_choice")
+    ChatCompletionRequest.model_validate({**body, "tool_choice": "none"}).check_supported()
+    ChatCompletionRequest.model_validate(
+        {**body, "tool_choice": "auto", "tools": []}
+    ).check_supported()
+
+
+def test_a_whole_chat_reply_has_every_field_of_vllm_s() -> None:
+    """vLLM's server writes every field of a chat reply's message, null or empty (code that
+    reads `message["tool_calls"]` finds a list), and null `service_tier` / `system_fingerprint`
+    / `prompt_logprobs`."""
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.router.openai_format import ResponseHead, full_body
+    from tandem.router.prepared import Prepared
+    from tandem.router.request_timings import RequestTimings
+
+    head = ResponseHead("chatcmpl-1", 0, "m", "chat")
+    req = Prepared("r", [1, 2], SamplingParams(max_tokens=4), RequestTimings(0.0))
+    req.text, req.finish_reason = "hello", "stop"
+    body = full_body(head, [req], {})
+    assert body["choices"][0]["message"] == {
+        "role": "assistant", "content": "hello", "refusal": None, "annotations": None,
+        "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None,
+    }  # fmt: skip
+    assert list(body["choices"][0]["message"])[:2] == ["role", "content"]
+    nulls = ("service_tier", "system_fingerprint", "prompt_logprobs")
+    assert [body[k] for k in nulls] == [None, None, None]
+    called = ResponseHead("chatcmpl-2", 0, "m", "chat", read_calls=forced_call)
+    req.text = '{"name": "a", "arguments": {"x": 1}}'
+    message = full_body(called, [req], {})["choices"][0]["message"]
+    assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "a"
