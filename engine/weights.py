@@ -143,7 +143,7 @@ def load_weights(
             continue
         fused = _fused_target(name)
         if fused is None:
-            _copy(params, name, tensor, dtype)
+            _copy(params, name, tensor, dtype, stored_name=hf_name)
             loaded.add(name)
             continue
         target, part = fused
@@ -155,13 +155,19 @@ def load_weights(
             _copy(params, target, torch.cat([t for _, t in stored], dim=0), dtype)
             loaded.add(target)
             del pending[target]
-    if pending:
-        raise CheckpointError(f"{model_dir}: incomplete fused weights {sorted(pending)}")
+    if pending:  # (named as the checkpoint names them, beside a part that is there)
+        absent = [
+            next(iter(parts.values()))[0].replace(f".{next(iter(parts))}.", f".{member}.")
+            for target, parts in sorted(pending.items())
+            for member in _FUSED[_fused_kind(target)]
+            if member not in parts
+        ]
+        raise CheckpointError(f"{model_dir}: weights missing from the checkpoint: {absent[:8]}")
     if model.spec.tie_word_embeddings:
         for name, tensor in _tied_weights(tied, model_dir).items():
             _copy(params, name, tensor, dtype)
             loaded.add(name)
-    missing = sorted(set(params) - loaded)
+    missing = [stored for name in sorted(set(params) - loaded) for stored in _stored_names(name)]
     if missing:
         raise CheckpointError(f"{model_dir}: weights missing from the checkpoint: {missing[:8]}")
     if not model.lm_head.weight.is_meta:  # (`check_weights` loads nothing)
@@ -195,6 +201,15 @@ def _tied_weights(stored: dict[str, torch.Tensor], model_dir: Path) -> dict[str,
             "needed with tie_word_embeddings)"
         )
     return {name: one for name in _TIED}
+
+
+def _stored_names(name: str) -> list[str]:
+    """The checkpoint names (transformers') of one of the model's parameters: a fused
+    projection's parts, under `model.` but for the output head."""
+    pieces = name.split(".")
+    modules = _FUSED.get(pieces[-2], (pieces[-2],)) if len(pieces) >= 2 else (None,)
+    names = [name if m is None else ".".join([*pieces[:-2], m, pieces[-1]]) for m in modules]
+    return [n if n.startswith("lm_head.") else f"model.{n}" for n in names]
 
 
 def _fused_kind(target: str) -> str:
@@ -231,17 +246,25 @@ def _check_fusable(
 
 
 def _copy(
-    params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor, dtype: torch.dtype
+    params: dict[str, torch.nn.Parameter],
+    name: str,
+    tensor: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    stored_name: str | None = None,
 ) -> None:
-    param = params.get(name)
+    """Copies `tensor` into parameter `name`; errors name it as the checkpoint does
+    (`stored_name`)."""
+    param, shown = params.get(name), stored_name or name
     if param is None:
         raise UnsupportedModelError(
-            f"checkpoint tensor {name!r} has no counterpart in tandem's model "
+            f"checkpoint tensor {shown!r} has no counterpart in tandem's model "
             "(a feature of this checkpoint is not supported)"
         )
     if tuple(param.shape) != tuple(tensor.shape):
         raise CheckpointError(
-            f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, config expects {tuple(param.shape)}"
+            f"shape mismatch for {shown!r}: checkpoint {tuple(tensor.shape)}, config expects "
+            f"{tuple(param.shape)}"
         )
     with torch.no_grad():
         param.data = tensor.to(dtype).contiguous()

@@ -261,14 +261,28 @@ def test_checkpoints_every_worker_would_refuse_are_refused_before_serving(
     shape = _copy_checkpoint(src, tmp_path / "shape")
     cfg = json.loads((shape / "config.json").read_text())
     (shape / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
-    with pytest.raises(CheckpointError, match="shape mismatch for 'layers.0.mlp"):
+    with pytest.raises(CheckpointError, match="shape mismatch for 'model.layers.0.mlp"):
         resolve_model(ClusterConfig(model=str(shape)))
     partial = _copy_checkpoint(src, tmp_path / "partial")
     tensors = load_file(str(partial / "model.safetensors"))
     del tensors["model.norm.weight"]
     save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="missing from the checkpoint: \\['norm.weight'\\]"):
+    with pytest.raises(
+        CheckpointError, match="missing from the checkpoint: \\['model.norm.weight'\\]"
+    ):
         resolve_model(ClusterConfig(model=str(partial)))
+    # (a projection tandem stacks with others is named as the checkpoint names it, too)
+    del (
+        tensors["model.layers.1.mlp.up_proj.weight"],
+        tensors["model.layers.0.self_attn.q_proj.weight"],
+    )
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as fused:
+        resolve_model(ClusterConfig(model=str(partial)))
+    assert str(fused.value).endswith(
+        "weights missing from the checkpoint: ['model.layers.0.self_attn.q_proj.weight', "
+        "'model.layers.1.mlp.up_proj.weight']"
+    )
     garbage = _copy_checkpoint(src, tmp_path / "garbage")
     (garbage / "model.safetensors").write_bytes(b"not safetensors" * 4)
     with pytest.raises(CheckpointError, match="not a readable safetensors"):
