@@ -65,6 +65,14 @@ def _drop_role_engine_field(data: dict[str, Any], role: str, field: str) -> None
 
 
 def serve(
+    model_argument: Annotated[
+        Path | None,
+        typer.Argument(
+            metavar="MODEL",
+            show_default=False,
+            help="The checkpoint, as `vllm serve MODEL` takes it (the same as --model).",
+        ),
+    ] = None,
     model: Annotated[
         Path | None,
         typer.Option(help="Local Hugging Face checkpoint (default: the embedded tiny model)."),
@@ -205,6 +213,10 @@ def serve(
     Starts a local Ray cluster with the dashboard when none is running, deploys a router, the
     prefill workers and the decode workers, prints the URLs, and stops cleanly on Ctrl-C.
     """
+    if model_argument is not None and model is not None and model_argument != model:
+        typer.echo(f"Error: two models given ({model_argument} and --model {model})", err=True)
+        raise typer.Exit(code=2)
+    model = model or model_argument
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -69,3 +69,24 @@ def test_the_cli_option_repeats(
     assert seen[0].model_names(model) == ["a", "b"]
     res = CliRunner().invoke(app, ["serve", "--model", model, "--served-model-name", "a"])
     assert seen[1].served_model_name == "a"
+
+
+def test_the_model_may_come_first_as_vllm_serve_takes_it(
+    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tandem serve PATH` as `vllm serve PATH`; two different models are refused."""
+    import tandem.deploy.app_builder as app_builder
+
+    seen: list[ClusterConfig] = []
+
+    def build_app(cfg: ClusterConfig) -> None:
+        seen.append(cfg)
+        raise ValueError("built")
+
+    monkeypatch.setattr(app_builder, "build_app", build_app)
+    model = str(tiny_checkpoint())
+    res = CliRunner().invoke(app, ["serve", model, "--served-model-name", "a"])
+    assert res.exit_code == 2 and "built" in res.output, res.output
+    assert seen[0].model == str(Path(model).resolve())
+    res = CliRunner().invoke(app, ["serve", model, "--model", "/elsewhere"])
+    assert res.exit_code == 2 and "two models given" in res.output and len(seen) == 1
