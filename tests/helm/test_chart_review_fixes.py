@@ -23,7 +23,14 @@ from tests.helm.chart import (
     template_args,
 )
 
-GPU = ("--set", "serve.engine.device=cuda", "--set", "prefill.numGpus=1")
+GPU = (
+    "--set",
+    "serve.engine.device=cuda",
+    "--set",
+    "prefill.numGpus=1",
+    "--set",
+    "image.variant=cuda",
+)
 
 
 def _helm(*sets: str) -> Any:

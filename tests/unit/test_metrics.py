@@ -53,6 +53,22 @@ def test_a_finished_request_is_recorded_exactly() -> None:
     assert value(m, "tandem:slo_missed_requests_total", slo="all") == 1
 
 
+def test_a_slow_request_lands_in_a_bucket_below_the_request_timeout() -> None:
+    """A 300 s request (the default timeout is 600 s) is told apart from an 80 s one: the
+    latency buckets reach vLLM's longest (7,680 s), not 80 s."""
+    m = RouterMetrics("m", "r1")
+    m.finished(
+        user=None, arrival=0.0, first_token=200.0, end=300.0, prompt_tokens=4,
+        output_tokens=3, finish_reason="length", stages_s={}, transferred_blocks=0,
+        slo_ttft_s=None, slo_tpot_s=None,
+    )  # fmt: skip
+    e2e = "tandem:e2e_request_latency_seconds_bucket"
+    assert value(m, e2e, le="160.0") == 0 and value(m, e2e, le="320.0") == 1
+    ttft = "tandem:time_to_first_token_seconds_bucket"
+    assert value(m, ttft, le="160.0") == 0 and value(m, ttft, le="320.0") == 1
+    assert value(m, e2e, le="7680.0") == 1
+
+
 def test_one_token_request_has_no_tpot_and_meets_the_tpot_slo() -> None:
     m = RouterMetrics("m", "r1")
     m.finished(

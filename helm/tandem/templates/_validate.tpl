@@ -3,7 +3,9 @@ Checks values.schema.json cannot express (it checks each value on its own): the 
 autoscaling bounds, distinct ports, the head's GCS and client ports, that each role's replicas
 fit the pods of its worker group, that each group's /dev/shm holds Ray's object store, that
 rayStartParams leave the chart's own parameters alone, that the custom resources replicas ask
-for are advertised, and the cluster config's cross-field rules (tandem.validateConfigRules).
+for are advertised, the cluster config's cross-field rules (tandem.validateConfigRules), an
+image whose variant runs what the roles run on (tandem.validateImage), and one source for the
+API key.
 Fails the render with a message naming the values to change.
 */}}
 
@@ -19,10 +21,13 @@ Fails the render with a message naming the values to change.
 {{- end -}}
 {{- $claim := $m.persistentVolumeClaim.claimName -}}
 {{- if and $claim $m.hostPath -}}
-{{- fail "model: set one of model.persistentVolumeClaim.claimName and model.hostPath, not both" -}}
+{{- fail "model: set one of model.persistentVolumeClaim.claimName and model.hostPath, not both (with hostPath, clear the default claim: --set model.persistentVolumeClaim.claimName=\"\")" -}}
 {{- end -}}
 {{- if not (or $claim $m.hostPath) -}}
 {{- fail "model: set model.persistentVolumeClaim.claimName or model.hostPath (the volume holding the checkpoint)" -}}
+{{- end -}}
+{{- if and .Values.apiKey.value .Values.apiKey.existingSecret -}}
+{{- fail "apiKey: set one of apiKey.value and apiKey.existingSecret, not both" -}}
 {{- end -}}
 {{- $p := .Values.ports -}}
 {{- $taken := dict -}}
@@ -46,6 +51,7 @@ Fails the render with a message naming the values to change.
 {{- include "tandem.validatePacking" (list "router" .Values.router) -}}
 {{- include "tandem.validateRayParams" . -}}
 {{- include "tandem.validateConfigRules" . -}}
+{{- include "tandem.validateImage" . -}}
 {{- end -}}
 
 {{/*
@@ -312,6 +318,19 @@ from the ports Ray gives the head's worker processes and dashboard agent.
 {{- end -}}
 {{- if eq $port $agent -}}
 {{- fail (printf "head.rayStartParams.%s (%d) is Ray's dashboard agent port on the head (rayStartParams dashboard-agent-listen-port, default 52365): choose another port" $key $port) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The chart's default image (no image.tag) of variant cpu has a torch without CUDA: a role
+that runs on CUDA would fail as each replica starts. */}}
+{{- define "tandem.validateImage" -}}
+{{- if and (eq .Values.image.variant "cpu") (not .Values.image.tag) -}}
+{{- range $role := include "tandem.roles" . | fromJsonArray -}}
+{{- $device := include "tandem.device" (list $.Values.serve.engine (index $.Values $role)) -}}
+{{- if hasPrefix "cuda" $device -}}
+{{- fail (printf "%s runs on '%s' but image.variant is cpu (its torch has no CUDA): set image.variant=cuda, or serve.engine.device=cpu" $role $device) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
