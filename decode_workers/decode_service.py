@@ -324,10 +324,9 @@ class DecodeService(WorkerLoop):
             item["num_cached_tokens"] = stream.num_cached_tokens
             item["num_transferred_blocks"] = stream.num_transferred_blocks
             item["local_prefill"] = stream.local
-            item["timings"] = {
-                "transfer_wait_s": committed - stream.reserved_at,
-                "decode_s": now - committed,
-            }
+            item["timings"] = {"decode_s": now - committed}
+            if not stream.local:  # (a prefill here waits for no pages)
+                item["timings"]["transfer_wait_s"] = committed - stream.reserved_at
             if stream.local and stream.request is not None:
                 item["timings"].update(scheduling_stages(stream.request))
                 if stream.request.prompt_logprobs is not None:  # (prefilled here)

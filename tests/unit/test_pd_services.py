@@ -250,6 +250,7 @@ def test_local_prefill_on_decode_reuses_its_cache_without_transfer(
     first, last = asyncio.run(run("turn1", prompt))
     assert first == reference.generate([prompt], params)[0].token_ids
     assert last["local_prefill"] and last["num_transferred_blocks"] == 0
+    assert "transfer_wait_s" not in last["timings"] and "decode_s" in last["timings"]
     follow_up = prompt + first + reference.tokenizer.encode(" and then")
     second, last = asyncio.run(run("turn2", follow_up))
     assert second == reference.generate([follow_up], params)[0].token_ids
