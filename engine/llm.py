@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, cast
@@ -104,10 +105,13 @@ class LLM:
         return True
 
     def beam_search(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("beam search is not supported by tandem: use n > 1 samples")
+        raise UnsupportedTaskError("beam search is not supported by tandem: use n > 1 samples")
 
     def encode(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("pooling (encode, embed, score) is not supported by tandem")
+        raise UnsupportedTaskError(
+            "pooling (encode, embed, classify, score, reward) is not supported by tandem: "
+            "it serves generative models"
+        )
 
     embed = classify = score = reward = encode
 
@@ -279,6 +283,11 @@ def _max_logprobs(value: Any) -> int | None:
     return None if value == -1 else value
 
 
+class UnsupportedTaskError(ValueError, NotImplementedError):
+    """A task of vLLM's `LLM` this engine does not do: a ValueError as vLLM raises for a task
+    the model does not support (and a NotImplementedError)."""
+
+
 def _no_lora(lora_request: Any) -> None:
     if lora_request is not None:
         raise ValueError("lora_request: LoRA adapters are not supported")
@@ -299,8 +308,13 @@ def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     if kv_bytes is not None:  # vLLM's exact size of the pool
         kwargs.setdefault("kv_cache_memory_gb", int(kv_bytes) / (1 << 30))
     tokenizer = kwargs.pop("tokenizer", None)
-    if tokenizer is not None and str(tokenizer) != model:
-        raise ValueError("tokenizer: the checkpoint directory's own tokenizer is used")
+    if tokenizer is not None and os.path.realpath(tokenizer) != os.path.realpath(model):
+        raise ValueError(
+            f"tokenizer={str(tokenizer)!r}: the checkpoint directory's own tokenizer is used "
+            "(give none, or the model's directory)"
+        )
+    if kwargs.pop("scheduling_policy", "fcfs") not in ("fcfs", "priority"):
+        raise ValueError("scheduling_policy: 'fcfs' or 'priority' (a request's priority counts)")
     if kwargs.get("runner", "auto") not in ("auto", "generate"):
         raise ValueError(f"runner={kwargs['runner']!r}: only text generation ('generate')")
     if kwargs.get("load_format", "auto") not in ("auto", "safetensors"):

@@ -121,7 +121,8 @@ def test_vllms_engine_arguments(tiny_checkpoint: Any, tmp_path: Any) -> None:
         enforce_eager=True,
         trust_remote_code=True,
         tensor_parallel_size=1,
-        tokenizer=path,
+        tokenizer=path + "/",  # (the model's directory, however spelled)
+        scheduling_policy="priority",  # (vLLM's switch for `generate(priority=...)`)
     )
     assert vllm_style.engine.config.dtype == "float32"  # (the tiny checkpoint's)
     assert vllm_style.generate("hi", GREEDY)[0].token_ids
@@ -138,6 +139,7 @@ def test_vllms_engine_arguments(tiny_checkpoint: Any, tmp_path: Any) -> None:
         ({"max_logprobs": -2}, "max_logprobs"),
         ({"enable_lora": True}, "enable_lora=True: vLLM's argument is not supported"),
         ({"cpu_offload_gb": 4}, "cpu_offload_gb"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
     ]:
         with pytest.raises(ValueError, match=match):
             LLM(model=path, num_kv_blocks=8, **kwargs)
@@ -159,6 +161,9 @@ def test_vllms_llm_members(llm: LLM) -> None:
     assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0
     for name in ("beam_search", "encode", "embed", "score", "sleep", "wake_up"):
         with pytest.raises(NotImplementedError, match="not supported by tandem"):
+            getattr(llm, name)(["hi"])
+    for name in ("beam_search", "encode", "embed", "classify", "score", "reward"):
+        with pytest.raises(ValueError, match="not supported by tandem"):  # (vLLM's type)
             getattr(llm, name)(["hi"])
 
 
