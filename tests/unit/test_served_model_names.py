@@ -50,31 +50,9 @@ def test_the_models_list_has_a_card_per_name_rooted_at_the_checkpoint() -> None:
     ]
 
 
-def test_the_cli_option_repeats(
-    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import tandem.deploy.app_builder as app_builder
-
-    seen: list[ClusterConfig] = []
-
-    def build_app(cfg: ClusterConfig) -> None:
-        seen.append(cfg)
-        raise ValueError("built")  # (stops `tandem serve` before Ray)
-
-    monkeypatch.setattr(app_builder, "build_app", build_app)
-    model = str(tiny_checkpoint())
-    args = ["serve", "--model", model, "--served-model-name", "a", "--served-model-name", "b"]
-    res = CliRunner().invoke(app, args)
-    assert res.exit_code == 2 and "built" in res.output, res.output
-    assert seen[0].model_names(model) == ["a", "b"]
-    res = CliRunner().invoke(app, ["serve", "--model", model, "--served-model-name", "a"])
-    assert seen[1].served_model_name == "a"
-
-
-def test_the_model_may_come_first_as_vllm_serve_takes_it(
-    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`tandem serve PATH` as `vllm serve PATH`; two different models are refused."""
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> list[ClusterConfig]:
+    """The configs `tandem serve` builds its app from (it stops there, before Ray)."""
     import tandem.deploy.app_builder as app_builder
 
     seen: list[ClusterConfig] = []
@@ -84,9 +62,28 @@ def test_the_model_may_come_first_as_vllm_serve_takes_it(
         raise ValueError("built")
 
     monkeypatch.setattr(app_builder, "build_app", build_app)
+    return seen
+
+
+def test_the_cli_option_repeats(
+    tiny_checkpoint: Callable[..., Path], built: list[ClusterConfig]
+) -> None:
+    model = str(tiny_checkpoint())
+    args = ["serve", "--model", model, "--served-model-name", "a", "--served-model-name", "b"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "built" in res.output, res.output
+    assert built[0].model_names(model) == ["a", "b"]
+    CliRunner().invoke(app, ["serve", "--model", model, "--served-model-name", "a"])
+    assert built[1].served_model_name == "a"
+
+
+def test_the_model_may_come_first_as_vllm_serve_takes_it(
+    tiny_checkpoint: Callable[..., Path], built: list[ClusterConfig]
+) -> None:
+    """`tandem serve PATH` as `vllm serve PATH`; two different models are refused."""
     model = str(tiny_checkpoint())
     res = CliRunner().invoke(app, ["serve", model, "--served-model-name", "a"])
     assert res.exit_code == 2 and "built" in res.output, res.output
-    assert seen[0].model == str(Path(model).resolve())
+    assert built[0].model == str(Path(model).resolve())
     res = CliRunner().invoke(app, ["serve", model, "--model", "/elsewhere"])
-    assert res.exit_code == 2 and "two models given" in res.output and len(seen) == 1
+    assert res.exit_code == 2 and "two models given" in res.output and len(built) == 1
