@@ -295,6 +295,8 @@ class PDOrchestrator:
                     pending.discard(early)  # decode was first: the prefill's copy is not needed
                     early.cancel()
                 first_out = decoding = True
+                if plan.local_prefill:  # (decode's own prefill is done)
+                    plan.release_prefill()
                 timings.mark("first_token")
                 if streamed is not None:
                     item, streamed = without_streamed(item, streamed), None

@@ -76,6 +76,9 @@ def reassign(plan: RoutePlan, role: str, new: Worker) -> None:
     old.queued_tokens -= tokens
     new.in_flight += 1
     new.queued_tokens += tokens
+    if role == "decode" and plan.local_prefill and plan.prefill_pending:  # (its own prefill)
+        old.queued_prefill_tokens -= plan.prefill_tokens
+        new.queued_prefill_tokens += plan.prefill_tokens
     if role == "decode":
         plan.decode = new
     else:

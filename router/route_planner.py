@@ -84,12 +84,22 @@ class RoutePlan:
             raise RuntimeError("a one-token request's plan has no decode worker")
         return self.decode
 
+    @property
+    def prefill_pending(self) -> bool:
+        """Its prefill tokens still count in a worker's prefill queue (`release_prefill`)."""
+        return not self._released_prefill
+
     def release_prefill(self) -> None:
-        """Prefill is done: its tokens no longer queue on the prefill worker."""
-        if self.prefill is not None and not self._released_prefill:
-            self._released_prefill = True
+        """Prefill is done: its tokens no longer queue on the prefill worker (on the decode
+        worker, for a prefill it runs itself)."""
+        if self._released_prefill:
+            return
+        self._released_prefill = True
+        if self.prefill is not None:
             self.prefill.queued_tokens -= self.prefill_tokens
             self.prefill.in_flight -= 1
+        elif self.decode is not None:
+            self.decode.queued_prefill_tokens -= self.prefill_tokens
 
     def release(self) -> None:
         if not self._released:
@@ -176,13 +186,15 @@ class RoutePlanner:
         if self.colocated or (
             decode_hits > 0 and tail <= self.decode_routing.conditional_prefill_max_tokens
         ):
-            # (the deadline holds here too: the tail's prefill on decode, no queue, no transfer)
+            # (admitted as a prefill worker's: behind the prefills decode runs itself, which
+            # colocated mode queues there; no transfer)
             rate = float(decode.stats.get("prefill_tokens_per_s") or 0) or None
             self.admission.check(
-                queued_tokens=0, new_tokens=tail, tokens_per_s=rate, blocks=0,
-                deadline_ms=deadline_ms,
+                queued_tokens=decode.queued_prefill_tokens, new_tokens=tail, tokens_per_s=rate,
+                blocks=0, deadline_ms=deadline_ms,
             )  # fmt: skip
             plan = RoutePlan(decode, None, num_blocks, decode_hits, 0, tail)
+            decode.queued_prefill_tokens += tail
         else:
             plan = await self._plan_prefill(
                 decode, namespace, hashes, len(prompt_token_ids), bs, decode_hits, deadline_ms

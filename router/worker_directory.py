@@ -48,6 +48,9 @@ class Worker:
     stats: dict[str, Any] = field(default_factory=dict)
     in_flight: int = 0
     queued_tokens: int = 0
+    queued_prefill_tokens: int = 0
+    """A decode worker's: the prompt tokens of the prefills it runs itself (colocated mode, a
+    short uncached tail) not done yet, its prefill queue for admission control."""
     events_task: asyncio.Task[None] | None = None
     draining: bool = False
     lost_report: Any = None  # its registry report when its connection was seen lost
@@ -159,6 +162,7 @@ class WorkerDirectory:
                 worker = Worker(wid, str(entry["role"]), RPCClient(address, self.auth_token))
                 if old is not None:
                     worker.in_flight, worker.queued_tokens = old.in_flight, old.queued_tokens
+                    worker.queued_prefill_tokens = old.queued_prefill_tokens
                     await self._stop(old)
                 self.workers[wid] = worker
                 worker.events_task = asyncio.get_running_loop().create_task(

@@ -11,6 +11,7 @@ from tandem.engine.hashing import hash_full_blocks, root_hash
 from tandem.engine.rpc import RPCClient
 from tandem.router.admission import AdmissionConfig
 from tandem.router.errors import APIError
+from tandem.router.plan_moves import reassign
 from tandem.router.prefix_index import KVEventBatch
 from tandem.router.route_planner import DecodeRoutingConfig, RoutePlanner
 from tandem.router.routing_policy import RoutingConfig
@@ -125,6 +126,36 @@ def test_colocated_mode_prefills_every_request_on_its_decode_worker() -> None:
     assert (first.prefill_tokens, first.decode.queued_tokens) == (600, 608)
     turn = plan(p, history + list(range(300, 700)))  # a long tail stays with the holder too
     assert turn.decode.worker_id == "d0" and turn.local_prefill and turn.decode_hit_blocks == 12
+
+
+def test_colocated_prefills_queue_on_their_decode_worker_for_admission() -> None:
+    """The prefills a decode worker runs itself (every one in colocated mode) queue there: the
+    queue cap and deadlines count them, as a prefill worker's queue (they were admitted as if
+    none waited: 16 concurrent 1,800-token prompts all passed a 300 ms deadline)."""
+    d = directory(("d0", "decode", {"prefill_tokens_per_s": 10_000}))
+    admission = AdmissionConfig.model_validate({"max_queued_prefill_tokens": 3000})
+    p = RoutePlanner(d, RoutingConfig(), DecodeRoutingConfig(), admission, colocated=True)
+    held = [plan(p, list(range(i * 1000, i * 1000 + 700))) for i in range(4)]  # 2,800 queued
+    d0 = d.workers["d0"]
+    assert d0.queued_prefill_tokens == 2800
+    with pytest.raises(APIError) as full:
+        plan(p, list(range(9000, 9700)))
+    assert (full.value.status, full.value.code) == (429, "queue_full")
+    with pytest.raises(APIError) as late:  # (2,800 + 100 tokens at 10k/s: ~290 ms)
+        plan(p, list(range(9000, 9100)), deadline_ms=100)
+    assert late.value.code == "deadline_unmeetable"
+    held[0].release_prefill()  # (its first token came: its prefill no longer queues)
+    assert d0.queued_prefill_tokens == 2100
+    held[0].release()
+    assert d0.queued_prefill_tokens == 2100  # (once)
+    plan(p, list(range(9000, 9700)))
+    for route in held[1:]:
+        route.release()
+    assert d0.queued_prefill_tokens == 700
+    d.workers["d1"] = d1 = Worker("d1", "decode", RPCClient("127.0.0.1:1", "t"))
+    moved = plan(p, list(range(20_000, 20_100)))  # (d1, the idlest)
+    reassign(moved, "decode", d0)  # (as from a draining worker: its prefill goes along)
+    assert (d1.queued_prefill_tokens, d0.queued_prefill_tokens) == (0, 800)
 
 
 @pytest.mark.parametrize("colocated", [False, True])
