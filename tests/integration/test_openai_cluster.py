@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 def test_models_and_health(base_url: str) -> None:
     models = client(base_url).models.list()
-    assert [m.id for m in models.data] == ["tiny"]
+    assert [m.id for m in models.data] == ["tiny", "tiny-alias"]  # (conftest's two names)
     assert requests.get(f"{base_url}/health", timeout=10).status_code == 200
     assert requests.get(f"{base_url}/ping", timeout=10).status_code == 200
     assert requests.post(f"{base_url}/ping", timeout=10).status_code == 200
