@@ -213,7 +213,7 @@ def serve(
     Starts a local Ray cluster with the dashboard when none is running, deploys a router, the
     prefill workers and the decode workers, prints the URLs, and stops cleanly on Ctrl-C.
     """
-    if model_argument is not None and model is not None and model_argument != model:
+    if model_argument and model and model_argument.resolve() != model.resolve():
         typer.echo(f"Error: two models given ({model_argument} and --model {model})", err=True)
         raise typer.Exit(code=2)
     model = model or model_argument

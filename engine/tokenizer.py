@@ -225,9 +225,10 @@ class Tokenizer:
 
         As vLLM: the template writes text, which is then encoded without the tokenizer's
         special tokens (the template writes its own BOS) unless `add_special_tokens`; so
-        `template_kwargs` are only ever the template's variables (e.g. Qwen3's
-        `enable_thinking`; transformers' tokenizing options such as `truncation` or
-        `max_length` change nothing). `continue_final_message` leaves the last message open,
+        `template_kwargs` are the template's variables (e.g. Qwen3's `enable_thinking`;
+        transformers' tokenizing options such as `truncation` or `max_length` change nothing),
+        and may set this call's options (`add_generation_prompt`, `continue_final_message`,
+        `tools`, `documents`), which they win over, as vLLM's. `continue_final_message` leaves the last message open,
         for the model to go on with it; `tools` are function specs and `documents` retrieved
         texts for templates that present them; `chat_template` (Jinja text) renders instead
         of the tokenizer's own. transformers raises ValueError if the tokenizer has no chat
@@ -238,17 +239,15 @@ class Tokenizer:
         if isinstance(template, str) and "[TOOL_CALLS]" in template:
             messages = nine_character_call_ids(messages)
         kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _TOKENIZING_OPTIONS}
-        documents = kwargs.pop("documents", documents)  # (vLLM's kwargs win)
-        tools = kwargs.pop("tools", tools)
+        options: dict[str, Any] = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "tools": tools,
+            "documents": documents,
+        }
+        options.update({k: kwargs.pop(k) for k in list(options) if k in kwargs})  # (vLLM's win)
         text = self._hf.apply_chat_template(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            tools=tools,
-            documents=documents,
-            chat_template=chat_template,
-            **kwargs,
+            messages, tokenize=False, chat_template=chat_template, **options, **kwargs
         )
         return self.encode(str(text), add_special_tokens=add_special_tokens)
 

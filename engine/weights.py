@@ -134,8 +134,10 @@ def load_weights(
     loaded: set[str] = set()
     pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}  # target -> part -> stored
     tied: dict[str, torch.Tensor] = {}  # (with tied embeddings: those of `_TIED` stored)
+    prefix = ""  # (the checkpoint's names: "model.layers.0..." as transformers saves them)
     for hf_name, tensor in read(checkpoint_files(model_dir)):
         name = hf_name.removeprefix("model.")
+        prefix = "model." if name != hf_name else prefix
         if name.startswith("rotary_emb.") or name.endswith("rotary_emb.inv_freq"):
             continue
         if name in _TIED and model.spec.tie_word_embeddings:
@@ -152,7 +154,8 @@ def load_weights(
         if len(parts) == len(_FUSED[_fused_kind(target)]):
             stored = [parts[p] for p in _FUSED[_fused_kind(target)]]
             _check_fusable(params.get(target), stored)
-            _copy(params, target, torch.cat([t for _, t in stored], dim=0), dtype)
+            fused_tensor = torch.cat([t for _, t in stored], dim=0)
+            _copy(params, target, fused_tensor, dtype, stored_name=stored[0][0])
             loaded.add(target)
             del pending[target]
     if pending:  # (named as the checkpoint names them, beside a part that is there)
@@ -167,7 +170,9 @@ def load_weights(
         for name, tensor in _tied_weights(tied, model_dir).items():
             _copy(params, name, tensor, dtype)
             loaded.add(name)
-    missing = [stored for name in sorted(set(params) - loaded) for stored in _stored_names(name)]
+    missing = [
+        stored for name in sorted(set(params) - loaded) for stored in _stored_names(name, prefix)
+    ]
     if missing:
         raise CheckpointError(f"{model_dir}: weights missing from the checkpoint: {missing[:8]}")
     if not model.lm_head.weight.is_meta:  # (`check_weights` loads nothing)
@@ -203,13 +208,13 @@ def _tied_weights(stored: dict[str, torch.Tensor], model_dir: Path) -> dict[str,
     return {name: one for name in _TIED}
 
 
-def _stored_names(name: str) -> list[str]:
-    """The checkpoint names (transformers') of one of the model's parameters: a fused
-    projection's parts, under `model.` but for the output head."""
+def _stored_names(name: str, prefix: str) -> list[str]:
+    """The checkpoint names of one of the model's parameters: a fused projection's parts,
+    under the checkpoint's `prefix` ("model." as transformers saves them) but for the head."""
     pieces = name.split(".")
     modules = _FUSED.get(pieces[-2], (pieces[-2],)) if len(pieces) >= 2 else (None,)
     names = [name if m is None else ".".join([*pieces[:-2], m, pieces[-1]]) for m in modules]
-    return [n if n.startswith("lm_head.") else f"model.{n}" for n in names]
+    return [n if n.startswith("lm_head.") else f"{prefix}{n}" for n in names]
 
 
 def _fused_kind(target: str) -> str:

@@ -34,7 +34,9 @@ class AdmissionConfig(BaseModel):
     )
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
     max_queued_prefill_tokens: int | None = Field(
-        None, gt=0, description="cap of each prefill worker's queue, in prompt tokens"
+        None,
+        gt=0,
+        description="cap of each prefill queue (a prefill worker's; a decode worker's for the prompts it prefills itself), in prompt tokens",
     )
     max_decode_tokens: int | None = Field(
         None,

@@ -1,10 +1,10 @@
 """The chat template's options in a request (chat completions, `/tokenize`): what
-`chat_template_kwargs` may set and what wins, and the combinations that are refused (a 400
-naming the field)."""
+`chat_template_kwargs` may not set, and the combinations that are refused (a 400 naming the
+field)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from tandem.router.errors import bad_request
 
@@ -12,37 +12,10 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     {"messages", "conversation", "tokenize", "return_dict", "chat_template"}
 )  # fmt: skip
 """What `chat_template_kwargs` may not set: the conversation, the output's form, or a
-client's own Jinja (`refuse_request_template`)."""
-TEMPLATE_OPTIONS = ("add_generation_prompt", "continue_final_message")
-"""The template call's options that `chat_template_kwargs` may set, winning over the
-request's own fields as in vLLM (`lift_template_options`); `tools` and `documents` there go to
-the template alone (`Tokenizer.apply_chat_template`)."""
-
-
-class _TemplateOptions(Protocol):
-    add_generation_prompt: bool
-    continue_final_message: bool
-    chat_template_kwargs: dict[str, Any] | None
-
-
-def lift_template_options(body: _TemplateOptions) -> None:
-    """Moves `TEMPLATE_OPTIONS` that `chat_template_kwargs` sets into the request's own fields
-    (vLLM renders with its kwargs over them), so that the checks and the reply's role see what
-    the template is given; a value that is not a boolean is a 400."""
-    kwargs = body.chat_template_kwargs or {}
-    for name in TEMPLATE_OPTIONS:
-        if name not in kwargs:
-            continue
-        if not isinstance(kwargs[name], bool):
-            raise bad_request(
-                f"chat_template_kwargs.{name} must be a boolean, got {kwargs[name]!r:.100}",
-                "chat_template_kwargs",
-            )
-        setattr(body, name, kwargs[name])
-    if body.chat_template_kwargs is not None:
-        body.chat_template_kwargs = {
-            k: v for k, v in body.chat_template_kwargs.items() if k not in TEMPLATE_OPTIONS
-        }
+client's own Jinja (`refuse_request_template`). It may set the template call's other options
+(`add_generation_prompt`, `continue_final_message`, `tools`, `documents`), which win for the
+rendering as in vLLM (`Tokenizer.apply_chat_template`); the reply's role and the checks go by
+the request's own fields, as vLLM's do."""
 
 
 def refuse_request_template(chat_template: str | None) -> None:

@@ -101,9 +101,8 @@ class Router:
         self.directory.start()
         self.stop_gate = api.state.stop_gate = StopGate()
         self.roles = ("decode",) if settings.get("mode") == "colocated" else ("prefill", "decode")
-        names = settings["served_model_name"]  # (one name, or a list: vLLM's several)
-        model_names = [names] if isinstance(names, str) else list(names)
-        model_name = model_names[0]
+        model_names: list[str] = settings["served_model_name"]  # (`ClusterConfig.model_names`)
+        model_name = model_names[0]  # (the one replies and metrics carry)
         self.model_root = settings["model"]  # (what `/v1/models` names as each card's root)
         context = serve.get_replica_context()
         replica = context.replica_id.unique_id

@@ -22,7 +22,6 @@ from tandem.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, no_s
 from tandem.router.chat_template_options import (
     check_template_kwargs,
     check_template_options,
-    lift_template_options,
     refuse_request_template,
 )
 from tandem.router.errors import bad_request
@@ -332,9 +331,8 @@ class ChatCompletionRequest(_SamplingFields):
                 "max_completion_tokens",
             )
         refuse_request_template(self.chat_template)
-        check_template_kwargs(self.chat_template_kwargs)
-        lift_template_options(self)
         check_template_options(self.add_generation_prompt, self.continue_final_message)
+        check_template_kwargs(self.chat_template_kwargs)
 
     def requested_max_tokens(self) -> int | None:
         return (
@@ -361,7 +359,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         message: dict[str, Any] = {"role": role, "content": m.text()}
         extra = m.model_extra or {}
         for key in ("tool_calls", "tool_call_id", "reasoning_content"):
-            if extra.get(key) is not None:
+            if extra.get(key) is not None and extra[key] != []:  # (a reply's empty list: none)
                 message[key] = extra[key]
         if "tool_calls" in message:
             message["tool_calls"] = template_tool_calls(message["tool_calls"])

@@ -295,7 +295,7 @@ class PDOrchestrator:
                     pending.discard(early)  # decode was first: the prefill's copy is not needed
                     early.cancel()
                 first_out = decoding = True
-                if plan.local_prefill:  # (decode's own prefill is done)
+                if plan.prefill is None:  # (decode's own prefill is done)
                     plan.release_prefill()
                 timings.mark("first_token")
                 if streamed is not None:

@@ -152,6 +152,8 @@ class ResponsesRequest(RequestBody):
 
     def chat_tool_choice(self) -> str | dict[str, Any] | None:
         choice = self.tool_choice
+        if not self.tools and choice in ("auto", "none"):  # (OpenAI's default, with no tools)
+            return None
         if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
             return {"type": "function", "function": {"name": choice["name"]}}
         return choice

@@ -70,7 +70,7 @@ class Serving:
         self.model_names = names
         """The names clients may send as `model` (vLLM's `--served-model-name a b`)."""
         self.model_name = names[0]
-        """The name replies carry (the first, as vLLM's)."""
+        """The name replies carry (the first: the canonical one, whichever a request names)."""
         self.metrics = metrics or RouterMetrics(self.model_name, "router")
         slo = slo or {}
         self.slo_ttft_s = _seconds(slo.get("ttft_ms"))

@@ -15,7 +15,6 @@ from pydantic import ConfigDict, Field
 from tandem.router.chat_template_options import (
     check_template_kwargs,
     check_template_options,
-    lift_template_options,
     refuse_request_template,
 )
 from tandem.router.errors import bad_request
@@ -55,9 +54,8 @@ async def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give either prompt or messages", "prompt")
     if body.messages is not None:
-        check_template_kwargs(body.chat_template_kwargs)
-        lift_template_options(body)
         check_template_options(body.add_generation_prompt, body.continue_final_message)
+        check_template_kwargs(body.chat_template_kwargs)
         refuse_request_template(body.chat_template)
         tokens = serving.render_chat(
             template_messages(body.messages),

@@ -160,9 +160,7 @@ class WorkerDirectory:
             if worker is None or worker.client.address != address or worker.client.closed:
                 old = worker
                 worker = Worker(wid, str(entry["role"]), RPCClient(address, self.auth_token))
-                if old is not None:
-                    worker.in_flight, worker.queued_tokens = old.in_flight, old.queued_tokens
-                    worker.queued_prefill_tokens = old.queued_prefill_tokens
+                if old is not None:  # (its requests' plans give their load back to `old`)
                     await self._stop(old)
                 self.workers[wid] = worker
                 worker.events_task = asyncio.get_running_loop().create_task(

@@ -107,23 +107,20 @@ def test_a_user_message_can_be_continued_and_the_reply_takes_its_role(path: Path
 
 
 def test_template_kwargs_set_the_template_options_and_win(path: Path) -> None:
-    """vLLM renders with `chat_template_kwargs` over the request's own options: the kwargs'
-    `continue_final_message` leaves the message open and the reply takes its role; `tools`
+    """As vLLM's: `chat_template_kwargs` over the request's own options for the rendering (the
+    reply's role goes by the request's fields, as vLLM's `get_chat_request_role`); `tools`
     there reach the template."""
     serving = fake_serving(path, DOCS_TEMPLATE)
     options = {"add_generation_prompt": False, "continue_final_message": True}
     ids, reply = _chat(serving, messages=[USER], chat_template_kwargs=options)
     assert _text(serving, ids) == "<user>the river"
-    assert reply["choices"][0]["message"]["role"] == "user"
+    assert reply["choices"][0]["message"]["role"] == "assistant"
     ids, _ = _chat(serving, messages=[USER], chat_template_kwargs={"add_generation_prompt": False})
     assert _text(serving, ids) == "<user>the river</user>"
     both = {"add_generation_prompt": True, "continue_final_message": True}
-    with pytest.raises(APIError) as clash:  # (what the template would be given: refused)
+    with pytest.raises(APIError) as clash:  # (transformers refuses what the template is given)
         _chat(serving, messages=[USER], add_generation_prompt=False, chat_template_kwargs=both)
-    assert clash.value.param == "continue_final_message"
-    with pytest.raises(APIError) as typed:
-        _chat(serving, messages=[USER], chat_template_kwargs={"add_generation_prompt": "no"})
-    assert (typed.value.status, typed.value.param) == (400, "chat_template_kwargs")
+    assert (clash.value.status, clash.value.param) == (400, "messages")
     tools = [{"type": "function", "function": {"name": "dig"}}]
     lists_tools = fake_serving(path, "{{ tools[0].function.name }}{{ messages[0].content }}")
     ids, _ = _chat(lists_tools, messages=[USER], chat_template_kwargs={"tools": tools})

@@ -27,17 +27,16 @@ def test_the_example_config_names_every_field() -> None:
     """README: every field has a line (with a comment) in deploy/cluster.example.yaml."""
     from pydantic import BaseModel
 
-    from tandem.deploy import cluster_config
+    from tandem.deploy import cluster_config, role_config
     from tandem.engine.config import EngineConfig
 
     text = (DEPLOY / "cluster.example.yaml").read_text()
     named = set(re.findall(r"^\s*#?\s*([a-z_]+):", text, re.MULTILINE))
     models = [EngineConfig] + [
         m
-        for m in vars(cluster_config).values()
-        if isinstance(m, type)
-        and issubclass(m, BaseModel)
-        and m.__module__ == cluster_config.__name__
+        for module in (cluster_config, role_config)
+        for m in vars(module).values()
+        if isinstance(m, type) and issubclass(m, BaseModel) and m.__module__ == module.__name__
     ]
     missing = {m.__name__: sorted(set(m.model_fields) - named) for m in models}
     assert {name: fields for name, fields in missing.items() if fields} == {}

@@ -92,6 +92,23 @@ def test_what_cannot_be_a_chat_completion_is_a_400(fields: dict[str, Any], param
     assert err.value.status == 400 and err.value.param == param
 
 
+@pytest.mark.parametrize("tools", [None, []])
+def test_openai_s_default_tool_choice_without_tools_is_served(tools: Any) -> None:
+    """`tool_choice: "auto"` (or "none") with no tools, as OpenAI's SDK and vLLM's defaults
+    send it, is a plain reply; "required" without tools is a 400."""
+    for choice in ("auto", "none"):
+        body = ResponsesRequest.model_validate(
+            {"model": "tiny", "input": "hi", "tools": tools, "tool_choice": choice}
+        )
+        body.chat_request().check_supported()
+    required = ResponsesRequest.model_validate(
+        {"model": "tiny", "input": "hi", "tools": tools, "tool_choice": "required"}
+    )
+    with pytest.raises(APIError) as err:
+        required.chat_request().check_supported()
+    assert (err.value.status, err.value.param) == (400, "tool_choice")
+
+
 def _head(**fields: Any) -> _Head:
     body = ResponsesRequest.model_validate({"model": "tiny", "input": "hi", **fields})
     return _Head(body, "tiny", stored=False)

@@ -175,3 +175,37 @@ def test_a_prefill_on_decode_is_held_to_the_deadline_too(colocated: bool) -> Non
     assert all(w.in_flight == 0 and w.queued_tokens == 0 for w in d.workers.values())
     turn = plan(p, history + list(range(300, 320)), deadline_ms=1000)
     assert turn.local_prefill and turn.decode.worker_id == "d0"
+
+
+def test_a_worker_that_registers_again_starts_without_the_old_connection_s_load() -> None:
+    """A decode worker back at a new address (a restarted replica keeping its id): the plans
+    made before give their load back to the old record, so the new one starts at zero (it
+    took the old counts, which no plan released: its queue stayed full and every request was
+    refused `queue_full`)."""
+
+    class Registry:
+        def __init__(self, entry: dict[str, Any]) -> None:
+            self.list = self
+            self.entry = entry
+
+        async def remote(self, *_: Any) -> list[dict[str, Any]]:
+            return [self.entry]
+
+    async def main() -> None:
+        entry = {"worker_id": "d0", "role": "decode", "rpc_address": "127.0.0.1:9"}
+        d = WorkerDirectory(registry=Registry(entry), auth_token="t")
+        await d.refresh()
+        admission = AdmissionConfig.model_validate({"max_queued_prefill_tokens": 3000})
+        p = RoutePlanner(d, RoutingConfig(), DecodeRoutingConfig(), admission, colocated=True)
+        held = [await p.plan(list(range(i * 1000, i * 1000 + 700)), INFO, None, 60, 8)
+                for i in range(4)]  # fmt: skip
+        d.registry = Registry({**entry, "rpc_address": "127.0.0.1:10"})
+        await d.refresh()
+        for route in held:  # (they failed with the old connection)
+            route.release()
+        new = d.workers["d0"]
+        assert (new.in_flight, new.queued_tokens, new.queued_prefill_tokens) == (0, 0, 0)
+        await p.plan(list(range(9000, 9300)), INFO, None, 60, 8)
+        await d.close()
+
+    asyncio.run(main())

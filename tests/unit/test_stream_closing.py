@@ -166,6 +166,9 @@ def test_a_request_cancelled_by_its_http_server_closes_its_decode_call() -> None
             self.decode = self.decoder = SimpleNamespace(worker_id="decode/x")
             self.released = False
 
+        def release_prefill(self) -> None:
+            pass
+
         def release(self) -> None:
             self.released = True
 

@@ -129,6 +129,12 @@ def test_a_conversation_goes_back_to_the_template_with_calls_and_thoughts() -> N
         {"role": "assistant", "content": "", "tool_calls": [as_object], "reasoning_content": "hm"},
         {"role": "tool", "content": "done", "tool_call_id": "call_1", "name": "a"},
     ]
+    # (a whole reply sent back as it came, with its empty list, is a message without calls:
+    # templates that test `'tool_calls' in message` would take it for a call)
+    reply = {"role": "assistant", "content": "hi", "tool_calls": [], "refusal": None}
+    assert template_messages([ChatMessage.model_validate(reply)]) == [
+        {"role": "assistant", "content": "hi"}
+    ]
 
 
 def test_tool_call_arguments_reach_the_template_as_objects() -> None:

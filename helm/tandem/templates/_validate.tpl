@@ -329,7 +329,7 @@ that runs on CUDA would fail as each replica starts. */}}
 {{- range $role := include "tandem.roles" . | fromJsonArray -}}
 {{- $device := include "tandem.device" (list $.Values.serve.engine (index $.Values $role)) -}}
 {{- if hasPrefix "cuda" $device -}}
-{{- fail (printf "%s runs on '%s' but image.variant is cpu (its torch has no CUDA): set image.variant=cuda, or serve.engine.device=cpu" $role $device) -}}
+{{- fail (printf "%s runs on '%s' but image.variant is cpu (its torch has no CUDA): set image.variant=cuda, or run %s on cpu (%s.numGpus 0 or engine.device cpu)" $role $device $role $role) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
