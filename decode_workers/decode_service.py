@@ -29,6 +29,7 @@ from tandem.engine.kv_io import NoFreeBlocksError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
 from tandem.engine.outputs import StepOutput
+from tandem.engine.prefill_rate import PrefillRate
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.worker_drain import DRAINING
@@ -72,6 +73,7 @@ class DecodeService(WorkerLoop):
             self._reserve, engine.block_manager, engine.config.block_size, reserve_wait_s
         )
         self.num_cancelled = 0
+        self.prefill_rate = PrefillRate()
         if engine.config.enable_kv_events:
             self.publish_kv_events(engine.block_manager, engine.namespace.digest())
 
@@ -216,7 +218,12 @@ class DecodeService(WorkerLoop):
             self._on_transfer_event(event)
         if self.engine.has_unfinished_requests():
             try:
-                for output in self.engine.step():
+                start = time.perf_counter()
+                outputs = self.engine.step()
+                # (the prompts it prefills itself: their rate, for the router's admission)
+                elapsed = time.perf_counter() - start
+                self.prefill_rate.add(self.engine.last_step_prompt_tokens, elapsed)
+                for output in outputs:
                     self._on_output(output)
             finally:
                 self._outbox.flush()  # (the step's items: one hand-over to the event loop)
@@ -351,6 +358,7 @@ class DecodeService(WorkerLoop):
             "prefix_cache_hit_blocks": bm.prefix_cache_stats.hit_blocks,
             "num_cancelled": self.num_cancelled,
             "num_step_failures": self.num_step_failures,
+            "prefill_tokens_per_s": round(self.prefill_rate.tokens_per_s or 0.0, 1),
             **queues,
         }
 

@@ -104,6 +104,7 @@ class LLMEngine:
         self.grammars = GrammarBook(self.tokenizer.hf, self.spec.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.last_step_tokens = 0  # tokens the last `step()` ran through the model
+        self.last_step_prompt_tokens = 0  # of them, in prompt chunks (a sampled token is 1)
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
         logger.info(
@@ -291,6 +292,7 @@ class LLMEngine:
         """Schedules and runs one batch; returns the new token of every request that got one."""
         out = self.scheduler.schedule()
         self.last_step_tokens = out.num_batched_tokens
+        self.last_step_prompt_tokens = sum(n for _, n in out.scheduled if n > 1)
         if out.is_empty:
             return []
         try:

@@ -22,6 +22,7 @@ from tandem.engine.guided import compile_ahead
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_text import OutputText
 from tandem.engine.outputs import StepOutput
+from tandem.engine.prefill_rate import PrefillRate
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.worker_loop import WorkerLoop, resolve
 from tandem.kv_transfer.base import KVTransport
@@ -87,7 +88,7 @@ class PrefillService(WorkerLoop):
         self._here: dict[str, FinishingHere] = {}  # requests that end here (loop thread)
         self.num_cancelled = 0
         self.num_failed = 0
-        self.prefill_tokens_per_s: float | None = None
+        self.prefill_rate = PrefillRate()
         if engine.config.enable_kv_events:
             self.publish_kv_events(engine.block_manager, engine.namespace.digest())
 
@@ -268,11 +269,7 @@ class PrefillService(WorkerLoop):
             # Drop the GIL once, so the event loop's thread (woken by `resolve`) sends the
             # first tokens on now, not after this thread's pages, events and stats work.
             time.sleep(0)
-        done = self.engine.last_step_tokens
-        if done > 1 and elapsed > 0:  # prefill work, not a lone sampled token
-            rate = done / elapsed
-            old = self.prefill_tokens_per_s
-            self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
+        self.prefill_rate.add(self.engine.last_step_tokens, elapsed)
         return self.sender.stream()
 
     def _end_here(self, outputs: list[StepOutput]) -> bool:
@@ -361,7 +358,7 @@ class PrefillService(WorkerLoop):
             "num_waiting_tokens": sum(
                 r.num_tokens - r.num_computed_tokens for r in self.engine.requests.values()
             ),
-            "prefill_tokens_per_s": round(self.prefill_tokens_per_s or 0.0, 1),
+            "prefill_tokens_per_s": round(self.prefill_rate.tokens_per_s or 0.0, 1),
         }
 
     def on_step_failed(self, exc: StepFailedError) -> None:

@@ -251,6 +251,8 @@ def test_local_prefill_on_decode_reuses_its_cache_without_transfer(
     assert first == reference.generate([prompt], params)[0].token_ids
     assert last["local_prefill"] and last["num_transferred_blocks"] == 0
     assert "transfer_wait_s" not in last["timings"] and "decode_s" in last["timings"]
+    # (its prefill rate, for admission: the router assumed a default for decode workers)
+    assert decode.stats()["prefill_tokens_per_s"] > 0
     follow_up = prompt + first + reference.tokenizer.encode(" and then")
     second, last = asyncio.run(run("turn2", follow_up))
     assert second == reference.generate([follow_up], params)[0].token_ids
