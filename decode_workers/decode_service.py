@@ -45,6 +45,11 @@ def _error(code: str, message: str) -> dict[str, Any]:
     return {"type": "error", "code": code, "error": message}
 
 
+DECODE_RATE_MIN_TOKENS = 64
+"""Prompt tokens a decode worker's step must prefill to count in its prefill rate (a short
+tail's step times mostly the batch's sampled tokens)."""
+
+
 class DecodeService(WorkerLoop):
     """Thread-confined engine + receiver; the async API is safe to call from asyncio."""
 
@@ -73,7 +78,7 @@ class DecodeService(WorkerLoop):
             self._reserve, engine.block_manager, engine.config.block_size, reserve_wait_s
         )
         self.num_cancelled = 0
-        self.prefill_rate = PrefillRate()
+        self.prefill_rate = PrefillRate(min_tokens=DECODE_RATE_MIN_TOKENS)
         if engine.config.enable_kv_events:
             self.publish_kv_events(engine.block_manager, engine.namespace.digest())
 
@@ -222,7 +227,10 @@ class DecodeService(WorkerLoop):
                 outputs = self.engine.step()
                 # (the prompts it prefills itself: their rate, for the router's admission)
                 elapsed = time.perf_counter() - start
-                self.prefill_rate.add(self.engine.last_step_prompt_tokens, elapsed)
+                engine = self.engine
+                self.prefill_rate.add(
+                    engine.last_step_prompt_tokens, elapsed, engine.last_step_tokens
+                )
                 for output in outputs:
                     self._on_output(output)
             finally:
