@@ -227,9 +227,8 @@ class DecodeService(WorkerLoop):
                 outputs = self.engine.step()
                 # (the prompts it prefills itself: their rate, for the router's admission)
                 elapsed = time.perf_counter() - start
-                engine = self.engine
                 self.prefill_rate.add(
-                    engine.last_step_prompt_tokens, elapsed, engine.last_step_tokens
+                    self.engine.last_step_prompt_tokens, elapsed, self.engine.last_step_tokens
                 )
                 for output in outputs:
                     self._on_output(output)

@@ -150,7 +150,7 @@ class ClusterConfig(BaseModel):
     @field_validator("served_model_name")
     @classmethod
     def _names_given(cls, value: str | list[str] | None) -> str | list[str] | None:
-        names = [value] if isinstance(value, str) else value or []
+        names = _name_list(value)
         if value is not None and (not names or not all(n.strip() for n in names)):
             raise ValueError("served_model_name: give a non-empty name (or a list of them)")
         if len(set(names)) < len(names):
@@ -160,8 +160,7 @@ class ClusterConfig(BaseModel):
     def model_names(self, model: str) -> list[str]:
         """The names clients may send for `model` (a checkpoint path): the configured ones,
         else the checkpoint folder's name."""
-        names = self.served_model_name
-        return [names] if isinstance(names, str) else names or [Path(model).name]
+        return _name_list(self.served_model_name) or [Path(model).name]
 
     @model_validator(mode="after")
     def _transport_options_exist(self) -> ClusterConfig:
@@ -304,3 +303,8 @@ def _valid_engine(model: str, settings: dict[str, Any]) -> bool:
     except (ValidationError, ValueError):
         return False
     return True
+
+
+def _name_list(value: str | list[str] | None) -> list[str]:
+    """`served_model_name` as a list of names (none given: [])."""
+    return [value] if isinstance(value, str) else list(value or [])

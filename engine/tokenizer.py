@@ -228,8 +228,8 @@ class Tokenizer:
         `template_kwargs` are the template's variables (e.g. Qwen3's `enable_thinking`;
         transformers' tokenizing options such as `truncation` or `max_length` change nothing),
         and may set this call's options (`add_generation_prompt`, `continue_final_message`,
-        `tools`, `documents`), which they win over, as vLLM's. `continue_final_message` leaves the last message open,
-        for the model to go on with it; `tools` are function specs and `documents` retrieved
+        `tools`, `documents`), which they win over, as vLLM's. `continue_final_message`
+        leaves the last message open, for the model to go on with it; `tools` are function specs and `documents` retrieved
         texts for templates that present them; `chat_template` (Jinja text) renders instead
         of the tokenizer's own. transformers raises ValueError if the tokenizer has no chat
         template. A Mistral template (one that writes `[TOOL_CALLS]`) gets tool-call ids of

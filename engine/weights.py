@@ -158,12 +158,12 @@ def load_weights(
             _copy(params, target, fused_tensor, dtype, stored_name=stored[0][0])
             loaded.add(target)
             del pending[target]
-    if pending:  # (named as the checkpoint names them, beside a part that is there)
+    if pending:  # (the parts not there, as the checkpoint would name them)
         absent = [
-            next(iter(parts.values()))[0].replace(f".{next(iter(parts))}.", f".{member}.")
+            stored
             for target, parts in sorted(pending.items())
-            for member in _FUSED[_fused_kind(target)]
-            if member not in parts
+            for stored in _stored_names(target, prefix)
+            if stored not in {hf_name for hf_name, _ in parts.values()}
         ]
         raise CheckpointError(f"{model_dir}: weights missing from the checkpoint: {absent[:8]}")
     if model.spec.tie_word_embeddings:

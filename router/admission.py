@@ -36,7 +36,8 @@ class AdmissionConfig(BaseModel):
     max_queued_prefill_tokens: int | None = Field(
         None,
         gt=0,
-        description="cap of each prefill queue (a prefill worker's; a decode worker's for the prompts it prefills itself), in prompt tokens",
+        description="cap of each prefill queue (a prefill worker's; a decode worker's for the "
+        "prompts it prefills itself), in prompt tokens",
     )
     max_decode_tokens: int | None = Field(
         None,

@@ -129,8 +129,8 @@ def full_body(head: ResponseHead, reqs: list[Prepared], usage: dict[str, Any]) -
     body = {**head.fields(chunk=False), "choices": choices, **_BODY_FIELDS, "usage": usage}
     if head.kind == "chat":  # (vLLM's place for chat: one prompt)
         body["prompt_logprobs"] = _prompt_logprobs(head, reqs[0])
-    if head.kind == "chat" and head.token_ids:
-        body["prompt_token_ids"] = reqs[0].prompt_token_ids
+        if head.token_ids:
+            body["prompt_token_ids"] = reqs[0].prompt_token_ids
     return {**body, "tandem_timings": reqs[0].timings.stages_ms()}
 
 

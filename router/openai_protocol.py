@@ -319,8 +319,6 @@ class ChatCompletionRequest(_SamplingFields):
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        if self.tool_choice not in (None, "none") and self.tools is None:
-            raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
         self.forced_tools()
         extra = self.model_extra or {}
         if "audio" in (extra.get("modalities") or ()) or extra.get("audio") is not None:

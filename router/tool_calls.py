@@ -47,6 +47,8 @@ def forced_tools(tools: list[ToolSpec] | None, tool_choice: Any) -> list[ToolSpe
     cannot be served."""
     if tool_choice == "none":
         return None
+    if tool_choice is not None and tools is None:  # (as vLLM's: an empty list passes)
+        raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
     if tool_choice in (None, "auto"):
         return None
     if not tools:
