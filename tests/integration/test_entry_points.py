@@ -17,7 +17,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -140,18 +140,28 @@ def new_requests_while(
     streaming: list[Future[Any]], ports: tuple[int, ...]
 ) -> list[tuple[int, int, str | None]]:
     """(port, status, error code or health status) of a new completion and a `/health` on each
-    of `ports`, every 0.1 s until the `streaming` requests have ended."""
+    of `ports`, every 0.1 s until the `streaming` requests have ended.
+
+    The server stops as soon as the streams have been sent to the end, which may be before this
+    client has read their last bytes: a connection the server closed ends the probing, once the
+    streams have ended too (the caller checks that each was whole)."""
     answers: list[tuple[int, int, str | None]] = []
     with requests.Session() as client:
         while not all(future.done() for future in streaming):
-            for port in ports:
-                url = f"http://127.0.0.1:{port}"
-                body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 1}
-                done = client.post(f"{url}/v1/completions", json=body, timeout=30)
-                code = done.json()["error"]["code"] if done.status_code != 200 else None
-                answers.append((port, done.status_code, code))
-                health = client.get(f"{url}/health", timeout=30)
-                answers.append((port, health.status_code, health.json()["status"]))
+            try:
+                for port in ports:
+                    url = f"http://127.0.0.1:{port}"
+                    body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 1}
+                    done = client.post(f"{url}/v1/completions", json=body, timeout=30)
+                    code = done.json()["error"]["code"] if done.status_code != 200 else None
+                    answers.append((port, done.status_code, code))
+                    health = client.get(f"{url}/health", timeout=30)
+                    answers.append((port, health.status_code, health.json()["status"]))
+            except requests.ConnectionError as closed:
+                # (the server stops once it has sent the streams: this client reads their ends soon)
+                still = wait(streaming, timeout=10).not_done
+                assert not still, f"a connection closed while {len(still)} streams ran: {closed}"
+                break
             time.sleep(0.1)
     return answers
 
