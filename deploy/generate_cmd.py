@@ -40,7 +40,7 @@ def generate(
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 32,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1].")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="-1 = disabled.")] = -1,
+    top_k: Annotated[int, typer.Option(help="0 (or -1) = disabled.")] = 0,
     seed: Annotated[int | None, typer.Option(help="Per-request sampling seed.")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Keep generating past EOS.")] = False,
     dtype: Annotated[

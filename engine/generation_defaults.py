@@ -55,8 +55,6 @@ def sampling_defaults(model_dir: str | Path, source: str = "auto") -> dict[str, 
         for theirs, ours in SAMPLING_FIELDS.items()
         if isinstance(data.get(theirs), int | float) and not isinstance(data.get(theirs), bool)
     }
-    if defaults.get("top_k") == 0:  # transformers' "no top-k"; ours is -1
-        defaults["top_k"] = -1
     try:  # once here, rather than a 400 for every request that leaves them out
         SamplingParams(**defaults)
     except (InvalidRequestError, ValueError) as exc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -27,6 +27,7 @@ from tandem.engine.llm_inputs import (
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from tandem.engine.vllm_engine import VllmStyleEngine
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +73,26 @@ class LLM:
             **kwargs,
         )
         self.engine = LLMEngine(config, kv_pool_factory=kv_pool_factory)
+        self._vllm_engine = VllmStyleEngine(self.engine, self._prepared)
         self._sampling_defaults = sampling_defaults(config.model, config.generation_config)
 
-    def _check_logprobs(self, params: SamplingParams) -> None:
+    def _prepared(self, params: SamplingParams) -> SamplingParams:
+        """`params` checked for this engine, with logprobs -1 (the whole vocabulary, as vLLM)
+        as the vocabulary's size; InvalidRequestError for more than `max_logprobs` (-1 there:
+        no bound) or a structure the grammar engine cannot hold the output to."""
+        check_enforceable(params.structure)
+        vocab = self.engine.spec.vocab_size
+        bound = vocab if self._max_logprobs is None else self._max_logprobs
+        whole = {}
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
-            if asked is not None and self._max_logprobs is not None and asked > self._max_logprobs:
+            if asked == -1:
+                asked = whole[name] = vocab
+            if asked is not None and asked > bound:
                 raise InvalidRequestError(
-                    f"{name}: requested {asked}, more than max_logprobs ({self._max_logprobs})",
-                    name,
+                    f"{name}: requested {asked}, more than max_logprobs ({bound})", name
                 )
+        return params.model_copy(update=whole) if whole else params
 
     @property
     def tokenizer(self) -> Any:
@@ -94,9 +105,10 @@ class LLM:
         return SamplingParams(**self._sampling_defaults)
 
     @property
-    def llm_engine(self) -> LLMEngine:
-        """vLLM's name for the engine (`get_tokenizer()`, `model_config.max_model_len`)."""
-        return self.engine
+    def llm_engine(self) -> VllmStyleEngine:
+        """vLLM's `LLMEngine` over this one (`add_request(request_id, prompt, params)`,
+        `step()`, `get_tokenizer()`, `model_config`: `vllm_engine.py`)."""
+        return self._vllm_engine
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the cached prefixes of the blocks no request holds (vLLM's: benchmarks run
@@ -172,6 +184,11 @@ class LLM:
         conversations = cast(
             "list[list[dict[str, Any]]]", [messages] if one else [list(c) for c in messages]
         )
+        if not all(isinstance(m, Mapping) for c in conversations for m in c):
+            raise InvalidRequestError(
+                "messages: a conversation is a list of dicts with 'role' and 'content' "
+                "(or give a list of such conversations)"
+            )
         prompts = [
             self.engine.tokenizer.apply_chat_template(
                 [template_message(m) for m in conversation],
@@ -213,9 +230,7 @@ class LLM:
         try:
             for index, (prompt, p) in enumerate(zip(prompt_list, param_list, strict=True)):
                 try:
-                    self._check_logprobs(p)
-                    check_enforceable(p.structure)
-                    for sample in engine_samples(p):
+                    for sample in engine_samples(self._prepared(p)):
                         requests.append(
                             engine.add_request(prompt, sample, priority=priorities[index])
                         )

@@ -4,6 +4,7 @@ engine request per sample, and chat messages as templates take them."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,8 +32,11 @@ def _token_ids(ids: Any) -> list[int]:
             raise InvalidRequestError("token-id prompts are lists of ints (got a mapping)")
         ids = ids["input_ids"]
     try:
-        return [int(t) for t in ids]
-    except (TypeError, ValueError):
+        if isinstance(ids, str | bytes | bytearray):
+            raise TypeError
+        # (ints, numpy's or torch's too; not floats nor digit strings, which int() would take)
+        return [operator.index(t) for t in ids]
+    except TypeError:
         raise InvalidRequestError(f"token-id prompts are lists of ints, got {ids!r:.80}") from None
 
 

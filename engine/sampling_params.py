@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from typing import Annotated, Any
@@ -19,7 +18,12 @@ from pydantic import (
 )
 
 from tandem.engine.errors import InvalidRequestError, summarize_validation
-from tandem.engine.vllm_compat import RequestOutputKind
+from tandem.engine.vllm_compat import (
+    RequestOutputKind,
+    SamplingType,
+    StructuredOutputsParams,
+    structure_fields,
+)
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """The seeds a `torch.Generator` takes (a signed or unsigned 64-bit integer)."""
@@ -113,13 +117,13 @@ class SamplingParams(BaseModel):
     n: int = Field(1, ge=1, le=128)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = 0  # 0 or -1: disabled (vLLM's default 0, and it keeps a given -1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     max_tokens: int | None = 16  # None: up to the end of the context (as vLLM)
     min_tokens: int = Field(0, ge=0)
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: list[str] = Field(default_factory=list)  # (None given: [], as vLLM)
+    stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # (vLLM's; fast tokenizers decode as they do)
@@ -127,14 +131,15 @@ class SamplingParams(BaseModel):
     logits_processors: list[Any] | None = None  # vLLM's; only None or [] (none are run here)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     ignore_eos: bool = False
-    logprobs: int | None = Field(None, ge=0)  # (bounded by `LLM(max_logprobs=)`, the API's)
-    prompt_logprobs: int | None = Field(None, ge=0)
+    # (-1: the whole vocabulary, where `LLM(max_logprobs=-1)`; bounded by it, and the API's)
+    logprobs: int | None = Field(None, ge=-1)
+    prompt_logprobs: int | None = Field(None, ge=-1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     logit_bias: dict[int, Annotated[float, Field(allow_inf_nan=True)]] | None = None
     allowed_token_ids: list[int] | None = Field(None, min_length=1)
-    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    bad_words: list[str] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
     json_schema: dict[str, Any] | None = None
     regex: str | None = Field(None, min_length=1)
     choice: list[str] | None = Field(None, min_length=1)
@@ -152,7 +157,7 @@ class SamplingParams(BaseModel):
     def __init__(self, **data: object) -> None:
         for name in ("structured_outputs", "guided_decoding"):  # vLLM's offline spellings
             if name in data:
-                data.update(_structure_fields(name, data.pop(name)))
+                data.update(structure_fields(name, data.pop(name)))
         try:
             super().__init__(**data)
         except ValidationError as exc:
@@ -175,17 +180,21 @@ class SamplingParams(BaseModel):
     def _no_seed(cls, value: int | None) -> int | None:
         return no_seed_as_none(value)
 
-    @field_validator("stop", mode="before")
+    @field_validator("stop", "stop_token_ids", "bad_words", mode="before")
     @classmethod
-    def _stop_as_list(cls, value: object) -> object:
-        if isinstance(value, str):
+    def _none_as_empty(cls, value: object, info: ValidationInfo) -> object:
+        """None is [] and one stop string a list of it, as vLLM reads them back (scripts add
+        to `params.stop_token_ids`)."""
+        if value is None:
+            return []
+        if info.field_name == "stop" and isinstance(value, str):
             return [value]
         return value
 
     @field_validator("stop")
     @classmethod
-    def _stop_not_empty(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None and any(s == "" for s in value):
+    def _stop_not_empty(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
             raise ValueError("stop strings must be non-empty")
         return value
 
@@ -204,8 +213,8 @@ class SamplingParams(BaseModel):
 
     @field_validator("bad_words")
     @classmethod
-    def _bad_words_not_blank(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None and any(not w.strip() for w in value):
+    def _bad_words_not_blank(cls, value: list[str]) -> list[str]:
+        if any(not w.strip() for w in value):
             raise ValueError("bad_words must be non-blank strings")
         return value
 
@@ -228,7 +237,7 @@ class SamplingParams(BaseModel):
     def _top_k_range(cls, value: int) -> int:
         if value < -1:
             raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {value}")
-        return -1 if value == 0 else value  # (vLLM takes 0 for "disabled" too)
+        return value
 
     @field_validator("max_tokens")
     @classmethod
@@ -311,6 +320,46 @@ class SamplingParams(BaseModel):
         """A deep copy (vLLM's `SamplingParams.clone`)."""
         return self.model_copy(deep=True)
 
+    @staticmethod
+    def from_optional(**fields: Any) -> SamplingParams:
+        """vLLM's: None for a field means its default; `logit_bias` keys may be numeric text,
+        and biases are held to OpenAI's [-100, 100]."""
+        given = {name: value for name, value in fields.items() if value is not None}
+        if "logit_bias" in given:
+            try:
+                bias = {
+                    int(t): min(100.0, max(-100.0, float(b)))
+                    for t, b in given["logit_bias"].items()
+                }
+            except (TypeError, ValueError):
+                raise InvalidRequestError(
+                    "logit_bias keys must be token ids", "logit_bias"
+                ) from None
+            given["logit_bias"] = bias
+        return SamplingParams(**given)
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        """vLLM's: greedy, random, or random with a seed."""
+        if self.temperature < GREEDY_TEMPERATURE:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """vLLM's: the token ids that end this request besides the model's EOS, which the
+        engine adds."""
+        return set(self.stop_token_ids)
+
+    @property
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """vLLM's `structured_outputs` read back from the structure fields (None: free text)."""
+        kind_value = self.structure
+        if kind_value is None:
+            return None
+        kind, value = kind_value
+        return StructuredOutputsParams(**{"json" if kind == "json_schema" else kind: value})
+
     @property
     def penalized(self) -> bool:
         """Penalties or a logit bias add to this request's logits before sampling."""
@@ -347,37 +396,3 @@ class SamplingParams(BaseModel):
 GREEDY_TEMPERATURE = 1e-5
 """A temperature below this samples greedily, as in vLLM (dividing logits by a temperature near
 zero overflows them, and the distribution is the argmax anyway)."""
-
-_VLLM_STRUCTURE = {
-    "json": "json_schema",
-    "regex": "regex",
-    "choice": "choice",
-    "grammar": "grammar",
-}
-
-
-def _structure_fields(name: str, spec: object) -> dict[str, object]:
-    """vLLM's `structured_outputs=` / `guided_decoding=` (a dict or an object with `json`,
-    `regex`, `choice`, `grammar`, `json_object`) as this class's fields."""
-    if spec is None:
-        return {}
-    get = spec.get if isinstance(spec, dict) else lambda key: getattr(spec, key, None)
-    fields: dict[str, object] = {}
-    for key, field in _VLLM_STRUCTURE.items():
-        value = get(key)
-        if value is not None:
-            if key == "json" and isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError:
-                    raise InvalidRequestError(f"{name}.json is not JSON") from None
-            fields[field] = value
-    if get("json_object"):
-        if fields:
-            raise InvalidRequestError(
-                f"{name} sets json_object and {', '.join(sorted(fields))}: one constraint only"
-            )
-        fields["json_schema"] = {"type": "object"}
-    if not fields:
-        raise InvalidRequestError(f"{name} sets none of json, regex, choice, grammar, json_object")
-    return fields

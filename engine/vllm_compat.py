@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict
+
+from tandem.engine.errors import InvalidRequestError
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -15,6 +18,14 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+class SamplingType(enum.IntEnum):
+    """vLLM's `SamplingParams.sampling_type`."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
 
 
 @dataclass
@@ -34,6 +45,14 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
 
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]  # fmt: skip
+        if len(given) > 1:
+            raise InvalidRequestError(
+                f"structured outputs take one constraint, got {', '.join(given)}"
+            )
+
 
 GuidedDecodingParams = StructuredOutputsParams
 """vLLM's name before 0.11."""
@@ -51,3 +70,38 @@ class TokensPrompt(TypedDict):
 
     prompt_token_ids: list[int]
     multi_modal_data: NotRequired[Any]
+
+
+_VLLM_STRUCTURE = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+
+
+def structure_fields(name: str, spec: object) -> dict[str, object]:
+    """vLLM's `structured_outputs=` / `guided_decoding=` (a dict or an object with `json`,
+    `regex`, `choice`, `grammar`, `json_object`) as `SamplingParams` fields."""
+    if spec is None:
+        return {}
+    get = spec.get if isinstance(spec, dict) else lambda key: getattr(spec, key, None)
+    fields: dict[str, object] = {}
+    for key, field in _VLLM_STRUCTURE.items():
+        value = get(key)
+        if value is not None:
+            if key == "json" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise InvalidRequestError(f"{name}.json is not JSON") from None
+            fields[field] = value
+    if get("json_object"):
+        if fields:
+            raise InvalidRequestError(
+                f"{name} sets json_object and {', '.join(sorted(fields))}: one constraint only"
+            )
+        fields["json_schema"] = {"type": "object"}
+    if not fields:
+        raise InvalidRequestError(f"{name} sets none of json, regex, choice, grammar, json_object")
+    return fields

@@ -1,7 +1,7 @@
 """tandem: disaggregated prefill/decode LLM serving on Ray, built on an exact paged engine.
 
 `from tandem import LLM, SamplingParams` is the offline API (vLLM's names: also
-`RequestOutput`, `RequestOutputKind`, `StructuredOutputsParams` / `GuidedDecodingParams`,
+`RequestOutput`, `CompletionOutput`, `RequestOutputKind`, `StructuredOutputsParams` / `GuidedDecodingParams`,
 `TokensPrompt`, `TextPrompt`).
 """
 
@@ -16,6 +16,7 @@ _LAZY = {
     "LLM": "tandem.engine.llm",
     "SamplingParams": "tandem.engine.sampling_params",
     "RequestOutput": "tandem.engine.outputs",
+    "CompletionOutput": "tandem.engine.outputs",
     "RequestOutputKind": "tandem.engine.vllm_compat",
     "StructuredOutputsParams": "tandem.engine.vllm_compat",
     "GuidedDecodingParams": "tandem.engine.vllm_compat",
@@ -26,7 +27,7 @@ __all__ = [*_LAZY, "__version__"]
 
 if TYPE_CHECKING:
     from tandem.engine.llm import LLM
-    from tandem.engine.outputs import RequestOutput
+    from tandem.engine.outputs import CompletionOutput, RequestOutput
     from tandem.engine.sampling_params import SamplingParams
     from tandem.engine.vllm_compat import (
         GuidedDecodingParams,

@@ -92,9 +92,9 @@ def _sampling_fields(options: generation_pb2.SamplingOptions) -> dict[str, Any]:
                 raise bad_request(f"{name} must be a finite number, got {value}", name)
             # (float fields are float32 on the wire: 0.1 arrives as 0.10000000149...)
             fields[name] = float(f"{value:.7g}") if isinstance(value, float) else value
-    if fields.get("logprobs", 0) > MAX_LOGPROBS:  # (as the HTTP API bounds it)
+    if not 0 <= fields.get("logprobs", 0) <= MAX_LOGPROBS:  # (as the HTTP API bounds it)
         raise bad_request(
-            f"logprobs must be at most {MAX_LOGPROBS}, got {fields['logprobs']}", "logprobs"
+            f"logprobs must be 0 to {MAX_LOGPROBS}, got {fields['logprobs']}", "logprobs"
         )
     if fields.get("temperature", 0.0) > MAX_TEMPERATURE:  # (as the HTTP API refuses it)
         raise bad_request(

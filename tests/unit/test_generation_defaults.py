@@ -52,7 +52,7 @@ def test_the_sampling_fields_are_read_and_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no generation_config.json"):
         sampling_defaults(tmp_path, str(tmp_path / "elsewhere"))
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 0, "temperature": 1}))
-    assert sampling_defaults(tmp_path) == {"top_k": -1, "temperature": 1}  # 0: no top-k
+    assert sampling_defaults(tmp_path) == {"top_k": 0, "temperature": 1}  # 0: no top-k
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0.0}))
     with pytest.raises(ValueError, match="top_p"):
         sampling_defaults(tmp_path)
@@ -119,7 +119,7 @@ def test_the_router_fills_in_what_a_request_leaves_out(
     assert orchestrator.reserved[0]["max_tokens"] == want["max_tokens"]
     bare = Serving(_Orchestrator(), _Planner(), None, "tiny")  # type: ignore[arg-type]
     req = asyncio.run(bare.prepare("r2", "tiny", [3] * 10, None, {}, RequestTimings()))
-    assert (req.params.temperature, req.params.top_k, req.params.max_tokens) == (1.0, -1, 90)
+    assert (req.params.temperature, req.params.top_k, req.params.max_tokens) == (1.0, 0, 90)
 
 
 def test_max_new_tokens_is_capped_by_the_context() -> None:

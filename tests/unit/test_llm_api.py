@@ -217,7 +217,7 @@ def test_chat_takes_content_parts_as_the_api_does(llm: LLM) -> None:
 def test_vllms_sampling_conventions(llm: LLM) -> None:
     """top_k 0 is "disabled", max_tokens None runs to the end of the context, `clone()`,
     and `lora_request=None` is taken."""
-    assert SamplingParams(top_k=0).top_k == -1
+    assert (SamplingParams().top_k, SamplingParams(top_k=-1).top_k) == (0, -1)  # as vLLM
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=-2)
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
@@ -349,7 +349,7 @@ def test_generate_waits_for_its_own_requests_only(tiny_checkpoint: Any) -> None:
     finishes during `generate` is not one of generate's: generate returned its own unfinished."""
     llm = LLM(model=str(tiny_checkpoint()), num_kv_blocks=128)
     alone = llm.generate([[5, 6, 7]], SamplingParams(**{**GREEDY_FIELDS, "max_tokens": 10}))[0]
-    llm.llm_engine.add_request([9, 9], SamplingParams(**{**GREEDY_FIELDS, "max_tokens": 1}))
+    llm.llm_engine.add_request("x", [9, 9], SamplingParams(**{**GREEDY_FIELDS, "max_tokens": 1}))
     out = llm.generate([[5, 6, 7]], SamplingParams(**{**GREEDY_FIELDS, "max_tokens": 10}))[0]
     assert out.finished and out.outputs[0].finish_reason == "length"
     assert (

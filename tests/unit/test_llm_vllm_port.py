@@ -106,6 +106,42 @@ def test_max_logprobs_may_be_raised_past_the_default_as_vllms(tiny_checkpoint: A
         assert all(len(e) >= 25 for e in (out[0].prompt_logprobs or [None])[1:])
     with pytest.raises(InvalidRequestError, match="more than max_logprobs \\(20\\)"):
         LLM(model=path, num_kv_blocks=16).generate("hello", params)
+    # -1: the whole vocabulary, where max_logprobs is -1 (as vLLM's); the default bounds it
+    whole = SamplingParams(max_tokens=1, logprobs=-1, prompt_logprobs=-1)
+    out = LLM(model=path, num_kv_blocks=16, max_logprobs=-1).generate("hello", whole)[0]
+    vocab = len(out.outputs[0].logprobs[0])  # type: ignore[index]
+    assert vocab == out.prompt_logprobs[1].__len__() > 30  # type: ignore[index]
+    with pytest.raises(InvalidRequestError, match=f"logprobs: requested {vocab}, more than"):
+        LLM(model=path, num_kv_blocks=16).generate("hello", whole)
+
+
+def test_sampling_params_read_back_as_vllms() -> None:
+    """Scripts add to the defaults' lists, and read vLLM's derived fields."""
+    params = SamplingParams(stop=None, stop_token_ids=None, bad_words=None)
+    assert (params.stop, params.stop_token_ids, params.bad_words, params.top_k) == ([], [], [], 0)
+    params.stop_token_ids.append(7)
+    assert params.all_stop_token_ids == {7} and SamplingParams(stop="x").stop == ["x"]
+    assert SamplingParams(top_k=-1).top_k == -1  # (kept, as vLLM keeps it)
+    kinds = [SamplingParams(temperature=0), SamplingParams(), SamplingParams(seed=3)]
+    assert [p.sampling_type.name for p in kinds] == ["GREEDY", "RANDOM", "RANDOM_SEED"]
+    optional = SamplingParams.from_optional(n=None, temperature=None, logit_bias={"5": 300})
+    assert (optional.n, optional.temperature, optional.logit_bias) == (1, 1.0, {5: 100.0})
+    choice = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    assert choice.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    assert SamplingParams().structured_outputs is None
+    with pytest.raises(InvalidRequestError, match="one constraint, got regex, choice"):
+        StructuredOutputsParams(regex="a+", choice=["a"])
+
+
+@pytest.mark.parametrize("ids", [[1.5, 2.7], ["5", "7"], b"hello", "57"])
+def test_token_id_prompts_are_ints_only(llm: LLM, ids: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="token-id prompts are lists of ints"):
+        llm.generate({"prompt_token_ids": ids}, GREEDY)
+
+
+def test_chat_refuses_a_conversation_that_is_not_messages(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match="a conversation is a list of dicts"):
+        llm.chat(["hello"], GREEDY)  # type: ignore[list-item]
 
 
 def test_multimodal_data_is_refused_not_dropped(llm: LLM) -> None:

@@ -1,0 +1,88 @@
+"""`llm.llm_engine` is driven as vLLM's `LLMEngine` is (its `llm_engine_example.py` loop):
+`add_request(request_id, prompt, params)`, `step()` returning `RequestOutput`s, until
+`has_unfinished_requests()` is false; the results equal `LLM.generate`'s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tandem import LLM, RequestOutputKind, SamplingParams, TokensPrompt
+from tandem.engine.errors import InvalidRequestError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint: Any) -> LLM:
+    return LLM(model=str(tiny_checkpoint()), num_kv_blocks=128)
+
+
+def run(llm: LLM, prompts: list[tuple[str, Any, SamplingParams]]) -> list[Any]:
+    engine = llm.llm_engine
+    for request_id, prompt, params in prompts:
+        engine.add_request(request_id, prompt, params)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen.extend(engine.step())
+    return seen
+
+
+def test_the_example_loop_gives_generates_outputs(llm: LLM) -> None:
+    want = llm.generate(["hello there", [5, 6, 7]], GREEDY)
+    sampled = SamplingParams(n=2, seed=7, max_tokens=4, ignore_eos=True)
+    want_n = llm.generate("more", sampled)[0]
+    seen = run(llm, [("a", "hello there", GREEDY), ("b", TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                     GREEDY), ("c", "more", sampled)])  # fmt: skip
+    final = {o.request_id: o for o in seen if o.finished}
+    assert sorted(final) == ["a", "b", "c"]
+    for request_id, out in zip("ab", want, strict=True):
+        got = final[request_id]
+        assert got.outputs[0].token_ids == out.outputs[0].token_ids
+        assert got.outputs[0].text == out.outputs[0].text
+        assert got.prompt == out.prompt and got.prompt_token_ids == out.prompt_token_ids
+    assert [s.token_ids for s in final["c"].outputs] == [s.token_ids for s in want_n.outputs]
+    assert [s.index for s in final["c"].outputs] == [0, 1]
+    # cumulative: every step's output of "a" holds all its tokens so far, one more each time
+    lengths = [len(o.outputs[0].token_ids) for o in seen if o.request_id == "a"]
+    assert lengths == list(range(1, 7))
+    assert not llm.engine.requests
+
+
+def test_delta_and_final_only_outputs(llm: LLM) -> None:
+    want = llm.generate("hello", GREEDY)[0].outputs[0]
+    delta = GREEDY.clone()
+    delta.output_kind = RequestOutputKind.DELTA
+    final = GREEDY.clone()
+    final.output_kind = RequestOutputKind.FINAL_ONLY
+    seen = run(llm, [("d", "hello", delta), ("f", "hello", final)])
+    deltas = [o.outputs[0] for o in seen if o.request_id == "d"]
+    assert [t for d in deltas for t in d.token_ids] == want.token_ids
+    assert "".join(d.text for d in deltas) == want.text
+    finals = [o for o in seen if o.request_id == "f"]
+    assert len(finals) == 1 and finals[0].outputs[0].token_ids == want.token_ids
+
+
+def test_abort_and_bad_requests(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request("x", "hello", SamplingParams(max_tokens=50, n=3))
+    assert engine.get_num_unfinished_requests() == 3
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("x", "hello", GREEDY)
+    engine.abort_request(["x"])
+    assert not engine.has_unfinished_requests() and not llm.engine.requests
+    with pytest.raises(InvalidRequestError, match="takes \\(request_id, prompt, params\\)"):
+        engine.add_request("hello", GREEDY)  # type: ignore[arg-type]  # (tandem's old order)
+    with pytest.raises(InvalidRequestError, match="token-id prompts are lists of ints"):
+        engine.add_request("y", {"prompt_token_ids": ["a"]}, GREEDY)
+    llm.engine.check_integrity()
+
+
+def test_model_config_reads_as_vllms(llm: LLM) -> None:
+    config = llm.llm_engine.model_config
+    assert config.get_vocab_size() == llm.engine.spec.vocab_size
+    assert config.hf_config.num_hidden_layers == llm.engine.spec.num_layers  # (transformers')
+    assert config.max_model_len == llm.engine.max_model_len
+    assert llm.llm_engine.get_model_config() is config
+    assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
