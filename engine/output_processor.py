@@ -91,4 +91,5 @@ class OutputProcessor:
         if detok is None:
             return ""
         cut = isinstance(req.stop_reason, str)
-        return detok.delta(req.params.stop, finished=finished, cut=cut)
+        keep = req.params.include_stop_str_in_output
+        return detok.delta(req.params.stop, finished=finished, cut=cut, keep=keep)

@@ -78,13 +78,16 @@ class OutputText:
         self.truncate(best[0] + (len(best[1]) if keep else 0))
         return best[1]
 
-    def delta(self, stops: Sequence[str] | None, *, finished: bool, cut: bool = False) -> str:
+    def delta(
+        self, stops: Sequence[str] | None, *, finished: bool, cut: bool = False, keep: bool = False
+    ) -> str:
         """Text not streamed yet, holding back what could start one of `stops` unless
-        `finished`; marks it streamed. A finished text not `cut` at a stop string first takes
-        the detokenizer's pending bytes."""
+        `finished` or the stop string is to be `keep`t in the output (what is sent then is
+        never past one's end: stops are looked for first, as vLLM's); marks it streamed. A
+        finished text not `cut` at a stop string first takes the detokenizer's pending bytes."""
         if finished and not cut:
             self.flush()
-        hold = max(len(s) for s in stops) - 1 if stops and not finished else 0
+        hold = max(len(s) for s in stops) - 1 if stops and not (finished or keep) else 0
         end = max(self.emitted_len, len(self.text) - hold)
         out = self.text[self.emitted_len : end]
         self.emitted_len = end

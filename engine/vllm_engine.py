@@ -57,8 +57,7 @@ class VllmStyleEngine:
             raise InvalidRequestError("lora_request: LoRA adapters are not supported")
         if not isinstance(request_id, str) or isinstance(prompt, SamplingParams):
             raise InvalidRequestError(
-                "add_request takes (request_id, prompt, params), as vLLM's: request_id is a "
-                "string"
+                "add_request takes (request_id, prompt, params), as vLLM's: request_id is a string"
             )
         if request_id in self._added:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")

@@ -51,8 +51,11 @@ MAX_CLIENT_ID = 256
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    """vLLM's: given at all, a stream ends with its usage unless `include_usage` is false (or
+    null); `continuous_usage_stats` puts the usage so far on every chunk too."""
+
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
 
 
 class _SamplingFields(RequestBody):

@@ -168,4 +168,5 @@ class Prepared:
                 break
         finished = item.get("finish_reason") is not None
         cut = isinstance(item.get("stop_reason"), str)
-        item["text"] = text.delta(params.stop, finished=finished, cut=cut)
+        keep = params.include_stop_str_in_output
+        item["text"] = text.delta(params.stop, finished=finished, cut=cut, keep=keep)

@@ -100,9 +100,14 @@ def test_echo_is_the_prompt_the_model_saw() -> None:
 
 
 def test_continuous_usage_stats_need_include_usage() -> None:
-    """vLLM puts the usage on every chunk only when `include_usage` asks for usage at all."""
-    alone = _stream(prompt="ab", stream_options={"continuous_usage_stats": True})
-    assert [("usage" in d, d["choices"][0]["text"]) for d in alone] == [(False, "z")]
+    """vLLM puts the usage on every chunk only when `include_usage` asks for usage at all; as
+    vLLM's, `stream_options` given without it (or with it null) asks for it."""
+    off = {"continuous_usage_stats": True, "include_usage": False}
+    for options in (off, {"continuous_usage_stats": True, "include_usage": None}):
+        chunks = _stream(prompt="ab", stream_options=options)
+        assert [("usage" in d, d["choices"][0]["text"]) for d in chunks] == [(False, "z")]
+    chunks = _stream(prompt="ab", stream_options={})
+    assert [("usage" in d, len(d["choices"])) for d in chunks] == [(False, 1), (True, 0)]
     both = {"continuous_usage_stats": True, "include_usage": True}
     chunks = _stream(prompt="ab", stream_options=both)
     assert [d["usage"]["completion_tokens"] for d in chunks] == [1, 1]

@@ -82,9 +82,10 @@ def test_sampling_options_are_checked_as_http_checks_them() -> None:
             _sampling_fields(generation_pb2.SamplingOptions(**{name: float("inf")}))
         assert err.value.param == name and "must be a finite number" in err.value.message
     assert _sampling_fields(generation_pb2.SamplingOptions(logprobs=20))["logprobs"] == 20
-    with pytest.raises(APIError) as err:  # (the engine's own bound is the offline LLM's)
-        _sampling_fields(generation_pb2.SamplingOptions(logprobs=21))
-    assert err.value.param == "logprobs" and "at most 20" in err.value.message
+    for asked in (21, -1):  # (the engine's own bound, and -1 for all, are the offline LLM's)
+        with pytest.raises(APIError) as err:
+            _sampling_fields(generation_pb2.SamplingOptions(logprobs=asked))
+        assert err.value.param == "logprobs" and "must be 0 to 20" in err.value.message
 
 
 class _Metrics:

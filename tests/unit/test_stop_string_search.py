@@ -32,3 +32,19 @@ def test_two_stop_strings_ending_in_one_step_the_first_listed_wins() -> None:
         assert out.find_stop(stops) is None
         out.add(1)
         assert (out.find_stop(stops), out.text) == (reason, text)
+
+
+def test_text_kept_with_its_stop_string_streams_as_it_comes() -> None:
+    """vLLM holds text back (what could start a stop string) only where the stop string is cut
+    out; kept in the output (`include_stop_str_in_output`), the text streams at once, never
+    past the stop string's end."""
+    stops = ["XYZ"]
+    for keep, streamed in ((False, ["", "a", "abcd", "abcdef"]), (True, ["ab", "abc", "abcdef", "abcdefXYZ"])):  # fmt: skip
+        out = OutputText(_TextPerToken(["ab", "c", "def", "XYZxyz"]))  # type: ignore[arg-type]
+        sent = []
+        for token in range(4):
+            out.add(token)
+            stop = out.find_stop(stops, keep=keep)
+            done = stop is not None
+            sent.append(out.delta(stops, finished=done, cut=done, keep=keep))
+        assert ["".join(sent[: i + 1]) for i in range(4)] == streamed, keep
