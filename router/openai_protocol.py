@@ -117,7 +117,7 @@ class _SamplingFields(RequestBody):
                 "use_beam_search",
                 "unsupported",
             )
-        if self.prompt_logprobs is not None and self.stream:
+        if self.prompt_logprobs and self.stream:  # (0 is taken, as vLLM's: nothing to send)
             raise bad_request(
                 "prompt_logprobs is not supported when streaming", "prompt_logprobs", "unsupported"
             )
@@ -146,7 +146,7 @@ class _SamplingFields(RequestBody):
             params["bad_words"] = self.bad_words
         if (structure := self.output_structure()) is not None:
             params[structure[0]] = structure[1]
-        if self.prompt_logprobs is not None:
+        if self.prompt_logprobs is not None and not self.stream:
             params["prompt_logprobs"] = self.prompt_logprobs
         if self.cache_salt is not None:
             params["cache_salt"] = self.cache_salt

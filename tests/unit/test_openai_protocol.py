@@ -122,6 +122,18 @@ def test_beam_search_is_refused_not_ignored() -> None:
     CompletionRequest(model="m", prompt="a", use_beam_search=False).check_supported()
 
 
+def test_prompt_logprobs_zero_is_taken_when_streaming() -> None:
+    """vLLM refuses only prompt logprobs a stream cannot send (more than 0); 0 asks nothing."""
+    zero = CompletionRequest(model="m", prompt="a", stream=True, prompt_logprobs=0)
+    zero.check_supported()
+    assert "prompt_logprobs" not in zero.sampling_dict()
+    with pytest.raises(APIError) as refused:
+        CompletionRequest(model="m", prompt="a", stream=True, prompt_logprobs=1).check_supported()
+    assert refused.value.param == "prompt_logprobs"
+    whole = CompletionRequest(model="m", prompt="a", prompt_logprobs=0).sampling_dict()
+    assert whole["prompt_logprobs"] == 0
+
+
 def test_an_explicit_null_means_the_default() -> None:
     """OpenAI's `n`, `stream`, `logprobs`, `echo` are nullable: clients that send every unset
     field as null got a 400 ("n: Input should be a valid integer"). A field that takes None
