@@ -16,14 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 from tandem.deploy.autoscaling_config import DecodeAutoscaling, PrefillAutoscaling
 from tandem.deploy.cluster_config import ClusterConfig, RouterConfig, SLOConfig
 from tandem.engine.config import DTYPE_ALIASES, EngineConfig
+from tandem.kv_transfer.registry import option_names, transport_class
 from tandem.router.admission import AdmissionConfig
 from tandem.router.route_planner import DecodeRoutingConfig
 from tandem.router.routing_policy import RoutingConfig
@@ -34,6 +36,8 @@ NUMBERS_FILE = CHART_DIR / "templates" / "_numbers.tpl"
 
 ENGINE_SET_BY_CHART = ("model",)
 """EngineConfig fields the chart sets itself (the model's path)."""
+CHART_TRANSPORTS = ("torch", "ucx")
+"""The KV transports the chart offers (`serve.transport`: shm cannot cross pods)."""
 
 
 def _inline(node: Any, defs: dict[str, Any]) -> Any:
@@ -117,6 +121,29 @@ def generated_parts() -> dict[tuple[str, ...], dict[str, Any]]:
         ("serve", "slo"): object_schema(SLOConfig, forwarded.format("slo")),
         ("prefill", "autoscaling"): autoscaling_schema(PrefillAutoscaling, required),
         ("decode", "autoscaling"): autoscaling_schema(DecodeAutoscaling, required),
+        ("serve", "transportOptions"): transport_options_schema(),
+    }
+
+
+def transport_options_schema() -> dict[str, Any]:
+    """`serve.transportOptions`: the options the chart's transports take, each of its type (a
+    typo is refused at render time; one the chosen transport does not take, when the app
+    starts)."""
+    properties: dict[str, Any] = {}
+    takes = []
+    for name in CHART_TRANSPORTS:
+        names = option_names(name)
+        if names is None:
+            raise RuntimeError(f"transport {name!r} cannot be imported: install tandem-serve[ucx]")
+        hints = typing.get_type_hints(transport_class(name).__init__)
+        for option in sorted(names):
+            properties[option] = TypeAdapter(hints[option]).json_schema()
+        takes.append(f"{name}: {', '.join(sorted(names))}")
+    return {
+        "type": "object",
+        "description": f"Options of the chosen KV transport ({'; '.join(takes)}).",
+        "properties": properties,
+        "additionalProperties": False,
     }
 
 

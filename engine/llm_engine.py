@@ -218,6 +218,9 @@ class LLMEngine:
                 raise InvalidRequestError(
                     f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})", name
                 )
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) == -1:  # (LLM's spelling, which it turns into the count)
+                raise InvalidRequestError(f"{name} -1: ask for a count (at most {vocab})", name)
 
     def _tokenize(self, prompt: Prompt, keep: int | None = None) -> list[int]:
         """The prompt's token ids, checked; `keep` (vLLM's `truncate_prompt_tokens`): only its

@@ -44,11 +44,13 @@ worker's queue, prefix lookup and prefill compute; the KV transfer after the fir
 and tool wait (the gap since the same ``user``'s previous request finished: an agent's think or
 tool time between turns)."""
 
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
-            3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2560.0,
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+            1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2560.0,
             7680.0)  # fmt: skip
-"""Up to vLLM's longest (its E2E histogram's): past the default 600 s request timeout and a
-long `tool_wait`, so that slow requests' quantiles are not all the last bucket's bound."""
+"""From vLLM's shortest (its TTFT histogram's 1 ms: a cached or short prompt's first token
+and queue times come in under 5 ms) up to its longest (its E2E histogram's): past the default
+600 s request timeout and a long `tool_wait`, so that slow requests' quantiles are not all the
+last bucket's bound."""
 _TOKEN_GAP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
               0.75, 1.0, 2.5, 5.0)  # fmt: skip
 _BLOCKS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)

@@ -24,6 +24,7 @@ from tandem.router.api_keys import check_api_key
 from tandem.router.errors import APIError, bad_request
 from tandem.router.grpc import generation_pb2, generation_pb2_grpc
 from tandem.router.grpc.health_status import SERVICE_NAME, GrpcServer, HealthServicer
+from tandem.router.grpc.reflection import enable_reflection
 from tandem.router.openai_protocol import MAX_CLIENT_ID, MAX_TEMPERATURE
 from tandem.router.prepared import Prepared
 from tandem.router.request_prep import on_a_tokenizing_thread
@@ -270,7 +271,7 @@ async def start_grpc_server(
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(REFLECTED_SERVICES, server)
+    enable_reflection(REFLECTED_SERVICES, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"gRPC: cannot bind {host}:{port}")

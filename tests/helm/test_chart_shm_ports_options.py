@@ -286,6 +286,11 @@ def test_settings_given_with_set() -> None:
         ),
         ("prefill.replicaRayResources.prefill=1", "prefill.replicaRayResources.prefill is the"),
         ("router.replicaRayResources.GPU=1", "router.replicaRayResources.GPU is one of Ray's"),
+        # typos the cluster would refuse (or Kubernetes drop) only once deployed
+        ("serve.transportOptions.timout=30", "Additional property timout is not allowed"),
+        ("decode.gpuResourceName=", "decode.gpuResourceName: String length must be"),
+        ("router.extraEnv[0].name=A,router.extraEnv[0].val=b", "Additional property val is"),
+        ("prefill.tolerations[0].key=a,prefill.tolerations[0].efect=x", "property efect is"),
     ],
 )
 def test_bad_settings_are_refused(setting: str, message: str) -> None:

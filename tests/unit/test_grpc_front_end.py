@@ -11,6 +11,7 @@ import grpc
 import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
@@ -206,6 +207,13 @@ def test_reflection_lists_the_services_and_describes_generate() -> None:
             method = pool.FindServiceByName("tandem.v1.Generation").methods_by_name["Generate"]
             shape = (method.input_type.full_name, method.output_type.full_name)
             streams = method.server_streaming
+            v1 = channel.stream_stream(  # (the current name, which v1-only clients ask)
+                "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
+            asked = iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            listed = [s.name for r in v1(asked) for s in r.list_services_response.service]
     finally:
         asyncio.run_coroutine_threadsafe(running.stop(0), loop).result(5)
         loop.call_soon_threadsafe(loop.stop)
@@ -215,6 +223,7 @@ def test_reflection_lists_the_services_and_describes_generate() -> None:
         "tandem.v1.Generation",
     ]
     assert shape == ("tandem.v1.GenerateRequest", "tandem.v1.GenerateResponse") and streams
+    assert sorted(listed) == services
 
 
 def test_the_last_message_names_what_stopped_the_request() -> None:

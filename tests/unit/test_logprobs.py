@@ -70,7 +70,7 @@ def test_logprobs_are_counts() -> None:
     """(their bound is the engine's: `LLM(max_logprobs=)`, the API's 20)"""
     assert SamplingParams(logprobs=21).logprobs == 21
     with pytest.raises(InvalidRequestError, match="logprobs"):
-        SamplingParams(logprobs=-1)
+        SamplingParams(logprobs=-2)  # (-1 is vLLM's "the whole vocabulary": test_llm_vllm_port)
 
 
 def test_top_counts_differ_per_row() -> None:
