@@ -53,7 +53,7 @@ DECODE_BUCKETS = ((1, 8), (9, 16), (17, 32), (33, 48), (49, 64), (65, 256))
 
 def _generate(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> None:
     llm.engine.block_manager.reset_prefix_cache()
-    llm.generate(prompts, [greedy(n) for n in lengths])
+    llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
 
 
 def profile_phases(

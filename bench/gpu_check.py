@@ -95,7 +95,7 @@ def check_exactness(dtype: str, num_prompts: int, max_tokens: int) -> dict[str, 
     llm = LLM(model=str(path), dtype=dtype, device="cuda", num_kv_blocks=2048,
               max_num_batched_tokens=256)  # fmt: skip
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                ignore_eos=True))  # fmt: skip
+                                                ignore_eos=True), use_tqdm=False)  # fmt: skip
     same = sum(a == b for o, r in zip(outs, ref, strict=True)
                for a, b in zip(o.token_ids, r, strict=True))  # fmt: skip
     total = num_prompts * max_tokens

@@ -119,11 +119,11 @@ def hidden_share(
     warm = [rng.randrange(1, 32000) for _ in range(64)]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm = LLM(model=str(model_dir), num_kv_blocks=512, max_num_batched_tokens=16 * chunk_blocks)
-    llm.generate([warm], params)
+    llm.generate([warm], params, use_tqdm=False)
     colocated = []
     for prompt in prompts:
         start = time.perf_counter()
-        llm.generate([prompt], params)
+        llm.generate([prompt], params, use_tqdm=False)
         colocated.append(time.perf_counter() - start)
     kv_bytes = llm.engine.kv_pool.bytes_per_block * -(-2048 // 16)
     del llm

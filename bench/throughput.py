@@ -45,7 +45,11 @@ def load_tandem(model_dir: Path, dtype: str, shape: ModelShape) -> LLM:
     """The engine as the throughput run uses it, after a small warm-up generate."""
     llm = LLM(model=str(model_dir), dtype=dtype, max_num_seqs=256, max_num_batched_tokens=2048)
     rng = random.Random(3)
-    llm.generate([[rng.randrange(3, shape.vocab) for _ in range(32)] for _ in range(4)], greedy(8))
+    llm.generate(
+        [[rng.randrange(3, shape.vocab) for _ in range(32)] for _ in range(4)],
+        greedy(8),
+        use_tqdm=False,
+    )
     return llm
 
 
@@ -54,7 +58,7 @@ def run_tandem(llm: LLM, prompts: list[list[int]], lengths: list[int], first_bat
     engine.block_manager.reset_prefix_cache()  # repeats must not hit the previous run's prompts
     gc.collect()
     with count_steps(engine) as steps, timed() as t:
-        outs = llm.generate(prompts, [greedy(n) for n in lengths])
+        outs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
     generated = sum(len(o.token_ids) for o in outs)
     return GenRun(
         tok_s=generated / t.wall_s,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -141,7 +141,7 @@ class LLM:
         self,
         messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = True,
         lora_request: Any = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
@@ -208,7 +208,7 @@ class LLM:
         self,
         prompts: Prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = True,
         lora_request: Any = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
@@ -243,7 +243,9 @@ class LLM:
             for req in requests:
                 engine.abort(req.request_id)
             raise
-        bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req")
+        # (as vLLM's: a bar on stderr unless use_tqdm is False; a callable makes the bar)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(requests), desc="Processed prompts", disable=not use_tqdm)
         remaining = len(requests)
         own = {req.request_id for req in requests}  # (the engine may run others' requests too)
         try:

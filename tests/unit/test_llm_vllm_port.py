@@ -183,3 +183,20 @@ def test_logit_bias_takes_any_value_offline_and_minus_inf_bans(llm: LLM) -> None
     for bias in (math.inf, math.nan):
         with pytest.raises(InvalidRequestError, match="finite or -inf"):
             SamplingParams(logit_bias={7: bias})
+
+
+def test_progress_bar_by_default_as_vllms(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    llm.generate(["a", "b"], GREEDY)
+    assert "Processed prompts" in capsys.readouterr().err
+    llm.generate(["a"], GREEDY, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    made = []
+
+    def bar(**kwargs: Any) -> Any:
+        from tqdm import tqdm
+
+        made.append(kwargs["total"])
+        return tqdm(**kwargs)
+
+    llm.generate(["a", "b", "c"], GREEDY, use_tqdm=bar)
+    assert made == [3]
