@@ -158,9 +158,19 @@ class ClusterConfig(BaseModel):
         return value
 
     def model_names(self, model: str) -> list[str]:
-        """The names clients may send for `model` (a checkpoint path): the configured ones,
-        else the checkpoint folder's name."""
-        return _name_list(self.served_model_name) or [Path(model).name]
+        """The names clients may send for `model` (the checkpoint's path): the configured ones;
+        else the checkpoint folder's name, and `self.model` as it was given too (vLLM's name:
+        its clients send the path), or only that where it is a Hugging Face repo id (its
+        snapshot folder's name is a commit hash)."""
+        if names := _name_list(self.served_model_name):
+            return names
+        given = self.model
+        if given is None:
+            return [Path(model).name]
+        if not Path(given).expanduser().exists():  # a repo id the local HF cache holds
+            return [given]
+        folder = Path(given).expanduser().name or Path(model).name
+        return [folder] if folder == given else [folder, given]
 
     @model_validator(mode="after")
     def _transport_options_exist(self) -> ClusterConfig:

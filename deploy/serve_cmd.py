@@ -144,8 +144,9 @@ def serve(
         list[str] | None,
         typer.Option(
             metavar="NAME",
-            help="Model name clients send (default: the checkpoint folder's name). Repeat it "
-            "for several names of the same model: replies carry the first.",
+            help="Model name clients send (default: the checkpoint folder's name, and the "
+            "path or Hugging Face repo id as given, as vLLM names it). Repeat it for several "
+            "names of the same model: replies carry the first.",
         ),
     ] = None,
     max_model_len: Annotated[

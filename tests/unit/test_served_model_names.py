@@ -18,8 +18,15 @@ from tandem.router.model_cards import models_body
 from tandem.router.serving import Serving
 
 
-def test_the_names_default_to_the_checkpoint_folder() -> None:
+def test_the_names_default_to_the_checkpoint_folder(tmp_path: Any) -> None:
     assert ClusterConfig().model_names("/models/qwen3-0.6b") == ["qwen3-0.6b"]
+    # the path as given is vLLM's name for it: also taken; a repo id is the only name
+    given = str(tmp_path / "qwen3-0.6b")
+    (tmp_path / "qwen3-0.6b").mkdir()
+    assert ClusterConfig(model=given).model_names(given) == ["qwen3-0.6b", given]
+    assert ClusterConfig(model=given + "/").model_names(given) == ["qwen3-0.6b", given + "/"]
+    snapshot = "/hf/models--Qwen--Qwen3-0.6B/snapshots/0123abcd"
+    assert ClusterConfig(model="Qwen/Qwen3-0.6B").model_names(snapshot) == ["Qwen/Qwen3-0.6B"]
     assert ClusterConfig(served_model_name="m").model_names("/x/y") == ["m"]
     both = ClusterConfig(served_model_name=["a", "b"])
     assert both.model_names("/x/y") == ["a", "b"]
