@@ -13,7 +13,7 @@ from tandem.engine.weights import checkpoint_files
 
 
 def model_revision(model_dir: Path) -> str:
-    """Digest of config.json and each weight file's safetensors header, size and mtime.
+    """Digest of config.json and each weight file's size, mtime and safetensors header.
 
     Cheap (no full read of the weights) yet changes whenever a weight file is rewritten.
     Pass `model_revision` in the engine config to pin an explicit revision instead.
@@ -24,9 +24,10 @@ def model_revision(model_dir: Path) -> str:
         stat = file.stat()
         h.update(file.name.encode())
         h.update(struct.pack("<qq", stat.st_size, stat.st_mtime_ns))
-        with file.open("rb") as handle:
-            (header_len,) = struct.unpack("<Q", handle.read(8))
-            h.update(handle.read(min(header_len, 1 << 24)))
+        if file.suffix == ".safetensors":  # (a .bin file: its size and mtime)
+            with file.open("rb") as handle:
+                (header_len,) = struct.unpack("<Q", handle.read(8))
+                h.update(handle.read(min(header_len, 1 << 24)))
     return h.hexdigest()
 
 

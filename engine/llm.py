@@ -334,8 +334,11 @@ def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("scheduling_policy: 'fcfs' or 'priority' (a request's priority counts)")
     if kwargs.get("runner", "auto") not in ("auto", "generate"):
         raise ValueError(f"runner={kwargs['runner']!r}: only text generation ('generate')")
-    if kwargs.get("load_format", "auto") not in ("auto", "safetensors"):
-        raise ValueError(f"load_format={kwargs['load_format']!r}: safetensors weights only")
+    if kwargs.get("load_format", "auto") not in ("auto", "safetensors", "pt"):
+        raise ValueError(
+            f"load_format={kwargs['load_format']!r}: 'auto', 'safetensors' or 'pt' (the "
+            "checkpoint's safetensors, else its .bin files)"
+        )
     mode = kwargs.pop("logprobs_mode", "raw_logprobs")
     if mode != "raw_logprobs":  # (vLLM's default, what this engine returns)
         raise ValueError(

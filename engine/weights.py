@@ -1,4 +1,5 @@
-"""Loading Hugging Face safetensors checkpoints (single file or sharded) into `CausalLM`.
+"""Loading Hugging Face checkpoints (safetensors, single file or sharded; else PyTorch `.bin`
+files, `torch_bin.py`) into `CausalLM`.
 
 HF names map onto ours one to one, except that q/k/v projections are fused into `qkv_proj` and
 gate/up into `gate_up_proj` (one matmul each instead of three and two).
@@ -19,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from tandem.engine.errors import CheckpointError, UnsupportedModelError
 from tandem.engine.model import CausalLM
 from tandem.engine.model_config import ModelSpec
+from tandem.engine.torch_bin import TorchBinFile
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +31,29 @@ _FUSED = {
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: `model.safetensors`, else the shards its index
-    lists (transformers' order: an index left behind by an earlier sharded save is ignored)."""
-    single = model_dir / "model.safetensors"
+    """The weight files of a checkpoint: `model.safetensors`, else the shards its index lists
+    (transformers' order: an index left behind by an earlier sharded save is ignored), else
+    any safetensors; with none, its PyTorch `.bin` files the same way (as transformers and
+    vLLM fall back to them)."""
+    for files in (
+        _listed_files(model_dir, "model.safetensors", "*.safetensors"),
+        # (not `*.bin`: a trainer's training_args.bin or optimizer.bin is no weights file)
+        _listed_files(model_dir, "pytorch_model.bin", "pytorch_model*.bin"),
+    ):
+        if files:
+            return files
+    raise CheckpointError(
+        f"{model_dir} has no model.safetensors, safetensors index or .bin weights"
+    )
+
+
+def _listed_files(model_dir: Path, single_name: str, others: str) -> list[Path]:
+    """The files of one format: `single_name`, else the shards of `single_name.index.json`,
+    else those matching `others` ([] where there is none)."""
+    single = model_dir / single_name
     if single.is_file():
         return [single]
-    index = model_dir / "model.safetensors.index.json"
+    index = model_dir / f"{single_name}.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text()).get("weight_map")
@@ -57,15 +76,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
                 f"{model_dir}: shards listed in {index.name} are missing: {missing}"
             )
         return files
-    others = sorted(model_dir.glob("*.safetensors"))
-    if others:
-        return others
-    if any(model_dir.glob("*.bin")):
-        raise CheckpointError(
-            f"{model_dir} holds only PyTorch .bin weights; tandem loads safetensors only "
-            "(convert: load it with transformers and save_pretrained() it; that writes safetensors)"
-        )
-    raise CheckpointError(f"{model_dir} has no model.safetensors or safetensors index")
+    return sorted(model_dir.glob(others))
 
 
 def stored_dtype(model_dir: Path) -> str:
@@ -83,8 +94,11 @@ def stored_dtype(model_dir: Path) -> str:
 
 @contextmanager
 def _opened(file: Path) -> Iterator[Any]:
-    """`safe_open(file)`; a file safetensors cannot read (cut short by an interrupted
-    download, or not safetensors at all) is a CheckpointError naming it."""
+    """`safe_open(file)` (a `.bin` file: `TorchBinFile`); a file that cannot be read (cut short
+    by an interrupted download, or not weights at all) is a CheckpointError naming it."""
+    if file.suffix == ".bin":
+        yield TorchBinFile(file)
+        return
     try:
         with safe_open(str(file), framework="pt") as handle:
             yield handle
