@@ -78,10 +78,11 @@ class Admission:
         raw = (queued_tokens + new_tokens) / rate * 1000 + blocks * cfg.transfer_ms_per_block
         return (raw + cfg.overhead_ms) * cfg.safety_factor
 
-    def check_decode(self, queued_tokens: int, new_tokens: int) -> None:
-        """429 when the decode worker's token load would pass `max_decode_tokens`."""
+    def check_decode(self, queued_tokens: int, new_tokens: int, own_tokens: int = 0) -> None:
+        """429 when the decode worker's token load would pass `max_decode_tokens` (and holds
+        other requests' tokens than the `own_tokens` of this request's other choices)."""
         cap = self.config.max_decode_tokens
-        if cap is not None and queued_tokens > 0 and queued_tokens + new_tokens > cap:
+        if cap is not None and queued_tokens > own_tokens and queued_tokens + new_tokens > cap:
             raise _too_many(
                 f"the decode worker holds {queued_tokens} tokens of requests; this request's "
                 f"{new_tokens} would exceed the cap of {cap}",
@@ -97,11 +98,15 @@ class Admission:
         tokens_per_s: float | None,
         blocks: int,
         deadline_ms: float | None,
+        own_tokens: int = 0,
     ) -> float:
-        """The predicted TTFT (ms); raises a 429 `APIError` when the request cannot be admitted."""
+        """The predicted TTFT (ms); raises a 429 `APIError` when the request cannot be admitted.
+        A queue past the cap refuses only where it holds other requests' tokens than the
+        `own_tokens` of this request's other choices (a lone request larger than the cap runs
+        when its turn comes)."""
         cap = self.config.max_queued_prefill_tokens
         predicted = self.predicted_ttft_ms(queued_tokens, new_tokens, tokens_per_s, blocks)
-        if cap is not None and queued_tokens + new_tokens > cap and queued_tokens > 0:
+        if cap is not None and queued_tokens + new_tokens > cap and queued_tokens > own_tokens:
             wait_s = queued_tokens / (tokens_per_s or self.config.default_prefill_tokens_per_s)
             raise _too_many(
                 f"the prefill queue holds {queued_tokens} tokens; this request's {new_tokens} "

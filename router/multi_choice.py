@@ -24,6 +24,7 @@ from tandem.router.call_cleanup import to_completion
 from tandem.router.errors import APIError, bad_request
 from tandem.router.prepared import Prepared
 from tandem.router.serving import Serving, run_to_end
+from tandem.router.sibling_load import choices_of_one_request
 
 MAX_CHOICES = 128
 """Most choices (prompts x n) one request may ask for; more is a 400."""
@@ -51,7 +52,8 @@ async def prepare_all(
 ) -> list[Prepared]:
     """`prepare(i)` for every choice, at once. All are admitted or none: on any error (the
     first choice's in order is raised) or cancel, those that were admitted are abandoned."""
-    tasks = [asyncio.ensure_future(prepare(i)) for i in range(count)]
+    with choices_of_one_request():  # (admitted as one: `sibling_load`)
+        tasks = [asyncio.ensure_future(prepare(i)) for i in range(count)]
     try:
         await asyncio.wait(tasks)
     except BaseException:

@@ -29,6 +29,7 @@ from tandem.engine.hashing import hash_full_blocks, salted_root
 from tandem.router.admission import Admission, AdmissionConfig
 from tandem.router.pending_prefixes import PendingPrefixes, merge_matches
 from tandem.router.routing_policy import RoutingConfig, WorkerLoad, make_policy
+from tandem.router.sibling_load import add_own, own_tokens
 from tandem.router.worker_directory import Worker, WorkerDirectory
 
 
@@ -180,7 +181,9 @@ class RoutePlanner:
             self.directory.index.match(namespace, hashes, [w.worker_id for w in decode_workers]),
         )
         decode_tokens = len(prompt_token_ids) + max_tokens
-        self.admission.check_decode(decode.queued_tokens, decode_tokens)
+        self.admission.check_decode(
+            decode.queued_tokens, decode_tokens, own_tokens(decode.worker_id, "decode")
+        )
         tail = len(prompt_token_ids) - decode_hits * bs
         num_blocks = -(-len(prompt_token_ids) // bs)
         if self.colocated or (
@@ -192,15 +195,18 @@ class RoutePlanner:
             self.admission.check(
                 queued_tokens=decode.queued_prefill_tokens, new_tokens=tail, tokens_per_s=rate,
                 blocks=0, deadline_ms=deadline_ms,
+                own_tokens=own_tokens(decode.worker_id, "decode_prefill"),
             )  # fmt: skip
             plan = RoutePlan(decode, None, num_blocks, decode_hits, 0, tail)
             decode.queued_prefill_tokens += tail
+            add_own(decode.worker_id, "decode_prefill", tail)
         else:
             plan = await self._plan_prefill(
                 decode, namespace, hashes, len(prompt_token_ids), bs, decode_hits, deadline_ms
             )
         decode.in_flight += 1
         decode.queued_tokens += decode_tokens
+        add_own(decode.worker_id, "decode", decode_tokens)
         plan.decode_tokens = decode_tokens
         return plan
 
@@ -239,9 +245,11 @@ class RoutePlanner:
             tokens_per_s=float(prefill.stats.get("prefill_tokens_per_s") or 0) or None,
             blocks=0 if decode is None else num_blocks - decode_hits,  # (pages sent)
             deadline_ms=deadline_ms,
+            own_tokens=own_tokens(prefill.worker_id, "prefill"),
         )
         plan = RoutePlan(decode, prefill, num_blocks, decode_hits, prefill_hits, new_tokens)
         prefill.queued_tokens += new_tokens
+        add_own(prefill.worker_id, "prefill", new_tokens)
         prefill.in_flight += 1
         return plan
 

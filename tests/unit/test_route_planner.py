@@ -209,3 +209,32 @@ def test_a_worker_that_registers_again_starts_without_the_old_connection_s_load(
         await d.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_a_requests_choices_are_admitted_as_one(colocated: bool) -> None:
+    """n=3 of a prompt that alone fills the cap, on an idle cluster: every choice is admitted
+    (choices 2 and 3 saw choice 1's tokens queued and got a 429, on every retry); with another
+    request queued, the cap holds against the choices as against any request."""
+    from tandem.router.sibling_load import choices_of_one_request
+
+    d = directory(("p0", "prefill", {}), ("d0", "decode", {}))
+    admission = AdmissionConfig.model_validate(
+        {"max_queued_prefill_tokens": 3000, "max_decode_tokens": 3000}
+    )
+    p = RoutePlanner(d, RoutingConfig(), DecodeRoutingConfig(), admission, colocated=colocated)
+    prompt = list(range(2500))
+
+    async def choices(count: int) -> list[Any]:
+        with choices_of_one_request():
+            tasks = [asyncio.ensure_future(p.plan(prompt, INFO, None, 60, 8)) for _ in range(count)]
+        return await asyncio.gather(*tasks)
+
+    admitted = asyncio.run(choices(3))
+    assert len(admitted) == 3
+    for route in admitted:
+        route.release()
+    plan(p, list(range(5000, 5100)))  # another request queued
+    with pytest.raises(APIError) as full:
+        asyncio.run(choices(3))
+    assert full.value.code in ("queue_full", "decode_queue_full")
