@@ -22,7 +22,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {
 """The architecture transformers' `AutoModelForCausalLM` loads for a config.json's `model_type`
 (every one tandem runs)."""
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_OF_MODEL_TYPE.values())
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
 CONTEXT_SOURCE = (

@@ -10,7 +10,10 @@ from tandem.engine.model_config import RopeSpec
 
 
 def inverse_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies for `default`, `linear`, `llama3` and `yarn` rope types."""
+    """Inverse frequencies for `default`, `linear`, `llama3`, `yarn` and `dynamic` rope types.
+    `dynamic` (NTK-aware) is the default's: transformers raises its base only for a sequence
+    past `max_position_embeddings`, which is as long as the context is let run here
+    (`ModelSpec.context_length`)."""
     dim = int(head_dim * rope.partial_rotary_factor)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
     inv_freq = 1.0 / (rope.theta**exponents)

@@ -111,11 +111,11 @@ def test_unknown_architecture(tiny_checkpoint: Any, tmp_path: Path) -> None:
 
 
 def test_unsupported_rope_type(tiny_checkpoint: Any, tmp_path: Path) -> None:
-    path = _copy_checkpoint(tiny_checkpoint(), tmp_path / "dynamic")
+    path = _copy_checkpoint(tiny_checkpoint(), tmp_path / "longrope")
     cfg = json.loads((path / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="rope_type 'dynamic'.*yarn"):
+    with pytest.raises(UnsupportedModelError, match="rope_type 'longrope'.*yarn, dynamic"):
         LLM(model=str(path))
 
 
