@@ -119,7 +119,8 @@ async def _events(
     or the echoed prompt first, a chunk per item with text, logprobs or an end, the usage,
     `[DONE]`; an error as one error event before `[DONE]`. A chat reply's text is split by
     its `ReplyStream` (thoughts apart; with tools, "auto", the content before a call as it
-    comes, then each call as it is written); a forced call goes in one chunk at the end."""
+    comes, then each call as it is written); a forced call goes in one chunk at the end, after
+    the model's thoughts as they came."""
     offsets = _Offsets(head)
     parser = head.read_calls if isinstance(head.read_calls, ToolParser) else None
     split = head.kind == "chat" and (parser is not None or head.reasoning is not None)
@@ -151,6 +152,15 @@ async def _events(
                 finish = item.get("finish_reason")
                 reasoning, calls = "", list[dict[str, Any]]()
                 if head.read_calls is not None and parser is None:  # a forced call: whole
+                    if head.reasoning is not None:  # (its thoughts as they come, as vLLM's)
+                        thinking = replies.setdefault(index, ReplyStream(head.reasoning, None))
+                        thought = thinking.feed(item["text"], finish is not None)[0]
+                        if thought and head.include_reasoning:
+                            yield chunk(
+                                head, reqs[index], None, None, index=index, usage=usage,
+                                reasoning=thought, first=index not in started,
+                            )  # fmt: skip
+                            started.add(index)
                     if finish is not None:
                         for event_text in from_reply(head, reqs[index], index, finish, usage):
                             yield event_text

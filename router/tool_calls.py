@@ -54,12 +54,21 @@ def forced_tools(tools: list[ToolSpec] | None, tool_choice: Any) -> list[ToolSpe
     if not tools:
         raise bad_request(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
     if tool_choice == "required":
-        return tools
-    name = _named(tool_choice)
-    chosen = [t for t in tools if t.function.name == name]
-    if not chosen:
-        raise bad_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-    return chosen[:1]
+        chosen = tools
+    else:
+        name = _named(tool_choice)
+        chosen = [t for t in tools if t.function.name == name][:1]
+        if not chosen:
+            raise bad_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+    for tool in chosen:  # (a call's arguments are an object, as OpenAI's schemas must say)
+        kind = (tool.function.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise bad_request(
+                f"function {tool.function.name!r}: parameters must be a JSON schema of type "
+                f"'object' to be forced by tool_choice, got {kind!r}",
+                "tools",
+            )
+    return chosen
 
 
 def _named(tool_choice: Any) -> str:

@@ -164,3 +164,43 @@ def test_include_reasoning_false_leaves_the_thoughts_out(include: bool) -> None:
     assert "".join(d.get("reasoning_content", "") for d in deltas) == ("sum it" if include else "")
     assert "".join(d.get("content") or "" for d in deltas) == "42"
     assert all(d for d in deltas)  # (no empty chunk where only thoughts came)
+
+
+@pytest.mark.parametrize("include", [True, False])
+def test_a_forced_call_streams_its_thoughts_as_they_come(include: bool) -> None:
+    """A forced tool call (tool_choice "required" or named) goes whole at the end; the model's
+    thoughts before it stream as they come, as vLLM's (none were sent: the stream was silent
+    while the model thought, and its thoughts never came)."""
+    import asyncio
+    from collections.abc import AsyncGenerator
+    from types import SimpleNamespace
+
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.router.openai_format import ResponseHead
+    from tandem.router.openai_stream import sse
+    from tandem.router.prepared import Prepared
+    from tandem.router.request_timings import RequestTimings
+    from tandem.router.tool_calls import forced_call
+
+    pieces = ["<think>", "use", " f</think>", '{"name": "f", ', '"arguments": {"x": 2}}']
+    head = ResponseHead(
+        "c", 0, "m", "chat", reasoning=ReasoningParser("qwen3"), include_reasoning=include,
+        read_calls=forced_call,
+    )  # fmt: skip
+    req = Prepared("r", [1], SamplingParams(max_tokens=5), RequestTimings(0.0))
+    req.text, req.finish_reason = "".join(pieces), "stop"
+
+    async def run(req: Prepared) -> AsyncGenerator[dict[str, Any], None]:
+        for i, text in enumerate(pieces):
+            yield {"token_ids": [i], "text": text, "finish_reason": "stop" if i == 4 else None}
+
+    serving = SimpleNamespace(sse_keepalive_s=None, run=run, model_name="m")
+
+    async def events() -> list[str]:
+        return [e async for e in sse(serving, req, "chat", False, head)]  # type: ignore[arg-type]
+
+    deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in asyncio.run(events())[:-1]]
+    thoughts = [d["reasoning_content"] for d in deltas if d.get("reasoning_content")]
+    assert thoughts == (["use", " f"] if include else [])
+    calls = [c for d in deltas for c in d.get("tool_calls") or []]
+    assert [c["function"] for c in calls] == [{"name": "f", "arguments": '{"x": 2}'}]

@@ -275,3 +275,18 @@ def test_a_whole_chat_reply_has_every_field_of_vllm_s() -> None:
     req.text = '{"name": "a", "arguments": {"x": 1}}'
     message = full_body(called, [req], {})["choices"][0]["message"]
     assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "a"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "arr"}}])
+def test_a_forced_function_needs_object_parameters(choice: Any) -> None:
+    """Its call's arguments were cut wrong (`[1,2]}`, not JSON) when its schema was an array;
+    OpenAI's schemas are objects: a 400 that says so."""
+    tools = [
+        ToolSpec.model_validate(
+            {"type": "function", "function": {"name": "arr", "parameters": {"type": "array"}}}
+        )
+    ]
+    with pytest.raises(APIError) as info:
+        forced_tools(tools, choice)
+    assert info.value.status == 400 and "of type 'object'" in info.value.message
+    assert forced_tools(tools, "auto") is None  # (read from a free reply: left to the parser)
