@@ -26,7 +26,12 @@ from tandem.deploy.ray_cluster import (
     warn_if_short,
 )
 from tandem.deploy.serve_banner import local_host, print_urls
-from tandem.deploy.serve_guards import context_overrun_of, fail_if, first_line
+from tandem.deploy.serve_guards import (
+    busy_ports,
+    context_overrun_of,
+    error_line,
+    fail_if,
+)
 from tandem.engine.errors import summarize_validation
 
 
@@ -285,6 +290,9 @@ def serve(
     )
     if not own_cluster:
         refuse_running_app(cfg.app_name, ctx)
+        if address is None:  # (a cluster running here: the router opens its own ports here;
+            # --port is Serve's, which may hold it already)
+            fail_if(busy_ports(cfg.host, {k: v for k, v in ports.items() if k != "--port"}))
     warn_if_short(needed, own_cluster)
     stop = threading.Event()
     signals: list[int] = []
@@ -318,7 +326,7 @@ def serve(
         except KeyboardInterrupt:  # while starting
             drain = not own_cluster
         except RuntimeError as exc:  # Serve could not deploy it (a worker failed to start)
-            failed = first_line(exc)
+            failed = error_line(exc)
     finally:
         try:
             shutdown(cfg.app_name, registry_name(cfg), drain, _drain_s(cfg))
@@ -327,8 +335,8 @@ def serve(
                 call_off_stop(registry_name(cfg))
             shutdown(cfg.app_name, registry_name(cfg), drain=False)
     if failed is not None:
-        typer.echo(f"Error: {failed} (the workers' errors are in the log above and in Ray's "
-                   "logs: /tmp/ray/session_latest/logs/serve/)", err=True)  # fmt: skip
+        typer.echo(f"Error: {failed} (more in the log above and in Ray's logs: "
+                   "/tmp/ray/session_latest/logs/serve/)", err=True)  # fmt: skip
         raise typer.Exit(code=1)
     typer.echo("[tandem] stopped")
 

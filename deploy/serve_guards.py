@@ -163,3 +163,13 @@ def fail_if(error: str | None) -> None:
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def error_line(exc: BaseException) -> str:
+    """The line that says what went wrong: the first, or for an error Ray carried out of an
+    actor or task (its first line names the call, `ray::ProxyActor.ready() (pid=...)`) the
+    last, the original error's (`RuntimeError: Failed to bind to address ...`)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("ray::"):
+        return f"{lines[0].split(' (', 1)[0]}: {lines[-1]}"
+    return first_line(exc)

@@ -47,12 +47,23 @@ def _check_options(
             f"{tokenizer} is not a tokenizer or checkpoint directory", param_hint="--tokenizer"
         )
     if save_result is not None:
+        if str(save_result).startswith("-"):  # (vLLM's flag form took the next option)
+            raise typer.BadParameter(
+                f"takes the result file's path (got {str(save_result)!r}): --save-result PATH",
+                param_hint="--save-result",
+            )
         if save_result.is_dir():
             raise typer.BadParameter(f"{save_result} is a directory", param_hint="--save-result")
-        try:  # (its directory is made now: one that cannot be fails before the run)
+        existed = save_result.exists()
+        try:  # (its directory made and the file opened now: one that cannot be fails before
+            # the run, not after it with the result lost)
             save_result.parent.mkdir(parents=True, exist_ok=True)
+            with save_result.open("a"):
+                pass
         except OSError as exc:
             raise typer.BadParameter(str(exc), param_hint="--save-result") from None
+        if not existed:
+            save_result.unlink()
 
 
 def _check_server(base_url: str, headers: dict[str, str]) -> None:

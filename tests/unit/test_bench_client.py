@@ -120,6 +120,9 @@ def test_word_prompts_without_a_count_are_a_word_a_token() -> None:
         (["--burstiness", "-1"], "Invalid value for --burstiness: -1.0 is not > 0"),
         (["--tokenizer", "FILE"], "Invalid value for --tokenizer: FILE is not a tokenizer"),
         (["--save-result", "DIR"], "Invalid value for --save-result: DIR is a directory"),
+        (["--save-result", "/proc/r.json"], "Invalid value for --save-result: [Errno"),
+        # (vLLM's flag form: the next option was taken for the path, and its file written)
+        (["--save-result", "--save-detailed"], "takes the result file's path (got"),
     ],
 )
 def test_the_cli_refuses_bad_options_before_the_run(

@@ -235,3 +235,36 @@ def test_serve_takes_vllm_s_dtype_spellings_and_refuses_others_before_starting_r
         "Error: engine settings (shared): dtype 'float64' is not one of auto, float32, "
         "bfloat16, float16, float, half, bf16, fp16"
     )
+
+
+def test_joining_a_cluster_here_refuses_a_router_port_in_use(
+    tiny_checkpoint: Callable[..., Path],
+    reuseport_listener: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Joined, the router still opens its own ports here: one held by another server was
+    advertised in the banner (it answered the other server's 404s) and only logged."""
+    import ray
+
+    import tandem.deploy.serve_cmd as serve_cmd
+
+    monkeypatch.setattr(ray, "init", lambda **_: object())  # (a cluster running here)
+    monkeypatch.setattr(serve_cmd, "refuse_running_app", lambda *_: None)
+    port = reuseport_listener
+    code, out = _serve(tiny_checkpoint(), "--direct-port", str(port))
+    assert code == 2
+    assert f"Error: port {port} (--direct-port) is already in use" in out.splitlines()[-1]
+
+
+def test_an_error_ray_carried_out_of_an_actor_says_what_went_wrong() -> None:
+    from tandem.deploy.serve_guards import error_line
+
+    carried = RuntimeError(
+        "ray::ProxyActor.ready() (pid=12, ip=10.0.0.1, actor_id=ab, repr=<ProxyActor>)\n"
+        '  File "x.py", line 3, in ready\n'
+        "RuntimeError: Failed to bind to address '127.0.0.1:8000'.\n"
+    )
+    assert error_line(carried) == (
+        "ray::ProxyActor.ready(): RuntimeError: Failed to bind to address '127.0.0.1:8000'."
+    )
+    assert error_line(RuntimeError("one line\nmore")) == "one line"
