@@ -269,7 +269,9 @@ def serve(
         from tandem.deploy.app_builder import build_app, registry_name, resolve_model
 
         typer.echo("[tandem] preparing the model ...")
-        cfg = cfg.model_copy(update={"model": resolve_model(cfg)})
+        resolved = resolve_model(cfg)  # (the names first: from the model as it was given)
+        names = cfg.model_names(resolved)
+        cfg = cfg.model_copy(update={"model": resolved, "served_model_name": names})
         fail_if(context_overrun_of(cfg))
         app = build_app(cfg)
     except ValidationError as exc:

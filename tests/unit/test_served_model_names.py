@@ -81,7 +81,30 @@ def test_the_cli_option_repeats(
     assert res.exit_code == 2 and "built" in res.output, res.output
     assert built[0].model_names(model) == ["a", "b"]
     CliRunner().invoke(app, ["serve", "--model", model, "--served-model-name", "a"])
-    assert built[1].served_model_name == "a"
+    assert built[1].model_names(model) == ["a"]
+
+
+def test_a_repo_id_is_the_models_name_as_vllm_names_it(
+    tiny_checkpoint: Callable[..., Path],
+    built: list[ClusterConfig],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model the Hugging Face cache holds, named by its repo id: served under that id (it
+    was named by its snapshot folder, a commit hash)."""
+    import shutil
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123456789abcdef"
+    shutil.copytree(tiny_checkpoint(), snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123456789abcdef")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    res = CliRunner().invoke(app, ["serve", "org/tiny"])
+    assert res.exit_code == 2 and "built" in res.output, res.output
+    assert built[0].model == str(snapshot.resolve())
+    assert built[0].model_names(built[0].model) == ["org/tiny"]
 
 
 def test_the_model_may_come_first_as_vllm_serve_takes_it(
