@@ -15,6 +15,8 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from tandem.deploy import serve_engine_flags as flags
+from tandem.deploy.cluster_config_flags import cluster_config_from
 from tandem.deploy.ingress import DEFAULT_INGRESS, Ingress
 from tandem.deploy.ray_cluster import (
     call_off_stop,
@@ -33,40 +35,6 @@ from tandem.deploy.serve_guards import (
     fail_if,
 )
 from tandem.engine.errors import summarize_validation
-
-
-def _config(
-    config_file: Path | None,
-    overrides: dict[str, Any],
-    role_overrides: dict[str, int | None],
-    nested: dict[tuple[str, str], Any] | None = None,
-    defaults: dict[str, Any] | None = None,
-) -> Any:
-    """The cluster config: `defaults` (from the environment) where the file is silent, the
-    file's, then the flags that were given (`overrides` at the top level, replicas per role,
-    `nested` as (section, field): value; an engine flag also over a role's own setting)."""
-    from tandem.deploy.cluster_config import ClusterConfig, read_config_file
-
-    data: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if v is not None}
-    data.update(read_config_file(config_file) if config_file is not None else {})
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    for role, replicas in role_overrides.items():
-        if replicas is not None:
-            data[role] = {**(data.get(role) or {}), "replicas": replicas}
-    for (section, field), value in (nested or {}).items():
-        if value is not None:
-            data[section] = {**(data.get(section) or {}), field: value}
-            if section == "engine":  # (the flag sets it for both roles: theirs give way)
-                for role in ("prefill", "decode"):
-                    _drop_role_engine_field(data, role, field)
-    return ClusterConfig.model_validate(data)
-
-
-def _drop_role_engine_field(data: dict[str, Any], role: str, field: str) -> None:
-    role_data = data.get(role)
-    engine = role_data.get("engine") if isinstance(role_data, dict) else None
-    if isinstance(role_data, dict) and isinstance(engine, dict) and field in engine:
-        data[role] = {**role_data, "engine": {k: v for k, v in engine.items() if k != field}}
 
 
 def serve(
@@ -154,36 +122,16 @@ def serve(
             "names of the same model: replies carry the first.",
         ),
     ] = None,
-    max_model_len: Annotated[
-        int | None,
-        typer.Option(min=2, help="Longest prompt + output in tokens (default: the model's)."),
-    ] = None,
-    stream_interval: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="Tokens a stream gathers before they go out (default 1: every token at once). "
-            "More send fewer, larger chunks: less work per token on the decode worker, the "
-            "router and the client, at the cost of coarser streaming.",
-        ),
-    ] = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option(
-            help="Weights' and KV cache's dtype: auto (default: the checkpoint's), float32, "
-            "bfloat16 or float16 (also float, bf16, half, fp16)."
-        ),
-    ] = None,
-    gpu_memory_utilization: Annotated[
-        float | None,
-        typer.Option(
-            min=0.01,
-            max=1.0,
-            help="Share of a GPU's memory each engine on it may use for weights, activations "
-            "and its KV cache (default 0.9; on a share of a GPU, 0.9 x that share). CPU "
-            "engines size their KV cache by engine.kv_cache_memory_gb (1 GiB).",
-        ),
-    ] = None,
+    max_model_len: flags.MaxModelLen = None,
+    stream_interval: flags.StreamInterval = None,
+    dtype: flags.Dtype = None,
+    gpu_memory_utilization: flags.GpuMemoryUtilization = None,
+    max_num_seqs: flags.MaxNumSeqs = None,
+    max_num_batched_tokens: flags.MaxNumBatchedTokens = None,
+    block_size: flags.BlockSize = None,
+    enable_prefix_caching: flags.EnablePrefixCaching = None,
+    seed: flags.Seed = None,
+    generation_config: flags.GenerationConfig = None,
     tool_call_parser: Annotated[
         str | None,
         typer.Option(
@@ -253,11 +201,17 @@ def serve(
             ("decode", "stream_interval"): stream_interval,
             ("engine", "dtype"): dtype,
             ("engine", "gpu_memory_utilization"): gpu_memory_utilization,
+            ("engine", "max_num_seqs"): max_num_seqs,
+            ("engine", "max_num_batched_tokens"): max_num_batched_tokens,
+            ("engine", "block_size"): block_size,
+            ("engine", "enable_prefix_caching"): enable_prefix_caching,
+            ("engine", "seed"): seed,
+            ("engine", "generation_config"): generation_config,
             ("router", "tool_call_parser"): tool_call_parser,
             ("router", "reasoning_parser"): reasoning_parser,
         }
         env = {"cache_dir": os.environ.get("TANDEM_CACHE_DIR")}  # (the file's beats it)
-        cfg = _config(config, overrides, roles, nested, env)
+        cfg = cluster_config_from(config, overrides, roles, nested, env)
         if cfg.mode == "pd":  # (a transport whose package is missing fails here, before Ray)
             from tandem.kv_transfer.registry import transport_class
 

@@ -192,7 +192,7 @@ def test_checksums_and_the_chunk_publisher_reach_the_prefill_sender(
 def test_tandem_serve_flags_land_in_the_config(tmp_path: Path) -> None:
     """Flags override the config file, nested ones in their section (keeping its other
     fields)."""
-    from tandem.deploy.serve_cmd import _config
+    from tandem.deploy.cluster_config_flags import cluster_config_from as _config
 
     path = tmp_path / "c.yaml"
     path.write_text("engine:\n  num_kv_blocks: 64\nrouter:\n  replicas: 2\n")
@@ -212,7 +212,7 @@ def test_tandem_serve_flags_land_in_the_config(tmp_path: Path) -> None:
 
 def test_the_cache_dir_environment_variable_yields_to_the_config_file(tmp_path: Path) -> None:
     """$TANDEM_CACHE_DIR (set in the image) is a default: a config file's cache_dir wins."""
-    from tandem.deploy.serve_cmd import _config
+    from tandem.deploy.cluster_config_flags import cluster_config_from as _config
 
     path = tmp_path / "c.yaml"
     path.write_text("cache_dir: /from/file\n")
@@ -273,3 +273,29 @@ def test_a_redeploy_keeps_the_generated_cluster_token() -> None:
 def test_names_and_hosts_that_serve_cannot_use_are_refused(bad: dict[str, str]) -> None:
     with pytest.raises(ValidationError):
         ClusterConfig.model_validate(bad)
+
+
+def test_vllms_engine_flags_set_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--max-num-seqs`, `--max-num-batched-tokens`, `--block-size`, `--[no-]enable-prefix-
+    caching`, `--seed`, `--generation-config` as `vllm serve` takes them (they were "No such
+    option")."""
+    from typer.testing import CliRunner
+
+    import tandem.deploy.app_builder as app_builder
+    from tandem.deploy.cli import app
+
+    seen: list[ClusterConfig] = []
+
+    def build_app(cfg: ClusterConfig) -> None:
+        seen.append(cfg)
+        raise ValueError("built")
+
+    monkeypatch.setattr(app_builder, "build_app", build_app)
+    flags = ["--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--block-size", "32",
+             "--no-enable-prefix-caching", "--seed", "3", "--generation-config", "vllm"]  # fmt: skip
+    res = CliRunner().invoke(app, ["serve", *flags])
+    assert res.exit_code == 2 and "built" in res.output, res.output
+    assert seen[0].engine == {
+        "max_num_seqs": 8, "max_num_batched_tokens": 512, "block_size": 32,
+        "enable_prefix_caching": False, "seed": 3, "generation_config": "vllm",
+    }  # fmt: skip

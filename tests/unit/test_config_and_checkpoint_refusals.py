@@ -19,7 +19,7 @@ from tandem import LLM
 from tandem.deploy.app_builder import check_roles_agree
 from tandem.deploy.cli import app
 from tandem.deploy.cluster_config import ClusterConfig
-from tandem.deploy.serve_cmd import _config
+from tandem.deploy.cluster_config_flags import cluster_config_from as _config
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import CheckpointError
 

@@ -150,7 +150,7 @@ def test_a_role_on_a_share_of_a_gpu_takes_that_share_of_its_memory() -> None:
     assert whole.engine_config("prefill", model).gpu_memory_utilization == 0.9
     assert whole.engine_config("decode", model).gpu_memory_utilization == 0.9
     # `tandem serve --gpu-memory-utilization` sets every engine's, shares of a GPU included.
-    from tandem.deploy.serve_cmd import _config
+    from tandem.deploy.cluster_config_flags import cluster_config_from as _config
 
     flagged = _config(
         None, {"prefill": {"num_gpus": 0.5}}, {}, {("engine", "gpu_memory_utilization"): 0.7}

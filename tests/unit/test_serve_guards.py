@@ -222,7 +222,7 @@ def test_serve_names_a_cluster_that_refuses_it(
 def test_serve_takes_vllm_s_dtype_spellings_and_refuses_others_before_starting_ray(
     tiny_checkpoint: Callable[..., Path],
 ) -> None:
-    from tandem.deploy.serve_cmd import _config
+    from tandem.deploy.cluster_config_flags import cluster_config_from as _config
 
     path = str(tiny_checkpoint())
     for given, dtype in (("half", "float16"), ("bf16", "bfloat16"), ("float32", "float32")):
