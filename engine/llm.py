@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -73,7 +72,9 @@ class LLM:
             **kwargs,
         )
         self.engine = LLMEngine(config, kv_pool_factory=kv_pool_factory)
-        self._vllm_engine = VllmStyleEngine(self.engine, self._prepared)
+        self._vllm_engine = VllmStyleEngine(
+            self.engine, self._prepared, self.get_default_sampling_params
+        )
         self._sampling_defaults = sampling_defaults(config.model, config.generation_config)
 
     def _prepared(self, params: SamplingParams) -> SamplingParams:
@@ -135,7 +136,7 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The checkpoint's Hugging Face tokenizer, as vLLM's `get_tokenizer()` returns
         (`apply_chat_template(..., tokenize=False)` and all; `tokenizer` is tandem's own)."""
-        return self.engine.get_tokenizer()
+        return self.engine.tokenizer.hf
 
     def chat(
         self,
@@ -264,10 +265,7 @@ class LLM:
         samples = iter(requests)
         for prompt, p in zip(prompt_list, param_list, strict=True):
             text = prompt if isinstance(prompt, str) else None
-            outs = [engine.make_output(next(samples), text) for _ in range(p.n)]
-            first = outs[0]
-            first.outputs = [replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
-            results.append(first)
+            results.append(engine.make_samples_output([next(samples) for _ in range(p.n)], text))
         return results
 
 

@@ -6,8 +6,8 @@ import functools
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -247,21 +247,6 @@ class LLMEngine:
             )
         return token_ids
 
-    def get_tokenizer(self) -> Any:
-        """vLLM's `llm_engine.get_tokenizer()`: the Hugging Face tokenizer."""
-        return self.tokenizer.hf
-
-    @property
-    def model_config(self) -> SimpleNamespace:
-        """What scripts read of vLLM's `llm_engine.model_config`: `model`, `max_model_len`,
-        `dtype` (the weights'), `hf_config` (the checkpoint's parsed spec)."""
-        return SimpleNamespace(
-            model=self.config.model,
-            max_model_len=self.max_model_len,
-            dtype=self.config.torch_dtype,
-            hf_config=self.spec,
-        )
-
     def abort(self, request_id: str) -> bool:
         """Cancels a request; its blocks are freed (also when it keeps KV). False if unknown."""
         req = self.requests.pop(request_id, None)
@@ -360,6 +345,13 @@ class LLMEngine:
     def make_output(self, req: Request, prompt: str | None = None) -> RequestOutput:
         """The result of `req` as vLLM's `RequestOutput` (`request_output.py`)."""
         return request_output(req, self.tokenizer, prompt)
+
+    def make_samples_output(self, samples: list[Request], prompt: str | None) -> RequestOutput:
+        """One prompt's samples (engine requests) as one `RequestOutput`, as vLLM's: each
+        sample in `outputs`, indexed; the flat fields the first's."""
+        first, *others = [self.make_output(req, prompt) for req in samples]
+        first.outputs = [replace(out.outputs[0], index=i) for i, out in enumerate([first, *others])]
+        return first
 
     # ---- KV hand-off between engines (prefill -> decode) -------------------------------------------
     def export_kv(self, request_id: str) -> KVBlocks:

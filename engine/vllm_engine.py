@@ -14,7 +14,7 @@ from typing import Any
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.llm_inputs import engine_samples, parse_prompts, salted
-from tandem.engine.outputs import RequestOutput
+from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.vllm_compat import RequestOutputKind
@@ -22,22 +22,33 @@ from tandem.engine.vllm_compat import RequestOutputKind
 
 @dataclass
 class _Added:
-    """A request added through this API: its samples' engine requests, and what was reported."""
+    """A request added through this API: its samples' engine requests, and what was reported
+    of each (tokens, characters)."""
 
     prompt: str | None
     params: SamplingParams
     samples: list[Request]
-    reported: list[tuple[int, int]] = field(default_factory=list)  # (tokens, text) per sample
-    finished: bool = False
+    reported: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(req.is_finished for req in self.samples)
 
 
 class VllmStyleEngine:
     """`llm.llm_engine`. `prepare` checks a request's params as `LLM.generate` does (and may
-    return them changed: logprobs -1 as the vocabulary's size)."""
+    return them changed: logprobs -1 as the vocabulary's size); `default_params`: what a
+    request given none samples with (the model's generation_config, as `LLM`'s)."""
 
-    def __init__(self, engine: LLMEngine, prepare: Callable[[SamplingParams], SamplingParams]):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        prepare: Callable[[SamplingParams], SamplingParams],
+        default_params: Callable[[], SamplingParams],
+    ) -> None:
         self.engine = engine
         self._prepare = prepare
+        self._default_params = default_params
         self._added: dict[str, _Added] = {}
 
     def add_request(
@@ -52,7 +63,8 @@ class VllmStyleEngine:
         priority: int = 0,
     ) -> None:
         """Queues `prompt` (a text, token ids, or a prompt dict) under `request_id`. (Its text is
-        written as it streams: an unfinished output holds back a character's first bytes.)"""
+        written as it streams: an unfinished output holds back what may yet be cut, a stop
+        string's start or a character's first bytes.)"""
         if lora_request is not None:
             raise InvalidRequestError("lora_request: LoRA adapters are not supported")
         if not isinstance(request_id, str) or isinstance(prompt, SamplingParams):
@@ -62,16 +74,15 @@ class VllmStyleEngine:
         if request_id in self._added:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompts, salts = parse_prompts([prompt])
-        params = salted([self._prepare(params or SamplingParams())], salts)[0]
+        params = salted([self._prepare(params or self._default_params())], salts)[0]
         samples: list[Request] = []
         try:
             for i, sample in enumerate(engine_samples(params)):
-                sample_id = request_id if params.n == 1 else f"{i}_{request_id}"
                 samples.append(
                     self.engine.add_request(
                         prompts[0],
                         sample,
-                        request_id=sample_id,
+                        request_id=request_id if params.n == 1 else f"{i}_{request_id}",
                         stream_text=True,
                         arrival_time=arrival_time,
                         priority=priority,
@@ -87,8 +98,13 @@ class VllmStyleEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the added requests that moved on (or finished, also
         in another caller's step), as their `output_kind` asks: whole outputs so far, the new
-        part only (DELTA), or the finished ones only (FINAL_ONLY)."""
-        self.engine.step()
+        part only (DELTA), or the finished ones only (FINAL_ONLY). A failed step ends every
+        request added here (as `LLM.generate` ends its own)."""
+        try:
+            self.engine.step()
+        except BaseException:
+            self.abort_request(list(self._added))
+            raise
         outputs = []
         for request_id, added in list(self._added.items()):
             out = self._output(request_id, added)
@@ -99,33 +115,38 @@ class VllmStyleEngine:
         return outputs
 
     def _output(self, request_id: str, added: _Added) -> RequestOutput | None:
-        progress = [(len(r.output_token_ids), r.is_finished) for r in added.samples]
-        added.finished = all(done for _, done in progress)
-        kind = added.params.output_kind
-        moved = any(n != seen for (n, _), (seen, _) in zip(progress, added.reported, strict=True))
-        if (kind == RequestOutputKind.FINAL_ONLY and not added.finished) or not (
-            moved or added.finished
-        ):
+        finished, kind = added.finished, added.params.output_kind
+        sent = [(len(r.output_token_ids), _sent_text(r)) for r in added.samples]
+        moved = any(
+            n != seen or len(text) != chars
+            for (n, text), (seen, chars) in zip(sent, added.reported, strict=True)
+        )
+        if not (moved or finished) or (kind == RequestOutputKind.FINAL_ONLY and not finished):
             return None
-        outs = [self.engine.make_output(req, added.prompt) for req in added.samples]
-        samples = [replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+        out = self.engine.make_samples_output(added.samples, added.prompt)
+        out.request_id, out.finished = request_id, finished
+        if not finished:  # (what may yet be cut stays back, as a stream's text)
+            texts = [text for _, text in sent]
+            out.outputs = [replace(s, text=t) for s, t in zip(out.outputs, texts, strict=True)]
         if kind == RequestOutputKind.DELTA:
-            cut = [replace(s, token_ids=s.token_ids[n:], text=s.text[chars:],
-                           logprobs=None if s.logprobs is None else s.logprobs[n:])
-                   for s, (n, chars) in zip(samples, added.reported, strict=True)]  # fmt: skip
-            added.reported = [(len(s.token_ids), len(s.text)) for s in samples]
-            samples = cut
-        else:
-            added.reported = [(len(s.token_ids), len(s.text)) for s in samples]
-        first = outs[0]
-        first.request_id, first.outputs, first.finished = request_id, samples, added.finished
-        return first
+            before = added.reported
+            out.outputs = [_new_part(s, *b) for s, b in zip(out.outputs, before, strict=True)]
+            out.logprobs = None if out.logprobs is None else out.logprobs[before[0][0] :]
+            if before[0][0] > 0:  # (the prompt's logprobs come with the first output only)
+                out.prompt_logprobs = out.prompt_logprob_entries = None
+        out.text, out.token_ids = out.outputs[0].text, out.outputs[0].token_ids
+        added.reported = [(n, len(text)) for n, text in sent]
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests() or bool(self._added)
 
     def get_num_unfinished_requests(self) -> int:
-        return sum(1 for r in self.engine.requests.values() if not r.is_finished)
+        """The requests not reported finished: the samples of those added here (as vLLM's
+        counts a request of n samples n times) and the engine's others."""
+        ours = {req.request_id for added in self._added.values() for req in added.samples}
+        others = [r for r in self.engine.requests.values() if r.request_id not in ours]
+        return len(ours) + sum(1 for r in others if not r.is_finished)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Cancels requests by their ids (one or several, as vLLM's); unknown ids are ignored."""
@@ -137,22 +158,22 @@ class VllmStyleEngine:
                 self.engine.abort(request_id)
 
     def get_tokenizer(self) -> Any:
-        return self.engine.get_tokenizer()
+        """The checkpoint's Hugging Face tokenizer."""
+        return self.engine.tokenizer.hf
 
     @cached_property
     def model_config(self) -> SimpleNamespace:
-        """What scripts read of vLLM's `model_config`: `model`, `max_model_len`, `dtype`,
-        `hf_config` (the checkpoint's transformers config), `get_vocab_size()`."""
+        """What scripts read of vLLM's `model_config`: `model`, `max_model_len`, `dtype` (the
+        weights'), `hf_config` (the checkpoint's transformers config), `get_vocab_size()`."""
         from transformers import AutoConfig
 
-        own = self.engine.model_config
-        try:
-            hf_config = AutoConfig.from_pretrained(own.model)
-        except (OSError, ValueError):  # (a config transformers cannot read: the parsed spec)
-            hf_config = own.hf_config
+        engine = self.engine
         return SimpleNamespace(
-            **{**vars(own), "hf_config": hf_config},
-            get_vocab_size=lambda: self.engine.spec.vocab_size,
+            model=engine.config.model,
+            max_model_len=engine.max_model_len,
+            dtype=engine.config.torch_dtype,
+            hf_config=AutoConfig.from_pretrained(engine.config.model),
+            get_vocab_size=lambda: engine.spec.vocab_size,
         )
 
     def get_model_config(self) -> SimpleNamespace:
@@ -161,3 +182,22 @@ class VllmStyleEngine:
     def __getattr__(self, name: str) -> Any:
         # (tandem's own engine methods: `abort`, `check_integrity`, ...)
         return getattr(self.engine, name)
+
+
+def _sent_text(req: Request) -> str:
+    """The text of `req` a stream would have sent so far: all of a finished request's, else
+    what the engine let out (`OutputText.emitted_len`: not what a stop string may yet cut)."""
+    text = req.output_text
+    if text is None:
+        return ""
+    return text.text if req.is_finished else text.text[: text.emitted_len]
+
+
+def _new_part(sample: CompletionOutput, tokens: int, chars: int) -> CompletionOutput:
+    """`sample` less its first `tokens` tokens and `chars` characters (reported before)."""
+    return replace(
+        sample,
+        token_ids=sample.token_ids[tokens:],
+        text=sample.text[chars:],
+        logprobs=None if sample.logprobs is None else sample.logprobs[tokens:],
+    )

@@ -42,8 +42,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     ):
         if files:
             return files
+    others = sorted(f.name for f in model_dir.glob("*.bin"))
     raise CheckpointError(
-        f"{model_dir} has no model.safetensors, safetensors index or .bin weights"
+        f"{model_dir} has no model.safetensors, safetensors shards or pytorch_model*.bin "
+        "weights" + (f" (its {', '.join(others)} are not a model's weights)" if others else "")
     )
 
 
@@ -118,8 +120,8 @@ def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tens
 
 
 def iter_checkpoint_shapes(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Like `iter_checkpoint_tensors`, but meta tensors of the stored shapes, from the files'
-    headers alone (no weight is read)."""
+    """Like `iter_checkpoint_tensors`, but meta tensors of the stored shapes: from safetensors
+    headers alone (no weight is read); a `.bin` file is unpickled, memory-mapped (`torch_bin`)."""
     for file in files:
         with _opened(file) as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
@@ -128,9 +130,9 @@ def iter_checkpoint_shapes(files: list[Path]) -> Iterator[tuple[str, torch.Tenso
 
 def check_weights(spec: ModelSpec, model_dir: Path) -> None:
     """Raises what `load_weights` would (a tensor missing, unknown or of the wrong shape, an
-    unreadable file) from the safetensors headers and a model on the meta device: cheap for
-    any model size, for a process that checks a checkpoint without loading it (`tandem
-    serve`, before its workers start)."""
+    unreadable file) from the stored shapes and a model on the meta device: cheap for any
+    model size (from safetensors headers; `.bin` files are mapped, not read), for a process
+    that checks a checkpoint without loading it (`tandem serve`, before its workers start)."""
     with torch.device("meta"):
         model = CausalLM(spec, attention_backend="reference")
     load_weights(model, model_dir, torch.float32, read=iter_checkpoint_shapes)

@@ -24,7 +24,7 @@ from tandem.router.call_cleanup import to_completion
 from tandem.router.errors import APIError, bad_request
 from tandem.router.prepared import Prepared
 from tandem.router.serving import Serving, run_to_end
-from tandem.router.sibling_load import choices_of_one_request
+from tandem.router.sibling_load import SiblingPlans
 
 MAX_CHOICES = 128
 """Most choices (prompts x n) one request may ask for; more is a 400."""
@@ -48,12 +48,15 @@ def sample_fields(fields: dict[str, Any], sample: int) -> dict[str, Any]:
 
 
 async def prepare_all(
-    serving: Serving, count: int, prepare: Callable[[int], Awaitable[Prepared]]
+    serving: Serving,
+    count: int,
+    prepare: Callable[[int, SiblingPlans], Awaitable[Prepared]],
 ) -> list[Prepared]:
-    """`prepare(i)` for every choice, at once. All are admitted or none: on any error (the
-    first choice's in order is raised) or cancel, those that were admitted are abandoned."""
-    with choices_of_one_request():  # (admitted as one: `sibling_load`)
-        tasks = [asyncio.ensure_future(prepare(i)) for i in range(count)]
+    """`prepare(i, siblings)` for every choice, at once, admitted as one request's
+    (`sibling_load`). All are admitted or none: on any error (the first choice's in order is
+    raised) or cancel, those that were admitted are abandoned."""
+    siblings = SiblingPlans()
+    tasks = [asyncio.ensure_future(prepare(i, siblings)) for i in range(count)]
     try:
         await asyncio.wait(tasks)
     except BaseException:

@@ -37,6 +37,7 @@ from tandem.router.prepared import Prepared
 from tandem.router.request_prep import sampling_fields
 from tandem.router.request_timings import RequestTimings
 from tandem.router.serving import Serving, run_to_end
+from tandem.router.sibling_load import SiblingPlans
 from tandem.router.tool_calls import ReplyParser, template_tools
 from tandem.router.tool_parsers import ToolParser
 
@@ -109,7 +110,9 @@ async def create_completion(
     multi_choice.check_count(len(prompts), body.n)
     ids, fields = ResponseIds.new("cmpl", client_id), await sampling_fields(body)
 
-    async def prepare(index: int, request_id: str) -> Prepared:
+    async def prepare(
+        index: int, request_id: str, siblings: SiblingPlans | None = None
+    ) -> Prepared:
         try:
             req = await serving.prepare(
                 request_id,
@@ -123,6 +126,7 @@ async def create_completion(
                 priority=body.priority,
                 user=body.user,
                 add_special_tokens=body.add_special_tokens,
+                siblings=siblings,
             )
         except APIError as exc:
             if len(prompts) > 1:  # say which prompt of the batch
@@ -153,7 +157,9 @@ async def create_chat_completion(
     ids, fields = ResponseIds.new("chatcmpl", client_id), await sampling_fields(body)
     messages, max_tokens = body.template_messages(), body.requested_max_tokens()
 
-    def prepare(index: int, request_id: str) -> Awaitable[Prepared]:
+    def prepare(
+        index: int, request_id: str, siblings: SiblingPlans | None = None
+    ) -> Awaitable[Prepared]:
         return serving.prepare(
             request_id,
             body.model,
@@ -171,6 +177,7 @@ async def create_chat_completion(
             tools=tools,
             documents=body.documents,
             add_special_tokens=body.add_special_tokens,
+            siblings=siblings,
         )
 
     read_calls = body.reply_parser(serving.tool_parser)
@@ -187,7 +194,7 @@ async def _serve(
     response_ids: ResponseIds,
     count: int,
     n: int,
-    prepare: Callable[[int, str], Awaitable[Prepared]],
+    prepare: Callable[[int, str, SiblingPlans | None], Awaitable[Prepared]],
     kind: Kind,
     body: CompletionRequest | ChatCompletionRequest,
     read_calls: ReplyParser | None = None,
@@ -203,7 +210,7 @@ async def _serve(
         echo, role, thoughts = body.echoed_text(), body.reply_role(), body.include_reasoning
     response_id, base = response_ids.response, response_ids.requests
     if count == 1:
-        req = await prepare(0, base)
+        req = await prepare(0, base, None)
         reasoning = serving.reasoning_after(req.prompt_token_ids) if kind == "chat" else None
         head = ResponseHead.of(
             req, serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids,
@@ -217,7 +224,9 @@ async def _serve(
             )
         await run_to_end(serving, req)
         return _json(full_body(head, [req], req.usage()))
-    reqs = await multi_choice.prepare_all(serving, count, lambda i: prepare(i, f"{base}-{i}"))
+    reqs = await multi_choice.prepare_all(
+        serving, count, lambda i, siblings: prepare(i, f"{base}-{i}", siblings)
+    )
     reasoning = serving.reasoning_after(reqs[0].prompt_token_ids) if kind == "chat" else None
     head = ResponseHead.of(
         reqs[0], serving.model_name, kind, response_id, token_text, read_calls, reasoning, ids,

@@ -12,6 +12,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.router.request_timings import RequestTimings
 from tandem.router.route_planner import RoutePlan
+from tandem.router.sibling_load import SiblingPlans
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Prepared:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     plan: RoutePlan | None = None
+    siblings: SiblingPlans | None = None  # the plans of its request's other choices
     priority: int = 0
     num_transferred_blocks: int = 0
     user: str | None = None
@@ -153,10 +155,10 @@ class Prepared:
         text = self.resumed_text
         assert text is not None
         params, tokens = self.params, item["token_ids"]
+        keep = params.include_stop_str_in_output
         for n, token in enumerate(tokens, start=1):
             text.add(token)
             counting = len(self.token_ids) + n > params.min_tokens
-            keep = params.include_stop_str_in_output
             stop = (
                 text.find_stop(params.stop, counting=counting, keep=keep) if params.stop else None
             )
@@ -168,5 +170,4 @@ class Prepared:
                 break
         finished = item.get("finish_reason") is not None
         cut = isinstance(item.get("stop_reason"), str)
-        keep = params.include_stop_str_in_output
         item["text"] = text.delta(params.stop, finished=finished, cut=cut, keep=keep)

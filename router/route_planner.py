@@ -29,7 +29,7 @@ from tandem.engine.hashing import hash_full_blocks, salted_root
 from tandem.router.admission import Admission, AdmissionConfig
 from tandem.router.pending_prefixes import PendingPrefixes, merge_matches
 from tandem.router.routing_policy import RoutingConfig, WorkerLoad, make_policy
-from tandem.router.sibling_load import add_own, own_tokens
+from tandem.router.sibling_load import SiblingPlans, own_tokens
 from tandem.router.worker_directory import Worker, WorkerDirectory
 
 
@@ -84,6 +84,11 @@ class RoutePlan:
         if self.decode is None:
             raise RuntimeError("a one-token request's plan has no decode worker")
         return self.decode
+
+    @property
+    def held(self) -> bool:
+        """Its load still counts on its workers (`release`)."""
+        return not self._released
 
     @property
     def prefill_pending(self) -> bool:
@@ -142,24 +147,28 @@ class RoutePlanner:
         hold_s: float,
         max_tokens: int = 0,
         cache_salt: str | None = None,
+        siblings: SiblingPlans | None = None,
     ) -> RoutePlan:
         """Chooses workers and admits (or raises 429/503). The plan's load is held until
         `release()`, or `hold_s` at most (a request that never runs gives it back). Without
         a deadline, a decode worker with no KV room now makes the request wait its turn
         (`RoutePlan.wait_for_room`). `cache_salt`: the request's (its blocks' hashes are
-        salted, `hashing.salted_root`)."""
+        salted, `hashing.salted_root`). `siblings`: the plans of the request's other choices,
+        which admission takes for the request's own load (`sibling_load`); this one joins them."""
         bs = int(info["block_size"])
         namespace = str(info["namespace"])
         root = salted_root(int(info["root_hash"]), cache_salt)
         hashes = hash_full_blocks(root, prompt_token_ids, bs)
         if max_tokens == 1 and not self.colocated:  # (no decode worker is needed, or chosen)
             plan = await self._plan_prefill(
-                None, namespace, hashes, len(prompt_token_ids), bs, 0, deadline_ms
+                None, namespace, hashes, len(prompt_token_ids), bs, 0, deadline_ms, siblings
             )
         else:
             plan = await self._plan_decode(
-                prompt_token_ids, namespace, hashes, bs, deadline_ms, max_tokens
+                prompt_token_ids, namespace, hashes, bs, deadline_ms, max_tokens, siblings
             )
+        if siblings is not None:
+            siblings.plans.append(plan)
         plan.hold_timer = asyncio.get_running_loop().call_later(hold_s, plan.release)
         plan.wait_for_room = deadline_ms is None
         return plan
@@ -172,6 +181,7 @@ class RoutePlanner:
         bs: int,
         deadline_ms: float | None,
         max_tokens: int,
+        siblings: SiblingPlans | None,
     ) -> RoutePlan:
         """The decode worker, and the prefill worker unless decode prefills the tail itself;
         admitted, the load held on both."""
@@ -182,7 +192,7 @@ class RoutePlanner:
         )
         decode_tokens = len(prompt_token_ids) + max_tokens
         self.admission.check_decode(
-            decode.queued_tokens, decode_tokens, own_tokens(decode.worker_id, "decode")
+            decode.queued_tokens, decode_tokens, own_tokens(siblings, decode.worker_id, "decode")
         )
         tail = len(prompt_token_ids) - decode_hits * bs
         num_blocks = -(-len(prompt_token_ids) // bs)
@@ -195,18 +205,17 @@ class RoutePlanner:
             self.admission.check(
                 queued_tokens=decode.queued_prefill_tokens, new_tokens=tail, tokens_per_s=rate,
                 blocks=0, deadline_ms=deadline_ms,
-                own_tokens=own_tokens(decode.worker_id, "decode_prefill"),
+                own_tokens=own_tokens(siblings, decode.worker_id, "decode_prefill"),
             )  # fmt: skip
             plan = RoutePlan(decode, None, num_blocks, decode_hits, 0, tail)
             decode.queued_prefill_tokens += tail
-            add_own(decode.worker_id, "decode_prefill", tail)
         else:
             plan = await self._plan_prefill(
-                decode, namespace, hashes, len(prompt_token_ids), bs, decode_hits, deadline_ms
-            )
+                decode, namespace, hashes, len(prompt_token_ids), bs, decode_hits, deadline_ms,
+                siblings,
+            )  # fmt: skip
         decode.in_flight += 1
         decode.queued_tokens += decode_tokens
-        add_own(decode.worker_id, "decode", decode_tokens)
         plan.decode_tokens = decode_tokens
         return plan
 
@@ -219,6 +228,7 @@ class RoutePlanner:
         block_size: int,
         decode_hits: int,
         deadline_ms: float | None,
+        siblings: SiblingPlans | None,
     ) -> RoutePlan:
         """The prefill worker (by the routing policy), admitted; its load held. `decode` None:
         a one-token request, whose pages go nowhere."""
@@ -245,11 +255,10 @@ class RoutePlanner:
             tokens_per_s=float(prefill.stats.get("prefill_tokens_per_s") or 0) or None,
             blocks=0 if decode is None else num_blocks - decode_hits,  # (pages sent)
             deadline_ms=deadline_ms,
-            own_tokens=own_tokens(prefill.worker_id, "prefill"),
+            own_tokens=own_tokens(siblings, prefill.worker_id, "prefill"),
         )
         plan = RoutePlan(decode, prefill, num_blocks, decode_hits, prefill_hits, new_tokens)
         prefill.queued_tokens += new_tokens
-        add_own(prefill.worker_id, "prefill", new_tokens)
         prefill.in_flight += 1
         return plan
 

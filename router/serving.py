@@ -34,6 +34,7 @@ from tandem.router.request_record import (
 )
 from tandem.router.request_timings import RequestTimings
 from tandem.router.route_planner import RoutePlanner
+from tandem.router.sibling_load import SiblingPlans
 from tandem.router.stream_deadlines import StreamDeadlines
 from tandem.router.tool_parsers import HermesParser, ToolParser
 from tandem.router.worker_failures import LossAllowance
@@ -150,6 +151,7 @@ class Serving:
         documents: list[dict[str, Any]] | None = None,
         truncate_prompt_tokens: int | None = None,
         add_special_tokens: bool = True,
+        siblings: SiblingPlans | None = None,
     ) -> Prepared:
         """`prompt` is text, token ids, or chat messages (rendered with the chat template, with
         the chat API's template options). `truncate_prompt_tokens` keeps the prompt's
@@ -205,6 +207,7 @@ class Serving:
                 priority=admission.priority(priority, user),
                 user=user,
                 deadline_ms=admission.deadline_ms(deadline_ms, user),
+                siblings=siblings,
             )
             losses = LossAllowance()
             while True:
@@ -240,6 +243,7 @@ class Serving:
             hold_s=self.request_timeout_s,
             max_tokens=params.max_tokens or 0,
             cache_salt=params.cache_salt,
+            siblings=req.siblings,
         )
         self.metrics.decision(self.planner.policy_name, routing_decision(plan))
         req.plan = plan

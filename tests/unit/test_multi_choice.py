@@ -41,7 +41,7 @@ class FakeServing:
         self.refusals: list[APIError | None] = []  # what each abandoned choice was told
         self.ended: dict[str, str] = {}
 
-    async def prepare(self, index: int) -> Prepared:
+    async def prepare(self, index: int, siblings: Any = None) -> Prepared:
         await asyncio.sleep(0.01 * (index % 3))
         if index in self.refuse:
             raise APIError(429, "no room", code="decode_full")
@@ -135,9 +135,9 @@ def test_the_first_refused_choice_in_order_is_reported() -> None:
 
 
 def _renamed(prepare: Any) -> Any:
-    async def wrapped(index: int) -> Prepared:
+    async def wrapped(index: int, siblings: Any = None) -> Prepared:
         try:
-            return await prepare(index)
+            return await prepare(index, siblings)
         except APIError as exc:
             exc.message = f"choice {index}: {exc.message}"
             raise

@@ -215,8 +215,9 @@ def test_a_worker_that_registers_again_starts_without_the_old_connection_s_load(
 def test_a_requests_choices_are_admitted_as_one(colocated: bool) -> None:
     """n=3 of a prompt that alone fills the cap, on an idle cluster: every choice is admitted
     (choices 2 and 3 saw choice 1's tokens queued and got a 429, on every retry); with another
-    request queued, the cap holds against the choices as against any request."""
-    from tandem.router.sibling_load import choices_of_one_request
+    request queued, the cap holds against the choices as against any request, and a choice's
+    released plan (a worker lost: it plans again) no longer counts as the request's own."""
+    from tandem.router.sibling_load import SiblingPlans
 
     d = directory(("p0", "prefill", {}), ("d0", "decode", {}))
     admission = AdmissionConfig.model_validate(
@@ -225,16 +226,30 @@ def test_a_requests_choices_are_admitted_as_one(colocated: bool) -> None:
     p = RoutePlanner(d, RoutingConfig(), DecodeRoutingConfig(), admission, colocated=colocated)
     prompt = list(range(2500))
 
-    async def choices(count: int) -> list[Any]:
-        with choices_of_one_request():
-            tasks = [asyncio.ensure_future(p.plan(prompt, INFO, None, 60, 8)) for _ in range(count)]
-        return await asyncio.gather(*tasks)
+    async def choices(count: int, siblings: SiblingPlans) -> list[Any]:
+        """Admitted all or none, as `multi_choice.prepare_all` admits them."""
+        plans = [p.plan(prompt, INFO, None, 60, 8, siblings=siblings) for _ in range(count)]
+        done = await asyncio.gather(*plans, return_exceptions=True)
+        refused = [r for r in done if isinstance(r, BaseException)]
+        if refused:
+            for route in done:
+                if not isinstance(route, BaseException):
+                    route.release()
+            raise refused[0]
+        return done
 
-    admitted = asyncio.run(choices(3))
+    admitted = asyncio.run(choices(3, SiblingPlans()))
     assert len(admitted) == 3
     for route in admitted:
         route.release()
-    plan(p, list(range(5000, 5100)))  # another request queued
+    other = plan(p, list(range(5000, 5100)))  # another request queued
     with pytest.raises(APIError) as full:
-        asyncio.run(choices(3))
+        asyncio.run(choices(3, SiblingPlans()))
     assert full.value.code in ("queue_full", "decode_queue_full")
+    other.release()
+    siblings = SiblingPlans()
+    (lost,) = asyncio.run(choices(1, siblings))
+    lost.release()  # (its worker was lost)
+    plan(p, list(range(6000, 8500)))  # another request's, as large, queued meanwhile
+    with pytest.raises(APIError):
+        asyncio.run(choices(1, siblings))  # (was admitted: the released plan counted as own)

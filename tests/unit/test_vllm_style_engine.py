@@ -51,17 +51,49 @@ def test_the_example_loop_gives_generates_outputs(llm: LLM) -> None:
 
 
 def test_delta_and_final_only_outputs(llm: LLM) -> None:
-    want = llm.generate("hello", GREEDY)[0].outputs[0]
+    want = llm.generate("hello", GREEDY, use_tqdm=False)[0].outputs[0]
     delta = GREEDY.clone()
-    delta.output_kind = RequestOutputKind.DELTA
+    delta.output_kind, delta.prompt_logprobs = RequestOutputKind.DELTA, 1
     final = GREEDY.clone()
     final.output_kind = RequestOutputKind.FINAL_ONLY
     seen = run(llm, [("d", "hello", delta), ("f", "hello", final)])
-    deltas = [o.outputs[0] for o in seen if o.request_id == "d"]
-    assert [t for d in deltas for t in d.token_ids] == want.token_ids
-    assert "".join(d.text for d in deltas) == want.text
+    deltas = [o for o in seen if o.request_id == "d"]
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == want.token_ids
+    assert "".join(d.outputs[0].text for d in deltas) == want.text
+    assert [d.token_ids for d in deltas] == [d.outputs[0].token_ids for d in deltas]
+    assert deltas[0].prompt_logprobs and not any(d.prompt_logprobs for d in deltas[1:])
     finals = [o for o in seen if o.request_id == "f"]
     assert len(finals) == 1 and finals[0].outputs[0].token_ids == want.token_ids
+
+
+def test_text_a_stop_string_cuts_is_never_sent(llm: LLM) -> None:
+    """A stop string over several tokens: what it cuts off was not in an earlier output (the
+    deltas added up to more than the final text, and cumulative text shrank)."""
+    long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    text = llm.generate("hello", long, use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 6]  # (spans tokens, mid-output)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+    want = llm.generate("hello", params, use_tqdm=False)[0].outputs[0].text
+    assert len(want) < len(text)
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        stopping = params.clone()
+        stopping.output_kind = kind
+        texts = [o.outputs[0].text for o in run(llm, [("s", "hello", stopping)])]
+        if kind == RequestOutputKind.DELTA:
+            assert "".join(texts) == want
+        else:
+            assert texts[-1] == want and all(want.startswith(t) for t in texts)
+
+
+def test_requests_generate_finishes_are_counted_and_reported(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request("mine", "hello", GREEDY)
+    assert engine.get_num_unfinished_requests() == 1
+    llm.generate("other", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 1
+    (out,) = engine.step()  # (it finished in generate's steps: reported now)
+    assert out.request_id == "mine" and out.finished
+    assert engine.get_num_unfinished_requests() == 0 and not engine.has_unfinished_requests()
 
 
 def test_abort_and_bad_requests(llm: LLM) -> None:
