@@ -115,7 +115,8 @@ def test_a_forced_tool_excludes_other_structures() -> None:
     assert chat(tools=[TOOL], guided_choice=["a", "b"])["choice"] == ["a", "b"]  # auto: allowed
     # A forced call's grammar is built at the router: a tool whose parameters xgrammar cannot
     # use is the client's 400 there, not a decode worker's failure after prefill.
-    bogus = {"type": "function", "function": {"name": "g", "parameters": {"type": "bogus"}}}
+    unusable = {"type": "object", "properties": {"x": {"type": "bogus"}}}
+    bogus = {"type": "function", "function": {"name": "g", "parameters": unusable}}
     for choice in ("required", {"type": "function", "function": {"name": "g"}}):
         with pytest.raises(APIError) as caught:
             chat(tools=[bogus], tool_choice=choice)
