@@ -92,7 +92,24 @@ class ToolParser(ABC):
 
     def __call__(self, text: str) -> tuple[str | None, Calls]:
         content, calls = self.parse(text)
-        return content, calls[: self.max_calls] if self.max_calls is not None else calls
+        if self.max_calls is None:
+            return content, calls
+        if not calls and (cut := self._start_of_call(text, self.max_calls)) is not None:
+            # (a call past those read did not parse: the ones read, alone, as a stream sends
+            # them; the rest was never going to be read)
+            content, calls = self.parse(text[:cut])
+        return content, calls[: self.max_calls]
+
+    def _start_of_call(self, text: str, index: int) -> int | None:
+        """Where call `index` (0-based) begins in `text` (None: not so many begin)."""
+        start = self.call_start(text)
+        for _ in range(index):
+            if start is None:
+                return None
+            after = self.call_start(text, start + 1)
+            # (a format whose calls open the reply only gives its start again: one call)
+            start = after if after is not None and after > start else None
+        return start
 
     def at_most(self, max_calls: int) -> ToolParser:
         """This parser, reading at most `max_calls` calls (parsers keep no state: a copy)."""

@@ -290,3 +290,16 @@ def test_a_forced_function_needs_object_parameters(choice: Any) -> None:
         forced_tools(tools, choice)
     assert info.value.status == 400 and "of type 'object'" in info.value.message
     assert forced_tools(tools, "auto") is None  # (read from a free reply: left to the parser)
+
+
+def test_one_call_read_whole_though_a_later_one_is_broken() -> None:
+    """parallel_tool_calls=false reads the first call: a broken second one lost it too (the
+    whole reply came back as content, finish "stop"), where the stream sent the first."""
+    first = '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>'
+    broken = '<tool_call>\n{"name": "b", "arguments": {"y": \n</tool_call>'
+    one = reply_parser(TOOLS, "auto", parallel=False)
+    assert one is not None
+    content, calls = one(f"{first}\n{broken}")
+    assert content is None and [c["function"]["name"] for c in calls] == ["a"]
+    every = reply_parser(TOOLS, "auto")
+    assert every is not None and every(f"{first}\n{broken}")[1] == []  # (all: none parse)
