@@ -66,6 +66,7 @@ def result_json(
         "slo_attainment": metrics.good_fraction,
         **metrics_dict(metrics),
     }
+    result["max_output_tokens_per_s"], result["max_concurrent_requests"] = peaks(records)
     failures = [r.error for r in records if not r.success]
     result["error_counts"] = {e: failures.count(e) for e in sorted(set(failures))}
     categories = sorted({r.category for r in records})
@@ -91,6 +92,27 @@ def result_json(
             request_categories=[r.category for r in records],
         )
     return result
+
+
+def peaks(records: Sequence[RequestRecord]) -> tuple[float, int]:
+    """vLLM's `max_output_tokens_per_s` and `max_concurrent_requests`: over the run cut into
+    whole seconds from the first request sent, the most streamed chunks (a token each, as
+    vLLM counts them) in one second, and the most successful requests under way in one."""
+    done = [r for r in records if r.success]
+    if not done:
+        return 0.0, 0
+    origin = min(r.start_time for r in done)
+    chunks: dict[int, int] = {}
+    running: dict[int, int] = {}
+    for r in done:
+        at = r.start_time + r.ttft
+        for gap in [0.0, *r.itl]:
+            at += gap
+            second = int(at - origin)
+            chunks[second] = chunks.get(second, 0) + 1
+        for second in range(int(r.start_time - origin), int(r.start_time + r.latency - origin) + 1):
+            running[second] = running.get(second, 0) + 1
+    return float(max(chunks.values(), default=0)), max(running.values(), default=0)
 
 
 def summary_text(m: BenchmarkMetrics, errors: Sequence[str] = ()) -> str:

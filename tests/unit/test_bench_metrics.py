@@ -177,3 +177,18 @@ def test_result_json_has_vllms_keys() -> None:
     assert detailed["latencies"][3] == pytest.approx(0.2)
     text = summary_text(m, detailed["errors"])
     assert "Request goodput (req/s):" in text and "1 x HTTP 429: busy" in text
+
+
+def test_peak_chunks_per_second_and_peak_concurrency() -> None:
+    """vLLM's `max_output_tokens_per_s` and `max_concurrent_requests`, by whole seconds from
+    the first request sent (chunks counted a token each, as vLLM counts them)."""
+    from tandem.bench.serving.result import peaks
+
+    a = record([0.1, 0.5, 0.9, 1.2], 4)  # 3 chunks in second 0, 1 in second 1
+    b = record([1.1, 1.3], 2)  # (its chunks 1.1 and 1.3 s after it was sent)
+    b.start_time = 1.0  # (sent at 1.0: chunks at 2.1 and 2.3, second 2; under way in 1 and 2)
+    failed = RequestRecord(5, 5, error="HTTP 500")
+    assert peaks([a, b, failed]) == (3.0, 2)
+    assert peaks([failed]) == (0.0, 0)
+    plain = result_json(calculate_metrics([a, b], 3.0), [a, b], {"model_id": "m"})
+    assert (plain["max_output_tokens_per_s"], plain["max_concurrent_requests"]) == (3.0, 2)
