@@ -12,9 +12,9 @@ GET /metrics (Prometheus).
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI, Header, Query
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
@@ -247,6 +247,17 @@ class Router:
     async def stored_response(self, response_id: str) -> dict[str, Any]:
         """A response this replica stored (`responses_store.py`); 404 otherwise."""
         return self.responses_store.get(response_id).response
+
+    @api.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(
+        self,
+        response_id: str,
+        after: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> dict[str, Any]:
+        """`client.responses.input_items.list`: what a stored response answered."""
+        return self.responses_store.input_items(response_id, after=after, limit=limit, order=order)
 
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str) -> dict[str, Any]:

@@ -147,7 +147,7 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": cached or 0},
+        "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage["total_tokens"],
@@ -278,10 +278,8 @@ class _EventWriter:
                               item=item))  # fmt: skip
         part = _text_part("") if kind == "message" else {"type": "reasoning_text", "text": ""}
         item["content"] = [part]
-        if kind == "message":
-            out.append(self.event("response.content_part.added", item_id=item["id"],
-                                  output_index=self._index(), content_index=0,
-                                  part=part))  # fmt: skip
+        out.append(self.event("response.content_part.added", item_id=item["id"],
+                              output_index=self._index(), content_index=0, part=part))  # fmt: skip
         return out
 
     def _call(self, call: dict[str, Any]) -> list[str]:
@@ -320,9 +318,10 @@ class _EventWriter:
                                   logprobs=part["logprobs"]))  # fmt: skip
             out.append(self.event("response.content_part.done", **where, part=part))
         elif item["type"] == "reasoning":
-            out.append(self.event("response.reasoning_text.done", item_id=item["id"],
-                                  output_index=index, content_index=0,
-                                  text=item["content"][0]["text"]))  # fmt: skip
+            part = item["content"][0]
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            out.append(self.event("response.reasoning_text.done", **where, text=part["text"]))
+            out.append(self.event("response.content_part.done", **where, part=part))
         else:
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=index, arguments=item["arguments"]))  # fmt: skip
@@ -336,7 +335,10 @@ class _EventWriter:
         if self.error is not None:
             error = {"code": self.error.get("code"), "message": self.error.get("message")}
             out.append(self.event("error", **error, param=self.error.get("param")))
-            self.final = self.head.response("failed", self.output, self.usage, error)
+            # (the response's error code is one of OpenAI's: ours stays in the error event)
+            limited = self.error.get("type") == "rate_limit_error"
+            failed = {**error, "code": "rate_limit_exceeded" if limited else "server_error"}
+            self.final = self.head.response("failed", self.output, self.usage, failed)
             return [*out, self.event("response.failed", response=self.final)]
         if not self.output:  # an empty reply: an empty message, as a non-streamed one has
             out += self._open_text("message") + self._close(status)

@@ -23,6 +23,9 @@ from tandem.router.request_body import RequestBody
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 CHAT_ONLY = ("messages", "max_tokens", "max_completion_tokens", "n", "stream_options")
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+"""The `include` entry that asks for the output's logprobs (with `top_logprobs`
+alternatives)."""
 """Chat fields a Responses request does not pass through (it has its own, or none)."""
 """Content part types whose `text` is taken as it is."""
 
@@ -49,6 +52,7 @@ class ResponsesRequest(RequestBody):
     background: bool | None = None
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
+    include: list[str] | None = None
 
     def check_supported(self) -> None:
         if self.background:
@@ -85,8 +89,8 @@ class ResponsesRequest(RequestBody):
             "response_format": self.response_format(),
         }
         chat.update({k: v for k, v in optional.items() if v is not None})
-        if self.top_logprobs is not None:
-            chat.update(logprobs=True, top_logprobs=self.top_logprobs)
+        if self.top_logprobs is not None or OUTPUT_LOGPROBS in (self.include or ()):
+            chat.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         try:
             return ChatCompletionRequest.model_validate(chat)
         except ValidationError as exc:
@@ -177,7 +181,7 @@ class ResponsesRequest(RequestBody):
 
 
 def _text(content: Any, index: int) -> str:
-    """A message's content as text: a string, or text parts joined."""
+    """A message's content as text: a string, or text parts joined by newlines."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -192,4 +196,4 @@ def _text(content: Any, index: int) -> str:
                 "unsupported",
             )
         parts.append(part["text"])
-    return "".join(parts)
+    return "\n".join(parts)  # (as the chat API and vLLM join text parts)

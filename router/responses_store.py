@@ -55,6 +55,34 @@ class ResponsesStore:
             )
         return stored
 
+    def input_items(
+        self, response_id: str, *, after: str | None = None, limit: int = 20, order: str = "desc"
+    ) -> dict[str, Any]:
+        """OpenAI's list of the input items a stored response answered (the conversation
+        before it): `limit` of them from after the item `after`, newest first unless `order`
+        is "asc". An item given without an id is listed with one of its place."""
+        stored = self.get(response_id)
+        items = [
+            item if "id" in item else {"id": f"{response_id}_input_{i}", **item}
+            for i, item in enumerate(stored.input_items)
+        ]
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(404, f"no input item {after!r} in {response_id!r}",
+                               type="not_found_error", param="after")  # fmt: skip
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+
     def delete(self, response_id: str) -> dict[str, Any]:
         """OpenAI's deletion object (404 when there is no such response)."""
         self.get(response_id)

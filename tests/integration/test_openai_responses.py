@@ -81,6 +81,8 @@ def test_a_stored_response_is_retrieved_continued_and_deleted(
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert final.output_text == reference.generate([rendered], params, use_tqdm=False)[0].text
     assert c.responses.retrieve(final.id).output_text == final.output_text  # streamed: stored
+    listed = c.responses.input_items.list(final.id, order="asc")  # (the conversation before it)
+    assert [getattr(i, "role", None) for i in listed.data] == ["user", "assistant", "user"]
     c.responses.delete(first.id)
     for gone in (first.id, "resp_unknown"):
         with pytest.raises(openai.NotFoundError):

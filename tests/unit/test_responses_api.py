@@ -51,7 +51,7 @@ def test_a_request_becomes_its_chat_completion() -> None:
     assert [m.role for m in chat.messages] == ["system", "developer", "user", "assistant",
                                                "tool", "assistant"]  # fmt: skip
     messages = [m.model_dump(exclude_none=True) for m in chat.messages]
-    assert messages[0]["content"] == "be brief" and messages[2]["content"] == "weather in Oslo?"
+    assert messages[0]["content"] == "be brief" and messages[2]["content"] == "weather \nin Oslo?"
     assert [c["id"] for c in messages[3]["tool_calls"]] == ["call_1", "call_2"]
     assert messages[4] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
     assert messages[5]["content"] == "It is sunny."
@@ -67,6 +67,11 @@ def test_a_request_becomes_its_chat_completion() -> None:
         {"role": "user", "content": "hi"}
     ]
     assert plain.stream_options is None and plain.response_format is None
+    assert not plain.logprobs  # (none asked)
+    # OpenAI's switch for the output's logprobs: `include` (top_logprobs: the alternatives)
+    asked = {"model": "tiny", "input": "hi", "include": ["message.output_text.logprobs"]}
+    included = ResponsesRequest.model_validate(asked).chat_request()
+    assert (included.logprobs, included.top_logprobs) == (True, 0)
 
 
 @pytest.mark.parametrize(
@@ -141,7 +146,7 @@ def test_a_chat_completion_becomes_a_response() -> None:
                                    "logprobs": logprobs}]  # fmt: skip
     assert (call["call_id"], call["name"], call["arguments"]) == ("call_9", "get_weather", "{}")
     assert response["usage"] == {
-        "input_tokens": 5, "input_tokens_details": {"cached_tokens": 4},
+        "input_tokens": 5, "input_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 0},
         "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 8,
     }  # fmt: skip
     assert (response["max_output_tokens"], response["metadata"]) == (9, {"k": "v"})
@@ -187,8 +192,10 @@ def test_chat_chunks_become_the_responses_events_in_order() -> None:
         {"choices": [], "usage": USAGE},
     ])  # fmt: skip
     assert [e["type"] for e in events] == [
-        "response.output_item.added", "response.reasoning_text.delta",
-        "response.reasoning_text.done", "response.output_item.done",
+        # (the reasoning item announces its text part too, as OpenAI's PartReasoningText)
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.content_part.done", "response.output_item.done",
         "response.output_item.added", "response.content_part.added",
         "response.output_text.delta", "response.output_text.delta",
         "response.output_text.done", "response.content_part.done", "response.output_item.done",
@@ -205,7 +212,8 @@ def test_chat_chunks_become_the_responses_events_in_order() -> None:
     assert final["usage"]["output_tokens"] == 3 and final["status"] == "incomplete"
     assert [i["status"] for i in final["output"]] == ["completed", "incomplete"]
     assert events[-2]["item"]["status"] == "incomplete"  # (its output_item.done)
-    assert events[4]["output_index"] == 1 and events[4]["item"]["status"] == "in_progress"
+    assert events[6]["output_index"] == 1 and events[6]["item"]["status"] == "in_progress"
+    assert events[1]["part"] == {"type": "reasoning_text", "text": ""}
 
 
 def test_streamed_tool_calls_and_errors() -> None:
@@ -236,6 +244,7 @@ def test_streamed_tool_calls_and_errors() -> None:
     assert [e["type"] for e in failed][-2:] == ["error", "response.failed"]
     assert failed[-2]["code"] == "decode_failed"
     assert failed[-1]["response"]["status"] == "failed"
+    assert failed[-1]["response"]["error"]["code"] == "server_error"  # (one of OpenAI's codes)
     empty = _stream([_delta(finish="stop"), {"choices": [], "usage": USAGE}])
     assert empty[-1]["response"]["output"][0]["content"][0]["text"] == ""
     assert "response.output_text.delta" not in [e["type"] for e in empty]
@@ -280,3 +289,25 @@ def test_a_stored_conversation_goes_before_the_new_input() -> None:
     with pytest.raises(APIError):
         store.delete("resp_2")
     ResponsesStore(capacity=0).put({"id": "resp_9", "output": []}, [])  # keeps nothing
+
+
+def test_a_stored_responses_input_items_are_listed_as_openai_lists_them() -> None:
+    """`client.responses.input_items.list(id)` (GET /v1/responses/{id}/input_items) was a 404."""
+    from tandem.router.errors import APIError
+    from tandem.router.responses_store import ResponsesStore
+
+    store = ResponsesStore()
+    inputs = [{"type": "message", "role": "user", "content": "a"},
+              {"type": "message", "role": "user", "content": "b", "id": "msg_b"},
+              {"type": "message", "role": "user", "content": "c"}]  # fmt: skip
+    store.put({"id": "resp_1", "output": []}, inputs)
+    newest = store.input_items("resp_1")
+    assert [i["id"] for i in newest["data"]] == ["resp_1_input_2", "msg_b", "resp_1_input_0"]
+    assert (newest["object"], newest["has_more"], newest["first_id"]) == (
+        "list", False, "resp_1_input_2",
+    )  # fmt: skip
+    page = store.input_items("resp_1", order="asc", limit=1, after="resp_1_input_0")
+    assert [i["content"] for i in page["data"]] == ["b"] and page["has_more"]
+    with pytest.raises(APIError) as missing:
+        store.input_items("resp_2")
+    assert missing.value.status == 404
