@@ -33,6 +33,7 @@ from tandem.deploy.serve_guards import (
     context_overrun_of,
     error_line,
     fail_if,
+    port_conflicts,
 )
 from tandem.engine.errors import summarize_validation
 
@@ -248,7 +249,8 @@ def serve(
         refuse_running_app(cfg.app_name, ctx)
         if address is None:  # (a cluster running here: the router opens its own ports here;
             # --port is Serve's, which may hold it already)
-            fail_if(busy_ports(cfg.host, {k: v for k, v in ports.items() if k != "--port"}))
+            own = {k: v for k, v in ports.items() if k != "--port"}
+            fail_if(port_conflicts(own) or busy_ports(cfg.host, own))
     warn_if_short(needed, own_cluster)
     stop = threading.Event()
     signals: list[int] = []

@@ -1,5 +1,5 @@
 """`tandem serve`'s engine flags, vLLM's names: each sets `engine.<field>` of the config for
-both roles (over what the file gives the roles)."""
+both roles (over what the file gives the roles), `--stream-interval` `decode.stream_interval`."""
 
 from __future__ import annotations
 

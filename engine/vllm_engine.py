@@ -29,6 +29,7 @@ class _Added:
     params: SamplingParams
     samples: list[Request]
     reported: list[tuple[int, int]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # (DELTA: with the first output only)
 
     @property
     def finished(self) -> bool:
@@ -132,8 +133,9 @@ class VllmStyleEngine:
             before = added.reported
             out.outputs = [_new_part(s, *b) for s, b in zip(out.outputs, before, strict=True)]
             out.logprobs = None if out.logprobs is None else out.logprobs[before[0][0] :]
-            if before[0][0] > 0:  # (the prompt's logprobs come with the first output only)
+            if added.prompt_logprobs_sent:  # (with the first output only)
                 out.prompt_logprobs = out.prompt_logprob_entries = None
+            added.prompt_logprobs_sent = True
         out.text, out.token_ids = out.outputs[0].text, out.outputs[0].token_ids
         added.reported = [(n, len(text)) for n, text in sent]
         return out
@@ -164,15 +166,20 @@ class VllmStyleEngine:
     @cached_property
     def model_config(self) -> SimpleNamespace:
         """What scripts read of vLLM's `model_config`: `model`, `max_model_len`, `dtype` (the
-        weights'), `hf_config` (the checkpoint's transformers config), `get_vocab_size()`."""
+        weights'), `hf_config` (the checkpoint's transformers config, else tandem's reading of
+        it), `get_vocab_size()`."""
         from transformers import AutoConfig
 
         engine = self.engine
+        try:
+            hf_config: Any = AutoConfig.from_pretrained(engine.config.model)
+        except (OSError, ValueError):  # (one transformers cannot read, as no model_type)
+            hf_config = engine.spec
         return SimpleNamespace(
             model=engine.config.model,
             max_model_len=engine.max_model_len,
             dtype=engine.config.torch_dtype,
-            hf_config=AutoConfig.from_pretrained(engine.config.model),
+            hf_config=hf_config,
             get_vocab_size=lambda: engine.spec.vocab_size,
         )
 

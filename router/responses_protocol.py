@@ -22,12 +22,12 @@ from tandem.router.openai_protocol import ChatCompletionRequest
 from tandem.router.request_body import RequestBody
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+"""Content part types whose `text` is taken as it is."""
 CHAT_ONLY = ("messages", "max_tokens", "max_completion_tokens", "n", "stream_options")
+"""Chat fields a Responses request does not pass through (it has its own, or none)."""
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 """The `include` entry that asks for the output's logprobs (with `top_logprobs`
 alternatives)."""
-"""Chat fields a Responses request does not pass through (it has its own, or none)."""
-"""Content part types whose `text` is taken as it is."""
 
 
 class ResponsesRequest(RequestBody):

@@ -63,8 +63,7 @@ class ResponsesStore:
         is "asc". An item given without an id is listed with one of its place."""
         stored = self.get(response_id)
         items = [
-            item if "id" in item else {"id": f"{response_id}_input_{i}", **item}
-            for i, item in enumerate(stored.input_items)
+            _listed(item, f"{response_id}_input_{i}") for i, item in enumerate(stored.input_items)
         ]
         if order == "desc":
             items.reverse()
@@ -91,3 +90,16 @@ class ResponsesStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def _listed(item: dict[str, Any], item_id: str) -> dict[str, Any]:
+    """An input item as OpenAI lists it: with an id (`item_id` where it came without one),
+    and a message's text as a part (`input_text`; an assistant's `output_text`)."""
+    listed = {"id": item_id, **item}
+    if item.get("type", "message") == "message" and isinstance(item.get("content"), str):
+        kind = "output_text" if item.get("role") == "assistant" else "input_text"
+        part: dict[str, Any] = {"type": kind, "text": item["content"]}
+        if kind == "output_text":
+            part["annotations"] = []
+        listed.update(type="message", content=[part], status=item.get("status", "completed"))
+    return listed

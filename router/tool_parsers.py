@@ -96,8 +96,9 @@ class ToolParser(ABC):
             return content, calls
         if not calls and (cut := self._start_of_call(text, self.max_calls)) is not None:
             # (a call past those read did not parse: the ones read, alone, as a stream sends
-            # them; the rest was never going to be read)
-            content, calls = self.parse(text[:cut])
+            # them; the rest was never going to be read. Those not parsing either: the reply)
+            read = self.parse(text[:cut])
+            content, calls = read if read[1] else (content, calls)
         return content, calls[: self.max_calls]
 
     def _start_of_call(self, text: str, index: int) -> int | None:

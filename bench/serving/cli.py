@@ -276,7 +276,7 @@ def serve(
         },
         detailed=save_detailed,
     )
-    typer.echo(summary_text(run.metrics, [r.error for r in run.records]))
+    typer.echo(summary_text(run.metrics, [r.error for r in run.records], run.records))
     if save_result is not None:
         save_result.write_text(json.dumps(run.result, indent=2) + "\n")
         typer.echo(f"[bench] result written to {save_result}", err=True)

@@ -115,8 +115,10 @@ def peaks(records: Sequence[RequestRecord]) -> tuple[float, int]:
     return float(max(chunks.values(), default=0)), max(running.values(), default=0)
 
 
-def summary_text(m: BenchmarkMetrics, errors: Sequence[str] = ()) -> str:
-    """`vllm bench serve`'s printed table."""
+def summary_text(
+    m: BenchmarkMetrics, errors: Sequence[str] = (), records: Sequence[RequestRecord] = ()
+) -> str:
+    """`vllm bench serve`'s printed table (its peaks with the `records`)."""
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
 
     def row(label: str, value: float | int | None, fmt: str = ".2f") -> None:
@@ -133,6 +135,10 @@ def summary_text(m: BenchmarkMetrics, errors: Sequence[str] = ()) -> str:
         row("Request goodput (req/s):", m.request_goodput)
         row("SLO attainment (%):", 100 * (m.good_fraction or 0.0))
     row("Output token throughput (tok/s):", m.output_throughput)
+    if records:
+        peak_tokens, peak_running = peaks(records)
+        row("Peak output token throughput (tok/s):", peak_tokens)
+        row("Peak concurrent requests:", peak_running, "d")
     row("Total Token throughput (tok/s):", m.total_token_throughput)
     for name in METRICS:
         short, title = TITLES[name]

@@ -192,3 +192,7 @@ def test_peak_chunks_per_second_and_peak_concurrency() -> None:
     assert peaks([failed]) == (0.0, 0)
     plain = result_json(calculate_metrics([a, b], 3.0), [a, b], {"model_id": "m"})
     assert (plain["max_output_tokens_per_s"], plain["max_concurrent_requests"]) == (3.0, 2)
+    text = summary_text(calculate_metrics([a, b], 3.0), [], [a, b])
+    rows = {line[:40].strip(): line[40:].strip() for line in text.splitlines()}
+    assert rows["Peak output token throughput (tok/s):"] == "3.00"
+    assert rows["Peak concurrent requests:"] == "2"

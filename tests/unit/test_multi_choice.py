@@ -40,8 +40,10 @@ class FakeServing:
         self.abandoned: list[str] = []
         self.refusals: list[APIError | None] = []  # what each abandoned choice was told
         self.ended: dict[str, str] = {}
+        self.siblings: list[Any] = []  # what each choice was planned beside
 
     async def prepare(self, index: int, siblings: Any = None) -> Prepared:
+        self.siblings.append(siblings)
         await asyncio.sleep(0.01 * (index % 3))
         if index in self.refuse:
             raise APIError(429, "no room", code="decode_full")
@@ -93,6 +95,10 @@ def test_all_choices_are_admitted_in_order() -> None:
     reqs = _prepare_all(serving, 5)
     assert [r.request_id for r in reqs] == [f"r-{i}" for i in range(5)]
     assert serving.abandoned == []
+    # (one request's choices are admitted as one: they share their plans, `sibling_load`)
+    assert serving.siblings[0] is not None and all(
+        s is serving.siblings[0] for s in serving.siblings
+    )
 
 
 def test_one_refused_choice_abandons_the_admitted_ones() -> None:

@@ -307,7 +307,8 @@ def test_a_stored_responses_input_items_are_listed_as_openai_lists_them() -> Non
         "list", False, "resp_1_input_2",
     )  # fmt: skip
     page = store.input_items("resp_1", order="asc", limit=1, after="resp_1_input_0")
-    assert [i["content"] for i in page["data"]] == ["b"] and page["has_more"]
+    assert [i["content"] for i in page["data"]] == [[{"type": "input_text", "text": "b"}]]
+    assert page["has_more"] and page["data"][0]["status"] == "completed"  # (OpenAI's shape)
     with pytest.raises(APIError) as missing:
         store.input_items("resp_2")
     assert missing.value.status == 404

@@ -303,3 +303,5 @@ def test_one_call_read_whole_though_a_later_one_is_broken() -> None:
     assert content is None and [c["function"]["name"] for c in calls] == ["a"]
     every = reply_parser(TOOLS, "auto")
     assert every is not None and every(f"{first}\n{broken}")[1] == []  # (all: none parse)
+    # a broken first call: nothing read, the whole reply is the content (not cut at the second)
+    assert one(f"{broken}\n{first}") == (f"{broken}\n{first}", [])

@@ -118,3 +118,21 @@ def test_model_config_reads_as_vllms(llm: LLM) -> None:
     assert config.max_model_len == llm.engine.max_model_len
     assert llm.llm_engine.get_model_config() is config
     assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
+
+
+def test_model_config_of_a_checkpoint_transformers_cannot_read(
+    tiny_checkpoint: Any, tmp_path: Any
+) -> None:
+    """A config.json without model_type (tandem reads its architectures) still has a
+    model_config (transformers' AutoConfig refuses it: every field raised)."""
+    import json
+    import shutil
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint(), path)
+    config = json.loads((path / "config.json").read_text())
+    del config["model_type"]
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(model=str(path), num_kv_blocks=32)
+    assert llm.llm_engine.model_config.max_model_len == llm.engine.max_model_len
+    assert llm.llm_engine.model_config.hf_config is llm.engine.spec
