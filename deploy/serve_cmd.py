@@ -211,7 +211,8 @@ def serve(
             ("router", "tool_call_parser"): tool_call_parser,
             ("router", "reasoning_parser"): reasoning_parser,
         }
-        env = {"cache_dir": os.environ.get("TANDEM_CACHE_DIR")}  # (the file's beats it)
+        env = {"cache_dir": os.environ.get("TANDEM_CACHE_DIR") or None}  # (the file's beats it;
+        # set empty: unset)
         cfg = cluster_config_from(config, overrides, roles, nested, env)
         if cfg.mode == "pd":  # (a transport whose package is missing fails here, before Ray)
             from tandem.kv_transfer.registry import transport_class

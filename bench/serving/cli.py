@@ -66,23 +66,51 @@ def _check_options(
             save_result.unlink()
 
 
-def _check_server(base_url: str, headers: dict[str, str]) -> None:
-    """One request before the run, as vLLM's bench sends: a server that is not there fails
-    here, in one line, instead of every request of the run failing."""
+def _served_models(base_url: str, headers: dict[str, str]) -> list[str] | None:
+    """The model ids the server lists, asked before the run as vLLM's bench asks: a server
+    that is not there fails here, in one line, instead of every request of the run failing.
+    None: it answers, but lists none (no /v1/models, or it wants a key: the run tells)."""
     try:
         request = urllib.request.Request(f"{base_url.rstrip('/')}/v1/models", headers=headers)
-        urllib.request.urlopen(request, timeout=10).close()
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            body = answer.read()
     except urllib.error.HTTPError:
-        pass  # it answers (a server without /v1/models, or that wants a key: the run tells)
+        return None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
         typer.echo(f"Error: no server answers at {base_url}: {reason}", err=True)
         raise typer.Exit(code=2) from None
+    try:
+        cards = json.loads(body).get("data")
+        return [str(card["id"]) for card in cards] if isinstance(cards, list) else None
+    except (ValueError, AttributeError, KeyError, TypeError):  # (not OpenAI's list)
+        return None
+
+
+def _model(model: str | None, served: list[str] | None) -> str:
+    """`--model`, checked against what the server lists; none given: the first it lists (as
+    vLLM's bench takes it)."""
+    if model is None:
+        if not served:
+            raise typer.BadParameter("the server lists no model: give it", param_hint="--model")
+        typer.echo(f"[bench] --model {served[0]} (the server's)", err=True)
+        return served[0]
+    if served and model not in served:
+        raise typer.BadParameter(
+            f"the server serves {', '.join(served)}, not {model!r}", param_hint="--model"
+        )
+    return model
 
 
 @bench_app.command("serve")
 def serve(
-    model: Annotated[str, typer.Option(help="Model name the server serves (the request's model).")],
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Model name the server serves (the request's model; default: the first "
+            "/v1/models lists)."
+        ),
+    ] = None,
     base_url: Annotated[
         str, typer.Option(help="Server root, e.g. http://127.0.0.1:8000 (no /v1).")
     ] = "http://127.0.0.1:8000",
@@ -225,7 +253,7 @@ def serve(
     if base_url.rstrip("/").endswith("/v1") and endpoint.startswith("/v1/"):
         base_url = base_url.rstrip("/").removesuffix("/v1")  # (the endpoint has it)
         typer.echo(f"[bench] --base-url is the server's root: using {base_url}", err=True)
-    _check_server(base_url, bearer_headers(api_key))
+    model = _model(model, _served_models(base_url, bearer_headers(api_key)))
     if tokenizer is None and Path(model).is_dir():
         tokenizer = Path(model)
     maker = prompt_maker(tokenizer, server_token_counter(base_url, model, bearer_headers(api_key)))

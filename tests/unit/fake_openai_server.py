@@ -18,9 +18,13 @@ from aiohttp import web
 
 
 class FakeServer:
-    def __init__(self, delay_s: float = 0.01, tokenize: bool = False) -> None:
+    def __init__(
+        self, delay_s: float = 0.01, tokenize: bool = False, models: tuple[str, ...] = ()
+    ) -> None:
         self.delay_s = delay_s
         self.tokenize = tokenize
+        self.models = models  # (listed by /v1/models; none: no such route)
+        self.models_asked: list[str | None] = []  # each request's `model`
         self.prompts: list[Any] = []
         self.authorizations: list[str | None] = []
         self.in_flight = 0
@@ -48,6 +52,8 @@ class FakeServer:
     async def _start(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
+        if self.models:
+            app.router.add_get("/v1/models", self._models)
         if self.tokenize:
             app.router.add_post("/tokenize", self._tokenize)
         self._runner = web.AppRunner(app)
@@ -55,6 +61,9 @@ class FakeServer:
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
 
     async def _tokenize(self, request: web.Request) -> web.StreamResponse:
         self.authorizations.append(request.headers.get("Authorization"))
@@ -67,6 +76,7 @@ class FakeServer:
         body = await request.json()
         prompt, n = body["prompt"], int(body["max_tokens"])
         self.prompts.append(prompt)
+        self.models_asked.append(body.get("model"))
         if n == 13:
             return web.json_response({"error": {"message": "queue full"}}, status=429)
         self.in_flight += 1

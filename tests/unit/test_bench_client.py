@@ -146,3 +146,21 @@ def test_the_cli_stops_at_once_when_no_server_answers() -> None:
     res = CliRunner().invoke(app, ["bench", "serve", "--base-url", url, "--model", "fake"])
     assert res.exit_code == 2, res.output
     assert res.output.splitlines()[-1].startswith(f"Error: no server answers at {url}: ")
+
+
+def test_the_model_is_the_servers_unless_given_and_a_wrong_one_stops_the_run() -> None:
+    """As vLLM's bench: no --model takes the first /v1/models lists; a model the server does
+    not serve stops before the run (every request of it was sent to a 404)."""
+    srv = FakeServer(models=("served",)).start()
+    try:
+        args = ["bench", "serve", "--base-url", srv.base_url, "--num-prompts", "2",
+                "--random-input-len", "8", "--random-output-len", "2", "--disable-tqdm"]  # fmt: skip
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0 and "[bench] --model served (the server's)" in res.output
+        assert srv.models_asked == ["served", "served"]
+        res = CliRunner().invoke(app, [*args, "--model", "other"])
+        flat = " ".join(res.output.replace("│", " ").split())
+        assert res.exit_code == 2 and "the server serves served, not 'other'" in flat
+        assert len(srv.prompts) == 2  # (nothing more was sent)
+    finally:
+        srv.stop()

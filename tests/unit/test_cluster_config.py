@@ -299,3 +299,25 @@ def test_vllms_engine_flags_set_the_engine_config(monkeypatch: pytest.MonkeyPatc
         "max_num_seqs": 8, "max_num_batched_tokens": 512, "block_size": 32,
         "enable_prefix_caching": False, "seed": 3, "generation_config": "vllm",
     }  # fmt: skip
+
+
+def test_an_empty_cache_dir_variable_is_unset(
+    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Any
+) -> None:
+    """TANDEM_CACHE_DIR set to "" built the embedded model in ./models."""
+    from typer.testing import CliRunner
+
+    import tandem.deploy.app_builder as app_builder
+    from tandem.deploy.cli import app
+
+    seen: list[ClusterConfig] = []
+
+    def build_app(cfg: ClusterConfig) -> None:
+        seen.append(cfg)
+        raise ValueError("built")
+
+    monkeypatch.setattr(app_builder, "build_app", build_app)
+    monkeypatch.setenv("TANDEM_CACHE_DIR", "")
+    res = CliRunner().invoke(app, ["serve", "--model", str(tiny_checkpoint())])
+    assert res.exit_code == 2 and "built" in res.output, res.output
+    assert seen[0].cache_dir == ClusterConfig().cache_dir
