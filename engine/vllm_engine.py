@@ -29,7 +29,6 @@ class _Added:
     params: SamplingParams
     samples: list[Request]
     reported: list[tuple[int, int]] = field(default_factory=list)
-    prompt_logprobs_sent: bool = False  # (DELTA: with the first output only)
 
     @property
     def finished(self) -> bool:
@@ -133,9 +132,9 @@ class VllmStyleEngine:
             before = added.reported
             out.outputs = [_new_part(s, *b) for s, b in zip(out.outputs, before, strict=True)]
             out.logprobs = None if out.logprobs is None else out.logprobs[before[0][0] :]
-            if added.prompt_logprobs_sent:  # (with the first output only)
+            # (the prompt's with the first output only: one went out once anything was reported)
+            if any(tokens or chars for tokens, chars in before):
                 out.prompt_logprobs = out.prompt_logprob_entries = None
-            added.prompt_logprobs_sent = True
         out.text, out.token_ids = out.outputs[0].text, out.outputs[0].token_ids
         added.reported = [(n, len(text)) for n, text in sent]
         return out
