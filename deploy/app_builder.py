@@ -157,6 +157,7 @@ def build_app(config: ClusterConfig) -> Application:
         "responses_store_size": config.router.responses_store_size,
         "tool_call_parser": config.router.tool_call_parser,
         "reasoning_parser": config.router.reasoning_parser,
+        "log_requests": config.router.log_requests,
         "chat_template": chat_template_text(config.chat_template),
         # requests' sampling defaults: the model's generation_config.json, read (and checked) here
         "sampling_defaults": sampling_defaults(

@@ -155,6 +155,7 @@ def generated_fields() -> dict[tuple[str, ...], dict[str, Any]]:
         ("serve", "responsesStoreSize"): optional_field(RouterConfig, "responses_store_size"),
         ("serve", "checksums"): optional_field(ClusterConfig, "checksums"),
         ("serve", "chunkPublisher"): optional_field(ClusterConfig, "chunk_publisher"),
+        ("serve", "logRequests"): optional_field(RouterConfig, "log_requests"),
     }
 
 

@@ -113,6 +113,9 @@ class RouterConfig(BaseModel):
         description="Put a reasoning model's <think>...</think> in the chat reply's "
         "reasoning_content, apart from its content: qwen3, deepseek_r1 (default: none).",
     )
+    log_requests: bool = Field(
+        True, description="One log line per finished request, with its stage timings."
+    )
 
     def ray_actor_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"num_cpus": self.num_cpus}

@@ -16,6 +16,7 @@ import typer
 from pydantic import ValidationError
 
 from tandem.deploy import serve_engine_flags as flags
+from tandem.deploy import serve_vllm_flags as vllm_flags
 from tandem.deploy.cluster_config_flags import cluster_config_from
 from tandem.deploy.ingress import DEFAULT_INGRESS, Ingress
 from tandem.deploy.ray_cluster import (
@@ -162,6 +163,14 @@ def serve(
             "/health, /ping and /metrics stay open.",
         ),
     ] = None,
+    enable_log_requests: vllm_flags.EnableLogRequests = None,
+    tensor_parallel_size: vllm_flags.TensorParallelSize = 1,
+    pipeline_parallel_size: vllm_flags.PipelineParallelSize = 1,
+    enable_chunked_prefill: vllm_flags.EnableChunkedPrefill = True,
+    enable_auto_tool_choice: vllm_flags.EnableAutoToolChoice = False,
+    trust_remote_code: vllm_flags.TrustRemoteCode = False,
+    enforce_eager: vllm_flags.EnforceEager = False,
+    disable_log_stats: vllm_flags.DisableLogStats = False,
 ) -> None:
     """Serve a model with disaggregated prefill and decode on Ray (OpenAI API + gRPC).
 
@@ -172,6 +181,12 @@ def serve(
         typer.echo(f"Error: two models given ({model_argument} and --model {model})", err=True)
         raise typer.Exit(code=2)
     model = model or model_argument
+    refused = vllm_flags.refused_vllm_flags(
+        tensor_parallel_size, pipeline_parallel_size, enable_chunked_prefill
+    )
+    if refused:
+        typer.echo(f"Error: {refused}", err=True)
+        raise typer.Exit(code=2)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -210,6 +225,7 @@ def serve(
             ("engine", "generation_config"): generation_config,
             ("router", "tool_call_parser"): tool_call_parser,
             ("router", "reasoning_parser"): reasoning_parser,
+            ("router", "log_requests"): enable_log_requests,
         }
         env = {"cache_dir": os.environ.get("TANDEM_CACHE_DIR") or None}  # (the file's beats it;
         # set empty: unset)

@@ -39,6 +39,7 @@ from tandem.router.openai_protocol import ChatCompletionRequest, CompletionReque
 from tandem.router.pd_orchestrator import PDOrchestrator
 from tandem.router.reasoning import ReasoningParser
 from tandem.router.replica_watch import ReplicaWatch, configured_targets
+from tandem.router.request_record import log_requests
 from tandem.router.responses_api import create_response
 from tandem.router.responses_protocol import ResponsesRequest
 from tandem.router.responses_store import ResponsesStore
@@ -81,6 +82,7 @@ class Router:
         deploy the workers with the router; requests reach workers over their RPC endpoints.
         `prefill` is None in colocated mode (`settings["mode"]`)."""
         use_serve_log_handlers(str(settings.get("log_level", "info")).upper())
+        log_requests(bool(settings.get("log_requests", True)))
         self.settings = settings
         # The key's digest: from the config (never the key: Serve shows init arguments), else
         # the key in the environment this replica was started in (the Helm chart puts its

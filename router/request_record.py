@@ -11,7 +11,14 @@ from tandem.router.prepared import Prepared
 from tandem.router.request_timings import RequestTimings
 from tandem.router.route_planner import RoutePlan
 
-logger = logging.getLogger("tandem.router")  # (the router's one log of requests)
+REQUEST_LOG = "tandem.router.requests"
+logger = logging.getLogger(REQUEST_LOG)  # (the router's one log of requests)
+
+
+def log_requests(on: bool) -> None:
+    """Whether the request log writes (off: `router.log_requests` false, vLLM's
+    --disable-log-requests); on, it writes at the level the router's logs have."""
+    logger.setLevel(logging.NOTSET if on else logging.WARNING)
 
 
 def stage_seconds(t: RequestTimings) -> dict[str, float]:

@@ -182,6 +182,7 @@ OPTIONS: dict[str, Any] = {
         "responsesStoreSize": 50,
         "checksums": True,
         "chunkPublisher": False,
+        "logRequests": False,
     },
     "router": {"replicaRayResources": {"edge": 1}, "extraRayResources": {"edge": 1}},
     "prefill": {"replicaRayResources": {"nic": 0.5}, "extraRayResources": {"nic": 1}},
@@ -199,6 +200,7 @@ def test_the_settings_reach_the_serve_config_and_the_cluster_config(tmp_path: Pa
     args = app_args(manifests)
     assert args["router"]["cors_allowed_origins"] == ["https://app.example.com"]
     assert args["router"]["responses_store_size"] == 50
+    assert args["router"]["log_requests"] is False
     assert (args["checksums"], args["chunk_publisher"]) == (True, False)
     assert args["prefill"]["resources"] == {"prefill": 1, "nic": 0.5}
     assert args["decode"]["resources"] == {"decode": 1, "accel-a100": 1}
@@ -245,7 +247,9 @@ def test_off_is_a_setting_too(tmp_path: Path) -> None:
 def test_unset_settings_stay_out_of_the_serve_config() -> None:
     args = app_args(_render())
     assert not {"checksums", "chunk_publisher"} & set(args)
-    assert not {"cors_allowed_origins", "responses_store_size"} & set(args["router"])
+    assert not {"cors_allowed_origins", "responses_store_size", "log_requests"} & set(
+        args["router"]
+    )
     assert (args["prefill"]["resources"], args["decode"]["resources"]) == (
         {"prefill": 1},
         {"decode": 1},
@@ -279,6 +283,7 @@ def test_settings_given_with_set() -> None:
         ("serve.responsesStoreSize=-1", "serve.responsesStoreSize"),
         ("serve.checksums=maybe", "serve.checksums"),
         ("serve.chunkPublisher=1", "serve.chunkPublisher"),
+        ("serve.logRequests=no", "serve.logRequests"),
         ("decode.replicaRayResources.accel=0", "decode.replicaRayResources.accel"),
         (
             "decode.replicaRayResources.accel=1",

@@ -76,6 +76,9 @@ rayResource and its replicaRayResources (tandem.validate refuses rayResource amo
 {{- if not (kindIs "invalid" $s.corsAllowedOrigins) -}}
 {{- $_ := set $args.router "cors_allowed_origins" $s.corsAllowedOrigins -}}
 {{- end -}}
+{{- if not (kindIs "invalid" $s.logRequests) -}}
+{{- $_ := set $args.router "log_requests" $s.logRequests -}}
+{{- end -}}
 {{- if not (kindIs "invalid" $s.responsesStoreSize) -}}
 {{- $_ := set $args.router "responses_store_size" (int $s.responsesStoreSize) -}}
 {{- end -}}
