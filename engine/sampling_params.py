@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
 from typing import Annotated, Any
@@ -27,6 +28,8 @@ from tandem.engine.vllm_compat import (
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """The seeds a `torch.Generator` takes (a signed or unsigned 64-bit integer)."""
+logger = logging.getLogger(__name__)
+
 MAX_LOGPROBS = 20
 """Most alternatives a request may ask log-probabilities of, per token, by default (vLLM's
 `max_logprobs`): the API's bound, and `LLM`'s unless it is given another."""
@@ -78,9 +81,10 @@ class SamplingParams(BaseModel):
     """How to pick tokens and when to stop.
 
     `n` samples per prompt (`LLM.generate`; an engine request is one sample: the router and
-    `LLM` add one per sample, seeded `seed`, `seed + 1`, ...). `temperature` 0 (or below
-    1e-5) means greedy. Sampling applies temperature, then `min_p` (drops tokens less likely
-    than `min_p` times the most likely; 0 disables), `top_k`, `top_p`. `seed` makes
+    `LLM` add one per sample, seeded `seed`, `seed + 1`, ...). `temperature` 0 means greedy
+    (one above 0 but under 0.01 samples at 0.01, as vLLM). Sampling applies temperature, then
+    `min_p` (drops tokens less likely than `min_p` times the most likely; 0 disables), `top_k`,
+    `top_p`. `seed` makes
     sampling reproducible for this request whatever else shares the batch (-1: no seed, as
     vLLM). `stop` strings are
     cut from the returned text (kept, and what follows cut, with `include_stop_str_in_output`);
@@ -179,6 +183,20 @@ class SamplingParams(BaseModel):
     @classmethod
     def _no_seed(cls, value: int | None) -> int | None:
         return no_seed_as_none(value)
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_near_zero(cls, value: float) -> float:
+        """A temperature above 0 but under `MIN_SAMPLING_TEMPERATURE` samples at that one, as
+        vLLM raises it (logits divided by less overflow)."""
+        if 0.0 < value < MIN_SAMPLING_TEMPERATURE:
+            logger.warning(
+                "temperature %g raised to %g (a smaller one overflows the logits; 0 is greedy)",
+                value,
+                MIN_SAMPLING_TEMPERATURE,
+            )
+            return MIN_SAMPLING_TEMPERATURE
+        return value
 
     @field_validator("stop", "stop_token_ids", "bad_words", mode="before")
     @classmethod
@@ -341,7 +359,7 @@ class SamplingParams(BaseModel):
     @property
     def sampling_type(self) -> SamplingType:
         """vLLM's: greedy, random, or random with a seed."""
-        if self.temperature < GREEDY_TEMPERATURE:
+        if self.temperature == 0.0:
             return SamplingType.GREEDY
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
@@ -389,10 +407,9 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        """Argmax sampling: temperature 0 (or below `GREEDY_TEMPERATURE`, as vLLM), or top_k 1."""
-        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+        """Argmax sampling: temperature 0, or top_k 1."""
+        return self.temperature == 0.0 or self.top_k == 1
 
 
-GREEDY_TEMPERATURE = 1e-5
-"""A temperature below this samples greedily, as in vLLM (dividing logits by a temperature near
-zero overflows them, and the distribution is the argmax anyway)."""
+MIN_SAMPLING_TEMPERATURE = 1e-2
+"""The lowest temperature that samples (vLLM's): one above 0 but under it is raised to it."""

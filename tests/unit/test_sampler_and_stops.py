@@ -87,15 +87,19 @@ def test_unseeded_sampling_varies_and_greedy_is_top_k_1(llm: LLM) -> None:
     assert greedy[0].token_ids == top1[0].token_ids
 
 
-@pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-30, 9e-6])
-def test_temperature_near_zero_is_greedy_and_fails_nothing(llm: LLM, temperature: float) -> None:
-    """As vLLM: below 1e-5 it samples greedily (dividing by it made inf logits, and the
-    multinomial's error failed every request of the step)."""
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-30, 9e-6, 0.0099])
+def test_temperature_near_zero_samples_at_the_lowest_and_fails_nothing(
+    llm: LLM, temperature: float
+) -> None:
+    """As vLLM: above 0 but under 0.01 it samples at 0.01 (dividing by less made inf logits,
+    and the multinomial's error failed every request of the step); 0 stays greedy."""
     prompt, other = [11, 12, 13], [30, 31, 32, 33]
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    tiny = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True)
+    tiny = SamplingParams(temperature=temperature, seed=5, max_tokens=12, ignore_eos=True)
+    lowest = SamplingParams(temperature=0.01, seed=5, max_tokens=12, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
-    expected = llm.generate([prompt], greedy)[0].token_ids
+    assert tiny.temperature == 0.01 and not tiny.greedy
+    assert SamplingParams(temperature=0).greedy
+    expected = llm.generate([prompt], lowest)[0].token_ids
     alone_other = llm.generate([other], sampled)[0].token_ids
     outs = llm.generate([prompt, other], [tiny, sampled])
     assert outs[0].token_ids == expected
