@@ -10,7 +10,7 @@ import json
 import logging
 import random
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from tandem.bench.serving.datasets import (
     random_dataset,
     shared_prefix_dataset,
 )
-from tandem.bench.serving.metrics import BenchmarkMetrics, calculate_metrics
+from tandem.bench.serving.metrics import METRICS, BenchmarkMetrics, calculate_metrics
 from tandem.bench.serving.prompts import PromptMaker, TokenPrompts, WordPrompts
 from tandem.bench.serving.records import RequestRecord, count_output_tokens
 from tandem.bench.serving.result import result_json
@@ -134,6 +134,7 @@ def run_benchmark(
     percentiles: tuple[float, ...] = (90, 99),
     info: dict[str, Any] | None = None,
     detailed: bool = False,
+    shown: Sequence[str] = METRICS,
 ) -> BenchmarkRun:
     """Runs the load (its own event loop) and computes the metrics and the result JSON."""
     outcome = asyncio.run(run_load(load, conversations, maker))
@@ -149,6 +150,12 @@ def run_benchmark(
         **(info or {}),
     }
     result = result_json(
-        metrics, outcome.records, info, slos=slos, percentiles=percentiles, detailed=detailed
+        metrics,
+        outcome.records,
+        info,
+        slos=slos,
+        percentiles=percentiles,
+        detailed=detailed,
+        shown=shown,
     )
     return BenchmarkRun(metrics, outcome.records, result)

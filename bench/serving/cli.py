@@ -6,10 +6,12 @@ import json
 import math
 import urllib.error
 import urllib.request
+from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 bench_app = typer.Typer(
     name="bench",
@@ -35,9 +37,20 @@ def _percentiles(text: str) -> tuple[float, ...]:
     return pcts
 
 
-def _check_options(
-    request_rate: float, burstiness: float, tokenizer: Path | None, save_result: Path | None
-) -> None:
+def _percentile_metrics(text: str) -> tuple[str, ...]:
+    from tandem.bench.serving.metrics import METRICS
+
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [n for n in names if n not in METRICS]
+    if unknown or not names:
+        raise typer.BadParameter(
+            f"{', '.join(unknown) or 'none given'}: name some of {','.join(METRICS)}",
+            param_hint="--percentile-metrics",
+        )
+    return names
+
+
+def _check_options(request_rate: float, burstiness: float, tokenizer: Path | None) -> None:
     """Refuses what would fail only after the run (or in the middle of it), in one line."""
     for hint, value in (("--request-rate", request_rate), ("--burstiness", burstiness)):
         if not value > 0:
@@ -46,24 +59,31 @@ def _check_options(
         raise typer.BadParameter(
             f"{tokenizer} is not a tokenizer or checkpoint directory", param_hint="--tokenizer"
         )
-    if save_result is not None:
-        if str(save_result).startswith("-"):  # (vLLM's flag form took the next option)
-            raise typer.BadParameter(
-                f"takes the result file's path (got {str(save_result)!r}): --save-result PATH",
-                param_hint="--save-result",
-            )
-        if save_result.is_dir():
-            raise typer.BadParameter(f"{save_result} is a directory", param_hint="--save-result")
-        existed = save_result.exists()
-        try:  # (its directory made and the file opened now: one that cannot be fails before
-            # the run, not after it with the result lost)
-            save_result.parent.mkdir(parents=True, exist_ok=True)
-            with save_result.open("a"):
-                pass
-        except OSError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--save-result") from None
-        if not existed:
-            save_result.unlink()
+
+
+def _check_result_file(path: Path) -> None:
+    """Its directory made and the file opened now: one that cannot be fails before the run,
+    not after it with the result lost."""
+    if path.is_dir():
+        raise typer.BadParameter(f"{path} is a directory", param_hint="--save-result")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--save-result") from None
+    if not existed:
+        path.unlink()
+
+
+class _VllmSaveResultForm(TyperCommand):
+    """Takes vLLM's `--save-result` flag as well as `--save-result FILE`."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        from tandem.bench.serving.result_file import flag_form_as_value
+
+        return super().parse_args(ctx, flag_form_as_value(args))
 
 
 def _served_models(base_url: str, headers: dict[str, str]) -> list[str] | None:
@@ -102,7 +122,7 @@ def _model(model: str | None, served: list[str] | None) -> str:
     return model
 
 
-@bench_app.command("serve")
+@bench_app.command("serve", cls=_VllmSaveResultForm)
 def serve(
     model: Annotated[
         str | None,
@@ -207,15 +227,41 @@ def serve(
         ),
     ] = None,
     percentiles: Annotated[
-        str, typer.Option(help="Comma-separated percentiles to report, e.g. 50,90,99.")
+        str,
+        typer.Option(
+            "--percentiles",
+            "--metric-percentiles",
+            help="Comma-separated percentiles to report, e.g. 50,90,99.",
+        ),
     ] = "90,99",
+    percentile_metrics: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated metrics whose statistics are reported: ttft,tpot,itl,e2el."
+        ),
+    ] = "ttft,tpot,itl,e2el",
     ignore_eos: Annotated[
         bool, typer.Option(help="Ask for exactly the output lengths (ignore_eos).")
     ] = True,
     temperature: Annotated[float, typer.Option(min=0, help="Sampling temperature.")] = 0.0,
     save_result: Annotated[
-        Path | None, typer.Option(help="Write the result JSON (vLLM's keys) to this file.")
+        str | None,
+        typer.Option(
+            metavar="[FILE]",
+            help="Write the result JSON (vLLM's keys) to FILE; alone, as vLLM's flag, to "
+            "--result-dir / --result-filename or vLLM's name "
+            "(openai-{rate}qps[-concurrency{N}]-{model}-{date}.json).",
+        ),
     ] = None,
+    result_dir: Annotated[
+        Path | None, typer.Option(help="Directory of the result file (made if missing).")
+    ] = None,
+    result_filename: Annotated[
+        str | None, typer.Option(help="Name of the result file (instead of vLLM's).")
+    ] = None,
+    append_result: Annotated[
+        bool, typer.Option(help="Append the result to the file, one JSON a line.")
+    ] = False,
     save_detailed: Annotated[
         bool,
         typer.Option(
@@ -240,6 +286,7 @@ def serve(
     from tandem.bench.serving.datasets import DATASETS, MixedSpec
     from tandem.bench.serving.metrics import parse_goodput
     from tandem.bench.serving.result import summary_text
+    from tandem.bench.serving.result_file import result_path, write_result
     from tandem.bench.serving.runner import LoadConfig, bearer_headers
 
     if dataset_name not in DATASETS:
@@ -249,11 +296,23 @@ def serve(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     pcts = _percentiles(percentiles)
-    _check_options(request_rate, burstiness, tokenizer, save_result)
+    shown = _percentile_metrics(percentile_metrics)
+    _check_options(request_rate, burstiness, tokenizer)
+    started = datetime.now()
     if base_url.rstrip("/").endswith("/v1") and endpoint.startswith("/v1/"):
         base_url = base_url.rstrip("/").removesuffix("/v1")  # (the endpoint has it)
         typer.echo(f"[bench] --base-url is the server's root: using {base_url}", err=True)
     model = _model(model, _served_models(base_url, bearer_headers(api_key)))
+    try:
+        name_parts = {"model": model, "request_rate": request_rate,
+                      "max_concurrency": max_concurrency, "started": started}  # fmt: skip
+        result_file = result_path(
+            save_result, result_dir, result_filename, append_result, name_parts
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--result-filename") from None
+    if result_file is not None:
+        _check_result_file(result_file)
     if tokenizer is None and Path(model).is_dir():
         tokenizer = Path(model)
     maker = prompt_maker(tokenizer, server_token_counter(base_url, model, bearer_headers(api_key)))
@@ -303,10 +362,11 @@ def serve(
             "dataset_name": dataset_name,
         },
         detailed=save_detailed,
+        shown=shown,
     )
-    typer.echo(summary_text(run.metrics, [r.error for r in run.records], run.records))
-    if save_result is not None:
-        save_result.write_text(json.dumps(run.result, indent=2) + "\n")
-        typer.echo(f"[bench] result written to {save_result}", err=True)
+    typer.echo(summary_text(run.metrics, [r.error for r in run.records], run.records, shown))
+    if result_file is not None:
+        write_result(result_file, run.result, append_result)
+        typer.echo(f"[bench] result written to {result_file}", err=True)
     if run.metrics.completed == 0:
         raise typer.Exit(code=1)

@@ -22,8 +22,9 @@ def _pct_word(p: float) -> str:
     return str(int(p)) if int(p) == p else str(p)
 
 
-def metrics_dict(m: BenchmarkMetrics) -> dict[str, Any]:
-    """The summary keys: duration, counts, throughputs, and `{mean,median,std,pNN}_{metric}_ms`."""
+def metrics_dict(m: BenchmarkMetrics, shown: Sequence[str] = METRICS) -> dict[str, Any]:
+    """The summary keys: duration, counts, throughputs, and `{mean,median,std,pNN}_{metric}_ms`
+    of the `shown` metrics (vLLM's --percentile-metrics)."""
     out: dict[str, Any] = {
         "duration": m.duration,
         "completed": m.completed,
@@ -35,7 +36,7 @@ def metrics_dict(m: BenchmarkMetrics) -> dict[str, Any]:
         "output_throughput": m.output_throughput,
         "total_token_throughput": m.total_token_throughput,
     }
-    for name in METRICS:
+    for name in shown:
         s = m.stats[name]
         out[f"mean_{name}_ms"] = s.mean
         out[f"median_{name}_ms"] = s.median
@@ -53,6 +54,7 @@ def result_json(
     slos: dict[str, float] | None = None,
     percentiles: Sequence[float] = (90, 99),
     detailed: bool = False,
+    shown: Sequence[str] = METRICS,
 ) -> dict[str, Any]:
     """`info`: the run's settings (model_id, request_rate, ...). Adds per-category summaries
     (`categories`) and, with `detailed`, vLLM's per-request arrays in the order sent."""
@@ -64,7 +66,7 @@ def result_json(
         "request_rate": "inf" if isinstance(rate, float) and math.isinf(rate) else rate,
         "goodput_slos_ms": slos or None,
         "slo_attainment": metrics.good_fraction,
-        **metrics_dict(metrics),
+        **metrics_dict(metrics, shown),
     }
     result["max_output_tokens_per_s"], result["max_concurrent_requests"] = peaks(records)
     failures = [r.error for r in records if not r.success]
@@ -75,7 +77,8 @@ def result_json(
             cat: metrics_dict(
                 calculate_metrics(
                     [r for r in records if r.category == cat], metrics.duration, slos, percentiles
-                )
+                ),
+                shown,
             )
             for cat in categories
         }
@@ -116,9 +119,13 @@ def peaks(records: Sequence[RequestRecord]) -> tuple[float, int]:
 
 
 def summary_text(
-    m: BenchmarkMetrics, errors: Sequence[str] = (), records: Sequence[RequestRecord] = ()
+    m: BenchmarkMetrics,
+    errors: Sequence[str] = (),
+    records: Sequence[RequestRecord] = (),
+    shown: Sequence[str] = METRICS,
 ) -> str:
-    """`vllm bench serve`'s printed table (its peaks with the `records`)."""
+    """`vllm bench serve`'s printed table (its peaks with the `records`), with the `shown`
+    metrics' statistics."""
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
 
     def row(label: str, value: float | int | None, fmt: str = ".2f") -> None:
@@ -140,7 +147,7 @@ def summary_text(
         row("Peak output token throughput (tok/s):", peak_tokens)
         row("Peak concurrent requests:", peak_running, "d")
     row("Total Token throughput (tok/s):", m.total_token_throughput)
-    for name in METRICS:
+    for name in shown:
         short, title = TITLES[name]
         s = m.stats[name]
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))

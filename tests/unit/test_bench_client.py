@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,8 +122,8 @@ def test_word_prompts_without_a_count_are_a_word_a_token() -> None:
         (["--tokenizer", "FILE"], "Invalid value for --tokenizer: FILE is not a tokenizer"),
         (["--save-result", "DIR"], "Invalid value for --save-result: DIR is a directory"),
         (["--save-result", "/proc/r.json"], "Invalid value for --save-result: [Errno"),
-        # (vLLM's flag form: the next option was taken for the path, and its file written)
-        (["--save-result", "--save-detailed"], "takes the result file's path (got"),
+        (["--save-result", "a.json", "--result-filename", "b.json"], "two result files given"),
+        (["--percentile-metrics", "ttft,foo"], "foo: name some of ttft,tpot,itl,e2el"),
     ],
 )
 def test_the_cli_refuses_bad_options_before_the_run(
@@ -164,3 +165,35 @@ def test_the_model_is_the_servers_unless_given_and_a_wrong_one_stops_the_run() -
         assert len(srv.prompts) == 2  # (nothing more was sent)
     finally:
         srv.stop()
+
+
+def test_vllms_result_flags_name_and_append_the_file(
+    server: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--save-result` as vLLM's flag (it took the next option for the file's path),
+    `--result-dir`, `--result-filename`, `--append-result`, `--percentile-metrics`,
+    `--metric-percentiles`."""
+    monkeypatch.chdir(tmp_path)
+    base = ["bench", "serve", "--base-url", server.base_url, "--model", "org/fake",
+            "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "2"]  # fmt: skip
+    res = CliRunner().invoke(app, [*base, "--max-concurrency", "2", "--save-result",
+                                   "--disable-tqdm"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    (named,) = tmp_path.glob("*.json")
+    assert re.fullmatch(r"openai-infqps-concurrency2-fake-\d{8}-\d{6}\.json", named.name)
+    assert json.loads(named.read_text())["completed"] == 2
+    flags = ["--save-result", "--result-dir", "out", "--result-filename", "r.json",
+             "--append-result", "--percentile-metrics", "ttft,e2el",
+             "--metric-percentiles", "50", "--disable-tqdm"]  # fmt: skip
+    for _ in range(2):
+        res = CliRunner().invoke(app, [*base, *flags])
+        assert res.exit_code == 0, res.output
+    lines = (tmp_path / "out" / "r.json").read_text().split("\n")
+    results = [json.loads(line) for line in lines]
+    assert len(results) == 2 and all(r["completed"] == 2 for r in results)
+    assert {k for k in results[0] if k.endswith("_ms")} - {"goodput_slos_ms"} == {
+        f"{stat}_{name}_ms"
+        for stat in ("mean", "median", "std", "p50")
+        for name in ("ttft", "e2el")
+    }
+    assert "P50 TTFT (ms):" in res.output and "TPOT" not in res.output
