@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -135,8 +136,14 @@ def run_benchmark(
     info: dict[str, Any] | None = None,
     detailed: bool = False,
     shown: Sequence[str] = METRICS,
+    warmups: int = 0,
 ) -> BenchmarkRun:
-    """Runs the load (its own event loop) and computes the metrics and the result JSON."""
+    """Runs the load (its own event loop) and computes the metrics and the result JSON;
+    `warmups` requests of the first prompt go first, uncounted (vLLM's --num-warmups)."""
+    if warmups and conversations:
+        first = conversations[0]
+        warm = [Conversation(first.category, first.turns[:1], first.prefix)] * warmups
+        asyncio.run(run_load(replace(load, progress=False, request_rate=math.inf), warm, maker))
     outcome = asyncio.run(run_load(load, conversations, maker))
     if isinstance(maker, TokenPrompts):  # (a tokenizer: output tokens without usage counted)
         count_output_tokens(outcome.records, maker.length)

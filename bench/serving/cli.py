@@ -8,10 +8,12 @@ import urllib.error
 import urllib.request
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from typer.core import TyperCommand
+
+from tandem.bench.serving import vllm_options as vllm
+from tandem.bench.serving.result_file import VllmSaveResultForm, check_result_file
 
 bench_app = typer.Typer(
     name="bench",
@@ -61,31 +63,6 @@ def _check_options(request_rate: float, burstiness: float, tokenizer: Path | Non
         )
 
 
-def _check_result_file(path: Path) -> None:
-    """Its directory made and the file opened now: one that cannot be fails before the run,
-    not after it with the result lost."""
-    if path.is_dir():
-        raise typer.BadParameter(f"{path} is a directory", param_hint="--save-result")
-    existed = path.exists()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a"):
-            pass
-    except OSError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--save-result") from None
-    if not existed:
-        path.unlink()
-
-
-class _VllmSaveResultForm(TyperCommand):
-    """Takes vLLM's `--save-result` flag as well as `--save-result FILE`."""
-
-    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        from tandem.bench.serving.result_file import flag_form_as_value
-
-        return super().parse_args(ctx, flag_form_as_value(args))
-
-
 def _served_models(base_url: str, headers: dict[str, str]) -> list[str] | None:
     """The model ids the server lists, asked before the run as vLLM's bench asks: a server
     that is not there fails here, in one line, instead of every request of the run failing.
@@ -122,7 +99,7 @@ def _model(model: str | None, served: list[str] | None) -> str:
     return model
 
 
-@bench_app.command("serve", cls=_VllmSaveResultForm)
+@bench_app.command("serve", cls=VllmSaveResultForm)
 def serve(
     model: Annotated[
         str | None,
@@ -132,8 +109,13 @@ def serve(
         ),
     ] = None,
     base_url: Annotated[
-        str, typer.Option(help="Server root, e.g. http://127.0.0.1:8000 (no /v1).")
-    ] = "http://127.0.0.1:8000",
+        str | None,
+        typer.Option(help="Server root, e.g. http://127.0.0.1:8000 (no /v1; the default)."),
+    ] = None,
+    host: vllm.Host = None,
+    port: vllm.Port = None,
+    backend: vllm.Backend = "openai",
+    served_model_name: vllm.ServedModelName = None,
     endpoint: Annotated[str, typer.Option(help="Completions endpoint path.")] = "/v1/completions",
     api_key: Annotated[
         str | None,
@@ -244,6 +226,10 @@ def serve(
         bool, typer.Option(help="Ask for exactly the output lengths (ignore_eos).")
     ] = True,
     temperature: Annotated[float, typer.Option(min=0, help="Sampling temperature.")] = 0.0,
+    top_p: vllm.TopP = None,
+    top_k: vllm.TopK = None,
+    min_p: vllm.MinP = None,
+    num_warmups: vllm.NumWarmups = 0,
     save_result: Annotated[
         str | None,
         typer.Option(
@@ -269,7 +255,10 @@ def serve(
             "errors, ...) to the saved result."
         ),
     ] = False,
+    label: vllm.Label = None,
+    metadata: vllm.Metadata = None,
     disable_tqdm: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+    trust_remote_code: vllm.TrustRemoteCode = False,
 ) -> None:
     """Open-loop serving benchmark with `vllm bench serve`'s metrics and result keys.
 
@@ -298,13 +287,17 @@ def serve(
     pcts = _percentiles(percentiles)
     shown = _percentile_metrics(percentile_metrics)
     _check_options(request_rate, burstiness, tokenizer)
+    vllm.check_backend(backend)
+    meta = vllm.metadata_fields(metadata)
+    base_url = vllm.server_root(base_url, host, port)
     started = datetime.now()
     if base_url.rstrip("/").endswith("/v1") and endpoint.startswith("/v1/"):
         base_url = base_url.rstrip("/").removesuffix("/v1")  # (the endpoint has it)
         typer.echo(f"[bench] --base-url is the server's root: using {base_url}", err=True)
-    model = _model(model, _served_models(base_url, bearer_headers(api_key)))
+    checkpoint = model if served_model_name is not None else None  # (--model: the tokenizer's)
+    model = _model(served_model_name or model, _served_models(base_url, bearer_headers(api_key)))
     try:
-        name_parts = {"model": model, "request_rate": request_rate,
+        name_parts = {"model": model, "request_rate": request_rate, "label": label or backend,
                       "max_concurrency": max_concurrency, "started": started}  # fmt: skip
         result_file = result_path(
             save_result, result_dir, result_filename, append_result, name_parts
@@ -312,9 +305,9 @@ def serve(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--result-filename") from None
     if result_file is not None:
-        _check_result_file(result_file)
-    if tokenizer is None and Path(model).is_dir():
-        tokenizer = Path(model)
+        check_result_file(result_file)
+    if tokenizer is None and Path(checkpoint or model).is_dir():
+        tokenizer = Path(checkpoint or model)
     maker = prompt_maker(tokenizer, server_token_counter(base_url, model, bearer_headers(api_key)))
     options = DatasetOptions(
         dataset_name,
@@ -342,7 +335,9 @@ def serve(
         burstiness=burstiness,
         max_concurrency=max_concurrency,
         seed=seed,
-        extra_body={"temperature": temperature, "ignore_eos": ignore_eos},
+        extra_body=vllm.sampling_fields(
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, ignore_eos=ignore_eos
+        ),
         progress=not disable_tqdm,
         api_key=api_key,
     )
@@ -358,9 +353,12 @@ def serve(
         slos=slos or None,
         percentiles=pcts,
         info={
+            "backend": backend,
             "tokenizer_id": str(tokenizer) if tokenizer else None,
             "dataset_name": dataset_name,
+            **meta,
         },
+        warmups=num_warmups,
         detailed=save_detailed,
         shown=shown,
     )

@@ -61,7 +61,7 @@ def result_json(
     rate = info.get("request_rate")
     result: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "openai",
+        "backend": "openai",  # (`info` may name another: vLLM's "vllm" backend)
         **info,
         "request_rate": "inf" if isinstance(rate, float) and math.isinf(rate) else rate,
         "goodput_slos_ms": slos or None,

@@ -9,8 +9,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import typer
+from typer.core import TyperCommand
+
 SAVE_RESULT = "--save-result"
-LABEL = "openai"  # (the result's `backend`, and vLLM's default label of its file)
 
 
 def flag_form_as_value(args: list[str]) -> list[str]:
@@ -34,7 +36,8 @@ def result_path(
 ) -> Path | None:
     """The file to write (None: none asked for). `save_result` "" is vLLM's flag; any of
     `--result-dir`, `--result-filename`, `--append-result` asks for the file too.
-    `name_parts`: model, request_rate, max_concurrency, started (vLLM's default name)."""
+    `name_parts`: model, request_rate, max_concurrency, started, label (vLLM's default
+    name)."""
     if save_result is None and result_dir is None and result_filename is None and not append:
         return None
     if save_result and result_filename and save_result != result_filename:
@@ -44,12 +47,12 @@ def result_path(
 
 
 def default_name(
-    model: str, request_rate: float, max_concurrency: int | None, started: datetime
+    model: str, request_rate: float, max_concurrency: int | None, started: datetime, label: str
 ) -> str:
-    """vLLM's: `openai-{rate}qps[-concurrency{c}]-{model's last part}-{date}.json`."""
+    """vLLM's: `{label}-{rate}qps[-concurrency{c}]-{model's last part}-{date}.json`."""
     concurrency = f"-concurrency{max_concurrency}" if max_concurrency is not None else ""
     base = model.rstrip("/").split("/")[-1]
-    return f"{LABEL}-{request_rate}qps{concurrency}-{base}-{started:%Y%m%d-%H%M%S}.json"
+    return f"{label}-{request_rate}qps{concurrency}-{base}-{started:%Y%m%d-%H%M%S}.json"
 
 
 def write_result(path: Path, result: dict[str, Any], append: bool) -> None:
@@ -61,3 +64,26 @@ def write_result(path: Path, result: dict[str, Any], append: bool) -> None:
         if out.tell():
             out.write("\n")
         out.write(json.dumps(result))
+
+
+def check_result_file(path: Path) -> None:
+    """Its directory made and the file opened now: one that cannot be fails before the run,
+    not after it with the result lost."""
+    if path.is_dir():
+        raise typer.BadParameter(f"{path} is a directory", param_hint="--save-result")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--save-result") from None
+    if not existed:
+        path.unlink()
+
+
+class VllmSaveResultForm(TyperCommand):
+    """Takes vLLM's `--save-result` flag as well as `--save-result FILE`."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, flag_form_as_value(args))

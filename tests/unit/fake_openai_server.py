@@ -26,6 +26,7 @@ class FakeServer:
         self.models = models  # (listed by /v1/models; none: no such route)
         self.models_asked: list[str | None] = []  # each request's `model`
         self.prompts: list[Any] = []
+        self.bodies: list[dict[str, Any]] = []  # each completion request's JSON
         self.authorizations: list[str | None] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -74,6 +75,7 @@ class FakeServer:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         self.authorizations.append(request.headers.get("Authorization"))
         body = await request.json()
+        self.bodies.append(body)
         prompt, n = body["prompt"], int(body["max_tokens"])
         self.prompts.append(prompt)
         self.models_asked.append(body.get("model"))

@@ -9,6 +9,7 @@ import re
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -197,3 +198,48 @@ def test_vllms_result_flags_name_and_append_the_file(
         for name in ("ttft", "e2el")
     }
     assert "P50 TTFT (ms):" in res.output and "TPOT" not in res.output
+
+
+def test_a_vllm_bench_command_line_runs_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Any
+) -> None:
+    """--backend, --host / --port, --served-model-name (--model: the tokenizer's checkpoint),
+    --top-p / --top-k / --min-p, --num-warmups, --label, --metadata, --trust-remote-code were
+    "No such option"."""
+    monkeypatch.chdir(tmp_path)
+    srv = FakeServer(models=("served",)).start()
+    try:
+        args = ["bench", "serve", "--backend", "vllm", "--host", "127.0.0.1", "--port",
+                str(srv.port), "--model", str(tiny_checkpoint()), "--served-model-name", "served",
+                "--num-prompts", "3", "--random-input-len", "6", "--random-output-len", "2",
+                "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1", "--num-warmups", "2",
+                "--label", "mine", "--metadata", "gpu=none runs=1", "--trust-remote-code",
+                "--save-result", "--disable-tqdm"]  # fmt: skip
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, res.output
+        assert len(srv.bodies) == 2 + 3 and set(srv.models_asked) == {"served"}
+        assert all(isinstance(b["prompt"], list) and len(b["prompt"]) == 6 for b in srv.bodies)
+        assert {(b["top_p"], b["top_k"], b["min_p"]) for b in srv.bodies} == {(0.9, 5, 0.1)}
+        (saved,) = tmp_path.glob("mine-infqps-served-*.json")
+        result = json.loads(saved.read_text())
+        assert (result["backend"], result["gpu"], result["runs"]) == ("vllm", "none", "1")
+        assert result["completed"] == 3 and result["num_prompts"] == 3
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [
+        (["--backend", "openai-chat"], "'openai-chat': tandem bench serve streams"),
+        (["--port", "8000"], "give --base-url, or --host / --port"),
+        (["--metadata", "novalue"], "'novalue' is not KEY=VALUE"),
+    ],
+)
+def test_vllm_options_it_cannot_honour_are_refused(
+    server: FakeServer, extra: list[str], error: str
+) -> None:
+    args = ["bench", "serve", "--base-url", server.base_url, "--model", "fake", "--disable-tqdm"]
+    res = CliRunner().invoke(app, [*args, *extra])
+    assert res.exit_code == 2, res.output
+    assert error in " ".join(res.output.replace("│", " ").split()), res.output
