@@ -50,6 +50,7 @@ class DatasetOptions:
     mt_turn_len: int = 32
     mt_output_len: int = 32
     mixed: MixedSpec = field(default_factory=MixedSpec)
+    random_prefix_len: int = 0  # (tokens of one random prefix every random prompt starts with)
 
 
 def prompt_maker(
@@ -92,7 +93,13 @@ def make_conversations(
     o = options
     if o.name == "random":
         return random_dataset(
-            maker, rng, o.num_prompts, o.random_input_len, o.random_output_len, o.random_range_ratio
+            maker,
+            rng,
+            o.num_prompts,
+            o.random_input_len,
+            o.random_output_len,
+            o.random_range_ratio,
+            o.random_prefix_len,
         )
     if o.name == "shared-prefix":
         return shared_prefix_dataset(

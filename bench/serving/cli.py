@@ -162,6 +162,9 @@ def serve(
     seed: Annotated[int, typer.Option(help="Seed of prompts and arrival times.")] = 0,
     random_input_len: Annotated[int, typer.Option(min=1, help="random: prompt tokens.")] = 128,
     random_output_len: Annotated[int, typer.Option(min=1, help="random: output tokens.")] = 64,
+    random_prefix_len: Annotated[
+        int, typer.Option(min=0, help="random: tokens of a prefix every prompt shares, first.")
+    ] = 0,
     random_range_ratio: Annotated[
         float,
         typer.Option(
@@ -325,6 +328,7 @@ def serve(
         mt_turn_len,
         mt_output_len,
         MixedSpec(scale=mixed_scale),
+        random_prefix_len,
     )
     conversations = make_conversations(options, maker, seed)
     load = LoadConfig(

@@ -46,7 +46,11 @@ def random_dataset(
     input_len: int,
     output_len: int,
     range_ratio: float = 0.0,
+    prefix_len: int = 0,
 ) -> list[Conversation]:
+    """`num_prompts` random prompts; with `prefix_len`, all start with the same random
+    prefix of that many tokens (vLLM's --random-prefix-len; `input_len` follows it)."""
+    prefix = maker.random(rng, prefix_len) if prefix_len else ""
     return [
         Conversation(
             "random",
@@ -56,6 +60,7 @@ def random_dataset(
                     _around(rng, output_len, range_ratio),
                 )
             ],
+            prefix,
         )
         for _ in range(num_prompts)
     ]

@@ -204,21 +204,24 @@ def test_a_vllm_bench_command_line_runs_as_it_is(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Any
 ) -> None:
     """--backend, --host / --port, --served-model-name (--model: the tokenizer's checkpoint),
-    --top-p / --top-k / --min-p, --num-warmups, --label, --metadata, --trust-remote-code were
-    "No such option"."""
+    --top-p / --top-k / --min-p, --num-warmups, --label, --metadata, --trust-remote-code,
+    --random-prefix-len were "No such option"."""
     monkeypatch.chdir(tmp_path)
     srv = FakeServer(models=("served",)).start()
     try:
         args = ["bench", "serve", "--backend", "vllm", "--host", "127.0.0.1", "--port",
                 str(srv.port), "--model", str(tiny_checkpoint()), "--served-model-name", "served",
                 "--num-prompts", "3", "--random-input-len", "6", "--random-output-len", "2",
+                "--random-prefix-len", "4",
                 "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1", "--num-warmups", "2",
                 "--label", "mine", "--metadata", "gpu=none runs=1", "--trust-remote-code",
                 "--save-result", "--disable-tqdm"]  # fmt: skip
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 0, res.output
         assert len(srv.bodies) == 2 + 3 and set(srv.models_asked) == {"served"}
-        assert all(isinstance(b["prompt"], list) and len(b["prompt"]) == 6 for b in srv.bodies)
+        prompts = [b["prompt"] for b in srv.bodies]
+        assert all(isinstance(p, list) and len(p) == 4 + 6 for p in prompts)
+        assert len({tuple(p[:4]) for p in prompts}) == 1 < len({tuple(p) for p in prompts})
         assert {(b["top_p"], b["top_k"], b["min_p"]) for b in srv.bodies} == {(0.9, 5, 0.1)}
         (saved,) = tmp_path.glob("mine-infqps-served-*.json")
         result = json.loads(saved.read_text())
