@@ -248,7 +248,7 @@ class DecodeService(WorkerLoop):
                     self.engine.tokenizer,
                     req.prompt_token_ids,
                     req.output_token_ids,
-                    skip_special_tokens=req.params.skip_special_tokens,
+                    params=req.params,
                 )
             text = self.engine.output_processor.text_delta(req, finished=False)
             item = {"type": "tokens", "token_ids": list(event.token_ids), "text": text}
@@ -273,7 +273,7 @@ class DecodeService(WorkerLoop):
             output_text=OutputText.after(
                 self.engine.tokenizer,
                 stream.prompt_token_ids,
-                skip_special_tokens=stream.params.skip_special_tokens,
+                params=stream.params,
             ),
         )
         outputs = self.engine.output_processor.process(

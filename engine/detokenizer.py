@@ -49,7 +49,7 @@ class IncrementalDetokenizer:
 
     __slots__ = (
         "_tokenizer", "_skip", "_byte_runs", "_skipped", "_window", "_read", "_prefix_text",
-        "_pieces", "_text",
+        "_pieces", "_text", "_bare", "_last_added",
     )  # fmt: skip
 
     def __init__(
@@ -57,9 +57,16 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        # Special tokens kept and no spaces between them (vLLM's rule): an added token right
+        # after another is written as its bare text, without the space a decoder may put
+        # before it. None: every token as the tokenizer decodes it.
+        bare = not (skip_special_tokens or spaces_between_special_tokens)
+        self._bare = (tokenizer.added_token_texts or None) if bare else None
+        self._last_added = False
         self._byte_runs = tokenizer.byte_run_ids
         # (skipped special tokens vanish before the byte tokens around them are decoded:
         # a run goes on across them)
@@ -92,6 +99,24 @@ class IncrementalDetokenizer:
 
     def step(self, new_token_ids: Sequence[int]) -> str:
         """Add newly generated ids; return the text they finalize (possibly "")."""
+        if self._bare is None:
+            return self._step(new_token_ids)
+        out, start = "", 0
+        for i, token in enumerate(new_token_ids):
+            added = token in self._bare
+            if added and self._last_added:  # its bare text; the window starts over at it
+                out += self._step(new_token_ids[start:i]) + self.flush()
+                text = self._bare[token]
+                self._pieces.append(text)
+                self._window = [token]
+                self._read = 1
+                self._prefix_text = self._tokenizer.decode([token], self._skip, False)
+                out += text
+                start = i + 1
+            self._last_added = added
+        return out + self._step(new_token_ids[start:])
+
+    def _step(self, new_token_ids: Sequence[int]) -> str:
         if not new_token_ids:
             return ""
         window = self._window

@@ -110,7 +110,7 @@ def commit_request(
             engine.tokenizer,
             prompt_token_ids,
             output_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
+            params=params,
         )
         if params.stop:  # (the sender judged those tokens' text: searched, as the engine's own)
             output_text.find_stop(params.stop, counting=False)

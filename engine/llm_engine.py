@@ -167,8 +167,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         output_text = None
         if (stream_text or params.stop) and params.detokenize:
-            skip = params.skip_special_tokens
-            output_text = OutputText.after(self.tokenizer, token_ids, skip_special_tokens=skip)
+            output_text = OutputText.after(self.tokenizer, token_ids, params=params)
         req = Request(
             request_id,
             token_ids,

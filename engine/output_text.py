@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tandem.engine.sampling_params import SamplingParams
 
 
 class OutputText:
@@ -26,12 +30,19 @@ class OutputText:
         prompt_token_ids: Sequence[int],
         token_ids: Sequence[int] = (),
         *,
-        skip_special_tokens: bool = True,
+        params: SamplingParams | None = None,
     ) -> OutputText:
-        """The text of `token_ids` generated after the prompt (nothing streamed yet); special
-        tokens (EOS, chat markers) write nothing unless `skip_special_tokens` is False."""
+        """The text of `token_ids` generated after the prompt (nothing streamed yet), written
+        as `params` ask (None: the defaults): special tokens (EOS, chat markers) write nothing
+        unless `skip_special_tokens` is False, then with spaces between them unless
+        `spaces_between_special_tokens` is False too."""
         detokenizer = IncrementalDetokenizer(
-            tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens if params is not None else True,
+            spaces_between_special_tokens=(
+                params.spaces_between_special_tokens if params is not None else True
+            ),
         )
         text = cls(detokenizer)
         for token in token_ids:

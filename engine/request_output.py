@@ -29,7 +29,7 @@ def request_output(req: Request, tokenizer: Tokenizer, prompt: str | None = None
             tokenizer,
             req.prompt_token_ids,
             _written(req),
-            skip_special_tokens=req.params.skip_special_tokens,
+            params=req.params,
         )
         after.flush()
         text = after.text

@@ -130,7 +130,8 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True  # (vLLM's; fast tokenizers decode as they do)
+    spaces_between_special_tokens: bool = True  # (vLLM's: false, with special tokens kept,
+    # an added token right after another is written without the space a decoder puts first)
     detokenize: bool = True  # False: token ids only, `text` stays "" (vLLM's)
     logits_processors: list[Any] | None = None  # vLLM's; only None or [] (none are run here)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)

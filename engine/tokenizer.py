@@ -129,6 +129,7 @@ class Tokenizer:
         self._backend = None if cleans else self._raw_backend  # (decodes as hf.decode)
         self._token_bytes = TokenBytes(hf)
         added = getattr(hf, "added_tokens_decoder", None) or {}
+        self._added_token_texts = {int(i): str(getattr(t, "content", t)) for i, t in added.items()}
         specials = {i for i, t in added.items() if getattr(t, "special", False)}
         self._special_ids = frozenset(specials | set(getattr(hf, "all_special_ids", ())))
 
@@ -178,6 +179,11 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes (part of a character for a byte token: `TokenBytes`)."""
         return self._token_bytes(token_id)
+
+    @property
+    def added_token_texts(self) -> dict[int, str]:
+        """Each added token's own text (special or not), by id."""
+        return self._added_token_texts
 
     @property
     def special_ids(self) -> frozenset[int]:

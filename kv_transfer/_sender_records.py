@@ -70,10 +70,7 @@ class Outgoing:
         if not params.stop or params.min_tokens > 0 or not req.output_token_ids:
             return False
         text = OutputText.after(
-            tokenizer,
-            req.prompt_token_ids,
-            req.output_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
+            tokenizer, req.prompt_token_ids, req.output_token_ids, params=params
         )
         return text.find_stop(params.stop) is not None  # (also in text a byte run holds)
 

@@ -330,7 +330,7 @@ class PrefillService(WorkerLoop):
             self.engine.tokenizer,
             out.request.prompt_token_ids,
             event.token_ids,
-            skip_special_tokens=out.params.skip_special_tokens,
+            params=out.params,
         )
         item: dict[str, Any] = {"token_ids": list(event.token_ids), "text": text.text}
         if out.request.logprobs is not None:

@@ -72,6 +72,7 @@ class _SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False  # vLLM's
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the last k tokens
     skip_special_tokens: bool = True  # vLLM's
+    spaces_between_special_tokens: bool = True  # vLLM's
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     n: int = Field(1, ge=1)
@@ -129,6 +130,7 @@ class _SamplingFields(RequestBody):
             "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
         }
         names = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids")
         penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")

@@ -110,9 +110,8 @@ class Prepared:
         self.attempt += 1
         self.resumed_tokens = len(self.token_ids)
         if self.resumed_tokens:
-            skip = self.params.skip_special_tokens
             text = OutputText.after(
-                tokenizer, self.prompt_token_ids, self.token_ids, skip_special_tokens=skip
+                tokenizer, self.prompt_token_ids, self.token_ids, params=self.params
             )
             text.emitted_len = len(self.text)  # what the caller has
             text.checked_len = len(text.text)  # (the lost worker found no stop in it)
