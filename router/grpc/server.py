@@ -8,6 +8,7 @@ It runs inside the router replica, on the replica's event loop, and goes through
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import uuid
@@ -50,6 +51,12 @@ _STATUS_CODES = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
+
+REQUEST_ID_KEY = "x-request-id"
+"""Metadata a call may name itself with (when `request_id` is empty), and which its trailing
+metadata carries back."""
+TIMINGS_KEY = "x-tandem-timings"
+"""Trailing metadata of the call's stage timings (JSON, ms), as HTTP's header."""
 
 MAX_REQUEST_BYTES = 64 << 20
 """The largest GenerateRequest the server reads."""
@@ -159,16 +166,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             check_api_key(self.api_key_digest, metadata.get("authorization"))
         except APIError as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, exc.message)
+        client_id = (request.request_id if request is not None else "") or metadata.get(
+            REQUEST_ID_KEY, ""
+        )
+        req: Prepared | None = None
         try:
             with self.gate.admitted():  # (a 503 once the application stops)
-                req = await self._prepare(request)
+                req = await self._prepare(request, client_id)
                 async with contextlib.aclosing(self.serving.run(req)) as items:
                     async for item in items:
-                        yield _response(request, req, item)
+                        yield _response(client_id, req, item)
+            context.set_trailing_metadata(_trailing(client_id, req))
         except APIError as exc:
             # (refusals before `prepare` are counted here, as HTTP's error handler counts them)
             exc.count(self.serving.metrics)
-            await context.abort(_status_code(exc), _status_message(exc.message))
+            await context.abort(
+                _status_code(exc), _status_message(exc.message), _trailing(client_id, req)
+            )
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # (as HTTP's 500: counted; the class, not the details, goes out)
@@ -177,7 +191,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             failed.count(self.serving.metrics)
             await context.abort(grpc.StatusCode.INTERNAL, failed.message)
 
-    async def _prepare(self, request: generation_pb2.GenerateRequest | None) -> Prepared:
+    async def _prepare(
+        self, request: generation_pb2.GenerateRequest | None, client_id: str
+    ) -> Prepared:
+        """`client_id`: the request's `request_id`, else its `x-request-id` metadata."""
         if request is None:  # (`_parse_request` could not read the bytes)
             raise bad_request(
                 "the request is not a tandem.v1.GenerateRequest (its bytes do not parse; its "
@@ -192,13 +209,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise bad_request("give prompt or prompt_token_ids, not both", "prompt")
         if request.HasField("deadline_ms") and not 0 < request.deadline_ms < math.inf:
             raise bad_request(f"deadline_ms must be > 0 and finite, got {request.deadline_ms}")
-        rid = request.request_id
-        if len(rid) > MAX_CLIENT_ID or not rid.isprintable():  # (it goes into the logs)
+        if len(client_id) > MAX_CLIENT_ID or not client_id.isprintable():  # (into the logs)
             raise bad_request(
                 f"request_id must be at most {MAX_CLIENT_ID} printable characters", "request_id"
             )
         # A client's id may repeat (two calls at once): the workers get it made unique.
-        own_id = f"{request.request_id}@{uuid.uuid4().hex[:8]}" if request.request_id else ""
+        own_id = f"{client_id}@{uuid.uuid4().hex[:8]}" if client_id else ""
         if any(getattr(options, kind) for kind in _STRUCTURE_FIELDS):
             # (checking a grammar takes seconds for a large schema: off the event loop, as HTTP)
             fields = await on_a_tokenizing_thread(_sampling_fields, options)
@@ -219,8 +235,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
 
+def _trailing(client_id: str, req: Prepared | None) -> tuple[tuple[str, str], ...]:
+    """The call's trailing metadata: its id (`x-request-id`) and, once it was prepared, its
+    stage timings (`x-tandem-timings`, JSON in ms, as HTTP's header)."""
+    rid = client_id or (req.request_id if req is not None else "")
+    # (a metadata value is printable ASCII: an id that is not, the reply's field alone carries)
+    out = [(REQUEST_ID_KEY, rid)] if rid and all(" " <= c <= "~" for c in rid) else []
+    if req is not None:
+        out.append((TIMINGS_KEY, json.dumps(req.timings.stages_ms(), separators=(",", ":"))))
+    return tuple(out)
+
+
 def _response(
-    request: generation_pb2.GenerateRequest, req: Prepared, item: dict[str, Any]
+    client_id: str, req: Prepared, item: dict[str, Any]
 ) -> generation_pb2.GenerateResponse:
     """One item of the stream as a message; the last one (with a finish reason) has usage."""
     finish = item.get("finish_reason") or ""
@@ -233,7 +260,7 @@ def _response(
         )
     stop = req.stop_reason if finish == "stop" else None
     return generation_pb2.GenerateResponse(
-        request_id=request.request_id or req.request_id,
+        request_id=client_id or req.request_id,
         token_ids=item["token_ids"],
         text=item["text"],
         finish_reason=finish,

@@ -111,9 +111,9 @@ def test_grpc_passes_the_salt_on() -> None:
             seen["fields"] = args[4]
 
     front = GenerationServicer(Serving())  # type: ignore[arg-type]
-    asyncio.run(front._prepare(generation_pb2.GenerateRequest(prompt="x", cache_salt="t")))
+    asyncio.run(front._prepare(generation_pb2.GenerateRequest(prompt="x", cache_salt="t"), ""))
     assert seen["fields"]["cache_salt"] == "t"
-    asyncio.run(front._prepare(generation_pb2.GenerateRequest(prompt="x")))
+    asyncio.run(front._prepare(generation_pb2.GenerateRequest(prompt="x"), ""))
     assert "cache_salt" not in seen["fields"]
 
 

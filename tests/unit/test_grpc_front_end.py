@@ -232,7 +232,6 @@ def test_the_last_message_names_what_stopped_the_request() -> None:
 
     from tandem.router.grpc.server import _response
 
-    request = generation_pb2.GenerateRequest(prompt="hi", request_id="r1")
     item = {"token_ids": [5], "text": "x", "finish_reason": "stop"}
     for stop, which in (("\n", "stop_string"), (7, "stop_token_id"), (None, None)):
         req = SimpleNamespace(
@@ -242,9 +241,9 @@ def test_the_last_message_names_what_stopped_the_request() -> None:
             request_id="r1@x",
             stop_reason=stop,
         )
-        reply = _response(request, cast(Any, req), item)
+        reply = _response("r1", cast(Any, req), item)
         assert reply.WhichOneof("stop_reason") == which
         if which is not None:
             assert getattr(reply, which) == stop
-        running = _response(request, cast(Any, req), {**item, "finish_reason": None})
+        running = _response("r1", cast(Any, req), {**item, "finish_reason": None})
         assert running.WhichOneof("stop_reason") is None and not running.HasField("usage")
