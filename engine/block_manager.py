@@ -230,6 +230,17 @@ class BlockManager:
                 dropped += 1
         return dropped
 
+    def forget(self, block_ids: Iterable[int]) -> int:
+        """Drops the prefix-cache hashes of `block_ids`, in use or free (their pages are no
+        longer what was computed for them); returns how many had one."""
+        dropped = 0
+        for block_id in block_ids:
+            block = self._blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+                dropped += 1
+        return dropped
+
     def drain_events(self) -> list[KVEvent]:
         """The KV events since the last call, oldest first."""
         events, self._events = self._events, []

@@ -68,6 +68,15 @@ class HeldBlocks:
             del self.gone[next(iter(self.gone))]
         return self.release(lambda h: h.peer == peer)
 
+    def writable(self, request_id: str, peer: str) -> set[int]:
+        """The blocks `peer` may still be writing for `request_id` (its held entries')."""
+        return {
+            b
+            for h in self._entries
+            if h.request_id == request_id and h.peer in (None, peer)
+            for b in h.writable
+        }
+
     def cancel_reason(self, request_id: str, peer: str) -> str | None:
         """Why `request_id` was cancelled here, if it was and `peer` may be its sender."""
         for held in self._entries:

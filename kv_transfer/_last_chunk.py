@@ -1,17 +1,50 @@
-"""What the last chunk of a transfer must carry before the decode side commits its request
-(`receiver.py`): the first sampled tokens, their logprobs when asked for, tokens that start
-output following the request's structure, every reserved block filled, the whole prompt."""
+"""What a chunk of a transfer must be for the decode side to take it (`receiver.py`): the next
+one, on the next reserved blocks, with its pages; and what the last one must carry before its
+request commits: the first sampled tokens (ids the model has), their logprobs when asked for,
+tokens that start output following the request's structure, a sampler state this engine's
+generators take, every reserved block filled, the whole prompt."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.logprobs import parse_entries
 from tandem.engine.outputs import TokenLogprob
 from tandem.kv_transfer._receiver_records import Reservation
-from tandem.kv_transfer.manifest import ChunkManifest
+from tandem.kv_transfer.base import Message
+from tandem.kv_transfer.manifest import ChunkManifest, decode_state, pages_checksum
+
+
+def chunk_problem(
+    engine: LLMEngine,
+    res: Reservation,
+    manifest: ChunkManifest,
+    message: Message,
+    verify_checksums: bool,
+) -> str | None:
+    """Why the chunk `message` carries cannot be taken into `res` (None: it can)."""
+    index = manifest.chunk_index
+    if index > res.next_chunk:
+        return f"chunk {index} arrived out of order (expected {res.next_chunk})"
+    expected = res.block_table[res.next_block : res.next_block + len(manifest.dst_block_ids)]
+    if manifest.dst_block_ids != expected:
+        return f"chunk {index} targets blocks {manifest.dst_block_ids}, expected {expected}"
+    pages = message.pages
+    if pages is None and manifest.dst_block_ids and not message.header.get("direct"):
+        return f"chunk {index} carries no pages"
+    if pages is not None and tuple(pages.shape) != engine.kv_pool.blocks_shape(len(expected)):
+        return f"chunk {index} pages have shape {tuple(pages.shape)}"
+    if manifest.checksum and verify_checksums:
+        written = pages if pages is not None else engine.kv_pool.export_blocks(expected)
+        if pages_checksum(written) != manifest.checksum:
+            return f"chunk {index} failed its checksum"
+    if manifest.last:
+        return last_chunk_problem(engine, res, manifest, message.header, len(expected))
+    return None
 
 
 def last_chunk_problem(
@@ -25,6 +58,12 @@ def last_chunk_problem(
     structured request's matcher, past the first tokens, is kept on `res` for the commit)."""
     if not manifest.first_token_ids and not header.get("finished"):
         return "the last chunk must carry the first sampled token"
+    vocab = engine.spec.vocab_size
+    if not all(0 <= t < vocab for t in manifest.first_token_ids):
+        return f"the first tokens {manifest.first_token_ids} are not all in [0, {vocab})"
+    problem = _state_problem(engine, manifest.sampler_state)
+    if problem:
+        return problem
     if res.params.logprobs is not None and first_logprobs(res, manifest, header) is None:
         return "the last chunk's first_token_logprobs are missing or malformed"
     if res.params.structure is not None:
@@ -61,4 +100,20 @@ def _grammar_problem(engine: LLMEngine, res: Reservation, tokens: list[int]) -> 
     if not all(matcher.accept_token(t) for t in tokens):
         return f"the first tokens {tokens} do not follow the request's {structure[0]}"
     res.matcher = matcher
+    return None
+
+
+def _state_problem(engine: LLMEngine, text: str | None) -> str | None:
+    """Why `text` is no sampler state a generator of this engine's device takes (None: it is,
+    or there is none)."""
+    if text is None:
+        return None
+    try:
+        state = decode_state(text)
+    except ValueError as exc:  # (not base64)
+        return f"the sampler state is not base64: {exc}"
+    assert state is not None
+    generator = torch.Generator(device=engine.device)
+    if state.numel() != generator.get_state().numel():
+        return f"the sampler state has {state.numel()} bytes, not a generator's state"
     return None

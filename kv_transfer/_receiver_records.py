@@ -3,7 +3,7 @@ that a sender might still be writing into (held until it confirms or the stall t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.sampling_params import SamplingParams
@@ -18,6 +18,18 @@ class Held:
     block_table: list[int]
     deadline: float
     cancel_reason: str | None = None  # ended by a decode-side cancel (else by a failure)
+    num_hit_blocks: int = 0  # (cached blocks at the table's start: no sender writes them)
+
+    @classmethod
+    def of(cls, res: Reservation, deadline: float, cancel_reason: str | None) -> Held:
+        return cls(
+            res.request_id, res.peer, res.block_table, deadline, cancel_reason, res.num_hit_blocks
+        )
+
+    @property
+    def writable(self) -> list[int]:
+        """The blocks its sender was asked to write."""
+        return self.block_table[self.num_hit_blocks :]
 
 
 @dataclass
@@ -33,3 +45,9 @@ class Reservation:
     next_chunk: int = 0
     peer: str | None = None
     matcher: Any = None  # a JSON-schema request's grammar, past the first tokens (checked)
+    chunk_blocks: list[list[int]] = field(default_factory=list)  # each accepted chunk's
+
+    @property
+    def writable(self) -> list[int]:
+        """The blocks its sender was asked to write (not the cached ones at the start)."""
+        return self.block_table[self.num_hit_blocks :]

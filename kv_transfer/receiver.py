@@ -21,6 +21,11 @@ stopped (its ``cancelled`` reply, which the transport's FIFO order delivers afte
 sent before) or `stall_timeout_s` passes; only then do they return to the engine, so no page is
 reused while in flight. `block_tables()` lists held blocks too.
 
+Such a write is also why a chunk the protocol refuses (or one for an unknown reservation, or
+from another sender) is not only refused: blocks its pages may have landed in outside what its
+sender was asked to write leave the prefix cache, and the requests holding them fail
+(`_overwrites`).
+
 A sender whose process died writes nothing more: a transport that knows it (shm, torch and ucx
 on one machine, `_peer_process`; local) delivers a ``peer_gone`` message after the last of that
 peer's messages. Blocks held for that sender go back at once, and its live reservations fail.
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, NamedTuple
 
 from pydantic import ValidationError
@@ -42,7 +47,8 @@ from tandem.engine.kv_io import NoFreeBlocksError, commit_request
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer._held_blocks import HeldBlocks
-from tandem.kv_transfer._last_chunk import first_logprobs, last_chunk_problem
+from tandem.kv_transfer._last_chunk import chunk_problem, first_logprobs
+from tandem.kv_transfer._overwrites import direct_destinations, holders
 from tandem.kv_transfer._receiver_records import Held, Reservation
 from tandem.kv_transfer.base import KVTransport, Message
 from tandem.kv_transfer.events import SENDER_GONE, TransferEvent
@@ -50,8 +56,8 @@ from tandem.kv_transfer.manifest import (
     ChunkManifest,
     KVLayout,
     ManifestMismatchError,
+    TransferError,
     decode_state,
-    pages_checksum,
 )
 
 logger = logging.getLogger(__name__)
@@ -170,6 +176,9 @@ class KVReceiver:
             if kind == "peer_gone":
                 events.extend(self._sender_gone(message.peer))
                 continue
+            if kind == "pages":
+                events.extend(self._on_pages(message))
+                continue
             event = self._handle(message, kind)
             if event is not None:
                 events.append(event)
@@ -180,8 +189,6 @@ class KVReceiver:
 
     def _handle(self, message: Message, kind: Any) -> TransferEvent | None:
         request_id = str(message.header.get("request_id", ""))
-        if kind == "pages":
-            return self._on_pages(message, request_id)
         if kind == "renew":  # its sender lives and works on it: the lease runs on
             res = self.reservations.get(request_id)
             if res is not None and res.peer in (None, message.peer):
@@ -193,7 +200,7 @@ class KVReceiver:
             res = self.reservations.pop(request_id, None)
             if res is not None:
                 self.engine.block_manager.free(res.block_table)
-            self.transport.send(message.peer, {"type": "cancelled", "request_id": request_id})
+            self._send(message.peer, {"type": "cancelled", "request_id": request_id})
             return (
                 TransferEvent("cancelled", request_id, error="cancelled by prefill")
                 if res
@@ -222,7 +229,21 @@ class KVReceiver:
             )
         return [self._fail(r, "its sender is gone", sender_gone=True) for r in lost]
 
-    def _on_pages(self, message: Message, request_id: str) -> TransferEvent | None:
+    def _on_pages(self, message: Message) -> list[TransferEvent]:
+        """A chunk taken or refused; pages its transport wrote where the chunk had no right to
+        (`_overwrites`) fail the requests that hold those blocks."""
+        request_id = str(message.header.get("request_id", ""))
+        event, own = self._take_pages(message, request_id)
+        events = [event] if event is not None else []
+        foreign = direct_destinations(message, self.engine.kv_pool.num_blocks).difference(own)
+        if foreign:
+            events += self._overwritten(foreign, f"a refused chunk of {request_id}")
+        return events
+
+    def _take_pages(
+        self, message: Message, request_id: str
+    ) -> tuple[TransferEvent | None, Collection[int]]:
+        """The chunk's event, and the blocks the message had a right to write."""
         res = self.reservations.get(request_id)
         if res is None:
             reason = self.held.cancel_reason(request_id, message.peer)
@@ -232,57 +253,53 @@ class KVReceiver:
                 self._reply_error(
                     message.peer, request_id, "unknown, expired or cancelled reservation"
                 )
-            return None
+            return None, self.held.writable(request_id, message.peer)
         if res.peer is not None and res.peer != message.peer:
             self._reply_error(message.peer, request_id, "reservation belongs to another sender")
-            return None
+            return None, ()
         try:
             manifest = ChunkManifest.model_validate(message.header.get("manifest"))
             manifest.layout.check_matches(self.layout)
         except (ValidationError, ManifestMismatchError) as exc:
             res.peer = message.peer
-            return self._fail(res, f"refused manifest: {exc}")
+            return self._fail(res, f"refused manifest: {exc}"), res.writable
         res.peer = message.peer
         if manifest.chunk_index < res.next_chunk:  # a duplicate of an accepted chunk
+            accepted = res.chunk_blocks[manifest.chunk_index]
+            if manifest.dst_block_ids != accepted:
+                why = (
+                    f"chunk {manifest.chunk_index} came again for blocks "
+                    f"{manifest.dst_block_ids}, not {accepted}"
+                )
+                return self._fail(res, why), res.writable
             self._ack(res, manifest.chunk_index)
-            return None
-        problem = self._check_chunk(res, manifest, message)
+            return None, accepted
+        problem = chunk_problem(self.engine, res, manifest, message, self.verify_checksums)
         if problem:
-            return self._fail(res, problem)
+            return self._fail(res, problem), res.writable
         if message.pages is not None and manifest.dst_block_ids:
             self.engine.kv_pool.import_blocks(manifest.dst_block_ids, message.pages)
+        res.chunk_blocks.append(manifest.dst_block_ids)
         res.next_block += len(manifest.dst_block_ids)
         res.next_chunk += 1
         res.deadline = self.clock() + self.stall_timeout_s
         if not manifest.last:  # acknowledged with the last one (an ack covers all before it)
-            return None
-        return self._commit(res, manifest, message.header)
+            return None, manifest.dst_block_ids
+        return self._commit(res, manifest, message.header), manifest.dst_block_ids
 
-    def _check_chunk(
-        self, res: Reservation, manifest: ChunkManifest, message: Message
-    ) -> str | None:
-        if manifest.chunk_index > res.next_chunk:
-            return f"chunk {manifest.chunk_index} arrived out of order (expected {res.next_chunk})"
-        expected = res.block_table[res.next_block : res.next_block + len(manifest.dst_block_ids)]
-        if manifest.dst_block_ids != expected:
-            return f"chunk {manifest.chunk_index} targets blocks {manifest.dst_block_ids}, expected {expected}"
-        if message.pages is None and manifest.dst_block_ids and not message.header.get("direct"):
-            return f"chunk {manifest.chunk_index} carries no pages"
-        if message.pages is not None and tuple(
-            message.pages.shape
-        ) != self.engine.kv_pool.blocks_shape(len(expected)):
-            return f"chunk {manifest.chunk_index} pages have shape {tuple(message.pages.shape)}"
-        if manifest.checksum and self.verify_checksums:
-            pages = (
-                message.pages
-                if message.pages is not None
-                else self.engine.kv_pool.export_blocks(expected)
-            )
-            if pages_checksum(pages) != manifest.checksum:
-                return f"chunk {manifest.chunk_index} failed its checksum"
-        if manifest.last:
-            return last_chunk_problem(self.engine, res, manifest, message.header, len(expected))
-        return None
+    def _overwritten(self, blocks: set[int], by: str) -> list[TransferEvent]:
+        """`blocks` hold pages `by` wrote: they leave the prefix cache, and the reservations
+        and requests holding them fail."""
+        why = f"its KV pages were overwritten by {by}"
+        logger.error("KV blocks %s were overwritten by %s", sorted(blocks), by)
+        self.engine.block_manager.forget(blocks)
+        tables = [(r.request_id, r.block_table) for r in self.reservations.values()]
+        events = [self._fail(self.reservations[rid], why) for rid in holders(blocks, tables)]
+        running = [(rid, req.block_table) for rid, req in self.engine.requests.items()]
+        for rid in holders(blocks, running):
+            self.engine.abort(rid)
+            events.append(TransferEvent("failed", rid, error=why))
+        return events
 
     def _commit(
         self, res: Reservation, manifest: ChunkManifest, header: dict[str, Any]
@@ -300,17 +317,20 @@ class KVReceiver:
             bm.free(res.block_table)
             self._ack(res, manifest.chunk_index)
             return TransferEvent("finished_early", res.request_id, first, logprobs=logprobs)
-        req = commit_request(
-            self.engine,
-            res.request_id,
-            res.prompt_token_ids,
-            list(manifest.first_token_ids),
-            res.params,
-            res.block_table,
-            num_hit_blocks=res.num_hit_blocks,
-            sampler_state=decode_state(manifest.sampler_state),
-            matcher=res.matcher,
-        )
+        try:
+            req = commit_request(
+                self.engine,
+                res.request_id,
+                res.prompt_token_ids,
+                list(manifest.first_token_ids),
+                res.params,
+                res.block_table,
+                num_hit_blocks=res.num_hit_blocks,
+                sampler_state=decode_state(manifest.sampler_state),
+                matcher=res.matcher,
+            )
+        except (RuntimeError, ValueError) as exc:  # (what `last_chunk_problem` cannot foresee)
+            return self._fail(res, f"could not commit: {exc}")
         if logprobs is not None:
             req.logprobs = list(logprobs)
         self._ack(res, manifest.chunk_index)
@@ -354,16 +374,24 @@ class KVReceiver:
 
     def _hold(self, res: Reservation, cancel_reason: str | None = None) -> None:
         deadline = self.clock() + self.stall_timeout_s
-        self.held.add(Held(res.request_id, res.peer, res.block_table, deadline, cancel_reason))
+        self.held.add(Held.of(res, deadline, cancel_reason))
 
     def _ack(self, res: Reservation, chunk_index: int) -> None:
         assert res.peer is not None
-        self.transport.send(
+        self._send(
             res.peer, {"type": "ack", "request_id": res.request_id, "chunk_index": chunk_index}
         )
 
     def _tell_cancel(self, peer: str, request_id: str, reason: str) -> None:
-        self.transport.send(peer, {"type": "cancel", "request_id": request_id, "reason": reason})
+        self._send(peer, {"type": "cancel", "request_id": request_id, "reason": reason})
 
     def _reply_error(self, peer: str, request_id: str, error: str) -> None:
-        self.transport.send(peer, {"type": "error", "request_id": request_id, "error": error})
+        self._send(peer, {"type": "error", "request_id": request_id, "error": error})
+
+    def _send(self, peer: str, header: dict[str, Any]) -> None:
+        """Best effort (a closed transport, an address it cannot reach): the sender's own
+        timeouts end its side, and the events of this `poll` are not lost."""
+        try:
+            self.transport.send(peer, header)
+        except TransferError as exc:
+            logger.warning("could not send %s to %s: %s", header.get("type"), peer, exc)
