@@ -1,14 +1,12 @@
 """What a chunk of a transfer must be for the decode side to take it (`receiver.py`): the next
 one, on the next reserved blocks, with its pages; and what the last one must carry before its
 request commits: the first sampled tokens (ids the model has), their logprobs when asked for,
-tokens that start output following the request's structure, a sampler state this engine's
-generators take, every reserved block filled, the whole prompt."""
+tokens that start output following the request's structure, every reserved block filled, the
+whole prompt (a sampler state a generator does not take fails the commit: `receiver.py`)."""
 
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.llm_engine import LLMEngine
@@ -16,7 +14,7 @@ from tandem.engine.logprobs import parse_entries
 from tandem.engine.outputs import TokenLogprob
 from tandem.kv_transfer._receiver_records import Reservation
 from tandem.kv_transfer.base import Message
-from tandem.kv_transfer.manifest import ChunkManifest, decode_state, pages_checksum
+from tandem.kv_transfer.manifest import ChunkManifest, pages_checksum
 
 
 def chunk_problem(
@@ -61,9 +59,6 @@ def last_chunk_problem(
     vocab = engine.spec.vocab_size
     if not all(0 <= t < vocab for t in manifest.first_token_ids):
         return f"the first tokens {manifest.first_token_ids} are not all in [0, {vocab})"
-    problem = _state_problem(engine, manifest.sampler_state)
-    if problem:
-        return problem
     if res.params.logprobs is not None and first_logprobs(res, manifest, header) is None:
         return "the last chunk's first_token_logprobs are missing or malformed"
     if res.params.structure is not None:
@@ -100,20 +95,4 @@ def _grammar_problem(engine: LLMEngine, res: Reservation, tokens: list[int]) -> 
     if not all(matcher.accept_token(t) for t in tokens):
         return f"the first tokens {tokens} do not follow the request's {structure[0]}"
     res.matcher = matcher
-    return None
-
-
-def _state_problem(engine: LLMEngine, text: str | None) -> str | None:
-    """Why `text` is no sampler state a generator of this engine's device takes (None: it is,
-    or there is none)."""
-    if text is None:
-        return None
-    try:
-        state = decode_state(text)
-    except ValueError as exc:  # (not base64)
-        return f"the sampler state is not base64: {exc}"
-    assert state is not None
-    generator = torch.Generator(device=engine.device)
-    if state.numel() != generator.get_state().numel():
-        return f"the sampler state has {state.numel()} bytes, not a generator's state"
     return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tandem.kv_transfer._socket_channel import dst_block_ids_of
 from tandem.kv_transfer.base import Message
 
 
@@ -19,11 +20,8 @@ def direct_destinations(message: Message, num_blocks: int) -> set[int]:
     staged, or it carried none)."""
     if message.pages is not None or message.header.get("direct") is not True:
         return set()
-    manifest = message.header.get("manifest")
-    ids = manifest.get("dst_block_ids") if isinstance(manifest, dict) else None
-    if not isinstance(ids, list):
-        return set()
-    return {i for i in ids if type(i) is int and 0 <= i < num_blocks}
+    ids = dst_block_ids_of(message.header) or ()
+    return {i for i in ids if 0 <= i < num_blocks}
 
 
 def holders(blocks: set[int], tables: Iterable[tuple[str, list[int]]]) -> list[str]:

@@ -45,7 +45,12 @@ class Reservation:
     next_chunk: int = 0
     peer: str | None = None
     matcher: Any = None  # a JSON-schema request's grammar, past the first tokens (checked)
-    chunk_blocks: list[list[int]] = field(default_factory=list)  # each accepted chunk's
+    chunk_ends: list[int] = field(default_factory=list)  # `next_block` after each chunk
+
+    def chunk_blocks(self, index: int) -> list[int]:
+        """The blocks accepted chunk `index` wrote."""
+        start = self.chunk_ends[index - 1] if index else self.num_hit_blocks
+        return self.block_table[start : self.chunk_ends[index]]
 
     @property
     def writable(self) -> list[int]:

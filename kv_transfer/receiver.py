@@ -265,7 +265,7 @@ class KVReceiver:
             return self._fail(res, f"refused manifest: {exc}"), res.writable
         res.peer = message.peer
         if manifest.chunk_index < res.next_chunk:  # a duplicate of an accepted chunk
-            accepted = res.chunk_blocks[manifest.chunk_index]
+            accepted = res.chunk_blocks(manifest.chunk_index)
             if manifest.dst_block_ids != accepted:
                 why = (
                     f"chunk {manifest.chunk_index} came again for blocks "
@@ -279,8 +279,8 @@ class KVReceiver:
             return self._fail(res, problem), res.writable
         if message.pages is not None and manifest.dst_block_ids:
             self.engine.kv_pool.import_blocks(manifest.dst_block_ids, message.pages)
-        res.chunk_blocks.append(manifest.dst_block_ids)
         res.next_block += len(manifest.dst_block_ids)
+        res.chunk_ends.append(res.next_block)
         res.next_chunk += 1
         res.deadline = self.clock() + self.stall_timeout_s
         if not manifest.last:  # acknowledged with the last one (an ack covers all before it)
