@@ -300,7 +300,8 @@ def serve(
     checkpoint = model if served_model_name is not None else None  # (--model: the tokenizer's)
     model = _model(served_model_name or model, _served_models(base_url, bearer_headers(api_key)))
     try:
-        name_parts = {"model": model, "request_rate": request_rate, "label": label or backend,
+        name_parts = {"model": checkpoint or model, "request_rate": request_rate,
+                      "label": label or backend,
                       "max_concurrency": max_concurrency, "started": started}  # fmt: skip
         result_file = result_path(
             save_result, result_dir, result_filename, append_result, name_parts
@@ -358,6 +359,7 @@ def serve(
         percentiles=pcts,
         info={
             "backend": backend,
+            "model_id": checkpoint or model,  # (vLLM's: --model, whatever the requests name)
             "tokenizer_id": str(tokenizer) if tokenizer else None,
             "dataset_name": dataset_name,
             **meta,

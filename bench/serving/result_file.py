@@ -13,17 +13,26 @@ import typer
 from typer.core import TyperCommand
 
 SAVE_RESULT = "--save-result"
+METADATA = "--metadata"
 
 
-def flag_form_as_value(args: list[str]) -> list[str]:
-    """`args` with vLLM's `--save-result` (a flag: the last argument, or another option next)
-    given an empty value, `--save-result=`: the file the other options name. Followed by a
-    path, as tandem also takes it, it is left as it is."""
-    out = []
+def vllm_forms(args: list[str]) -> list[str]:
+    """`args` in forms typer reads: vLLM's `--save-result` flag (the last argument, or another
+    option next) given an empty value, `--save-result=` (the file the other options name;
+    followed by a path, as tandem also takes it, it is left as it is); vLLM's `--metadata a=1
+    b=2` (several values) as `--metadata a=1 --metadata b=2`."""
+    out: list[str] = []
+    option = None  # (the option whose values these are)
     for i, arg in enumerate(args):
         following = args[i + 1] if i + 1 < len(args) else None
-        alone = following is None or following.startswith("-")
-        out.append(f"{SAVE_RESULT}=" if arg == SAVE_RESULT and alone else arg)
+        if arg.startswith("-"):
+            option = arg
+            alone = following is None or following.startswith("-")
+            out.append(f"{SAVE_RESULT}=" if arg == SAVE_RESULT and alone else arg)
+        elif option == METADATA and out[-1] != METADATA:
+            out += [METADATA, arg]
+        else:
+            out.append(arg)
     return out
 
 
@@ -83,7 +92,8 @@ def check_result_file(path: Path) -> None:
 
 
 class VllmSaveResultForm(TyperCommand):
-    """Takes vLLM's `--save-result` flag as well as `--save-result FILE`."""
+    """Takes vLLM's `--save-result` flag as well as `--save-result FILE`, and its
+    `--metadata` with several values (`vllm_forms`)."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, flag_form_as_value(args))
+        return super().parse_args(ctx, vllm_forms(args))

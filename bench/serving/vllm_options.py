@@ -35,7 +35,7 @@ Label = Annotated[
 ]
 Metadata = Annotated[
     list[str] | None,
-    typer.Option(help="KEY=VALUE pairs added to the saved result (repeat it, or space them)."),
+    typer.Option(help="KEY=VALUE pairs added to the saved result: --metadata a=1 b=2."),
 ]
 TrustRemoteCode = Annotated[
     bool,
@@ -56,12 +56,13 @@ def check_backend(backend: str) -> None:
 
 
 def server_root(base_url: str | None, host: str | None, port: int | None) -> str:
-    """--base-url, else http://HOST:PORT (vLLM's defaults 127.0.0.1 and 8000)."""
+    """--base-url (over --host / --port, as vLLM takes them), else http://HOST:PORT (vLLM's
+    defaults 127.0.0.1 and 8000)."""
     if base_url is not None:
         if host is not None or port is not None:
-            raise typer.BadParameter("give --base-url, or --host / --port", param_hint="--host")
+            typer.echo(f"[bench] --host / --port ignored: --base-url {base_url} given", err=True)
         return base_url
-    host = host or "127.0.0.1"
+    host = (host or "127.0.0.1").strip("[]")
     return f"http://{f'[{host}]' if ':' in host else host}:{port or 8000}"
 
 

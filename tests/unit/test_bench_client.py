@@ -214,7 +214,7 @@ def test_a_vllm_bench_command_line_runs_as_it_is(
                 "--num-prompts", "3", "--random-input-len", "6", "--random-output-len", "2",
                 "--random-prefix-len", "4",
                 "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1", "--num-warmups", "2",
-                "--label", "mine", "--metadata", "gpu=none runs=1", "--trust-remote-code",
+                "--label", "mine", "--metadata", "gpu=none", "runs=1", "--trust-remote-code",
                 "--save-result", "--disable-tqdm"]  # fmt: skip
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 0, res.output
@@ -223,8 +223,10 @@ def test_a_vllm_bench_command_line_runs_as_it_is(
         assert all(isinstance(p, list) and len(p) == 4 + 6 for p in prompts)
         assert len({tuple(p[:4]) for p in prompts}) == 1 < len({tuple(p) for p in prompts})
         assert {(b["top_p"], b["top_k"], b["min_p"]) for b in srv.bodies} == {(0.9, 5, 0.1)}
-        (saved,) = tmp_path.glob("mine-infqps-served-*.json")
+        # (named, as vLLM names it, by --model: the checkpoint)
+        (saved,) = tmp_path.glob(f"mine-infqps-{Path(str(tiny_checkpoint())).name}-*.json")
         result = json.loads(saved.read_text())
+        assert result["model_id"] == str(tiny_checkpoint())
         assert (result["backend"], result["gpu"], result["runs"]) == ("vllm", "none", "1")
         assert result["completed"] == 3 and result["num_prompts"] == 3
     finally:
@@ -235,7 +237,6 @@ def test_a_vllm_bench_command_line_runs_as_it_is(
     ("extra", "error"),
     [
         (["--backend", "openai-chat"], "'openai-chat': tandem bench serve streams"),
-        (["--port", "8000"], "give --base-url, or --host / --port"),
         (["--metadata", "novalue"], "'novalue' is not KEY=VALUE"),
     ],
 )
@@ -246,3 +247,11 @@ def test_vllm_options_it_cannot_honour_are_refused(
     res = CliRunner().invoke(app, [*args, *extra])
     assert res.exit_code == 2, res.output
     assert error in " ".join(res.output.replace("│", " ").split()), res.output
+
+
+def test_the_server_root_from_vllms_host_and_port() -> None:
+    from tandem.bench.serving.vllm_options import server_root
+
+    assert server_root(None, None, None) == "http://127.0.0.1:8000"
+    assert server_root(None, "::1", 9) == server_root(None, "[::1]", 9) == "http://[::1]:9"
+    assert server_root("http://h:1", "x", 2) == "http://h:1"  # (--base-url wins, as vLLM's)
