@@ -10,7 +10,8 @@ from typing import Any
 
 from tandem.engine.chat_content import content_text, template_tool_calls
 from tandem.engine.errors import InvalidRequestError
-from tandem.engine.sampling_params import SamplingParams, sample_seed
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.seeds import sample_seed
 
 Prompts = str | dict[str, Any] | Sequence[str] | Sequence[Sequence[int]] | Sequence[dict[str, Any]]
 """One prompt or several: texts, token id lists, or vLLM's prompt dicts."""

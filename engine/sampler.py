@@ -19,7 +19,7 @@ from tandem.engine.guided import mask_disallowed
 from tandem.engine.penalties import apply_penalties
 from tandem.engine.request import Request
 from tandem.engine.sampling_candidates import CANDIDATES, candidate_probabilities, nucleus_drop
-from tandem.engine.sampling_params import draw_seed
+from tandem.engine.seeds import draw_seed
 
 NO_TOKEN = -1
 """The "token" of a row whose request allows none (its constraints exclude every token: e.g.

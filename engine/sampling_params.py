@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
-import struct
 from typing import Annotated, Any
 
-import xxhash
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -19,6 +17,7 @@ from pydantic import (
 )
 
 from tandem.engine.errors import InvalidRequestError, summarize_validation
+from tandem.engine.seeds import SEED_MAX, SEED_MIN, no_seed_as_none
 from tandem.engine.vllm_compat import (
     RequestOutputKind,
     SamplingType,
@@ -26,8 +25,6 @@ from tandem.engine.vllm_compat import (
     structure_fields,
 )
 
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-"""The seeds a `torch.Generator` takes (a signed or unsigned 64-bit integer)."""
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
@@ -39,30 +36,6 @@ at every step it runs (40,000 held a prefill worker's loop for 20 s: its other r
 failed as if it were gone)."""
 STRUCTURE_KINDS = ("json_schema", "regex", "choice", "grammar")
 """The fields that constrain the output's structure; a request sets at most one."""
-
-
-def no_seed_as_none(seed: int | None) -> int | None:
-    """vLLM's reading of a seed: -1 means none (the request samples anew each time)."""
-    return None if seed == -1 else seed
-
-
-def sample_seed(seed: int | None, sample: int) -> int | None:
-    """The seed of sample `sample` (0-based) of a request seeded `seed`: `seed + sample`,
-    wrapped into the seed range (None: unseeded). -1 comes out as its equal 2**64 - 1 (torch
-    and `draw_seed` read seeds modulo 2**64), so that checking the sample's params again does
-    not take it as vLLM's "no seed"."""
-    if seed is None:
-        return None
-    span = SEED_MAX - SEED_MIN + 1
-    wrapped = (seed + sample - SEED_MIN) % span + SEED_MIN
-    return SEED_MAX if wrapped == -1 else wrapped
-
-
-def draw_seed(seed: int, draw: int) -> int:
-    """The seed of a seeded request's `draw`-th sampled token (0-based): its tokens depend on
-    the seed and their position only, so an attempt that goes on from the tokens of a lost one
-    (`SamplingParams.resumed_tokens`) draws what the lost one would have."""
-    return xxhash.xxh64_intdigest(struct.pack("<QQ", seed % 2**64, draw))
 
 
 def truncated_prompt(

@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
 
-from tandem.engine.sampling_params import sample_seed
+from tandem.engine.seeds import sample_seed
 from tandem.router.call_cleanup import to_completion
 from tandem.router.errors import APIError, bad_request
 from tandem.router.prepared import Prepared

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tandem.engine.chat_content import content_text, template_tool_calls
 from tandem.engine.errors import InvalidRequestError
-from tandem.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, no_seed_as_none
+from tandem.engine.sampling_params import MAX_LOGPROBS
+from tandem.engine.seeds import SEED_MAX, SEED_MIN, no_seed_as_none
 from tandem.router.chat_template_options import (
     check_template_kwargs,
     check_template_options,

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.seeds import SEED_MAX, SEED_MIN
 from tandem.router import multi_choice, openai_stream
 from tandem.router.errors import APIError
 from tandem.router.openai_format import ResponseHead, full_body, merged_usage

@@ -10,7 +10,8 @@ import torch
 from tandem.engine import sampler
 from tandem.engine.request import Request
 from tandem.engine.sampling_candidates import CANDIDATES, candidate_probabilities
-from tandem.engine.sampling_params import SamplingParams, draw_seed
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.seeds import draw_seed
 
 
 def _requests(settings: list[dict[str, float]]) -> list[Request]:
