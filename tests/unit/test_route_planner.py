@@ -253,3 +253,23 @@ def test_a_requests_choices_are_admitted_as_one(colocated: bool) -> None:
     plan(p, list(range(6000, 8500)))  # another request's, as large, queued meanwhile
     with pytest.raises(APIError):
         asyncio.run(choices(1, siblings))  # (was admitted: the released plan counted as own)
+
+
+def test_with_no_live_prefill_worker_decode_prefills_the_request_itself() -> None:
+    """The only prefill worker draining (a redeploy) or gone: requests were 503 (a router that
+    stopped) or waited for its replacement's start-up (39 s on 2 cores)."""
+    d = directory(*WORKERS)
+    for wid in ("p0", "p1"):
+        d.mark_draining(wid)
+    p = planner(d)
+    route = plan(p, list(range(100)))
+    assert route.local_prefill and route.prefill is None and route.prefill_tokens == 100
+    assert route.decode.worker_id == "d1"
+
+    async def one_token() -> Any:
+        return await p.plan(list(range(50)), INFO, None, hold_s=60, max_tokens=1)
+
+    single = asyncio.run(one_token())  # (it ended on a prefill worker: decode computes it)
+    assert single.local_prefill and single.decode is not None
+    d.workers["p1"].draining = False
+    assert plan(p, list(range(100, 200))).prefill.worker_id == "p1"
