@@ -256,6 +256,7 @@ def serve(
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     started = time.monotonic()
     from ray import serve as ray_serve
+    from ray.serve.exceptions import RayServeException
 
     needed = cfg.ray_resources_needed()
     ports = {"--port": cfg.port, "--grpc-port": cfg.grpc_port, "--direct-port": cfg.direct_port}
@@ -300,7 +301,8 @@ def serve(
             _say_stopping(cfg, drain)
         except KeyboardInterrupt:  # while starting
             drain = not own_cluster
-        except RuntimeError as exc:  # Serve could not deploy it (a worker failed to start)
+        except (RuntimeError, RayServeException) as exc:  # Serve could not deploy it (a
+            # worker failed to start; another application serves the route prefix "/")
             failed = error_line(exc)
     finally:
         try:
