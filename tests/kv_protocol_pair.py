@@ -117,11 +117,13 @@ def prompt_of(n: int, start: int = 1) -> list[int]:
     return [(start + 7 * i) % 500 + 1 for i in range(n)]
 
 
-def next_request_is_exact(pair: Pair, colocated: LLM) -> None:
-    prompt = prompt_of(16 * 12 + 3, start=40)
+def next_request_is_exact(
+    pair: Pair, colocated: LLM, prompt: list[int] | None = None, rid: str = "next"
+) -> None:
+    prompt = prompt or prompt_of(16 * 12 + 3, start=40)
     pair.events = []
-    pair.start("next", prompt)
+    pair.start(rid, prompt)
     events = pair.pump()
     first = next(e.token_ids for e in events if e.kind == "first_token")
-    assert list(first) + pair.decode_all()["next"] == expect(colocated, prompt)
+    assert list(first) + pair.decode_all()[rid] == expect(colocated, prompt)
     pair.idle()

@@ -15,7 +15,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.kv_transfer.manifest import KVLayout, PagesHeaderWriter
 from tests import kv_protocol_pair
-from tests.kv_protocol_pair import GREEDY, Pair, expect, next_request_is_exact, prompt_of
+from tests.kv_protocol_pair import GREEDY, Pair, next_request_is_exact, prompt_of
 
 model = kv_protocol_pair.model  # the module-scoped fixtures
 colocated = kv_protocol_pair.colocated
@@ -84,12 +84,7 @@ def test_a_refused_chunk_written_into_cached_blocks_takes_them_out_of_the_cache(
     _send_chunk(pair, "gone", cached[:3], direct=True)
     assert pair.receiver.poll() == []
     assert all(pair.decode.block_manager.cached_hash(b) is None for b in cached[:3])
-    pair.events = []
-    pair.start("again", prompt)
-    events = pair.pump()
-    first = next(e.token_ids for e in events if e.kind == "first_token")
-    assert list(first) + pair.decode_all()["again"] == expect(colocated, prompt)
-    pair.idle()
+    next_request_is_exact(pair, colocated, prompt, "again")
 
 
 def test_a_chunk_sent_again_for_other_blocks_fails_its_request(model: str, colocated: LLM) -> None:
