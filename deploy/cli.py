@@ -16,6 +16,8 @@ import typer
 from tandem.bench.serving.cli import bench_app
 from tandem.deploy.generate_cmd import generate
 from tandem.deploy.serve_cmd import serve
+from tandem.deploy.serve_vllm_flags import ServeForms
+from tandem.deploy.vllm_arg_forms import UNDERSCORES
 
 app = typer.Typer(
     name="tandem",
@@ -23,7 +25,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode=None,  # plain help: paragraphs reflowed, option names never cut at 80 columns
-    context_settings={"help_option_names": ["-h", "--help"]},
+    context_settings={"help_option_names": ["-h", "--help"], **UNDERSCORES},
 )
 
 
@@ -158,7 +160,7 @@ def tiny_model(
 
 
 app.command("generate")(generate)
-app.command("serve")(serve)
+app.command("serve", cls=ServeForms)(serve)
 app.add_typer(bench_app, name="bench")
 
 

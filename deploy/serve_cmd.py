@@ -171,6 +171,12 @@ def serve(
     trust_remote_code: vllm_flags.TrustRemoteCode = False,
     enforce_eager: vllm_flags.EnforceEager = False,
     disable_log_stats: vllm_flags.DisableLogStats = False,
+    swap_space: vllm_flags.SwapSpace = None,
+    kv_cache_dtype: vllm_flags.KvCacheDtype = "auto",
+    load_format: vllm_flags.LoadFormat = "auto",
+    max_seq_len_to_capture: vllm_flags.MaxSeqLenToCapture = None,
+    disable_custom_all_reduce: vllm_flags.DisableCustomAllReduce = False,
+    task: vllm_flags.Task = "auto",
 ) -> None:
     """Serve a model with disaggregated prefill and decode on Ray (OpenAI API + gRPC).
 
@@ -182,7 +188,12 @@ def serve(
         raise typer.Exit(code=2)
     model = model or model_argument
     refused = vllm_flags.refused_vllm_flags(
-        tensor_parallel_size, pipeline_parallel_size, enable_chunked_prefill
+        tensor_parallel_size,
+        pipeline_parallel_size,
+        enable_chunked_prefill,
+        kv_cache_dtype,
+        load_format,
+        task,
     )
     if refused:
         typer.echo(f"Error: {refused}", err=True)

@@ -3,13 +3,37 @@ both roles (over what the file gives the roles), `--stream-interval` `decode.str
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 import typer
 
+_SUFFIX = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_int(text: str) -> int:
+    """vLLM's sizes: 32768, 25.6k (k/m/g/t: powers of 1000) or 32K (K/M/G/T: of 1024, whole
+    numbers only)."""
+    match = _SUFFIX.fullmatch(text.strip())
+    if match is None:
+        raise typer.BadParameter(f"{text!r} is not a whole number (e.g. 32768, 32K or 25.6k)")
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise typer.BadParameter(f"{text!r}: a fraction takes k, m, g or t, not {suffix or 'none'}")
+    return int(number) * _BINARY.get(suffix, 1)
+
+
 MaxModelLen = Annotated[
     int | None,
-    typer.Option(min=2, help="Longest prompt + output in tokens (default: the model's)."),
+    typer.Option(
+        parser=human_int,
+        metavar="N",
+        help="Longest prompt + output in tokens, e.g. 8192 or 32K (default: the model's).",
+    ),
 ]
 StreamInterval = Annotated[
     int | None,
@@ -44,9 +68,10 @@ MaxNumSeqs = Annotated[
 MaxNumBatchedTokens = Annotated[
     int | None,
     typer.Option(
-        min=1,
-        help="Most tokens one engine step computes (default 2048): longer prompts are "
-        "prefilled in chunks of it.",
+        parser=human_int,
+        metavar="N",
+        help="Most tokens one engine step computes, e.g. 2048 (the default) or 16K: longer "
+        "prompts are prefilled in chunks of it.",
     ),
 ]
 BlockSize = Annotated[

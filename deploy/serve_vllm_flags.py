@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from tandem.deploy.vllm_arg_forms import repeat_values, rewriting
+
 TensorParallelSize = Annotated[
     int,
     typer.Option(
@@ -79,7 +81,46 @@ DisableLogStats = Annotated[
 ]
 
 
-def refused_vllm_flags(tensor_parallel: int, pipeline_parallel: int, chunked: bool) -> str | None:
+SwapSpace = Annotated[
+    float | None,
+    typer.Option(
+        metavar="GIB",
+        help="Taken for vLLM command lines: tandem swaps no KV cache to the CPU (a request "
+        "preempted for room is computed again).",
+    ),
+]
+KvCacheDtype = Annotated[
+    str, typer.Option(help="auto only: the KV cache has the weights' dtype (--dtype).")
+]
+LoadFormat = Annotated[
+    str,
+    typer.Option(
+        help="auto, safetensors or pt: the checkpoint's .safetensors files, else its PyTorch "
+        ".bin files."
+    ),
+]
+MaxSeqLenToCapture = Annotated[
+    int | None, typer.Option(metavar="N", help="Always so: tandem captures no CUDA graphs.")
+]
+DisableCustomAllReduce = Annotated[
+    bool,
+    typer.Option(
+        "--disable-custom-all-reduce",
+        show_default=False,
+        help="Always so: each worker runs on one device (no all-reduce).",
+    ),
+]
+Task = Annotated[str, typer.Option(help="auto or generate only: tandem generates text.")]
+
+
+def refused_vllm_flags(
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    chunked: bool,
+    kv_cache_dtype: str = "auto",
+    load_format: str = "auto",
+    task: str = "auto",
+) -> str | None:
     """Why the vLLM flags given cannot be honoured (None: they can)."""
     if tensor_parallel > 1 or pipeline_parallel > 1:
         return (
@@ -93,4 +134,26 @@ def refused_vllm_flags(tensor_parallel: int, pipeline_parallel: int, chunked: bo
             "pages stream to decode as it ends); raise --max-num-batched-tokens to the "
             "context length to prefill a whole prompt in one step"
         )
+    if kv_cache_dtype != "auto":
+        return (
+            f"--kv-cache-dtype {kv_cache_dtype}: tandem's KV cache has the weights' dtype "
+            "(auto; choose it with --dtype)"
+        )
+    if load_format not in ("auto", "safetensors", "pt"):
+        return f"--load-format {load_format}: tandem reads safetensors or pt checkpoints (auto)"
+    if task not in ("auto", "generate"):
+        return f"--task {task}: tandem serves text generation only (generate)"
     return None
+
+
+def _vllm_forms(args: list[str]) -> list[str]:
+    """vLLM's `--served-model-name a b` as the option repeated, where the model is given
+    otherwise (first, or `--model`): a path after the names would be taken for one."""
+    given = bool(args) and not args[0].startswith("-")
+    if given or any(a == "--model" or a.startswith("--model=") for a in args):
+        return repeat_values(args, ("--served-model-name",))
+    return args
+
+
+ServeForms = rewriting(_vllm_forms)
+"""`tandem serve`'s command class: it reads vLLM's `--served-model-name a b`."""

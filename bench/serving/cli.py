@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from tandem.bench.serving import vllm_options as vllm
-from tandem.bench.serving.result_file import VllmSaveResultForm, check_result_file
+from tandem.bench.serving.result_file import VllmForms, check_result_file
 
 bench_app = typer.Typer(
     name="bench",
@@ -99,7 +99,7 @@ def _model(model: str | None, served: list[str] | None) -> str:
     return model
 
 
-@bench_app.command("serve", cls=VllmSaveResultForm)
+@bench_app.command("serve", cls=VllmForms)
 def serve(
     model: Annotated[
         str | None,
@@ -160,8 +160,13 @@ def serve(
         int | None, typer.Option(min=1, help="Most requests in flight at once (default: no cap).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of prompts and arrival times.")] = 0,
-    random_input_len: Annotated[int, typer.Option(min=1, help="random: prompt tokens.")] = 128,
-    random_output_len: Annotated[int, typer.Option(min=1, help="random: output tokens.")] = 64,
+    random_input_len: Annotated[
+        int, typer.Option("--random-input-len", "--input-len", min=1, help="random: prompt tokens.")
+    ] = 128,
+    random_output_len: Annotated[
+        int,
+        typer.Option("--random-output-len", "--output-len", min=1, help="random: output tokens."),
+    ] = 64,
     random_prefix_len: Annotated[
         int, typer.Option(min=0, help="random: tokens of a prefix every prompt shares, first.")
     ] = 0,

@@ -10,30 +10,24 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from typer.core import TyperCommand
+
+from tandem.deploy.vllm_arg_forms import repeat_values, rewriting
 
 SAVE_RESULT = "--save-result"
-METADATA = "--metadata"
+NARGS = ("--metadata", "--goodput")  # (vLLM's options with several values after one flag)
 
 
 def vllm_forms(args: list[str]) -> list[str]:
     """`args` in forms typer reads: vLLM's `--save-result` flag (the last argument, or another
     option next) given an empty value, `--save-result=` (the file the other options name;
     followed by a path, as tandem also takes it, it is left as it is); vLLM's `--metadata a=1
-    b=2` (several values) as `--metadata a=1 --metadata b=2`."""
+    b=2` and `--goodput ttft:50 tpot:10` (several values) as the option repeated."""
     out: list[str] = []
-    option = None  # (the option whose values these are)
     for i, arg in enumerate(args):
         following = args[i + 1] if i + 1 < len(args) else None
-        if arg.startswith("-"):
-            option = arg
-            alone = following is None or following.startswith("-")
-            out.append(f"{SAVE_RESULT}=" if arg == SAVE_RESULT and alone else arg)
-        elif option == METADATA and out[-1] != METADATA:
-            out += [METADATA, arg]
-        else:
-            out.append(arg)
-    return out
+        alone = following is None or following.startswith("-")
+        out.append(f"{SAVE_RESULT}=" if arg == SAVE_RESULT and alone else arg)
+    return repeat_values(out, NARGS)
 
 
 def result_path(
@@ -91,9 +85,5 @@ def check_result_file(path: Path) -> None:
         path.unlink()
 
 
-class VllmSaveResultForm(TyperCommand):
-    """Takes vLLM's `--save-result` flag as well as `--save-result FILE`, and its
-    `--metadata` with several values (`vllm_forms`)."""
-
-    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, vllm_forms(args))
+VllmForms = rewriting(vllm_forms)
+"""`tandem bench serve`'s command class: it reads vLLM's forms (`vllm_forms`)."""

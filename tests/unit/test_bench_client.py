@@ -205,13 +205,15 @@ def test_a_vllm_bench_command_line_runs_as_it_is(
 ) -> None:
     """--backend, --host / --port, --served-model-name (--model: the tokenizer's checkpoint),
     --top-p / --top-k / --min-p, --num-warmups, --label, --metadata, --trust-remote-code,
-    --random-prefix-len were "No such option"."""
+    --random-prefix-len, --input-len / --output-len, `--goodput a b` (several values after one
+    flag), underscores (`--num_prompts`) were "No such option" or an extra argument."""
     monkeypatch.chdir(tmp_path)
     srv = FakeServer(models=("served",)).start()
     try:
         args = ["bench", "serve", "--backend", "vllm", "--host", "127.0.0.1", "--port",
                 str(srv.port), "--model", str(tiny_checkpoint()), "--served-model-name", "served",
-                "--num-prompts", "3", "--random-input-len", "6", "--random-output-len", "2",
+                "--num_prompts", "3", "--input-len", "6", "--output-len", "2",
+                "--goodput", "ttft:5000", "tpot:5000",
                 "--random-prefix-len", "4",
                 "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1", "--num-warmups", "2",
                 "--label", "mine", "--metadata", "gpu=none", "runs=1", "--trust-remote-code",
@@ -229,6 +231,7 @@ def test_a_vllm_bench_command_line_runs_as_it_is(
         assert result["model_id"] == str(tiny_checkpoint())
         assert (result["backend"], result["gpu"], result["runs"]) == ("vllm", "none", "1")
         assert result["completed"] == 3 and result["num_prompts"] == 3
+        assert result["goodput_slos_ms"] == {"ttft": 5000.0, "tpot": 5000.0}
     finally:
         srv.stop()
 

@@ -42,12 +42,33 @@ def test_a_vllm_command_line_runs_as_it_is(
     assert "built" in res.output and seen[0].router.log_requests is True
 
 
+def test_vllm_spellings_sizes_and_lists(
+    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Any
+) -> None:
+    """`--max-model-len 1K` / `25.6k` (vLLM's sizes), `--max_num_batched_tokens` (underscores),
+    `--served-model-name a b` (several names after one flag), and the flags tandem takes as
+    what it always does: each was exit 2."""
+    flags = ["--max_model_len", "1K", "--max-num-batched-tokens", "0.5k", "--served-model-name",
+             "a", "b", "--swap-space", "4", "--kv-cache-dtype", "auto", "--load-format",
+             "safetensors", "--max-seq-len-to-capture", "8192", "--disable-custom-all-reduce",
+             "--task", "generate"]  # fmt: skip
+    res, seen = _serve(monkeypatch, tiny_checkpoint(), *flags)
+    assert res.exit_code == 2 and "built" in res.output, res.output
+    assert seen[0].engine == {"max_model_len": 1024, "max_num_batched_tokens": 500}
+    assert seen[0].served_model_name == ["a", "b"]
+    res, seen = _serve(monkeypatch, tiny_checkpoint(), "--max-model-len", "1.5K")
+    assert res.exit_code == 2 and not seen and "a fraction takes k, m, g or t" in res.output
+
+
 @pytest.mark.parametrize(
     ("flags", "why"),
     [
         (["-tp", "2"], "--tensor-parallel-size 2"),
         (["--pipeline-parallel-size", "4"], "--pipeline-parallel-size 4"),
         (["--no-enable-chunked-prefill"], "raise --max-num-batched-tokens"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: tandem's KV cache"),
+        (["--load-format", "gguf"], "--load-format gguf"),
+        (["--task", "embed"], "--task embed: tandem serves text generation only"),
     ],
 )
 def test_what_tandem_cannot_honour_is_refused_with_why(
