@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-_SUFFIX = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+_SUFFIXED = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -16,23 +16,33 @@ _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 def human_int(text: str) -> int:
     """vLLM's sizes: 32768, 25.6k (k/m/g/t: powers of 1000) or 32K (K/M/G/T: of 1024, whole
     numbers only)."""
-    match = _SUFFIX.fullmatch(text.strip())
+    match = _SUFFIXED.fullmatch(text.strip())
     if match is None:
-        raise typer.BadParameter(f"{text!r} is not a whole number (e.g. 32768, 32K or 25.6k)")
+        try:
+            return int(text)
+        except ValueError:
+            raise typer.BadParameter(
+                f"{text!r} is not a whole number (e.g. 32768 or 32K)"
+            ) from None
     number, suffix = match.groups()
     if suffix in _DECIMAL:
         return int(float(number) * _DECIMAL[suffix])
     if "." in number:
-        raise typer.BadParameter(f"{text!r}: a fraction takes k, m, g or t, not {suffix or 'none'}")
-    return int(number) * _BINARY.get(suffix, 1)
+        raise typer.BadParameter(f"{text!r}: a fraction takes k, m, g or t, not {suffix}")
+    return int(number) * _BINARY[suffix]
+
+
+def human_int_or_auto(text: str) -> int | None:
+    """`human_int`, or None for vLLM's auto / -1 (the model's length, as fits the KV cache)."""
+    return None if text.strip().lower() in ("auto", "-1") else human_int(text)
 
 
 MaxModelLen = Annotated[
     int | None,
     typer.Option(
-        parser=human_int,
+        parser=human_int_or_auto,
         metavar="N",
-        help="Longest prompt + output in tokens, e.g. 8192 or 32K (default: the model's).",
+        help="Longest prompt + output in tokens, e.g. 8192 or 32K (default, or auto: the model's).",
     ),
 ]
 StreamInterval = Annotated[

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from tandem.deploy.vllm_arg_forms import repeat_values, rewriting
+from tandem.deploy.vllm_arg_forms import dashed, repeat_values, rewriting
 
 TensorParallelSize = Annotated[
     int,
@@ -148,9 +148,10 @@ def refused_vllm_flags(
 
 def _vllm_forms(args: list[str]) -> list[str]:
     """vLLM's `--served-model-name a b` as the option repeated, where the model is given
-    otherwise (first, or `--model`): a path after the names would be taken for one."""
+    otherwise (first, `--model` or `--config`): a path after the names would be taken for one."""
     given = bool(args) and not args[0].startswith("-")
-    if given or any(a == "--model" or a.startswith("--model=") for a in args):
+    named = ("--model", "--config")  # (a config file may name it)
+    if given or any(dashed(a).partition("=")[0] in named for a in args):
         return repeat_values(args, ("--served-model-name",))
     return args
 

@@ -15,6 +15,15 @@ UNDERSCORES = {"token_normalize_func": lambda name: name.replace("_", "-")}
 left as they are)."""
 
 
+def dashed(arg: str) -> str:
+    """An option's name with dashes for underscores (`--max_model_len=8` is
+    `--max-model-len=8`), as typer reads it under `UNDERSCORES`; other arguments as they are."""
+    if not arg.startswith("--"):
+        return arg
+    name, sep, value = arg.partition("=")
+    return name.replace("_", "-") + sep + value
+
+
 def repeat_values(args: list[str], options: Collection[str]) -> list[str]:
     """`args` with `--opt a b` (an option of `options` followed by several values) as `--opt a
     --opt b`; anything else as it is."""
@@ -22,7 +31,7 @@ def repeat_values(args: list[str], options: Collection[str]) -> list[str]:
     current, after_it = "", False  # (the option the last values belong to; right after it)
     for arg in args:
         if arg.startswith("-"):
-            current, after_it = arg.replace("_", "-"), True
+            current, after_it = dashed(arg), True
             out.append(arg)
             continue
         out += [current, arg] if current in options and not after_it else [arg]

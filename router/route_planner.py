@@ -23,6 +23,7 @@ A plan holds its load on the chosen workers (so concurrent arrivals see each oth
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,8 @@ from tandem.router.pending_prefixes import PendingPrefixes, merge_matches
 from tandem.router.routing_policy import RoutingConfig, WorkerLoad, make_policy
 from tandem.router.sibling_load import SiblingPlans, own_tokens
 from tandem.router.worker_directory import Worker, WorkerDirectory
+
+logger = logging.getLogger("tandem.router")
 
 
 class DecodeRoutingConfig(BaseModel):
@@ -133,6 +136,7 @@ class RoutePlanner:
     ) -> None:
         self.directory = directory
         self.colocated = colocated
+        self._prefill_was_live = True  # (said once when none is, and once when one is again)
         self.policy = make_policy(routing)
         self.policy_name = "colocated" if colocated else routing.policy
         self.pending = PendingPrefixes(routing.pending_ttl_s) if routing.pending_ttl_s else None
@@ -227,7 +231,14 @@ class RoutePlanner:
 
     def _prefill_live(self) -> bool:
         """Whether a prefill worker can take a request now (none: decode prefills itself)."""
-        return bool(self.directory.live("prefill"))
+        live = bool(self.directory.live("prefill"))
+        if live != self._prefill_was_live:
+            self._prefill_was_live = live
+            if live:
+                logger.info("a prefill worker is live again: requests go through prefill")
+            else:
+                logger.warning("no live prefill worker: decode workers prefill new requests")
+        return live
 
     async def _plan_prefill(
         self,

@@ -11,7 +11,7 @@ from typing import Any
 
 import typer
 
-from tandem.deploy.vllm_arg_forms import repeat_values, rewriting
+from tandem.deploy.vllm_arg_forms import dashed, repeat_values, rewriting
 
 SAVE_RESULT = "--save-result"
 NARGS = ("--metadata", "--goodput")  # (vLLM's options with several values after one flag)
@@ -26,7 +26,7 @@ def vllm_forms(args: list[str]) -> list[str]:
     for i, arg in enumerate(args):
         following = args[i + 1] if i + 1 < len(args) else None
         alone = following is None or following.startswith("-")
-        out.append(f"{SAVE_RESULT}=" if arg == SAVE_RESULT and alone else arg)
+        out.append(f"{SAVE_RESULT}=" if dashed(arg) == SAVE_RESULT and alone else arg)
     return repeat_values(out, NARGS)
 
 

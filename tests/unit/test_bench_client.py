@@ -217,10 +217,11 @@ def test_a_vllm_bench_command_line_runs_as_it_is(
                 "--random-prefix-len", "4",
                 "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1", "--num-warmups", "2",
                 "--label", "mine", "--metadata", "gpu=none", "runs=1", "--trust-remote-code",
-                "--save-result", "--disable-tqdm"]  # fmt: skip
+                "--save_result", "--ignore_eos", "--disable-tqdm"]  # fmt: skip
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 0, res.output
         assert len(srv.bodies) == 2 + 3 and set(srv.models_asked) == {"served"}
+        assert all(b["ignore_eos"] for b in srv.bodies) and not list(tmp_path.glob("--*"))
         prompts = [b["prompt"] for b in srv.bodies]
         assert all(isinstance(p, list) and len(p) == 4 + 6 for p in prompts)
         assert len({tuple(p[:4]) for p in prompts}) == 1 < len({tuple(p) for p in prompts})

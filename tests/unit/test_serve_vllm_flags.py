@@ -4,6 +4,7 @@ is, and a value tandem cannot honour is refused with why (exit 2), never dropped
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,10 @@ from tandem.deploy.cluster_config import ClusterConfig
 
 
 def _serve(monkeypatch: pytest.MonkeyPatch, model: Any, *flags: str) -> tuple[Any, list[Any]]:
+    return _serve_args(monkeypatch, str(model), *flags)
+
+
+def _serve_args(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[Any, list[Any]]:
     import tandem.deploy.app_builder as app_builder
     from tandem.deploy.cli import app
 
@@ -23,7 +28,7 @@ def _serve(monkeypatch: pytest.MonkeyPatch, model: Any, *flags: str) -> tuple[An
         raise ValueError("built")
 
     monkeypatch.setattr(app_builder, "build_app", build_app)
-    return CliRunner().invoke(app, ["serve", str(model), *flags]), seen
+    return CliRunner().invoke(app, ["serve", *args]), seen
 
 
 def test_a_vllm_command_line_runs_as_it_is(
@@ -43,7 +48,7 @@ def test_a_vllm_command_line_runs_as_it_is(
 
 
 def test_vllm_spellings_sizes_and_lists(
-    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Any
+    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Any, tmp_path: Path
 ) -> None:
     """`--max-model-len 1K` / `25.6k` (vLLM's sizes), `--max_num_batched_tokens` (underscores),
     `--served-model-name a b` (several names after one flag), and the flags tandem takes as
@@ -58,6 +63,13 @@ def test_vllm_spellings_sizes_and_lists(
     assert seen[0].served_model_name == ["a", "b"]
     res, seen = _serve(monkeypatch, tiny_checkpoint(), "--max-model-len", "1.5K")
     assert res.exit_code == 2 and not seen and "a fraction takes k, m, g or t" in res.output
+    for auto in ("auto", "-1"):  # (vLLM's: the model's length)
+        res, seen = _serve(monkeypatch, tiny_checkpoint(), "--max-model-len", auto)
+        assert "built" in res.output and "max_model_len" not in seen[0].engine, res.output
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {tiny_checkpoint()}\n")
+    res, seen = _serve_args(monkeypatch, "--config", str(config), "--served-model-name", "a", "b")
+    assert "built" in res.output and seen[0].served_model_name == ["a", "b"], res.output
 
 
 @pytest.mark.parametrize(
