@@ -223,7 +223,10 @@ class Router:
                 host,
                 port,
                 api_key_digest=self.api_key_digest,
-                ready=lambda: all(self._live_workers().values()) and not self.stop_gate.stopping,
+                ready=lambda: (
+                    health_status(self._live_workers(), self.stop_gate.stopping)
+                    in ("ok", "degraded")
+                ),
                 gate=self.stop_gate,
             )
         except Exception:
@@ -297,14 +300,13 @@ class Router:
     @api.get("/ping")  # (vLLM's and SageMaker's name for it)
     @api.post("/ping")
     async def health(self) -> JSONResponse:
-        """200 when at least one worker of each role in use is reachable, else 503 (also while
-        the application stops: "stopping")."""
+        """200 when a worker of each role in use is reachable ("ok"), or a decode worker only
+        ("degraded": decode prefills requests itself meanwhile); else 503 ("unavailable"; also
+        while the application stops: "stopping")."""
         live = self._live_workers()
-        if self.stop_gate.stopping:
-            return JSONResponse({"status": "stopping", "workers": live}, status_code=503)
-        if all(live.values()):
-            return JSONResponse({"status": "ok", "workers": live})
-        return JSONResponse({"status": "unavailable", "workers": live}, status_code=503)
+        status = health_status(live, self.stop_gate.stopping)
+        code = 200 if status in ("ok", "degraded") else 503
+        return JSONResponse({"status": status, "workers": live}, status_code=code)
 
     def _live_workers(self) -> dict[str, int]:
         """Per role in use, how many of its workers are reachable."""
@@ -344,3 +346,14 @@ class Router:
     async def workers(self) -> JSONResponse:
         """The workers this router routes to, each with its stats read from it now."""
         return JSONResponse({"workers": await self.directory.live_stats()})
+
+
+def health_status(live: dict[str, int], stopping: bool) -> str:
+    """ok: a worker of each role in use is reachable; degraded: decode workers only (they
+    prefill requests themselves meanwhile, `route_planner`); unavailable: no decode worker;
+    stopping: the application stops."""
+    if stopping:
+        return "stopping"
+    if live.get("decode", 0) == 0:
+        return "unavailable"
+    return "ok" if all(live.values()) else "degraded"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from tandem.router.call_cleanup import close_calls, to_completion, unwritten
+from tandem.router.errors import WorkerLost
 from tandem.router.route_planner import RoutePlan
 from tandem.router.worker_directory import Worker, WorkerDirectory
 
@@ -21,8 +22,15 @@ async def move_from_draining(directory: WorkerDirectory, plan: RoutePlan, role: 
 
 
 async def move(directory: WorkerDirectory, plan: RoutePlan, role: str, why: str) -> None:
-    """Another `role` worker takes the request from the plan's (`why`: what became of it)."""
+    """Another `role` worker takes the request from the plan's (`why`: what became of it).
+    With no other prefill worker live, the request starts over (`WorkerLost`), and decode
+    prefills it as the planner has new requests do (instead of waiting for a new one)."""
     old = _worker(plan, role)
+    if role == "prefill" and not directory.live(role):
+        if why == "draining":  # (it started nothing of it: decode frees the grant's blocks)
+            plan.grant_handed = False
+        message = f"prefill worker {old.worker_id} is {why} and no other is live"
+        raise WorkerLost(old.worker_id, message, "prefill_failed", drained=True)
     new = await directory.pick(role)
     logger.info("request moved from %s %s to %s", why, old.worker_id, new.worker_id)
     reassign(plan, role, new)

@@ -273,3 +273,36 @@ def test_with_no_live_prefill_worker_decode_prefills_the_request_itself() -> Non
     assert single.local_prefill and single.decode is not None
     d.workers["p1"].draining = False
     assert plan(p, list(range(100, 200))).prefill.worker_id == "p1"
+
+
+def test_a_request_whose_only_prefill_worker_drains_starts_over_for_decode() -> None:
+    """Planned to the only prefill worker, which then drains (its call answered "draining"):
+    the move waited for a replacement (27 s in a redeploy); it now starts over, and decode
+    prefills it. With another prefill worker live, the request moves there."""
+    from tandem.router.errors import WorkerLost
+    from tandem.router.plan_moves import move_from_draining
+
+    d = directory(("p0", "prefill", {}), ("p1", "prefill", {}), ("d0", "decode", {}))
+    p = planner(d)
+    route = plan(p, list(range(100)))
+    route.grant_handed = True
+    first = route.prefill.worker_id
+    asyncio.run(move_from_draining(d, route, "prefill"))
+    assert route.prefill.worker_id != first and route.grant_handed
+    with pytest.raises(WorkerLost) as lost:
+        asyncio.run(move_from_draining(d, route, "prefill"))
+    assert lost.value.drained and lost.value.code == "prefill_failed"
+    assert not route.grant_handed  # (nothing started there: decode frees the grant at once)
+    assert plan(p, list(range(100))).local_prefill
+
+
+def test_health_is_degraded_not_down_while_decode_prefills_alone() -> None:
+    """/health answered 503 while requests were served (decode prefilling them): a load
+    balancer would have dropped the router then."""
+    from tandem.router.deployment import health_status
+
+    assert health_status({"prefill": 1, "decode": 2}, False) == "ok"
+    assert health_status({"prefill": 0, "decode": 1}, False) == "degraded"
+    assert health_status({"prefill": 2, "decode": 0}, False) == "unavailable"
+    assert health_status({"decode": 1}, False) == "ok"  # (colocated)
+    assert health_status({"prefill": 1, "decode": 1}, True) == "stopping"
