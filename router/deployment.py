@@ -72,6 +72,19 @@ whose 1024 slots were taken (long streams, or clients that never send their body
 controller's health checks behind them, failed them and was restarted, its streams lost."""
 
 
+# (module level, above the class: Serve pickles the ingress class as it is defined, with the
+# names it uses that exist by then)
+def health_status(live: dict[str, int], stopping: bool) -> str:
+    """ok: a worker of each role in use is reachable; degraded: decode workers only (they
+    prefill requests themselves meanwhile, `route_planner`); unavailable: no decode worker;
+    stopping: the application stops."""
+    if stopping:
+        return "stopping"
+    if live.get("decode", 0) == 0:
+        return "unavailable"
+    return "ok" if all(live.values()) else "degraded"
+
+
 @serve.deployment(name="router", max_ongoing_requests=ROUTER_MAX_ONGOING)
 @serve.ingress(api)
 class Router:
@@ -346,14 +359,3 @@ class Router:
     async def workers(self) -> JSONResponse:
         """The workers this router routes to, each with its stats read from it now."""
         return JSONResponse({"workers": await self.directory.live_stats()})
-
-
-def health_status(live: dict[str, int], stopping: bool) -> str:
-    """ok: a worker of each role in use is reachable; degraded: decode workers only (they
-    prefill requests themselves meanwhile, `route_planner`); unavailable: no decode worker;
-    stopping: the application stops."""
-    if stopping:
-        return "stopping"
-    if live.get("decode", 0) == 0:
-        return "unavailable"
-    return "ok" if all(live.values()) else "degraded"
