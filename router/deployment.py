@@ -74,6 +74,10 @@ controller's health checks behind them, failed them and was restarted, its strea
 
 # (module level, above the class: Serve pickles the ingress class as it is defined, with the
 # names it uses that exist by then)
+HEALTHY = ("ok", "degraded")
+"""The `health_status` values that serve requests (`/health` 200, gRPC SERVING)."""
+
+
 def health_status(live: dict[str, int], stopping: bool) -> str:
     """ok: a worker of each role in use is reachable; degraded: decode workers only (they
     prefill requests themselves meanwhile, `route_planner`); unavailable: no decode worker;
@@ -237,8 +241,7 @@ class Router:
                 port,
                 api_key_digest=self.api_key_digest,
                 ready=lambda: (
-                    health_status(self._live_workers(), self.stop_gate.stopping)
-                    in ("ok", "degraded")
+                    health_status(self._live_workers(), self.stop_gate.stopping) in HEALTHY
                 ),
                 gate=self.stop_gate,
             )
@@ -318,7 +321,7 @@ class Router:
         while the application stops: "stopping")."""
         live = self._live_workers()
         status = health_status(live, self.stop_gate.stopping)
-        code = 200 if status in ("ok", "degraded") else 503
+        code = 200 if status in HEALTHY else 503
         return JSONResponse({"status": status, "workers": live}, status_code=code)
 
     def _live_workers(self) -> dict[str, int]:

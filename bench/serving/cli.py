@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from tandem.bench.serving import vllm_options as vllm
-from tandem.bench.serving.result_file import VllmForms, check_result_file
+from tandem.bench.serving.result_file import check_result_file
 
 bench_app = typer.Typer(
     name="bench",
@@ -99,7 +99,7 @@ def _model(model: str | None, served: list[str] | None) -> str:
     return model
 
 
-@bench_app.command("serve", cls=VllmForms)
+@bench_app.command("serve", cls=vllm.VllmForms)
 def serve(
     model: Annotated[
         str | None,

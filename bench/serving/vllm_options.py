@@ -7,6 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
+from tandem.deploy.vllm_arg_forms import dashed, repeat_values, rewriting
+
 BACKENDS = ("openai", "vllm")  # (both: streamed /v1/completions with usage, as vLLM sends)
 
 Backend = Annotated[
@@ -79,3 +81,24 @@ def metadata_fields(pairs: list[str] | None) -> dict[str, str]:
             raise typer.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--metadata")
         out[key.strip()] = value.strip()
     return out
+
+
+SAVE_RESULT = "--save-result"
+NARGS = ("--metadata", "--goodput")  # (vLLM's options with several values after one flag)
+
+
+def vllm_forms(args: list[str]) -> list[str]:
+    """`args` in forms typer reads: vLLM's `--save-result` flag (the last argument, or another
+    option next) given an empty value, `--save-result=` (the file the other options name;
+    followed by a path, as tandem also takes it, it is left as it is); vLLM's `--metadata a=1
+    b=2` and `--goodput ttft:50 tpot:10` (several values) as the option repeated."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        following = args[i + 1] if i + 1 < len(args) else None
+        alone = following is None or following.startswith("-")
+        out.append(f"{SAVE_RESULT}=" if dashed(arg) == SAVE_RESULT and alone else arg)
+    return repeat_values(out, NARGS)
+
+
+VllmForms = rewriting(vllm_forms)
+"""`tandem bench serve`'s command class: it reads vLLM's forms (`vllm_forms`)."""
