@@ -4,9 +4,19 @@ that a sender might still be writing into (held until it confirms or the stall t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from tandem.engine.sampling_params import SamplingParams
+
+
+class ReservationGrant(NamedTuple):
+    """What the prefill side needs: where to send, which blocks, and which it may skip."""
+
+    request_id: str
+    address: str
+    dst_block_ids: list[int]
+    num_hit_blocks: int
+    lease_s: float
 
 
 @dataclass

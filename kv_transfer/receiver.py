@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection
-from typing import Any, NamedTuple
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -49,7 +49,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer._held_blocks import HeldBlocks
 from tandem.kv_transfer._last_chunk import chunk_problem, first_logprobs
 from tandem.kv_transfer._overwrites import direct_destinations, holders
-from tandem.kv_transfer._receiver_records import Held, Reservation
+from tandem.kv_transfer._receiver_records import Held, Reservation, ReservationGrant
 from tandem.kv_transfer.base import KVTransport, Message
 from tandem.kv_transfer.events import SENDER_GONE, TransferEvent
 from tandem.kv_transfer.manifest import (
@@ -61,16 +61,6 @@ from tandem.kv_transfer.manifest import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class ReservationGrant(NamedTuple):
-    """What the prefill side needs: where to send, which blocks, and which it may skip."""
-
-    request_id: str
-    address: str
-    dst_block_ids: list[int]
-    num_hit_blocks: int
-    lease_s: float
 
 
 class KVReceiver:
@@ -172,20 +162,33 @@ class KVReceiver:
     def poll(self, timeout: float = 0.0) -> list[TransferEvent]:
         events: list[TransferEvent] = []
         for message in self.transport.poll(timeout):
-            kind = message.header.get("type")
-            if kind == "peer_gone":
-                events.extend(self._sender_gone(message.peer))
-                continue
-            if kind == "pages":
-                events.extend(self._on_pages(message))
-                continue
-            event = self._handle(message, kind)
-            if event is not None:
-                events.append(event)
+            try:
+                events.extend(self._on_message(message))
+            except Exception as exc:  # (a defect must not stop the decode worker's loop)
+                events.extend(self._contain(message, exc))
         events.extend(self._expire())
         if self.held:
             self.held.expired(self.clock())
         return events
+
+    def _on_message(self, message: Message) -> list[TransferEvent]:
+        kind = message.header.get("type")
+        if kind == "peer_gone":
+            return self._sender_gone(message.peer)
+        if kind == "pages":
+            return self._on_pages(message)
+        event = self._handle(message, kind)
+        return [] if event is None else [event]
+
+    def _contain(self, message: Message, exc: Exception) -> list[TransferEvent]:
+        """A message whose handling raised: the reservation it names fails (its blocks are
+        held as any failed one's), and the loop serves on."""
+        request_id = str(message.header.get("request_id", ""))
+        logger.exception("KV message %r for %r failed", message.header.get("type"), request_id)
+        res = self.reservations.get(request_id)
+        if res is None or (res.peer is not None and res.peer != message.peer):
+            return []
+        return [self._fail(res, f"internal error on its KV message: {exc!r}")]
 
     def _handle(self, message: Message, kind: Any) -> TransferEvent | None:
         request_id = str(message.header.get("request_id", ""))

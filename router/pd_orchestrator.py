@@ -29,7 +29,7 @@ from tandem.engine.rpc import RPCError
 from tandem.kv_transfer.events import SENDER_GONE
 from tandem.router.call_cleanup import close_calls, held_blocks_release, to_completion, unwritten
 from tandem.router.errors import APIError, unavailable
-from tandem.router.plan_moves import move, move_for_room, move_from_draining
+from tandem.router.plan_moves import move_for_room, move_from_draining, move_granted_from_lost
 from tandem.router.prefill_call import (
     PrefillCall,
     start_prefill_call,
@@ -152,7 +152,7 @@ class PDOrchestrator:
             # (the choices of one request run once all are granted: this one's lease would run
             # out meanwhile).
             if plan.prefill.client.closed:  # (its worker died meanwhile: another takes it)
-                await move(self.directory, plan, "prefill", "lost")
+                await move_granted_from_lost(self.directory, plan, request_id)
             call = start_prefill_call(
                 plan.prefill, request_id, prompt_token_ids, params, plan.grant, priority
             )

@@ -36,6 +36,20 @@ async def move(directory: WorkerDirectory, plan: RoutePlan, role: str, why: str)
     reassign(plan, role, new)
 
 
+async def move_granted_from_lost(
+    directory: WorkerDirectory, plan: RoutePlan, request_id: str
+) -> None:
+    """The plan's prefill worker was lost before it was handed decode's grant: another one
+    takes the request. With none live the request starts over (`WorkerLost`), and the
+    grant, which no worker will write, is released on decode at once (not when its lease
+    runs out)."""
+    try:
+        await move(directory, plan, "prefill", "lost")
+    except BaseException:
+        await to_completion(close_calls(set(), plan.decode_stream, unwritten(plan, request_id)))
+        raise
+
+
 async def move_for_room(
     directory: WorkerDirectory, plan: RoutePlan, request_id: str, waiting: bool
 ) -> bool:

@@ -133,3 +133,33 @@ def test_poll_on_a_closed_transport_returns_the_stalled_transfer(model: str) -> 
     pair.clock.now += 10
     events = pair.receiver.poll()
     assert _kinds(events, "late") == ["failed"]
+
+
+def test_a_message_whose_handling_raises_fails_its_request_and_polling_goes_on(
+    model: str, colocated: LLM, monkeypatch: Any
+) -> None:
+    """A defect handling one chunk (here: its checks raise) fails the reservation it names;
+    `poll` does not raise (it used to end the decode worker's loop, and every request on it)."""
+    from tandem.kv_transfer import receiver
+
+    pair = Pair(model)
+    real = receiver.chunk_problem
+    calls = {"n": 0}
+
+    def breaks_once(*args: Any) -> str | None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyError("a defect")
+        return real(*args)
+
+    monkeypatch.setattr(receiver, "chunk_problem", breaks_once)
+    pair.start("x", prompt_of(16 * 20, start=5))
+    events = pair.pump()
+    errors = [e.error or "" for e in events if e.request_id == "x" and e.kind == "failed"]
+    assert len(errors) == 2  # (decode's, and its sender's on decode's word)
+    assert "internal error on its KV message: KeyError" in errors[0]
+    assert "x" not in pair.receiver.reservations and "x" not in pair.decode.requests
+    pair.clock.now += 10  # (its blocks are held until its sender stops, or the stall timeout)
+    pair.pump()
+    pair.idle()
+    next_request_is_exact(pair, colocated)

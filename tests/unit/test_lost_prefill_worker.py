@@ -253,3 +253,43 @@ def test_a_prefill_worker_lost_once_decode_streams_its_own_tokens_costs_nothing(
         await d.close()
 
     asyncio.run(main())
+
+
+class QueueingReleasingDecode(QueueingDecode):
+    """Queues, then grants; records the router's word that no page will come."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(worker_id)
+        self.released: list[str] = []
+        self.server.handlers["release_unwritten"] = self.release_unwritten
+
+    async def release_unwritten(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
+        self.released.append(request_id)
+        yield {"released": 1}
+
+
+def test_a_granted_request_whose_only_prefill_worker_died_while_it_waited_releases_its_grant() -> (
+    None
+):
+    """No other prefill worker to take it: the request starts over (a `WorkerLost` that the
+    router's start-over takes), and the grant nobody was handed goes back on decode at once,
+    not when its lease runs out."""
+
+    async def main() -> None:
+        decode, p0 = QueueingReleasingDecode("d0"), RecordingPrefill("p0")
+        d = await start(decode, p0, roles="decode prefill")
+        plan = held_plan(d, "d0", "p0")
+        death = dies_after(d, "p0", 0.02)  # (while the reservation waits)
+        with pytest.raises(WorkerLost) as lost:
+            await run(PDOrchestrator(d), plan)
+        await death
+        assert (lost.value.worker_id, lost.value.code, lost.value.drained) == (
+            "p0",
+            "prefill_failed",
+            True,
+        )
+        assert decode.released == ["r1"]
+        assert p0.grants == [None]  # its early call only: nothing started with the grant
+        await d.close()
+
+    asyncio.run(main())
