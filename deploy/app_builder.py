@@ -66,9 +66,20 @@ def resolve_model(config: ClusterConfig) -> str:
         # architecture or rope, missing or unreadable weight files, tensors that do not fit the
         # config, no tokenizer) rather than after Ray and Serve started.
         check_weights(load_model_spec(path), path)
-        Tokenizer.from_pretrained(path)  # (loaded, not only found: a broken file says so here)
+        if not config.tokenizer:  # (loaded, not only found: a broken file says so here)
+            Tokenizer.from_pretrained(path)
         return str(path.resolve())
     return str(ensure_embedded_model(Path(config.cache_dir).expanduser()))
+
+
+def resolve_tokenizer(config: ClusterConfig) -> str | None:
+    """The directory of `config.tokenizer` (a repo id: the snapshot the Hugging Face cache
+    holds), its tokenizer loaded once here; None when the checkpoint's own is used."""
+    if not config.tokenizer:
+        return None
+    path = Path(cached_snapshot(config.tokenizer)).expanduser()
+    Tokenizer.from_pretrained(path)
+    return str(path.resolve())
 
 
 KV_LAYOUT_SETTINGS = ("dtype", "block_size", "model_revision")
@@ -133,6 +144,7 @@ def build_app(config: ClusterConfig) -> Application:
     registry = registry_name(config)
     config = config.with_auth_token(_kept_token(registry) if not config.auth_token else None)
     model = resolve_model(config)
+    config = config.model_copy(update={"tokenizer": resolve_tokenizer(config)})
     prefill = None
     if config.mode == "pd":
         check_roles_agree(config, model)
@@ -144,6 +156,7 @@ def build_app(config: ClusterConfig) -> Application:
     ).bind(config.worker_settings("decode", model, registry).model_dump(mode="json"))
     router_settings = {
         "model": model,
+        "tokenizer": config.tokenizer,
         "mode": config.mode,
         "served_model_name": config.model_names(model),
         "registry_name": registry,

@@ -44,6 +44,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+SET_BY_CLUSTER = frozenset({"model", "tokenizer"})
+"""Engine settings the cluster config's own fields set for every engine (not in `engine`)."""
+
+
 class ClusterConfig(BaseModel):
     """Everything `build_app` needs. `model=None` serves the embedded tiny model."""
 
@@ -54,6 +58,12 @@ class ClusterConfig(BaseModel):
         None,
         description="Model name clients send (default: the checkpoint folder's name); a list "
         "gives several names for the same model (replies carry the first: the canonical one).",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="A directory (or a repo id the local Hugging Face cache holds) whose "
+        "tokenizer and chat template are used instead of the checkpoint's own, by the router "
+        "and every worker (as vLLM's --tokenizer).",
     )
     chat_template: str | None = Field(
         None,
@@ -181,7 +191,7 @@ class ClusterConfig(BaseModel):
     @classmethod
     def _engine_fields_exist(cls, value: Any) -> Any:
         fields = value if isinstance(value, dict) else value.engine
-        unknown = set(fields) - set(EngineConfig.model_fields) | ({"model"} & set(fields))
+        unknown = set(fields) - set(EngineConfig.model_fields) | (SET_BY_CLUSTER & set(fields))
         if unknown:
             raise ValueError(f"unknown or misplaced engine settings: {sorted(unknown)}")
         return value
@@ -271,6 +281,8 @@ class ClusterConfig(BaseModel):
     def engine_config(self, role: Literal["prefill", "decode"], model: str) -> EngineConfig:
         role_cfg = self.prefill if role == "prefill" else self.decode
         settings = {**self.engine, **role_cfg.engine, "device": self._device(role)}
+        if self.tokenizer:
+            settings["tokenizer"] = self.tokenizer
         if 0 < role_cfg.num_gpus < 1:  # a share of a GPU: that share of its memory, by default
             default = EngineConfig.model_fields["gpu_memory_utilization"].default
             settings.setdefault("gpu_memory_utilization", round(default * role_cfg.num_gpus, 4))

@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 
 from tandem.deploy.autoscaling_config import DecodeAutoscaling, PrefillAutoscaling
-from tandem.deploy.cluster_config import ClusterConfig, RouterConfig, SLOConfig
+from tandem.deploy.cluster_config import SET_BY_CLUSTER, ClusterConfig, RouterConfig, SLOConfig
 from tandem.engine.config import DTYPE_ALIASES, EngineConfig
 from tandem.kv_transfer.registry import option_names, transport_class
 from tandem.router.admission import AdmissionConfig
@@ -34,8 +34,6 @@ CHART_DIR = Path(__file__).resolve().parent.parent / "helm" / "tandem"
 SCHEMA_FILE = CHART_DIR / "values.schema.json"
 NUMBERS_FILE = CHART_DIR / "templates" / "_numbers.tpl"
 
-ENGINE_SET_BY_CHART = ("model",)
-"""EngineConfig fields the chart sets itself (the model's path)."""
 CHART_TRANSPORTS = ("torch", "ucx")
 """The KV transports the chart offers (`serve.transport`: shm cannot cross pods)."""
 
@@ -86,7 +84,7 @@ def optional_field(model: type[BaseModel], name: str) -> dict[str, Any]:
 
 
 def engine_schema(description: str) -> dict[str, Any]:
-    schema = object_schema(EngineConfig, description, leave_out=ENGINE_SET_BY_CHART)
+    schema = object_schema(EngineConfig, description, leave_out=tuple(SET_BY_CLUSTER))
     dtype = schema["properties"]["dtype"]  # vLLM's spellings are taken too
     dtype["enum"] = [*dtype["enum"], "auto", *DTYPE_ALIASES]
     return schema

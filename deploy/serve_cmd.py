@@ -124,6 +124,7 @@ def serve(
             "names of the same model: replies carry the first.",
         ),
     ] = None,
+    tokenizer: flags.Tokenizer = None,
     max_model_len: flags.MaxModelLen = None,
     stream_interval: flags.StreamInterval = None,
     dtype: flags.Dtype = None,
@@ -215,6 +216,7 @@ def serve(
         "direct_port": direct_port,
         "api_key": api_key,
         "chat_template": chat_template,
+        "tokenizer": tokenizer,
         "served_model_name": (
             served_model_name[0]
             if served_model_name and len(served_model_name) == 1

@@ -108,3 +108,11 @@ GenerationConfig = Annotated[
         "holding a generation_config.json."
     ),
 ]
+Tokenizer = Annotated[
+    str | None,
+    typer.Option(
+        metavar="DIR",
+        help="A tokenizer's directory (or a Hugging Face repo id the local cache holds) to "
+        "use instead of the checkpoint's own, chat template included, as vLLM's --tokenizer.",
+    ),
+]

@@ -47,6 +47,9 @@ class EngineConfig(BaseModel):
     checkpoint's (config.json's, else the stored weights'), and vLLM's "half" / "float" are accepted.
     `device` places weights and the KV pool ("auto": CUDA when available); `attention_backend`
     "auto" runs the Triton kernels on CUDA and the torch ones on the CPU (`tandem.kernels`).
+    `tokenizer`: a directory whose tokenizer (and chat template) is used instead of the
+    checkpoint's own, as vLLM's `tokenizer=`; eos ids and sampling defaults still come from the
+    checkpoint's generation_config.json.
     `generation_config`: where requests' sampling defaults come from ("auto": the model's
     generation_config.json; "none"/"vllm": none; or a directory; `generation_defaults`).
     """
@@ -66,6 +69,7 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = True
     enable_kv_events: bool = False
     model_revision: str | None = None
+    tokenizer: str | None = None
     attention_backend: Literal["auto", "cpu", "triton", "reference"] = "auto"
     device: str = Field("cpu", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     seed: int = 0
@@ -76,9 +80,11 @@ class EngineConfig(BaseModel):
     def _resolve_dtype(cls, data: Any) -> Any:
         """vLLM's spellings: "auto" (the checkpoint's dtype; also when none is given), "half",
         "float", ...; a model named by its Hugging Face repo id is the snapshot the Hugging
-        Face cache holds (`cached_snapshot`)."""
-        if isinstance(data, dict) and isinstance(data.get("model"), str):
-            data = {**data, "model": cached_snapshot(data["model"])}
+        Face cache holds (`cached_snapshot`), and so is a tokenizer named so."""
+        if isinstance(data, dict):
+            for name in ("model", "tokenizer"):
+                if isinstance(data.get(name), str):
+                    data = {**data, name: cached_snapshot(data[name])}
         raw = data.get("dtype", "auto") if isinstance(data, dict) else None
         if isinstance(raw, str):
             name = DTYPE_ALIASES.get(raw, raw)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -322,12 +321,8 @@ def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     kv_bytes = kwargs.pop("kv_cache_memory_bytes", None)
     if kv_bytes is not None:  # vLLM's exact size of the pool
         kwargs.setdefault("kv_cache_memory_gb", int(kv_bytes) / (1 << 30))
-    tokenizer = kwargs.pop("tokenizer", None)
-    if tokenizer is not None and os.path.realpath(tokenizer) != os.path.realpath(model):
-        raise ValueError(
-            f"tokenizer={str(tokenizer)!r}: the checkpoint directory's own tokenizer is used "
-            "(give none, or the model's directory)"
-        )
+    if kwargs.get("tokenizer") is not None:  # (a directory, or a repo id the cache holds)
+        kwargs["tokenizer"] = str(kwargs["tokenizer"])
     if kwargs.pop("scheduling_policy", "fcfs") not in ("fcfs", "priority"):
         raise ValueError("scheduling_policy: 'fcfs' or 'priority' (a request's priority counts)")
     if kwargs.get("runner", "auto") not in ("auto", "generate"):

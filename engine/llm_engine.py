@@ -60,7 +60,7 @@ class LLMEngine:
         self.config = config
         model_dir = Path(config.model)
         self.spec: ModelSpec = load_model_spec(model_dir)
-        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir, model_dir)
         # The tokenizer's eos and generation_config.json's (config.json's without that file),
         # as vLLM stops; config.json's eos is not added when generation_config.json has its own.
         self.eos_token_ids = self.tokenizer.eos_token_ids

@@ -134,8 +134,10 @@ class Tokenizer:
         self._special_ids = frozenset(specials | set(getattr(hf, "all_special_ids", ())))
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+    def from_pretrained(cls, path: str | Path, model_dir: str | Path | None = None) -> Tokenizer:
         """Load the tokenizer in the local directory ``path`` (never touches the network).
+        The generation eos ids come from ``model_dir``'s config (default: ``path``), for a
+        tokenizer kept apart from its checkpoint.
 
         Raises CheckpointError if the directory or its tokenizer files are missing or unreadable.
         """
@@ -152,7 +154,8 @@ class Tokenizer:
         # config limit (often the training context) would only log a misleading "Token indices
         # sequence length is longer than ..." warning for a long text that the model takes.
         hf.model_max_length = NO_TOKENIZER_LIMIT
-        return cls(hf, source_dir=root, extra_eos_token_ids=generation_eos_token_ids(root))
+        eos = generation_eos_token_ids(root if model_dir is None else model_dir)
+        return cls(hf, source_dir=root, extra_eos_token_ids=eos)
 
     @property
     def hf(self) -> Any:

@@ -110,7 +110,9 @@ class Router:
         )
         api.state.api_key_digest = self.api_key_digest  # (one router replica per process)
         api.state.cors_origins = list(settings.get("cors_allowed_origins", ["*"]))
-        tokenizer = Tokenizer.from_pretrained(settings["model"])
+        tokenizer = Tokenizer.from_pretrained(
+            settings.get("tokenizer") or settings["model"], settings["model"]
+        )
         if settings.get("chat_template"):  # the config's, instead of the checkpoint's
             tokenizer.hf.chat_template = settings["chat_template"]
         registry = settings["registry_name"]

@@ -198,6 +198,17 @@ def test_model_path_may_be_the_mount_path() -> None:
     assert "must lie under" in _refused("--set", "model.path=/modelsX")
 
 
+def test_a_tokenizer_of_its_own_reaches_the_cluster_config_and_lies_under_the_mount() -> None:
+    args = app_args(_render("--set", "model.tokenizerPath=/models/tok"))
+    assert args["tokenizer"] == "/models/tok"
+    assert ClusterConfig.model_validate(args).tokenizer == "/models/tok"
+    assert "tokenizer" not in app_args(_render())  # (unset: the checkpoint's own)
+    refusal = _refused("--set", "model.tokenizerPath=/tok")
+    assert 'model.tokenizerPath "/tok" must lie under model.mountPath "/models"' in refusal
+    refused = _refused("--set", "serve.engine.tokenizer=/models/tok")  # (the chart sets it)
+    assert "tokenizer" in refused and "Additional property" in refused
+
+
 # 4. the router's termination grace period
 
 

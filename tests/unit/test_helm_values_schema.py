@@ -18,7 +18,7 @@ def test_forwarded_blocks_are_closed_and_complete() -> None:
     serve = schema["properties"]["serve"]["properties"]
     engine = serve["engine"]
     assert engine["additionalProperties"] is False
-    assert set(engine["properties"]) == set(EngineConfig.model_fields) - {"model"}
+    assert set(engine["properties"]) == set(EngineConfig.model_fields) - {"model", "tokenizer"}
     assert "auto" in engine["properties"]["dtype"]["enum"]
     decode = schema["properties"]["decode"]["properties"]
     kv_target = decode["autoscaling"]["properties"]["kv_usage_target"]["anyOf"][0]

@@ -135,7 +135,6 @@ def test_vllms_engine_arguments(tiny_checkpoint: Any, tmp_path: Any) -> None:
         ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
         ({"quantization": "awq"}, "quantization"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
-        ({"tokenizer": str(tmp_path)}, "tokenizer"),
         ({"max_logprobs": -2}, "max_logprobs"),
         ({"enable_lora": True}, "enable_lora=True: vLLM's argument is not supported"),
         ({"cpu_offload_gb": 4}, "cpu_offload_gb"),

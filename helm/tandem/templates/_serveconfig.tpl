@@ -69,6 +69,9 @@ rayResource and its replicaRayResources (tandem.validate refuses rayResource amo
 {{- if $s.reasoningParser -}}
 {{- $_ := set $args.router "reasoning_parser" $s.reasoningParser -}}
 {{- end -}}
+{{- if .Values.model.tokenizerPath -}}
+{{- $_ := set $args "tokenizer" .Values.model.tokenizerPath -}}
+{{- end -}}
 {{- if $s.chatTemplate -}}
 {{- $_ := set $args "chat_template" $s.chatTemplate -}}
 {{- end -}}

@@ -19,6 +19,9 @@ Fails the render with a message naming the values to change.
 {{- if not (or (hasPrefix (printf "%s/" $mount) $m.path) (eq (trimSuffix "/" $m.path) $mount)) -}}
 {{- fail (printf "model.path %q must lie under model.mountPath %q (or be it)" $m.path $m.mountPath) -}}
 {{- end -}}
+{{- if and $m.tokenizerPath (not (or (hasPrefix (printf "%s/" $mount) $m.tokenizerPath) (eq (trimSuffix "/" $m.tokenizerPath) $mount))) -}}
+{{- fail (printf "model.tokenizerPath %q must lie under model.mountPath %q (or be it)" $m.tokenizerPath $m.mountPath) -}}
+{{- end -}}
 {{- $claim := $m.persistentVolumeClaim.claimName -}}
 {{- if and $claim $m.hostPath -}}
 {{- fail "model: set one of model.persistentVolumeClaim.claimName and model.hostPath, not both (with hostPath, clear the default claim: --set model.persistentVolumeClaim.claimName=\"\")" -}}
