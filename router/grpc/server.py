@@ -240,7 +240,9 @@ def _trailing(client_id: str, req: Prepared | None) -> tuple[tuple[str, str], ..
     stage timings (`x-tandem-timings`, JSON in ms, as HTTP's header)."""
     rid = client_id or (req.request_id if req is not None else "")
     # (a metadata value is printable ASCII: an id that is not, the reply's field alone carries)
-    out = [(REQUEST_ID_KEY, rid)] if rid and all(" " <= c <= "~" for c in rid) else []
+    # (nor one refused for its length: gRPC drops headers past 8-16 KiB with RESOURCE_EXHAUSTED)
+    echo = rid and len(rid) <= MAX_CLIENT_ID and all(" " <= c <= "~" for c in rid)
+    out = [(REQUEST_ID_KEY, rid)] if echo else []
     if req is not None:
         out.append((TIMINGS_KEY, json.dumps(req.timings.stages_ms(), separators=(",", ":"))))
     return tuple(out)

@@ -242,7 +242,7 @@ def test_router_pods_wait_for_the_router_graceful_shutdown() -> None:
         ("ports.metrics=10001", "Ray client server"),
         ("ports.grpc=10002", "Ray's worker ports"),
         ("ports.direct=19999", "Ray's worker ports"),
-        ("ports.dashboard=15000", "Ray's worker ports"),
+        ("ports.metrics=15000", "Ray's worker ports"),
         ("ports.grpc=52365", "dashboard agent"),
     ],
 )

@@ -20,14 +20,12 @@ def _render(*sets: str) -> list[Manifest]:
 
 def test_ports_dashboard_is_the_port_ray_serves_its_dashboard_on() -> None:
     # KubeRay deploys serveConfigV2 through the head container's port named `dashboard`: Ray's
-    # dashboard must listen there (it stayed on 8265 while the port said 9265)
-    head = the(_render("--set", "ports.dashboard=9265"), "RayService")["spec"]["rayClusterConfig"][
-        "headGroupSpec"
-    ]
+    # dashboard listens there (another port is refused: KubeRay's probes check 8265 only)
+    head = the(_render(), "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
     ports = {
         p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]
     }
-    assert (ports["dashboard"], head["rayStartParams"]["dashboard-port"]) == (9265, "9265")
+    assert (ports["dashboard"], head["rayStartParams"]["dashboard-port"]) == (8265, "8265")
 
 
 def test_dashboards_without_extra_labels_render() -> None:

@@ -65,10 +65,18 @@ def test_trailing_metadata_names_the_call_and_its_timings() -> None:
                     pass
             except grpc.aio.AioRpcError as exc:
                 seen.append((exc.code(), dict(exc.trailing_metadata() or ())))
+            # an id refused for its length is not echoed: gRPC refuses headers past 16 KiB
+            # (RESOURCE_EXHAUSTED, "retry later": the call could never succeed)
+            call = generate(generation_pb2.GenerateRequest(prompt="e", request_id="x" * 20000))
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                seen.append((exc.code(), dict(exc.trailing_metadata() or ())))
         await running.stop(0)
         return seen
 
-    (mine, meta, none, accented, refused) = asyncio.run(run())
+    (mine, meta, none, accented, refused, too_long) = asyncio.run(run())
     assert mine[0] == "mine" and mine[1]["x-request-id"] == "mine"
     timings = json.loads(mine[1]["x-tandem-timings"])
     assert timings == {"tokenize": 1.0, "ttft": 4.0, "decode_stream": 6.0, "e2e": 10.0}
@@ -77,3 +85,4 @@ def test_trailing_metadata_names_the_call_and_its_timings() -> None:
     assert none[0].startswith("grpc-") and none[1]["x-request-id"] == none[0]
     assert accented[0] == "été" and "x-request-id" not in accented[1]  # (not ASCII)
     assert refused == (grpc.StatusCode.RESOURCE_EXHAUSTED, {"x-request-id": "r"})
+    assert too_long == (grpc.StatusCode.INVALID_ARGUMENT, {})

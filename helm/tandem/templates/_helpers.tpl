@@ -17,6 +17,9 @@ its Services from it (adding suffixes), so it must stay within 47 characters: re
 {{- else -}}
 {{- $name = printf "%s-%s" .Release.Name (include "tandem.name" .) -}}
 {{- end -}}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) -}}
+{{- fail (printf "the RayService name %q is not a DNS-1035 label (lowercase letters, digits and '-', starting with a letter, ending with a letter or digit), as Kubernetes names its Services: set fullnameOverride, nameOverride or the release name so" $name) -}}
+{{- end -}}
 {{- if gt (len $name) 47 -}}
 {{- fail (printf "the RayService name %q is %d characters long: KubeRay allows at most 47 (set fullnameOverride or a shorter release name)" $name (len $name)) -}}
 {{- end -}}

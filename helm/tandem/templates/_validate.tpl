@@ -44,6 +44,16 @@ Fails the render with a message naming the values to change.
 {{- $_ := set $taken $key $name -}}
 {{- end -}}
 {{- end -}}
+{{- /* KubeRay (1.4 and before) probes Ray's dashboard and dashboard agent on their default
+ports whatever rayStartParams say (kuberay#2584, #1760): pods elsewhere never get ready */ -}}
+{{- if ne (int $p.dashboard) 8265 -}}
+{{- fail (printf "ports.dashboard (%d): KubeRay's liveness and readiness probes check Ray's dashboard on 8265 whatever it is set to (kuberay#2584), so the head would never be ready: leave it at 8265" (int $p.dashboard)) -}}
+{{- end -}}
+{{- range $group := prepend (prepend (include "tandem.roles" . | fromJsonArray) "router") "head" -}}
+{{- if hasKey ((index $.Values $group).rayStartParams | default (dict)) "dashboard-agent-listen-port" -}}
+{{- fail (printf "%s.rayStartParams.dashboard-agent-listen-port: KubeRay's liveness and readiness probes check Ray's dashboard agent on 52365 whatever it is set to (kuberay#1760), so the pods would never be ready: leave it out" $group) -}}
+{{- end -}}
+{{- end -}}
 {{- include "tandem.validateHeadPorts" . -}}
 {{- include "tandem.validateRayPorts" . -}}
 {{- include "tandem.validateShm" (list "head" .Values.head) -}}
