@@ -32,6 +32,12 @@ Fails the render with a message naming the values to change.
 {{- if and .Values.apiKey.value .Values.apiKey.existingSecret -}}
 {{- fail "apiKey: set one of apiKey.value and apiKey.existingSecret, not both" -}}
 {{- end -}}
+{{- if not (semverCompare "~2.60.0" .Values.rayVersion) -}}
+{{- fail (printf "rayVersion %q: tandem's image runs Ray 2.60 (it pins ray[serve]==2.60.0), and KubeRay needs the Ray it runs" .Values.rayVersion) -}}
+{{- end -}}
+{{- if not (semverCompare ">=1.1.0-0" .Values.kuberay.operatorVersion) -}}
+{{- fail (printf "kuberay.operatorVersion %q: the chart takes KubeRay 1.1 or later (ray.io/v1 RayService)" .Values.kuberay.operatorVersion) -}}
+{{- end -}}
 {{- $p := .Values.ports -}}
 {{- $taken := dict -}}
 {{- range $name := list "http" "grpc" "direct" "metrics" "dashboard" -}}
