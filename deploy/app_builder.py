@@ -161,7 +161,7 @@ def build_app(config: ClusterConfig) -> Application:
         "served_model_name": config.model_names(model),
         "registry_name": registry,
         "auth_token": config.auth_token,
-        "api_key_sha256": key_digest(config.api_key) if config.api_key else None,
+        "api_key_sha256": [key_digest(k) for k in config.api_keys()] or None,
         "host": config.host,
         "grpc_port": config.grpc_port,
         "direct_port": config.direct_port,

@@ -83,10 +83,11 @@ class ClusterConfig(BaseModel):
         "torch: host, advertise_host, port, timeout); unknown ones are refused. A worker's "
         "transport listens on its node's address unless `host` is given.",
     )
-    api_key: str | None = Field(
+    api_key: str | list[str] | None = Field(
         None,
         description="Clients must send 'Authorization: Bearer <key>' (HTTP header or gRPC "
-        "metadata); /health and /metrics stay open. Unset: no key needed.",
+        "metadata), with this key or one of a list; /health and /metrics stay open. Unset: "
+        "no key needed.",
     )
     auth_token: str | None = Field(
         None, description="Cluster token for KV transfer handshakes (generated when unset)."
@@ -166,6 +167,10 @@ class ClusterConfig(BaseModel):
         if len(set(names)) < len(names):
             raise ValueError(f"served_model_name: a name comes twice in {names}")
         return value
+
+    def api_keys(self) -> list[str]:
+        """The keys clients may present (none: no key needed)."""
+        return [k for k in _name_list(self.api_key) if k]
 
     def model_names(self, model: str) -> list[str]:
         """The names clients may send for `model` (the checkpoint's path): the configured ones;
@@ -328,5 +333,5 @@ def _valid_engine(model: str, settings: dict[str, Any]) -> bool:
 
 
 def _name_list(value: str | list[str] | None) -> list[str]:
-    """`served_model_name` as a list of names (none given: [])."""
+    """A name-or-names field (`served_model_name`, `api_key`) as a list (none given: [])."""
     return [value] if isinstance(value, str) else list(value or [])

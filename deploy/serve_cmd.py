@@ -157,11 +157,13 @@ def serve(
         ),
     ] = None,
     api_key: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option(
-            envvar="TANDEM_API_KEY",
+            envvar=["TANDEM_API_KEY", "VLLM_API_KEY"],
+            metavar="KEY",
             help="Require 'Authorization: Bearer <key>' on the API (HTTP and gRPC); "
-            "/health, /ping and /metrics stay open.",
+            "/health, /ping and /metrics stay open. Repeat it (or give several after it, "
+            "as vLLM) to take any of several keys.",
         ),
     ] = None,
     enable_log_requests: vllm_flags.EnableLogRequests = None,
@@ -214,7 +216,7 @@ def serve(
         "port": port,
         "grpc_port": grpc_port,
         "direct_port": direct_port,
-        "api_key": api_key,
+        "api_key": api_key[0] if api_key and len(api_key) == 1 else api_key or None,
         "chat_template": chat_template,
         "tokenizer": tokenizer,
         "served_model_name": (

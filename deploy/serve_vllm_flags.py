@@ -147,14 +147,15 @@ def refused_vllm_flags(
 
 
 def _vllm_forms(args: list[str]) -> list[str]:
-    """vLLM's `--served-model-name a b` as the option repeated, where the model is given
-    otherwise (first, `--model` or `--config`): a path after the names would be taken for one."""
+    """vLLM's `--served-model-name a b` (and `--api-key a b`) as the option repeated, where
+    the model is given otherwise (first, `--model` or `--config`): a path after the names
+    would be taken for one."""
     given = bool(args) and not args[0].startswith("-")
     named = ("--model", "--config")  # (a config file may name it)
     if given or any(dashed(a).partition("=")[0] in named for a in args):
-        return repeat_values(args, ("--served-model-name",))
+        return repeat_values(args, ("--served-model-name", "--api-key"))
     return args
 
 
 ServeForms = rewriting(_vllm_forms)
-"""`tandem serve`'s command class: it reads vLLM's `--served-model-name a b`."""
+"""`tandem serve`'s command class: it reads vLLM's `--served-model-name a b`, `--api-key a b`."""

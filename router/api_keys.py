@@ -1,12 +1,12 @@
-"""API keys: with one configured, clients must present it as ``Authorization: Bearer <key>``
-(HTTP header or gRPC metadata), as OpenAI's API and vLLM's server expect. Health and metrics
-endpoints stay open for probes and Prometheus."""
+"""API keys: with keys configured, clients must present one as ``Authorization: Bearer <key>``
+(HTTP header or gRPC metadata), as OpenAI's API and vLLM's server expect (vLLM's `--api-key`
+takes several). Health and metrics endpoints stay open for probes and Prometheus."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -15,6 +15,10 @@ from tandem.router.openai_api import error_response
 
 OPEN_PATHS = ("/health", "/ping", "/metrics")
 
+KeyDigests = str | Collection[str] | None
+"""The digests (`key_digest`) of the keys clients may present: one, several, or none (no key
+needed)."""
+
 
 def key_digest(key: str) -> str:
     """What the router is given instead of the key itself (Serve shows a deployment's init
@@ -22,15 +26,15 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def check_api_key(expected_digest: str | None, authorization: str | None) -> None:
-    """Raises a 401 `APIError` unless `authorization` is ``Bearer <key>`` for the key whose
-    `key_digest` is `expected_digest`; with no key configured every request passes."""
-    if not expected_digest:
+def check_api_key(expected: KeyDigests, authorization: str | None) -> None:
+    """Raises a 401 `APIError` unless `authorization` is ``Bearer <key>`` for a key whose
+    `key_digest` is (one of) `expected`; with no key configured every request passes."""
+    digests = [expected] if isinstance(expected, str) else list(expected or ())
+    if not any(digests):
         return
     scheme, _, given = (authorization or "").strip().partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(
-        key_digest(given.strip()), expected_digest
-    ):
+    presented = key_digest(given.strip())
+    if scheme.lower() == "bearer" and any(hmac.compare_digest(presented, d) for d in digests):
         return
     raise APIError(
         401,
@@ -56,7 +60,7 @@ class APIKeyMiddleware:
     `key()`, the key's digest, is read per request (the router replica sets it after the app
     is built)."""
 
-    def __init__(self, app: ASGIApp, key: Callable[[], str | None]) -> None:
+    def __init__(self, app: ASGIApp, key: Callable[[], KeyDigests]) -> None:
         self.app = app
         self.key = key
 

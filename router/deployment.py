@@ -26,7 +26,7 @@ from tandem.engine.serve_logging import use_serve_log_handlers
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.worker_registry import get_registry
 from tandem.router.admission import AdmissionConfig
-from tandem.router.api_keys import APIKeyMiddleware, key_digest
+from tandem.router.api_keys import APIKeyMiddleware, KeyDigests, key_digest
 from tandem.router.cors import LateCORS
 from tandem.router.direct_http import DirectHTTPServer, start_direct_http
 from tandem.router.http_errors import install_error_handlers
@@ -101,11 +101,11 @@ class Router:
         use_serve_log_handlers(str(settings.get("log_level", "info")).upper())
         log_requests(bool(settings.get("log_requests", True)))
         self.settings = settings
-        # The key's digest: from the config (never the key: Serve shows init arguments), else
+        # The keys' digests: from the config (never the key: Serve shows init arguments), else
         # the key in the environment this replica was started in (the Helm chart puts its
         # Secret on the router pods as TANDEM_API_KEY).
         env_key = os.environ.get("TANDEM_API_KEY")
-        self.api_key_digest: str | None = settings.get("api_key_sha256") or (
+        self.api_key_digest: KeyDigests = settings.get("api_key_sha256") or (
             key_digest(env_key) if env_key else None
         )
         api.state.api_key_digest = self.api_key_digest  # (one router replica per process)

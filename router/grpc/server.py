@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.engine.sampling_params import MAX_LOGPROBS
-from tandem.router.api_keys import check_api_key
+from tandem.router.api_keys import KeyDigests, check_api_key
 from tandem.router.errors import APIError, bad_request
 from tandem.router.grpc import generation_pb2, generation_pb2_grpc
 from tandem.router.grpc.health_status import SERVICE_NAME, GrpcServer, HealthServicer
@@ -152,7 +152,7 @@ def _parse_request(data: bytes) -> generation_pb2.GenerateRequest | None:
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(
-        self, serving: Serving, api_key_digest: str | None = None, gate: StopGate | None = None
+        self, serving: Serving, api_key_digest: KeyDigests = None, gate: StopGate | None = None
     ) -> None:
         self.serving = serving
         self.api_key_digest = api_key_digest
@@ -277,13 +277,13 @@ async def start_grpc_server(
     serving: Serving,
     host: str,
     port: int,
-    api_key_digest: str | None = None,
+    api_key_digest: KeyDigests = None,
     ready: Callable[[], bool] = lambda: True,
     gate: StopGate | None = None,
 ) -> GrpcServer:
     """Starts Generation, health and server reflection on `host:port`. Health reports "" and
         the Generation service SERVING while `ready()` holds (checked every `HEALTH_EVERY_S`). With
-        `api_key_digest` (`key_digest` of the key), `Generate` wants the metadata
+        `api_key_digest` (`key_digest` of the key, or of each key), `Generate` wants the metadata
         ``authorization: Bearer <key>`` (reflection and health do not). `gate`: the router's, which
     counts the calls in flight and refuses new ones once the application stops."""
     # (a request over grpc's default 4 MiB was RESOURCE_EXHAUSTED, "retry later"; HTTP takes

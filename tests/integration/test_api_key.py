@@ -13,10 +13,11 @@ from tests.integration.conftest import Cluster
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 KEY = "s3cret-key"
+OTHER_KEY = "another-key"  # (several keys, as vLLM's --api-key k1 k2: either passes)
 
 
 def test_api_key_guards_http_and_grpc_but_not_health_or_metrics(cluster: Cluster) -> None:
-    base_url = cluster.deploy(api_key=KEY)
+    base_url = cluster.deploy(api_key=[KEY, OTHER_KEY])
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         resp = requests.post(f"{base_url}/v1/completions", json=body, headers=headers, timeout=30)
@@ -41,6 +42,8 @@ def test_api_key_guards_http_and_grpc_but_not_health_or_metrics(cluster: Cluster
     resp = requests.post(direct, json=body, headers=authorized, timeout=30)
     assert resp.json()["choices"][0]["text"] == out.choices[0].text
     assert requests.get(f"{cluster.direct_url}/health", timeout=30).status_code == 200
+    other = openai.OpenAI(base_url=f"{base_url}/v1", api_key=OTHER_KEY, max_retries=0)
+    assert other.completions.create(**body).choices[0].text == out.choices[0].text
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{base_url}/v1", api_key="nope", max_retries=0).models.list()
 
