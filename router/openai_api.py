@@ -204,7 +204,7 @@ async def _serve(
     # (as vLLM's: usage on every chunk only for a stream that asks for usage at all)
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     token_text = _token_id_text if body.return_tokens_as_token_ids else serving.token_text
-    ids, asked = body.return_token_ids, body.prompt_logprobs
+    ids, asked = body.return_token_ids, body.prompt_logprobs_field()
     echo, role, thoughts = "", "assistant", True
     if isinstance(body, ChatCompletionRequest):
         echo, role, thoughts = body.echoed_text(), body.reply_role(), body.include_reasoning

@@ -155,6 +155,10 @@ class _SamplingFields(RequestBody):
             params["cache_salt"] = self.cache_salt
         return params
 
+    def prompt_logprobs_field(self) -> int | None:
+        """How many alternatives the reply's `prompt_logprobs` field has (None: no field)."""
+        return self.prompt_logprobs
+
     def structure_sources(self) -> list[tuple[str, Structure]]:
         """(field, structure) for each field of the request that constrains the output."""
         found: list[tuple[str, Structure]] = []
@@ -225,6 +229,12 @@ class CompletionRequest(_SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_field(self) -> int | None:
+        """vLLM's: echo with logprobs fills the field too, with `logprobs` alternatives."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def sampling_dict(self) -> dict[str, Any]:
         params = super().sampling_dict()

@@ -181,3 +181,15 @@ def test_continuous_usage_counts_each_chunks_own_choice() -> None:
     assert chunks[-1]["usage"]["prompt_tokens"] == 6
     assert chunks[-1]["usage"]["completion_tokens"] == 4
     assert all(d["choices"][0]["stop_reason"] is None for d in chunks[:-1])  # (finished: None)
+
+
+def test_echo_with_logprobs_fills_the_prompt_logprobs_field_too() -> None:
+    """vLLM's `prompt_logprobs` is `logprobs` for an echo request that does not set it: its
+    reply carries `choices[i].prompt_logprobs` next to the echoed tokens' logprobs."""
+    choice = _complete(prompt="abc", logprobs=0)
+    assert choice["logprobs"]["tokens"] == ["a", "b", "c", "z"]
+    assert [e and next(iter(e.values()))["logprob"] for e in choice["prompt_logprobs"]] == [
+        None, -1.0, -1.0,
+    ]  # fmt: skip
+    assert "prompt_logprobs" not in _complete(prompt="abc", echo=False, logprobs=0)
+    assert "prompt_logprobs" not in _complete(prompt="abc")  # (echo alone: no logprobs)
