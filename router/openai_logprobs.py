@@ -20,8 +20,8 @@ def completion_logprobs(
     token_text: TokenText,
     text_offset: int = 0,
 ) -> dict[str, Any]:
-    """Completions' shape. `top_logprobs` holds the alternatives and the sampled token (so up
-    to `logprobs + 1` of them, as OpenAI documents); `text_offset` counts from `text_offset`.
+    """Completions' shape. `top_logprobs` holds the sampled token, then the alternatives (so up
+    to `logprobs + 1` of them, as OpenAI documents, in vLLM's order); `text_offset` counts from `text_offset`.
     An entry may be None (an echoed prompt's first token): null logprob and alternatives."""
     tokens: list[str] = []
     offsets: list[int] = []
@@ -37,8 +37,8 @@ def completion_logprobs(
             tops.append(None)
             continue
         logprob, top = entry[0], entry[1]  # (a prompt token's has its rank too)
-        alternatives = {token_text(t): lp for t, lp in top}
-        alternatives.setdefault(text, logprob)
+        alternatives = {text: logprob}  # (the sampled token first, as vLLM's)
+        alternatives.update((token_text(t), lp) for t, lp in top)
         logprobs.append(logprob)
         tops.append(alternatives)
     return {

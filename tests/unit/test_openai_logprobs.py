@@ -34,6 +34,8 @@ def test_completion_shape_adds_the_sampled_token_to_its_alternatives() -> None:
         "top_logprobs": [{"bc": -0.3, "a": -0.5}, {"é": -0.75, "<s>": -1.25}],
         "text_offset": [10, 11],
     }
+    # the sampled token first, then the alternatives (vLLM's order)
+    assert [list(top) for top in got["top_logprobs"]] == [["a", "bc"], ["<s>", "é"]]
 
 
 def test_chat_shape_names_tokens_with_their_utf8_bytes() -> None:
