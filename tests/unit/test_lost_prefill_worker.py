@@ -255,17 +255,8 @@ def test_a_prefill_worker_lost_once_decode_streams_its_own_tokens_costs_nothing(
     asyncio.run(main())
 
 
-class QueueingReleasingDecode(QueueingDecode):
+class QueueingReleasingDecode(QueueingDecode, ReleasingDecode):
     """Queues, then grants; records the router's word that no page will come."""
-
-    def __init__(self, worker_id: str) -> None:
-        super().__init__(worker_id)
-        self.released: list[str] = []
-        self.server.handlers["release_unwritten"] = self.release_unwritten
-
-    async def release_unwritten(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
-        self.released.append(request_id)
-        yield {"released": 1}
 
 
 def test_a_granted_request_whose_only_prefill_worker_died_while_it_waited_releases_its_grant() -> (
