@@ -67,6 +67,10 @@ def generate(
     threads: Annotated[
         int | None, typer.Option(min=1, help="torch CPU threads (default: torch's choice).")
     ] = None,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(help="A tokenizer directory to use instead of the checkpoint's own."),
+    ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object per prompt.")
     ] = False,
@@ -103,6 +107,7 @@ def generate(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             enable_prefix_caching=prefix_caching,
+            tokenizer=str(tokenizer) if tokenizer else None,
         )
         if chat and not llm.engine.tokenizer.hf.chat_template:
             raise ValueError(f"{model} has no chat template (its tokenizer's): drop --chat")

@@ -79,3 +79,18 @@ def test_the_cluster_gives_every_engine_and_the_router_the_tokenizer(
         build_app(ClusterConfig(model=str(model), tokenizer=str(tokenizer / "nope")))
     with pytest.raises(CheckpointError, match="no tokenizer in"):
         build_app(ClusterConfig(model=str(model)))
+
+
+def test_tandem_generate_takes_the_tokenizer(split: tuple[Path, Path]) -> None:
+    from typer.testing import CliRunner
+
+    from tandem.deploy.cli import app
+
+    model, tokenizer = split
+    args = ["generate", "--model", str(model), "--prompt", "hello", "--max-tokens", "4", "--json"]
+    done = CliRunner().invoke(app, [*args, "--tokenizer", str(tokenizer)])
+    assert done.exit_code == 0, done.output
+    line = next(x for x in done.output.splitlines() if x.startswith("{"))
+    assert len(json.loads(line)["token_ids"]) == 4
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 2 and "no tokenizer in" in refused.output
