@@ -90,7 +90,7 @@ def test_tandem_generate_takes_the_tokenizer(split: tuple[Path, Path]) -> None:
     args = ["generate", "--model", str(model), "--prompt", "hello", "--max-tokens", "4", "--json"]
     done = CliRunner().invoke(app, [*args, "--tokenizer", str(tokenizer)])
     assert done.exit_code == 0, done.output
-    line = next(x for x in done.output.splitlines() if x.startswith("{"))
+    line = done.output[done.output.index('{"prompt"') :].splitlines()[0]  # (after the progress bar)
     assert len(json.loads(line)["token_ids"]) == 4
     refused = CliRunner().invoke(app, args)
     assert refused.exit_code == 2 and "no tokenizer in" in refused.output
