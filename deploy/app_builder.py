@@ -136,7 +136,7 @@ def build_app(config: ClusterConfig) -> Application:
     """Validates `config` (engine settings included) and binds the deployments: router, decode
     workers and, unless `config.mode` is "colocated", prefill workers."""
     from tandem.decode_workers.deployment import DecodeWorker
-    from tandem.engine.generation_defaults import sampling_defaults
+    from tandem.engine.generation_defaults import max_tokens_ceiling, sampling_defaults
     from tandem.prefill_workers.deployment import PrefillWorker
     from tandem.router.api_keys import key_digest
     from tandem.router.deployment import Router
@@ -154,6 +154,8 @@ def build_app(config: ClusterConfig) -> Application:
     decode = DecodeWorker.options(  # type: ignore[attr-defined]
         **worker_options(config.decode, "decode")
     ).bind(config.worker_settings("decode", model, registry).model_dump(mode="json"))
+    source = str(config.engine.get("generation_config", "auto"))
+    defaults = sampling_defaults(model, source)  # (the generation config, read and checked here)
     router_settings = {
         "model": model,
         "tokenizer": config.tokenizer,
@@ -172,10 +174,8 @@ def build_app(config: ClusterConfig) -> Application:
         "reasoning_parser": config.router.reasoning_parser,
         "log_requests": config.router.log_requests,
         "chat_template": chat_template_text(config.chat_template),
-        # requests' sampling defaults: the model's generation_config.json, read (and checked) here
-        "sampling_defaults": sampling_defaults(
-            model, str(config.engine.get("generation_config", "auto"))
-        ),
+        "sampling_defaults": defaults,
+        "max_tokens_ceiling": max_tokens_ceiling(defaults, source),
         "log_level": config.log_level,
         "routing": config.routing.model_dump(mode="json"),
         "decode_routing": config.decode_routing.model_dump(mode="json"),

@@ -33,6 +33,12 @@ SAMPLING_FIELDS = {
 """generation_config.json name -> SamplingParams name."""
 
 
+def max_tokens_ceiling(defaults: dict[str, Any], source: str = "auto") -> int | None:
+    """What caps a request's own `max_tokens`: another folder's `max_new_tokens` (vLLM's
+    `--generation-config DIR`); the model's own is only a default for requests that give none."""
+    return None if source in ("auto", "none", "vllm") else defaults.get("max_tokens")
+
+
 def sampling_defaults(model_dir: str | Path, source: str = "auto") -> dict[str, Any]:
     """The SamplingParams defaults `source` gives for the model in `model_dir` (see the
     module docstring); ``{}`` when there is no file or it sets none of the fields."""

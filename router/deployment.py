@@ -159,6 +159,7 @@ class Router:
                 else None
             ),
             sampling_defaults=settings.get("sampling_defaults"),
+            max_tokens_ceiling=settings.get("max_tokens_ceiling"),
         )
         # Replicas each role should have: configured, then what Serve is bringing up
         # (autoscaling); and whether Serve stops this one.

@@ -164,15 +164,17 @@ def sampling_params(
     fields: dict[str, Any],
     limits: ModelLimits,
     default_max_tokens: int | None = None,
+    max_tokens_ceiling: int | None = None,
 ) -> SamplingParams:
     """Checks lengths against the context window, then builds the params (400 when invalid).
-    With no `max_tokens`, as many as the context holds. `default_max_tokens` (the model's
-    `max_new_tokens`) caps either, as vLLM's does."""
+    With no `max_tokens`, `default_max_tokens` (the model's `max_new_tokens`) or as many as
+    the context holds, the fewer; `max_tokens_ceiling` caps either (vLLM's rule: the model's
+    own `max_new_tokens` is a default, another generation config's a ceiling)."""
     room = limits.max_model_len - num_prompt_tokens
     if room <= 0:
         raise context_exceeded(limits, num_prompt_tokens)
     if max_tokens is None:
-        max_tokens = room  # (capped below)
+        max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
     if max_tokens <= 0:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     if max_tokens > room:
@@ -183,8 +185,8 @@ def sampling_params(
             "max_tokens",
             "context_length_exceeded",
         )
-    if default_max_tokens is not None:
-        max_tokens = min(max_tokens, default_max_tokens)
+    if max_tokens_ceiling is not None:
+        max_tokens = min(max_tokens, max_tokens_ceiling)
     if fields.get("logit_bias"):
         check_token_ids(list(fields["logit_bias"]), limits.vocab_size, "logit_bias")
         if beyond := {t: b for t, b in fields["logit_bias"].items() if not -100 <= b <= 100}:

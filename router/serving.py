@@ -56,6 +56,7 @@ class Serving:
         tool_parser: ToolParser | None = None,
         reasoning_parser: ReasoningParser | None = None,
         sampling_defaults: dict[str, Any] | None = None,
+        max_tokens_ceiling: int | None = None,
     ) -> None:
         self.sse_keepalive_s = sse_keepalive_s
         """How often a waiting SSE stream writes a comment (None: never; see `openai_stream`)."""
@@ -67,6 +68,9 @@ class Serving:
         self.sampling_defaults = dict(sampling_defaults or {})
         """The model's sampling settings (`engine.generation_defaults`), for the fields a request
         leaves out; `max_tokens` among them caps a request that gives none."""
+        self.max_tokens_ceiling = max_tokens_ceiling
+        """Caps every request's `max_tokens` (another folder's generation config, as vLLM's
+        `--generation-config DIR`: `generation_defaults.max_tokens_ceiling`)."""
         names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
         self.model_names = names
         """The names clients may send as `model` (vLLM's `--served-model-name a b`)."""
@@ -194,6 +198,7 @@ class Serving:
                 {**defaults, **fields} if defaults else fields,
                 limits,
                 default_max_tokens=defaults.get("max_tokens"),
+                max_tokens_ceiling=self.max_tokens_ceiling,
             )
             if self.reasoning_parser is not None and params.structure is not None:
                 # the model thinks first; the structure constrains its answer

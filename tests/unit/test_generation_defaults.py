@@ -101,9 +101,10 @@ class _Planner:
     [
         # nothing asked: the model's values, max_tokens capped by max_new_tokens
         ({}, None, {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 7}),
-        # the request's own values win, field by field; max_new_tokens caps max_tokens
+        # the request's own values win, field by field, max_tokens too (vLLM's rule since
+        # its PR 34063: the model's max_new_tokens is a default, not a ceiling)
         ({"temperature": 0.0, "top_k": 5}, 30,
-         {"temperature": 0.0, "top_k": 5, "top_p": 0.95, "max_tokens": 7}),
+         {"temperature": 0.0, "top_k": 5, "top_p": 0.95, "max_tokens": 30}),
         ({}, 5, {"temperature": 0.6, "max_tokens": 5}),
     ],
 )  # fmt: skip
@@ -120,6 +121,21 @@ def test_the_router_fills_in_what_a_request_leaves_out(
     bare = Serving(_Orchestrator(), _Planner(), None, "tiny")  # type: ignore[arg-type]
     req = asyncio.run(bare.prepare("r2", "tiny", [3] * 10, None, {}, RequestTimings()))
     assert (req.params.temperature, req.params.top_k, req.params.max_tokens) == (1.0, 0, 90)
+
+
+def test_another_folders_max_new_tokens_caps_every_request() -> None:
+    """vLLM's `--generation-config DIR`: that file's max_new_tokens is a ceiling too."""
+    from tandem.engine.generation_defaults import max_tokens_ceiling
+
+    defaults = {"max_tokens": 7}
+    assert max_tokens_ceiling(defaults, "auto") is None
+    assert max_tokens_ceiling(defaults, "vllm") is None
+    assert max_tokens_ceiling(defaults, "/some/dir") == 7
+    serving = Serving(_Orchestrator(), _Planner(), None, "tiny",  # type: ignore[arg-type]
+                      sampling_defaults=defaults, max_tokens_ceiling=7)  # fmt: skip
+    for asked in (30, None, 5):
+        req = asyncio.run(serving.prepare("r", "tiny", [3] * 10, asked, {}, RequestTimings()))
+        assert req.params.max_tokens == (5 if asked == 5 else 7)
 
 
 def test_max_new_tokens_is_capped_by_the_context() -> None:
