@@ -102,7 +102,7 @@ class Cluster:
         cluster_config = ClusterConfig(**config)
         serve.run(build_app(cluster_config), name=APP, route_prefix="/")
         self.config = config
-        wait_ready(self.base_url, config.get("api_key"))
+        wait_ready(self.base_url, (cluster_config.api_keys() or [None])[0])
         roles = ["decode"] if cluster_config.mode == "colocated" else ["prefill", "decode"]
         self.wait_workers({r: getattr(cluster_config, r).replicas for r in roles})
         return self.base_url
