@@ -82,8 +82,7 @@ class KVReceiver:
         self.clock = clock
         self.layout = KVLayout.of_pool(engine.kv_pool, engine.namespace.digest())
         self.reservations: dict[str, Reservation] = {}
-        self.held = HeldBlocks(engine.block_manager.free)
-        """Blocks of ended reservations waiting for the sender's confirmation (see above)."""
+        self.held = HeldBlocks(engine.block_manager.free)  # (ended, unconfirmed: see above)
         transport.register_pool(engine.kv_pool)
 
     # ---- reservations ---------------------------------------------------------------------------
@@ -307,7 +306,6 @@ class KVReceiver:
     def _commit(
         self, res: Reservation, manifest: ChunkManifest, header: dict[str, Any]
     ) -> TransferEvent:
-        del self.reservations[res.request_id]
         assert res.peer is not None
         first = tuple(manifest.first_token_ids)
         logprobs = first_logprobs(res, manifest, header)
@@ -317,6 +315,7 @@ class KVReceiver:
             bm.cache_blocks(
                 res.block_table, res.block_hashes, res.prompt_token_ids, res.num_hit_blocks
             )
+            del self.reservations[res.request_id]  # (ended: `_contain` fails one that raised)
             bm.free(res.block_table)
             self._ack(res, manifest.chunk_index)
             return TransferEvent("finished_early", res.request_id, first, logprobs=logprobs)
@@ -334,6 +333,7 @@ class KVReceiver:
             )
         except (RuntimeError, ValueError) as exc:  # (what `last_chunk_problem` cannot foresee)
             return self._fail(res, f"could not commit: {exc}")
+        del self.reservations[res.request_id]  # (the engine's request owns its blocks now)
         if logprobs is not None:
             req.logprobs = list(logprobs)
         self._ack(res, manifest.chunk_index)

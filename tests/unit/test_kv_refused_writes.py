@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from tandem import LLM, SamplingParams
@@ -135,24 +136,26 @@ def test_poll_on_a_closed_transport_returns_the_stalled_transfer(model: str) -> 
     assert _kinds(events, "late") == ["failed"]
 
 
+@pytest.mark.parametrize("step", ["chunk_problem", "commit_request"])
 def test_a_message_whose_handling_raises_fails_its_request_and_polling_goes_on(
-    model: str, colocated: LLM, monkeypatch: Any
+    model: str, colocated: LLM, monkeypatch: Any, step: str
 ) -> None:
-    """A defect handling one chunk (here: its checks raise) fails the reservation it names;
-    `poll` does not raise (it used to end the decode worker's loop, and every request on it)."""
+    """A defect handling one chunk (its checks, or the last chunk's commit, raise) fails the
+    reservation it names; `poll` does not raise (it used to end the decode worker's loop, and
+    every request on it), and the blocks come back (a commit that raised had leaked them)."""
     from tandem.kv_transfer import receiver
 
     pair = Pair(model)
-    real = receiver.chunk_problem
+    real = getattr(receiver, step)
     calls = {"n": 0}
 
-    def breaks_once(*args: Any) -> str | None:
+    def breaks_once(*args: Any, **kwargs: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:
             raise KeyError("a defect")
-        return real(*args)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(receiver, "chunk_problem", breaks_once)
+    monkeypatch.setattr(receiver, step, breaks_once)
     pair.start("x", prompt_of(16 * 20, start=5))
     events = pair.pump()
     errors = [e.error or "" for e in events if e.request_id == "x" and e.kind == "failed"]
