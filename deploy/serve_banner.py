@@ -41,8 +41,12 @@ def print_urls(cfg: Any, ctx: Any, seconds: float, ingress: Ingress | None) -> N
         f"ready in {seconds:.1f}s",
         f"[tandem]   OpenAI API:    http://{host}:{cfg.port}/v1"
         + (f" (through {ingress.value})" if ingress else "")
-        + (" (API key required: 'Authorization: Bearer <key>')" if cfg.api_key else "")
-        + (" (the API key given is empty: no key is required)" if cfg.api_key == "" else ""),
+        + (" (API key required: 'Authorization: Bearer <key>')" if cfg.api_keys() else "")
+        + (
+            " (the API key given is empty: no key is required)"
+            if cfg.api_key is not None and not cfg.api_keys()
+            else ""
+        ),
     ]
     if cfg.direct_port:
         lines.append(

@@ -159,11 +159,11 @@ def serve(
     api_key: Annotated[
         list[str] | None,
         typer.Option(
-            envvar=["TANDEM_API_KEY", "VLLM_API_KEY"],
             metavar="KEY",
             help="Require 'Authorization: Bearer <key>' on the API (HTTP and gRPC); "
             "/health, /ping and /metrics stay open. Repeat it (or give several after it, "
-            "as vLLM) to take any of several keys.",
+            "as vLLM) to take any of several keys. Default: TANDEM_API_KEY, else "
+            "VLLM_API_KEY (one key each).",
         ),
     ] = None,
     enable_log_requests: vllm_flags.EnableLogRequests = None,
@@ -216,7 +216,7 @@ def serve(
         "port": port,
         "grpc_port": grpc_port,
         "direct_port": direct_port,
-        "api_key": api_key[0] if api_key and len(api_key) == 1 else api_key or None,
+        "api_key": vllm_flags.api_key_option(api_key, os.environ),
         "chat_template": chat_template,
         "tokenizer": tokenizer,
         "served_model_name": (

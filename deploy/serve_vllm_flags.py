@@ -4,6 +4,7 @@ each either means what vLLM means by it, is what tandem always does, or is refus
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated
 
 import typer
@@ -159,3 +160,11 @@ def _vllm_forms(args: list[str]) -> list[str]:
 
 ServeForms = rewriting(_vllm_forms)
 """`tandem serve`'s command class: it reads vLLM's `--served-model-name a b`, `--api-key a b`."""
+
+
+def api_key_option(given: list[str] | None, env: Mapping[str, str]) -> str | list[str] | None:
+    """`--api-key`'s keys (one: as it is; several: the list), else the environment's one key
+    (TANDEM_API_KEY, else vLLM's VLLM_API_KEY; as vLLM, a value is one key, spaces and all)."""
+    if given:
+        return given[0] if len(given) == 1 else list(given)
+    return env.get("TANDEM_API_KEY") or env.get("VLLM_API_KEY") or None

@@ -57,7 +57,7 @@ class LLM:
         **kwargs: Any,
     ) -> None:
         self._max_logprobs = _max_logprobs(kwargs.pop("max_logprobs", MAX_LOGPROBS))
-        kwargs = _without_vllm_only(str(model), kwargs)
+        kwargs = _without_vllm_only(kwargs)
         config = EngineConfig(
             model=str(model),
             dtype=str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype,
@@ -133,8 +133,9 @@ class LLM:
     wake_up = sleep
 
     def get_tokenizer(self) -> Any:
-        """The checkpoint's Hugging Face tokenizer, as vLLM's `get_tokenizer()` returns
-        (`apply_chat_template(..., tokenize=False)` and all; `tokenizer` is tandem's own)."""
+        """The engine's Hugging Face tokenizer (the checkpoint's, or `tokenizer=`'s), as vLLM's
+        `get_tokenizer()` returns (`apply_chat_template(..., tokenize=False)` and all;
+        `tokenizer` is tandem's own)."""
         return self.engine.tokenizer.hf
 
     def chat(
@@ -307,7 +308,7 @@ def _no_lora(lora_request: Any) -> None:
         raise ValueError("lora_request: LoRA adapters are not supported")
 
 
-def _without_vllm_only(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _without_vllm_only(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` less vLLM's arguments: those that change nothing here are dropped (and logged);
     those asking for what this engine does not do are refused by name (ValueError)."""
     kwargs = dict(kwargs)

@@ -159,7 +159,7 @@ class VllmStyleEngine:
                 self.engine.abort(request_id)
 
     def get_tokenizer(self) -> Any:
-        """The checkpoint's Hugging Face tokenizer."""
+        """The engine's Hugging Face tokenizer (the checkpoint's, or `tokenizer=`'s)."""
         return self.engine.tokenizer.hf
 
     @cached_property

@@ -57,10 +57,12 @@ def test_the_serve_command_takes_several_keys_as_vllm(
     _, seen = _serve(monkeypatch, model, "--api-key", "k1", "k2", "--port", "28000")
     _, again = _serve_args(monkeypatch, "--api-key", "k1", "--api-key", "k2", "--model", str(model))
     _, single = _serve(monkeypatch, model, "--api-key", "k1")
-    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    monkeypatch.setenv("VLLM_API_KEY", "from env")  # (one key, spaces and all, as vLLM's)
     _, env = _serve(monkeypatch, model)
-    assert [c.api_key for c in seen + again + single + env] == [
-        ["k1", "k2"], ["k1", "k2"], "k1", "from-env",
+    monkeypatch.setenv("TANDEM_API_KEY", "ours")
+    _, ours = _serve(monkeypatch, model)
+    assert [c.api_key for c in seen + again + single + env + ours] == [
+        ["k1", "k2"], ["k1", "k2"], "k1", "from env", "ours",
     ]  # fmt: skip
     assert seen[0].port == 28000  # (the values ended at the next flag)
     app = build_app(ClusterConfig(model=str(model), api_key=["k1", "k2"]))
