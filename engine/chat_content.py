@@ -43,9 +43,11 @@ def content_text(content: str | Iterable[Mapping[str, Any]] | None, param: str =
     return "\n".join(texts)
 
 
-_TEXT_KEYS = {"text": "text", "input_text": "text", "refusal": "refusal"}
+_TEXT_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+              "thinking": "thinking"}  # fmt: skip
 """The content parts taken as text, as vLLM takes them (OpenAI's assistant `refusal`, the
-Responses API's `input_text`), and where each keeps its text."""
+Responses API's `input_text` / `output_text`, a `thinking` part), and where each keeps its
+text."""
 
 
 def template_tool_calls(calls: Any) -> Any:

@@ -110,6 +110,8 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     if isinstance(content, list) or content is None:
         # (None or none: an assistant turn of calls alone; templates read its content as "")
         message = {**message, "content": content_text(content)}
+    if message.get("tool_calls") == []:  # (a reply of no calls: none, as vLLM drops it)
+        message = {k: v for k, v in message.items() if k != "tool_calls"}
     if "tool_calls" in message:
         message = {**message, "tool_calls": template_tool_calls(message["tool_calls"])}
     return message

@@ -363,8 +363,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Chat messages as the chat template takes them: role and text, and for a function-calling
     conversation an assistant's `tool_calls` (`template_tool_calls`: arguments as objects) and
     a tool message's `tool_call_id` and `name`;
-    an assistant's `reasoning_content` (a reasoning model's earlier thoughts, which templates
-    such as Qwen3's render) goes back too. OpenAI's `developer` role (its newer name for
+    an assistant's earlier thoughts (`reasoning`, or its older name `reasoning_content`),
+    which templates such as Qwen3's render, go back under both names, as vLLM's. OpenAI's `developer` role (its newer name for
     system instructions) goes to the template as `system`: open models' templates know that
     one (some refuse other roles)."""
     out: list[dict[str, Any]] = []
@@ -372,9 +372,12 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         role = "system" if m.role == "developer" else m.role
         message: dict[str, Any] = {"role": role, "content": m.text()}
         extra = m.model_extra or {}
-        for key in ("tool_calls", "tool_call_id", "reasoning_content"):
+        for key in ("tool_calls", "tool_call_id"):
             if extra.get(key) is not None and extra[key] != []:  # (a reply's empty list: none)
                 message[key] = extra[key]
+        thoughts = extra.get("reasoning", extra.get("reasoning_content"))
+        if thoughts is not None:
+            message["reasoning"] = message["reasoning_content"] = thoughts
         if "tool_calls" in message:
             message["tool_calls"] = template_tool_calls(message["tool_calls"])
         if m.name is not None:

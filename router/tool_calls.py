@@ -106,7 +106,7 @@ def call_schema(tools: list[ToolSpec]) -> dict[str, Any]:
 
 def template_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
     """The tools as chat templates take them (transformers' `tools=`)."""
-    return [t.model_dump(exclude_none=True) for t in tools]
+    return [t.model_dump() for t in tools]  # (nulls too: vLLM passes model_dump() as it is)
 
 
 ReplyParser = Callable[[str], tuple[str | None, list[dict[str, Any]]]]

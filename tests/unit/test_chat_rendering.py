@@ -127,11 +127,13 @@ def test_template_kwargs_set_the_template_options_and_win(path: Path) -> None:
     assert _text(lists_tools, ids) == "digthe river"
 
 
-def test_refusal_and_input_text_parts_are_text(path: Path) -> None:
+def test_refusal_input_output_text_and_thinking_parts_are_text(path: Path) -> None:
+    """As vLLM's parts parser takes them (a 400 refused `output_text` and `thinking`)."""
     serving = fake_serving(path, DOCS_TEMPLATE)
-    parts = [{"type": "input_text", "text": "a"}, {"type": "refusal", "refusal": "no"}]
+    parts = [{"type": "input_text", "text": "a"}, {"type": "refusal", "refusal": "no"},
+             {"type": "output_text", "text": "b"}, {"type": "thinking", "thinking": "c"}]  # fmt: skip
     ids, _ = _chat(serving, messages=[{"role": "assistant", "content": parts}])
-    assert _text(serving, ids) == "<assistant>a\nno</assistant><assistant>"
+    assert _text(serving, ids) == "<assistant>a\nno\nb\nc</assistant><assistant>"
 
 
 def test_add_special_tokens_adds_the_tokenizer_s_to_the_template_s_text(path: Path) -> None:

@@ -211,6 +211,19 @@ def test_chat_takes_content_parts_as_the_api_does(llm: LLM) -> None:
         llm.chat([{"role": "user", "content": image}], GREEDY)
     with pytest.raises(InvalidRequestError, match="'text' string"):
         llm.chat([{"role": "user", "content": [{"type": "text"}]}], GREEDY)
+    # a reply sent back with its empty `tool_calls` list is a message without calls (vLLM
+    # drops it: templates that test `'tool_calls' in message` took it for a call)
+    reply = {"role": "assistant", "content": "hello", "tool_calls": []}
+    calls = "{% for m in messages %}{% if 'tool_calls' in m %}CALLS {% endif %}{{ m.content }}{% endfor %}"
+    user = {"role": "user", "content": "hi"}
+    back = llm.chat([user, reply], GREEDY, chat_template=calls, add_generation_prompt=False)
+    plain = llm.chat(
+        [user, {"role": "assistant", "content": "hello"}],
+        GREEDY,
+        chat_template=calls,
+        add_generation_prompt=False,
+    )
+    assert back[0].prompt_token_ids == plain[0].prompt_token_ids
 
 
 def test_vllms_sampling_conventions(llm: LLM) -> None:

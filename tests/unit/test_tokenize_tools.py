@@ -92,3 +92,20 @@ def test_a_chat_template_in_the_request_is_refused_as_chat_refuses_it(
     with pytest.raises(APIError) as refused:
         asyncio.run(tokenize(serving, TokenizeRequest.model_validate(body)))
     assert (refused.value.status, refused.value.param) == (400, "chat_template")
+
+
+def test_a_tool_reaches_the_template_as_vllm_dumps_it_nulls_included() -> None:
+    """vLLM hands templates `tool.model_dump()`: fields a tool leaves out come as null (a
+    template's `tojson` writes them), and extra ones as sent (the prompt differed from vLLM's)."""
+    bare = {"type": "function", "function": {"name": "get_time", "strict": None}}
+    assert template_tools([ToolSpec.model_validate(bare)]) == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_time",
+                "description": None,
+                "parameters": None,
+                "strict": None,
+            },
+        }
+    ]

@@ -126,8 +126,14 @@ def test_a_conversation_goes_back_to_the_template_with_calls_and_thoughts() -> N
     assert template_messages(messages) == [
         {"role": "system", "content": "be brief"},  # (OpenAI's developer role)
         {"role": "user", "content": "go"},
-        {"role": "assistant", "content": "", "tool_calls": [as_object], "reasoning_content": "hm"},
+        {"role": "assistant", "content": "", "tool_calls": [as_object], "reasoning": "hm",
+         "reasoning_content": "hm"},  # (both names, as vLLM's)
         {"role": "tool", "content": "done", "tool_call_id": "call_1", "name": "a"},
+    ]  # fmt: skip
+    # vLLM's newer name for the thoughts, `reasoning`, is read too
+    newer = {"role": "assistant", "content": "ok", "reasoning": "think"}
+    assert template_messages([ChatMessage.model_validate(newer)]) == [
+        {"role": "assistant", "content": "ok", "reasoning": "think", "reasoning_content": "think"}
     ]
     # (a whole reply sent back as it came, with its empty list, is a message without calls:
     # templates that test `'tool_calls' in message` would take it for a call)
