@@ -311,6 +311,18 @@ class ChatCompletionRequest(_SamplingFields):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def prompt_logprobs_field(self) -> int | None:
+        """vLLM's: `echo` fills the field too (not streamed), with `top_logprobs` alternatives."""
+        if self.prompt_logprobs is None and self.echo and not self.stream:
+            return self.top_logprobs or 0
+        return self.prompt_logprobs
+
+    def sampling_dict(self) -> dict[str, Any]:
+        params = super().sampling_dict()
+        if (k := self.prompt_logprobs_field()) is not None and not self.stream:
+            params["prompt_logprobs"] = k
+        return params
+
     def forced_tools(self) -> list[ToolSpec] | None:
         """The tools the reply must call one of (`tool_calls`), or None."""
         return forced_tools(self.tools, self.tool_choice)

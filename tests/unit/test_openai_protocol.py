@@ -103,6 +103,23 @@ def test_chat_echo_is_the_last_message_when_it_has_the_reply_s_role() -> None:
     assert no_echo.echoed_text() == ""
 
 
+def test_chat_echo_asks_for_the_prompts_logprobs_as_vllm() -> None:
+    """vLLM's chat: `prompt_logprobs` is `top_logprobs` (0 unset) for an echo request that
+    does not set it; not streamed (a streamed reply has no such field)."""
+
+    def asked(**fields: object) -> tuple[int | None, int | None]:
+        body = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "a"}], **fields}
+        )
+        return body.prompt_logprobs_field(), body.sampling_dict().get("prompt_logprobs")
+
+    assert asked(echo=True) == (0, 0)
+    assert asked(echo=True, logprobs=True, top_logprobs=3) == (3, 3)
+    assert asked(echo=True, prompt_logprobs=1) == (1, 1)
+    assert asked(echo=True, stream=True) == (None, None)
+    assert asked() == (None, None)
+
+
 def test_beam_search_is_refused_not_ignored() -> None:
     """vLLM's `use_beam_search`: tandem samples, so it is a 400 naming the field (it was
     accepted and ignored); false is fine."""
