@@ -219,11 +219,7 @@ def serve(
         "api_key": vllm_flags.api_key_option(api_key, os.environ),
         "chat_template": chat_template,
         "tokenizer": tokenizer,
-        "served_model_name": (
-            served_model_name[0]
-            if served_model_name and len(served_model_name) == 1
-            else served_model_name or None
-        ),
+        "served_model_name": vllm_flags.one_or_list(served_model_name),
     }
     try:
         roles = {"prefill": prefill_replicas, "decode": decode_replicas}

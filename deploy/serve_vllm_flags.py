@@ -162,9 +162,15 @@ ServeForms = rewriting(_vllm_forms)
 """`tandem serve`'s command class: it reads vLLM's `--served-model-name a b`, `--api-key a b`."""
 
 
+def one_or_list(values: list[str] | None) -> str | list[str] | None:
+    """A repeatable option's values as the config takes them: one as it is, several as the
+    list, none as None."""
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else list(values)
+
+
 def api_key_option(given: list[str] | None, env: Mapping[str, str]) -> str | list[str] | None:
-    """`--api-key`'s keys (one: as it is; several: the list), else the environment's one key
-    (TANDEM_API_KEY, else vLLM's VLLM_API_KEY; as vLLM, a value is one key, spaces and all)."""
-    if given:
-        return given[0] if len(given) == 1 else list(given)
-    return env.get("TANDEM_API_KEY") or env.get("VLLM_API_KEY") or None
+    """`--api-key`'s keys, else the environment's one key (TANDEM_API_KEY, else vLLM's
+    VLLM_API_KEY; as vLLM, a value is one key, spaces and all)."""
+    return one_or_list(given) or env.get("TANDEM_API_KEY") or env.get("VLLM_API_KEY") or None

@@ -21,7 +21,8 @@ def completion_logprobs(
     text_offset: int = 0,
 ) -> dict[str, Any]:
     """Completions' shape. `top_logprobs` holds the sampled token, then the alternatives (so up
-    to `logprobs + 1` of them, as OpenAI documents, in vLLM's order); `text_offset` counts from `text_offset`.
+    to `logprobs + 1` of them, as OpenAI documents, in vLLM's order); `text_offset` counts
+    from `text_offset`.
     An entry may be None (an echoed prompt's first token): null logprob and alternatives."""
     tokens: list[str] = []
     offsets: list[int] = []

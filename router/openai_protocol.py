@@ -149,8 +149,8 @@ class _SamplingFields(RequestBody):
             params["bad_words"] = self.bad_words
         if (structure := self.output_structure()) is not None:
             params[structure[0]] = structure[1]
-        if self.prompt_logprobs is not None and not self.stream:
-            params["prompt_logprobs"] = self.prompt_logprobs
+        if (k := self.prompt_logprobs_field()) is not None and not self.stream:
+            params["prompt_logprobs"] = k
         if self.cache_salt is not None:
             params["cache_salt"] = self.cache_salt
         return params
@@ -317,12 +317,6 @@ class ChatCompletionRequest(_SamplingFields):
             return self.top_logprobs or 0
         return self.prompt_logprobs
 
-    def sampling_dict(self) -> dict[str, Any]:
-        params = super().sampling_dict()
-        if (k := self.prompt_logprobs_field()) is not None and not self.stream:
-            params["prompt_logprobs"] = k
-        return params
-
     def forced_tools(self) -> list[ToolSpec] | None:
         """The tools the reply must call one of (`tool_calls`), or None."""
         return forced_tools(self.tools, self.tool_choice)
@@ -376,9 +370,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     conversation an assistant's `tool_calls` (`template_tool_calls`: arguments as objects) and
     a tool message's `tool_call_id` and `name`;
     an assistant's earlier thoughts (`reasoning`, or its older name `reasoning_content`),
-    which templates such as Qwen3's render, go back under both names, as vLLM's. OpenAI's `developer` role (its newer name for
-    system instructions) goes to the template as `system`: open models' templates know that
-    one (some refuse other roles)."""
+    which templates such as Qwen3's render, go back under both names, as vLLM's.
+    OpenAI's `developer` role (its newer name for system instructions) goes to the template
+    as `system`: open models' templates know that one (some refuse other roles)."""
     out: list[dict[str, Any]] = []
     for m in messages:
         role = "system" if m.role == "developer" else m.role
