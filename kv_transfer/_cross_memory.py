@@ -179,6 +179,23 @@ class RemotePool:
             and pool.tensor.is_contiguous()
         )
 
+    def read_runs(self, runs: Any, into: Any) -> None:
+        """Copies the blocks of `runs` (``[[first block, count], ...]``, in order) out of this
+        pool into `into` (a numpy byte array of exactly their size). ValueError for runs outside
+        the pool or of another size, before anything is copied; raises as `read` for the copy."""
+        size, address, copies = self.bytes_per_block, into.ctypes.data, []
+        for run in runs:
+            start, count = run if isinstance(run, list) and len(run) == 2 else (None, None)
+            if not (isinstance(start, int) and isinstance(count, int) and count > 0):
+                raise ValueError(f"bad run {run!r}")
+            if not 0 <= start <= self.num_blocks - count:
+                raise ValueError(f"blocks {start}..{start + count} are not in the offered pool")
+            copies.append((address, self.address + start * size, count * size))
+            address += count * size
+        if address - into.ctypes.data != into.nbytes:
+            raise ValueError(f"runs of {address - into.ctypes.data} bytes for {into.nbytes}")
+        read(self.pid, copies)
+
     def runs(
         self, local_base: int, local_ids: Sequence[int], remote_ids: Sequence[int]
     ) -> list[tuple[int, int, int]]:
@@ -206,6 +223,12 @@ def remote_pool(described: object, sock: socket.socket) -> RemotePool | None:
     """The pool a peer `describe`d, if it lives in the process at the other end of `sock` (the
     kernel says which) and the kernel lets this process reach that process's memory; else None.
     `FrameError` for a description that is not well formed."""
+    return pool_in_process(described, peer_pid(sock))
+
+
+def pool_in_process(described: object, expected_pid: int | None) -> RemotePool | None:
+    """The pool a peer `describe`d, if it lives in process `expected_pid` and the kernel lets this
+    process reach that process's memory; else None (`FrameError` as `remote_pool`)."""
     if not isinstance(described, dict):
         raise FrameError(f"bad pool description {described!r}")
     pid, address, num_blocks = parse_shape(
@@ -218,7 +241,7 @@ def remote_pool(described: object, sock: socket.socket) -> RemotePool | None:
         parse_shape(described.get("block_shape"), 5),
         parse_dtype(described.get("dtype")),
     )
-    if pid != peer_pid(sock) or not address:
+    if pid != expected_pid or not address:
         return None
     return place if allowed(pid, address) else None
 

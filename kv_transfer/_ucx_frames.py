@@ -1,6 +1,19 @@
-"""What `UcxTransport` puts on the wire for one message (`ucx.py`'s docstring has the tags): the
-pages it carries, read from the pool (`message_pages`), and its frames, a JSON header then the
-pages, in two shares over two lanes when they are large (`send_frames`)."""
+"""What `UcxTransport` puts on the wire for one message (`ucx.py`): the pages it carries, read
+from the pool (`message_pages`), or the runs of blocks a receiver reads itself (`pages_to_read`),
+and its frames, a JSON header then the pages, in two shares over two lanes when they are large
+(`send_frames`).
+
+Address `ucx:<hex worker address>[.<hex worker address>]`: lane 0, and lane 1 where there is one
+(a second UCX worker, progressed by the same thread, whose rendezvous has the receiver read).
+A link to a peer draws a random 48-bit `conn`; tags are `conn << 16 | low`: `low` 0 for JSON
+frames (`{"hello": {"token", "address", "process", "pull"?}}` first, then `{"seq", "header",
+"pages": null | {"shape", "dtype", "direct", "dst_start", "split"? | "runs"?}}`), `0x8000 | seq %
+32768` for the pages of header `seq` (the pool slice for one run of src blocks, else a gather),
+0x4000 for a welcome (0x4001: the peer reads our pages, and our frames carry `runs` instead of
+pages). Pages of `split_min_bytes` or more go in two shares, the first on lane 0 (the sender's
+thread copies it into the receiver) and the second on lane 1 (the receiver's thread copies it
+out of the sender) at the same time.
+"""
 
 from __future__ import annotations
 
@@ -37,12 +50,34 @@ def message_pages(
         msg.staging = spare
         pages = spare[:nbytes].view(pool.dtype).view(pool.blocks_shape(n))
         torch.index_select(pool.tensor, 0, torch.tensor(msg.block_ids), out=pages)
+    return pages, _describe(msg, pool)
+
+
+def pages_to_read(msg: _Out, pool: KVCachePool | None) -> dict[str, Any] | None:
+    """The description of `msg`'s pages for a receiver that reads them out of the pool itself
+    (the pull path): `_describe`'s, with the runs of source blocks (``[[first, count], ...]``,
+    in order); None for a message without blocks."""
+    if not msg.block_ids or pool is None:
+        return None
+    runs: list[list[int]] = []
+    for block in msg.block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1][1] += 1
+        else:
+            runs.append([block, 1])
+    return {**_describe(msg, pool), "runs": runs}
+
+
+def _describe(msg: _Out, pool: KVCachePool) -> dict[str, Any]:
+    """Shape and dtype of `msg`'s pages, whether they may land in the receiver's pool, and
+    where (``dst_start``: the first of the manifest's dst ids when they are one run)."""
+    n = len(msg.block_ids)
     manifest = msg.header.get("manifest")
     dst = manifest.get("dst_block_ids") if isinstance(manifest, dict) else None
     meta: dict[str, Any] = {"shape": pool.blocks_shape(n), "dtype": str(pool.dtype)[6:]}
     meta["direct"] = msg.header.get("direct") is not False
     meta["dst_start"] = _run_start(dst) if isinstance(dst, list) and len(dst) == n else None
-    return pages, meta
+    return meta
 
 
 def send_frames(

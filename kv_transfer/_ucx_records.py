@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from tandem.kernels.kv_cache import KVCachePool
+from tandem.kv_transfer._cross_memory import RemotePool
 from tandem.kv_transfer._peer_process import claimed_pid
 
 
@@ -54,6 +55,7 @@ class _Link:
     seq: int = 0
     spare: torch.Tensor | None = None  # a staging buffer to reuse
     ep_second: Any = None  # to the peer's lane 1, where it has one (pages' second shares)
+    pull: bool = False  # the peer reads pages out of our pool (its welcome said so)
 
     def settled(self) -> bool:
         """No send of this link's is still in UCX's hands."""
@@ -94,6 +96,7 @@ class _Conn:
     peer: str = ""
     rx: deque[_Rx] = field(default_factory=deque)
     pid: int | None = None  # the sender's, where it runs on this machine
+    remote: RemotePool | None = None  # the sender's pool, where pages are read out of it
 
     def abandon(self, busy: list[tuple[Any, Any]]) -> None:
         """Drops the messages whose pages never came (their sender is gone); the receives UCX

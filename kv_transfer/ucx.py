@@ -1,34 +1,39 @@
 """UCX transport (ucxx low-level API): worker-address endpoints, tag messages, own polling thread.
 
-Address `ucx:<hex worker address>[.<hex worker address>]`: lane 0, and lane 1 where there is one
-(a second UCX worker, progressed by the same thread, whose rendezvous has the receiver read).
-A link to a peer draws a random 48-bit `conn`; tags are `conn << 16 | low`: `low` 0 for JSON
-header frames, `0x8000 | seq % 32768` for the pages of header `seq` (the pool slice for one run
-of src blocks, else a gather), 0x4000 for a welcome. Pages of `split_min_bytes` or more go in
-two shares, the first on lane 0 (the sender's thread copies it into the receiver) and the
-second on lane 1 (the receiver's thread copies it out of the sender) at the same time. A link
-sends `{"hello": {"token", "address"}}`; once the peer welcomes it (over its own link to us) its
-`{"seq", "header", "pages": null | {"shape", "dtype", "direct", "dst_start"}}` frames follow.
-Without the token no welcome comes, frames are received into 1 byte (UCX truncates them), and
-no pages receive is posted. Pages land in the pool (`pages is None`, `header["direct"]` True)
-when the header's `manifest.dst_block_ids` are one run and shape and dtype match, as with the shm
-and torch transports (a sender opts out with `header["direct"] = False`), else in a new tensor
-(`header["direct"]` False). That happens before the protocol sees the manifest: the receiver
-holds blocks of ended reservations until the sender confirms it stopped (`receiver.py`).
+What goes on the wire (tags, frames, lanes): `_ucx_frames.py`. A link sends a hello with the
+cluster token and, where this endpoint pulls, a description of its pool; once the peer welcomes
+it (over its own link to us; the welcome says whether the peer reads our pages) header frames
+follow. Without the token no welcome comes, frames are received into 1 byte (UCX truncates
+them), and nothing is read or received for them. Pages land in the pool (`pages is None`,
+`header["direct"]` True) when the header's `manifest.dst_block_ids` are one run and shape and
+dtype match, as with the shm and torch transports (a sender opts out with `header["direct"] =
+False`), else in a new tensor (`header["direct"]` False). That happens before the protocol sees
+the manifest: the receiver holds blocks of ended reservations until the sender confirms it
+stopped (`receiver.py`).
+
+**Pull** (`pull`, on at both ends by default): between two processes of one machine the header
+frame names the runs of source blocks, and the receiver's thread copies them out of the sender's
+pool with cross-memory attach (`_cross_memory`) as it takes the frame. The sender's threads do
+nothing for the pages, so a prefill engine computing its next chunk keeps its GIL and its core.
+Not through UCX's own RMA: UCX makes the same system call, but on an endpoint without UCX error
+handling (the only mode that keeps shared memory and CMA; with it UCX falls back to TCP) a copy
+that fails, as one does when the peer dies during it, aborts the whole process. Here a failed
+read fails that message, and the sender is then reported gone. Between machines, or where
+either end does not pull, UCX moves the pages (pushed): there, a peer that dies during a copy
+of UCX's on one machine still takes the other process down with it (docs/kv_transfer.md).
 
 Speed (see docs/benchmarks.md): one thread per transport makes every UCX call (`send` only queues)
 and *polls*: it steps without pausing while there is work and pauses for at most `idle_sleep_s`
-when idle (UCX's WAKEUP feature, needed to sleep on the worker's fd, halves its shared-memory
+when idle, `slow_sleep_s` once idle for a while (UCX's WAKEUP feature, needed to sleep on the worker's fd, halves its shared-memory
 throughput); an endpoint with a send-only pool (a prefill worker's) pauses for up to
 `quiet_sleep_s` while nothing of its own is queued or in flight, since only acknowledgements can
-arrive then (each wake-up takes the GIL from the engine: 1,000 a second cost a 1.7 s CPU prefill
-~2.5 ms). `allocate_pool` gives pools on transparent huge pages (UCX's CMA copies pin pages one at
-a time). Data endpoints skip UCX error handling (it limits UCX to TCP); an idle second endpoint
-with it reports a dead peer at once. Lost links, no welcome in `hello_timeout_s`, sends or page
-receives not done in `send_timeout_s` come back from `poll()` as `transport_error`s; a sender
-on this machine whose process ended is reported ``peer_gone`` within `GONE_CHECK_S`. At most
-`max_inflight` messages per peer (32: more overlapped rendezvous; 8 moved 16 MiB chunks ~25 %
-slower here) are handed to UCX at once. `ucx_config` adds UCX options.
+arrive then (each wake-up takes the GIL from the engine). `allocate_pool` gives pools on
+transparent huge pages (cross-memory copies pin pages one at a time). Data endpoints skip UCX
+error handling; an idle second endpoint with it reports a dead peer at once. Lost links, no
+welcome in `hello_timeout_s`, sends or page receives not done in `send_timeout_s` come back from
+`poll()` as `transport_error`s; a sender on this machine whose process ended is reported
+``peer_gone`` within `GONE_CHECK_S`. At most `max_inflight` messages per peer (32) are handed to
+UCX at once. `ucx_config` adds UCX options.
 """
 
 from __future__ import annotations
@@ -48,19 +53,19 @@ import numpy as np
 import torch
 
 from tandem.kernels.kv_cache import KVCachePool
+from tandem.kv_transfer import _cross_memory
 from tandem.kv_transfer._hugepages import allocate_hugepage_pool
-from tandem.kv_transfer._peer_process import identity, process_ended
+from tandem.kv_transfer._peer_process import identity
 from tandem.kv_transfer._socket_channel import request_id_of
-from tandem.kv_transfer._ucx_frames import _PAGES, message_pages, send_frames
+from tandem.kv_transfer._ucx_frames import message_pages, pages_to_read, send_frames
+from tandem.kv_transfer._ucx_incoming import UcxIncoming
 from tandem.kv_transfer._ucx_lanes import (
     LANE_SCHEMES,
     Array,
     discard,
-    discard_matching,
     drain_unexpected,
     new_worker,
     receive_json,
-    settle,
     tag_of,
     ucx_api,
 )
@@ -70,11 +75,11 @@ from tandem.kv_transfer.manifest import TransferError
 
 logger = logging.getLogger(__name__)
 _WELCOME, _HELLO_MAX, _HEADER_MAX = 0x4000, 4096, 16 << 20
-_ONE_CONN_PAGES = 0xFFFF_FFFF_FFFF_8000  # tag mask: a connection's page frames, any sequence
+SLOW_AFTER_S = 0.02  # idle this long, an endpoint pauses up to `slow_sleep_s` (see `_run`)
 GONE_CHECK_S = 0.2  # how often the senders on this machine are looked at (`_find_gone_senders`)
 
 
-class UcxTransport(KVTransport):
+class UcxTransport(UcxIncoming, KVTransport):
     """KV transport over UCX; see the module docstring."""
 
     name = "ucx"
@@ -87,17 +92,21 @@ class UcxTransport(KVTransport):
         hello_timeout_s: float = 3.0,
         max_inflight: int = 32,
         idle_sleep_s: float = 0.001,
+        slow_sleep_s: float = 0.005,
         quiet_sleep_s: float = 0.02,
         ucx_config: dict[str, str] | None = None,
         split_min_bytes: int = 256 << 10,
+        pull: bool = True,
     ) -> None:
         super().__init__(auth_token)
         self.send_timeout_s, self.hello_timeout_s = send_timeout_s, hello_timeout_s
         self.max_inflight = max(1, max_inflight)
         self.idle_sleep_s = max(0.0, idle_sleep_s)
+        self.slow_sleep_s = max(self.idle_sleep_s, slow_sleep_s)
         self.quiet_sleep_s = max(self.idle_sleep_s, quiet_sleep_s)
         self._send_only = False  # set by `allocate_pool(send_only=True)`
         self.split_min_bytes = split_min_bytes
+        self._pull = pull and _cross_memory.available()
         lanes = LANE_SCHEMES if split_min_bytes > 0 else LANE_SCHEMES[:1]
         self._workers = [new_worker(scheme, ucx_config or {}) for scheme in lanes]
         self._worker = self._workers[0]  # every header frame; the pages' first share
@@ -144,6 +153,8 @@ class UcxTransport(KVTransport):
     def register_pool(self, pool: KVCachePool) -> None:
         if pool.device.type != "cpu":
             raise TransferError("the ucx transport moves CPU pools only")
+        if self._links and self._pool is not None and pool is not self._pool:
+            raise TransferError("the pool cannot change once links offered it to readers")
         self._pool = pool
         self._pool_rows = pool.tensor.view(torch.uint8).reshape(pool.num_blocks, -1).numpy()
 
@@ -155,8 +166,31 @@ class UcxTransport(KVTransport):
             raise TransferError(f"block ids {ids} are not in the registered pool")
         # A JSON copy (the caller may change its dict later), unless it comes encoded already.
         copy = header if isinstance(header, EncodedHeader) else json.loads(json.dumps(header))
-        self._commands.append((peer, _Out(copy, ids)))
-        self._wake.set()
+        if not self._send_now(peer, _Out(copy, ids)):
+            self._commands.append((peer, _Out(copy, ids)))
+            self._wake.set()
+
+    def _send_now(self, peer: str, msg: _Out) -> bool:
+        """Sends `msg`'s frame on the caller's thread where its peer reads the pages itself and
+        nothing is queued before it: the polling thread is not woken (it would take the GIL
+        from a prefill engine for every chunk). Whether it did."""
+        if self._commands or not self._lock.acquire(False):
+            return False
+        try:
+            link = self._links.get(peer)
+            if link is None or not link.pull or not link.welcomed or link.queue:
+                return False
+            if len(link.inflight) >= self.max_inflight:
+                return False
+            out = self._submit(link, msg)
+            link.inflight.append(out)
+            if not all(r.completed for r in out.requests):
+                self._wake.set()  # (a large frame: UCX's rendezvous needs the thread)
+            return True
+        except Exception:  # (the polling thread sends it, and reports what fails)
+            return False
+        finally:
+            self._lock.release()
 
     def poll(self, timeout: float = 0.0) -> list[Message]:
         return drain_inbox(self._inbox, timeout)
@@ -191,8 +225,10 @@ class UcxTransport(KVTransport):
 
     def _run(self) -> None:
         # Polling progress: after any activity the thread keeps stepping with short pauses that
-        # grow with the idle time (a quarter of it, capped by `idle_sleep_s`), so a busy link
-        # is served within tens of microseconds and an idle endpoint wakes about 1000 times/s.
+        # grow with the idle time (a quarter of it, capped by `idle_sleep_s`, then after
+        # `SLOW_AFTER_S` by `slow_sleep_s`), so a busy link is served within tens of microseconds
+        # and an idle endpoint wakes ~200 times/s (each wake takes the GIL, and on a small host
+        # a core, from a prefill engine: a decode worker's pulls then hide behind it).
         idle_since: float | None = None
         while not self._closed:
             quiet = False
@@ -208,8 +244,9 @@ class UcxTransport(KVTransport):
                 continue
             now = time.monotonic()
             idle_since = now if idle_since is None else idle_since
-            cap = self.quiet_sleep_s if quiet else self.idle_sleep_s
-            pause = min(cap, (now - idle_since) / 4)
+            idle = now - idle_since  # (quiet: nothing of ours to progress, so no ramp)
+            cap = self.idle_sleep_s if idle < SLOW_AFTER_S else self.slow_sleep_s
+            pause = self.quiet_sleep_s if quiet else min(cap, idle / 4)
             if pause > 0 and not self._commands:
                 self._wake.wait(pause)
                 self._wake.clear()
@@ -223,15 +260,16 @@ class UcxTransport(KVTransport):
                 if not worker.progress_once():
                     break
                 active = True
-        for _ in range(64):  # header frames and welcomes (low 0 or 0x4000), in arrival order
-            probe = self._worker.tag_probe(tag_of(0, 0), ucx_api.UCXXTagMask(0xBFFF), True)
+        for _ in range(64):  # header frames and welcomes (low 0 or 0x4000 | 1), in arrival order
+            probe = self._worker.tag_probe(tag_of(0, 0), ucx_api.UCXXTagMask(0xBFFE), True)
             if not probe.matched:
                 break
             active = True
             if probe.sender_tag.value & _WELCOME:  # for one of our links
                 discard(self._worker, probe, self._busy)
                 for link in self._links.values():
-                    link.welcomed |= link.conn == probe.sender_tag.value >> 16
+                    if link.conn == probe.sender_tag.value >> 16:
+                        link.welcomed, link.pull = True, bool(probe.sender_tag.value & 1)
             else:
                 self._on_header_frame(probe)
         for conn_id, conn in self._conns.items():
@@ -244,22 +282,6 @@ class UcxTransport(KVTransport):
             self._next_gone_check = time.monotonic() + GONE_CHECK_S
             self._find_gone_senders()
         return active
-
-    def _find_gone_senders(self) -> None:
-        """Senders on this machine whose process ended: once UCX has handed on what they had
-        sent (its queues drained), their unfinished messages are dropped and a ``peer_gone``
-        message follows (see `tandem.kv_transfer.base`)."""
-        gone = {i: c for i, c in self._conns.items() if c.pid and process_ended(c.pid)}
-        if not gone:
-            return
-        settle(self._workers)  # (what a dead sender wrote into shared memory lands now)
-        for conn_id, conn in gone.items():
-            self._deliver(conn)
-            conn.abandon(self._busy)
-            del self._conns[conn_id]
-        for peer in {c.peer for c in gone.values()}:
-            logger.info("ucx transport: %s is gone (its process ended)", peer[:40])
-            self._inbox.put(Message(peer, {"type": "peer_gone"}))
 
     def _quiet(self) -> bool:
         """Nothing of this endpoint's is queued or in flight (under the lock)."""
@@ -290,6 +312,8 @@ class UcxTransport(KVTransport):
         hello = {
             "hello": {"token": self.auth_token, "address": self.address, "process": identity()}
         }
+        if self._pull and self._pool is not None and self._pool.tensor.is_contiguous():
+            hello["hello"]["pull"] = _cross_memory.describe(self._pool)  # (see `_accept_pull`)
         link.inflight.append(self._send_frames(link, _Out({}, []), hello))
         return link
 
@@ -317,7 +341,10 @@ class UcxTransport(KVTransport):
 
     def _submit(self, link: _Link, msg: _Out) -> _Out:
         seq, link.seq = link.seq, link.seq + 1
-        pages, meta = message_pages(link, msg, self._pool, self._pool_rows)
+        if link.pull:  # the receiver reads the pages out of the pool
+            pages, meta = None, pages_to_read(msg, self._pool)
+        else:
+            pages, meta = message_pages(link, msg, self._pool, self._pool_rows)
         return self._send_frames(
             link, msg, {"seq": seq, "header": msg.header, "pages": meta}, pages
         )
@@ -352,7 +379,8 @@ class UcxTransport(KVTransport):
                 return logger.warning("ucx transport: refused connection %x (bad hello)", conn_id)
             link = self._links.get(peer) or self._connect(peer)  # (our hello has the token:
             buf = np.zeros(1, dtype=np.uint8)  # never for an unauthenticated peer)
-            self._busy.append((link.ep.tag_send(Array(buf), tag_of(conn_id, _WELCOME)), buf))
+            welcome = _WELCOME | self._accept_pull(conn, body, peer)
+            self._busy.append((link.ep.tag_send(Array(buf), tag_of(conn_id, welcome)), buf))
         elif conn.state == "ok":
             rx = _Rx({}, time.monotonic() + self.send_timeout_s)
             conn.rx.append(rx)
@@ -364,28 +392,3 @@ class UcxTransport(KVTransport):
                     self._post_pages(conn_id, rx, body["pages"], int(body["seq"]))
             except Exception as exc:
                 rx.failed = f"refused message: {exc}"
-
-    def _discard_pages(self, conn_id: int) -> bool:
-        """Takes the page frames a refused peer sent anyway (a sender that did not wait for
-        the welcome) off every lane, so that none stays in UCX's unexpected queue holding
-        memory until the transport closes. Whether any was found."""
-        tag, mask = tag_of(conn_id, _PAGES), ucx_api.UCXXTagMask(_ONE_CONN_PAGES)
-        return any([discard_matching(w, tag, mask, self._busy) for w in self._workers])
-
-    def _post_pages(self, conn_id: int, rx: _Rx, meta: dict[str, Any], seq: int) -> None:
-        raw, cut = rx.buffer(self._pool, self._pool_rows, meta), meta.get("split")
-        shares = [raw]
-        if cut is not None:  # the second share comes on lane 1
-            if not (len(self._workers) > 1 and isinstance(cut, int) and 0 < cut < raw.nbytes):
-                raise ValueError(f"pages split at {cut!r} of {raw.nbytes} bytes")
-            shares = [raw[:cut], raw[cut:]]
-        tag = tag_of(conn_id, _PAGES | seq % _PAGES)
-        for worker, share in zip(self._workers, shares, strict=False):
-            rx.requests.append(worker.tag_recv(Array(share), tag, ucx_api.UCXXTagMaskFull))
-
-    def _deliver(self, conn: _Conn) -> bool:  # completed messages, oldest first, to the inbox
-        return conn.deliver(
-            self._busy,
-            lambda rx: self._inbox.put(Message(conn.peer, rx.header, rx.pages)),
-            lambda rx, error: self._report(conn.peer, [request_id_of(rx.header)], error),
-        )
