@@ -17,6 +17,10 @@ hides behind prefill compute.
    (`KVSender(hand_off=True)`), whose use of the GIL shows up as that stall. The hop
    from the first token to the commit on decode is reported too (`hidden_share_until_commit`).
 
+Transports: shm, torch, ucx (which on one machine reads the pages out of the sender's pool itself,
+as shm does) and ucx-push (UCX moves the pages, as it does between machines; its figures are
+judged against the ucx target too, `ucx_push_ge_1MiB`).
+
 Usage: python bench/kv_transfer.py [--quick]. Progress on stderr; a JSON summary is the last
 line on stdout. Part 2 runs for every transport that is installed.
 """
@@ -37,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ModelShape, ensure_checkpoint, log, wait_for_quiet  # noqa: E402
-from bench.kv_transfer_common import default_repeats, measure_throughput  # noqa: E402
+from bench.kv_transfer_common import OPTIONS, default_repeats, measure_throughput  # noqa: E402
 
 SIZES = {
     "64K": 64 << 10,
@@ -47,7 +51,8 @@ SIZES = {
     "16M": 16 << 20,
     "64M": 64 << 20,
 }
-TRANSPORTS = ("shm", "torch", "ucx")
+TRANSPORTS = ("shm", "torch", "ucx", "ucx-push")
+"""`ucx` pulls pages on one machine (the receiver reads them); `ucx-push` has UCX move them."""
 
 
 def throughput_table(
@@ -129,7 +134,8 @@ def hidden_share(
     del llm
     pd = PDProcesses(
         str(model_dir),
-        transport,
+        transport.partition("-")[0],
+        OPTIONS.get(transport),
         chunk_blocks=chunk_blocks,
         threads=threads,
         checksums=False,
@@ -325,6 +331,7 @@ def targets_met(rel: dict[str, dict[str, float | None]], hidden: dict[str, Any])
     return {
         "best_cpu_transport_ge_1MiB": any(judged) if judged else None,
         "ucx_ge_1MiB": at_least("ucx", 0.6),
+        "ucx_push_ge_1MiB": at_least("ucx-push", 0.6),
         "hidden_share": {name: h["hidden_share"] >= 0.8 for name, h in hidden.items()},
     }
 

@@ -38,6 +38,7 @@ NAMES = ("memcpy", "memcpy-shm", "shm", "shm-region", "shm-staged", "torch")
 OPTIONS: dict[str, dict[str, Any]] = {
     "shm-region": {"cross_memory": False},
     "ucx-onelane": {"split_min_bytes": 0},  # every message on lane 0 (as before session 24)
+    "ucx-push": {"pull": False},  # UCX moves the pages, as between machines (`ucx.py`)
 }
 """Options of the receiving endpoint for bench names that are variants of a transport."""
 

@@ -15,17 +15,20 @@ def test_each_target_is_judged_at_every_size_of_1_mib_and_more() -> None:
     assert targets_met(rel, hidden) == {
         "best_cpu_transport_ge_1MiB": True,
         "ucx_ge_1MiB": False,  # (0.59 at 1 MiB)
+        "ucx_push_ge_1MiB": None,
         "hidden_share": {"shm": True, "torch": False},
     }
     rel["shm"]["1M"] = 0.79
     assert targets_met(rel, {"shm": {"hidden_share": 0.79}}) == {
         "best_cpu_transport_ge_1MiB": False,
         "ucx_ge_1MiB": False,
+        "ucx_push_ge_1MiB": None,
         "hidden_share": {"shm": False},
     }
     assert targets_met({"shm": {"1M": None, "16M": 1.0}}, {}) == {
         "best_cpu_transport_ge_1MiB": None,
         "ucx_ge_1MiB": None,
+        "ucx_push_ge_1MiB": None,
         "hidden_share": {},
     }
 
