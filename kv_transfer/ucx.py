@@ -19,13 +19,15 @@ Not through UCX's own RMA: UCX makes the same system call, but on an endpoint wi
 handling (the only mode that keeps shared memory and CMA; with it UCX falls back to TCP) a copy
 that fails, as one does when the peer dies during it, aborts the whole process. Here a failed
 read fails that message, and the sender is then reported gone. Between machines, or where
-either end does not pull, UCX moves the pages (pushed): there, a peer that dies during a copy
-of UCX's on one machine still takes the other process down with it (docs/kv_transfer.md).
+either end does not pull, UCX moves the pages (pushed): there, a peer that dies during one of
+UCX's copies on one machine still takes the other process down with it (docs/benchmarks.md,
+session 49).
 
-Speed (see docs/benchmarks.md): one thread per transport makes every UCX call (`send` only queues)
-and *polls*: it steps without pausing while there is work and pauses for at most `idle_sleep_s`
-when idle, `slow_sleep_s` once idle for a while (UCX's WAKEUP feature, needed to sleep on the worker's fd, halves its shared-memory
-throughput); an endpoint with a send-only pool (a prefill worker's) pauses for up to
+Speed (see docs/benchmarks.md): one thread per transport makes the UCX calls (`send` queues, but
+sends a pull link's frame itself when nothing is queued before it) and *polls*: it steps without
+pausing while there is work and pauses for at most `idle_sleep_s` when idle, `slow_sleep_s` once
+idle for a while (UCX's WAKEUP feature, needed to sleep on the worker's fd, halves its
+shared-memory throughput); an endpoint with a send-only pool (a prefill worker's) pauses for
 `quiet_sleep_s` while nothing of its own is queued or in flight, since only acknowledgements can
 arrive then (each wake-up takes the GIL from the engine). `allocate_pool` gives pools on
 transparent huge pages (cross-memory copies pin pages one at a time). Data endpoints skip UCX
@@ -166,8 +168,9 @@ class UcxTransport(UcxIncoming, KVTransport):
             raise TransferError(f"block ids {ids} are not in the registered pool")
         # A JSON copy (the caller may change its dict later), unless it comes encoded already.
         copy = header if isinstance(header, EncodedHeader) else json.loads(json.dumps(header))
-        if not self._send_now(peer, _Out(copy, ids)):
-            self._commands.append((peer, _Out(copy, ids)))
+        msg = _Out(copy, ids)
+        if not self._send_now(peer, msg):
+            self._commands.append((peer, msg))
             self._wake.set()
 
     def _send_now(self, peer: str, msg: _Out) -> bool:
