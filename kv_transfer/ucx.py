@@ -177,7 +177,7 @@ class UcxTransport(UcxIncoming, KVTransport):
         """Sends `msg`'s frame on the caller's thread where its peer reads the pages itself and
         nothing is queued before it: the polling thread is not woken (it would take the GIL
         from a prefill engine for every chunk). Whether it did."""
-        if self._commands or not self._lock.acquire(False):
+        if self._commands or not self._lock.acquire(timeout=0.002):  # (the thread's step)
             return False
         try:
             link = self._links.get(peer)

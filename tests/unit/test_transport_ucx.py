@@ -6,6 +6,7 @@ on a CPU-only machine it moves data over shared memory and CMA.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -215,11 +216,24 @@ def test_a_quiet_send_only_endpoint_polls_rarely_and_still_hears_replies() -> No
         assert reply.header["type"] == "ack"
         # `b` reads `a`'s pages: a send on such a link leaves from the caller's thread, and
         # the polling thread, asleep, is not woken (it would take the GIL from the engine).
-        a._wake.clear()
-        a.send(b.address, {"request_id": "r2", "n": 2}, [3])
-        assert not a._commands and not a._wake.is_set()
-        (m,) = h.collect(b, 1, 5.0)
-        assert m.pages is not None and m.pages.equal(pool.export_blocks([3]))
+        submitted_by: list[str] = []
+        submit = a._submit
+
+        def spy(link: Any, msg: Any) -> Any:
+            submitted_by.append(threading.current_thread().name)
+            return submit(link, msg)
+
+        a._submit = spy  # type: ignore[method-assign]
+        for i in range(5):
+            time.sleep(0.05)
+            a.send(b.address, {"request_id": f"r{i}", "n": 2 + i}, [3 + i])
+        got = h.collect(b, 5, 5.0)
+        assert [m.header["n"] for m in got] == [2, 3, 4, 5, 6]
+        assert all(
+            m.pages is not None and m.pages.equal(pool.export_blocks([3 + i]))
+            for i, m in enumerate(got)
+        )
+        assert submitted_by.count(threading.current_thread().name) >= 4, submitted_by
     finally:
         a.close()
         b.close()
