@@ -10,7 +10,10 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.kv_transfer.process_pair import PDProcesses
 
-TRANSPORTS = ["shm", "torch", "ucx"]
+TRANSPORTS = ["shm", "torch", "ucx", "ucx-push"]
+OPTIONS = {"ucx-push": {"pull": False}}
+"""ucx on one machine has the receiver read the pages (pull); `ucx-push` has UCX move them, as
+between machines."""
 
 
 def _available(name: str) -> bool:
@@ -18,7 +21,7 @@ def _available(name: str) -> bool:
         "shm": "tandem.kv_transfer.shm",
         "torch": "tandem.kv_transfer.torch_dist",
         "ucx": "ucxx",
-    }[name]
+    }[name.partition("-")[0]]
     try:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
@@ -43,7 +46,7 @@ def test_two_process_transfer_is_exact(transport: str, model: str) -> None:
         o.token_ids
         for o in LLM(model=model, num_kv_blocks=256).generate(prompts, SamplingParams(**params))
     ]
-    pd = PDProcesses(model, transport)
+    pd = PDProcesses(model, transport.partition("-")[0], OPTIONS.get(transport))
     try:
         for i, prompt in enumerate(prompts):
             assert pd.run(f"r{i}", prompt, params) == expected[i], f"prompt {i} over {transport}"
