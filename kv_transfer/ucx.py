@@ -174,10 +174,11 @@ class UcxTransport(UcxIncoming, KVTransport):
             self._wake.set()
 
     def _send_now(self, peer: str, msg: _Out) -> bool:
-        """Sends `msg`'s frame on the caller's thread where its peer reads the pages itself and
-        nothing is queued before it: the polling thread is not woken (it would take the GIL
-        from a prefill engine for every chunk). Whether it did."""
-        if self._commands or not self._lock.acquire(timeout=0.002):  # (the thread's step)
+        """Sends the frame of `msg`, which has pages, on the caller's thread where its peer
+        reads the pages itself and nothing is queued before it: the polling thread is not woken
+        (it would take the GIL from a prefill engine for every chunk). Whether it did. (Others,
+        a decode worker's acknowledgements among them, never wait for the thread's step.)"""
+        if not msg.block_ids or self._commands or not self._lock.acquire(timeout=0.002):
             return False
         try:
             link = self._links.get(peer)

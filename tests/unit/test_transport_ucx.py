@@ -185,21 +185,26 @@ def test_same_process_round_trip_and_bad_input() -> None:
         b.close()
 
 
+def _step_counter(transport: UcxTransport) -> list[int]:
+    """A one-item list counting `transport`'s polling steps from now on (set it to 0 to reset)."""
+    count = [0]
+    original = transport._step
+
+    def counted() -> bool:
+        count[0] += 1
+        return original()
+
+    transport._step = counted  # type: ignore[method-assign]
+    return count
+
+
 def test_a_quiet_send_only_endpoint_polls_rarely_and_still_hears_replies() -> None:
     """A prefill worker's endpoint (send-only pool) pauses up to `quiet_sleep_s` while nothing
     of its own is in flight, instead of waking 1,000 times a second; a send wakes it at once,
     and replies still arrive (at most one pause later)."""
     a = UcxTransport(h.TOKEN, quiet_sleep_s=0.05)
     b = UcxTransport(h.TOKEN)
-    steps = 0
-    original = a._step
-
-    def counted() -> bool:
-        nonlocal steps
-        steps += 1
-        return original()
-
-    a._step = counted  # type: ignore[method-assign]
+    steps = _step_counter(a)
     try:
         pool = a.allocate_pool(**h.POOL, send_only=True)
         h.fill_pool(pool, 4)
@@ -208,9 +213,9 @@ def test_a_quiet_send_only_endpoint_polls_rarely_and_still_hears_replies() -> No
         (m,) = h.collect(b, 1, 5.0)
         assert m.pages is not None and m.pages.equal(pool.export_blocks([1, 2]))
         time.sleep(0.3)  # quiet from here on
-        steps = 0
+        steps[0] = 0
         time.sleep(1.0)
-        assert steps <= 60  # ~20 at a 50 ms cap; an endpoint that is not send-only takes ~200
+        assert steps[0] <= 60  # ~20 at a 50 ms cap; an endpoint that is not send-only takes ~200
         b.send(a.address, {"type": "ack", "request_id": "r"})
         (reply,) = h.collect(a, 1, 5.0)
         assert reply.header["type"] == "ack"
@@ -417,19 +422,11 @@ def test_an_idle_endpoint_slows_its_polling_after_a_while() -> None:
     """Idle for `SLOW_AFTER_S`, an endpoint pauses up to `slow_sleep_s` between steps (~200
     a second at 5 ms), not `idle_sleep_s` (~1,000 a second at 1 ms)."""
     a = UcxTransport(h.TOKEN)
-    steps = 0
-    original = a._step
-
-    def counted() -> bool:
-        nonlocal steps
-        steps += 1
-        return original()
-
-    a._step = counted  # type: ignore[method-assign]
+    steps = _step_counter(a)
     try:
         time.sleep(0.3)
-        steps = 0
+        steps[0] = 0
         time.sleep(1.0)
-        assert 20 <= steps <= 400
+        assert 20 <= steps[0] <= 400
     finally:
         a.close()
