@@ -36,7 +36,9 @@ def expected_next(model: str) -> list[int]:
     return llm.generate([NEXT], SamplingParams(**PARAMS))[0].token_ids
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
+# Not ucx-push: a prefill killed during one of UCX's own copies between two processes of one
+# machine aborts the decode process (docs/benchmarks.md, session 49); ucx pulls there.
+@pytest.fixture(scope="module", params=[t for t in TRANSPORTS if t != "ucx-push"])
 def pd(request: pytest.FixtureRequest, model: str) -> Iterator[PDProcesses]:
     name = str(request.param)
     if not _available(name):
