@@ -9,9 +9,12 @@ memory on transparent huge pages: POSIX shared memory gets no huge pages on most
 
 The kernel allows it only where the writer could ptrace the target: same user, and Yama's
 ``ptrace_scope`` at 0 (or absent). `available()` checks that once per process; a write that is
-refused anyway raises `PermissionError` and the caller stages instead. The target is always the
-process at the other end of a Unix socket, as the kernel reports it (`peer_pid`), never a pid a
-peer names, so a write can only land in the process the link is connected to.
+refused anyway raises `PermissionError` and the caller stages instead. The shm transport's target
+is always the process at the other end of a Unix socket, as the kernel reports it (`peer_pid`),
+never a pid a peer names, so a write can only land in the process the link is connected to. The
+ucx transport only *reads* (`pool_in_process`), from the pid an authenticated sender's hello
+names on this machine (`_peer_process.claimed_pid`): a peer holding the cluster token is trusted
+to name itself there, as for ``peer_gone``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from tandem.kv_transfer._socket_channel import (
 
 IOV_MAX = 1024
 """Most iovecs one call takes (Linux's UIO_MAXIOV)."""
+CALL_BYTES = 1 << 30
+"""Most bytes one call is given (Linux copies at most ~2 GiB per call, MAX_RW_COUNT)."""
 
 
 class _IOVec(ctypes.Structure):
@@ -92,6 +97,13 @@ def available() -> bool:
     return target.raw == source.raw
 
 
+def can_read() -> bool:
+    """Whether this process has `process_vm_readv` at all; whether a given peer may be read is
+    `allowed`'s question (Yama's ``ptrace_scope`` 1 allows it where the peer let anyone
+    trace it, as UCX's CMA transport does in every process that loads it)."""
+    return _syscall("process_vm_readv") is not None
+
+
 def peer_pid(sock: socket.socket) -> int | None:
     """The pid of the process at the other end of a connected Unix socket (from the kernel)."""
     option = getattr(socket, "SO_PEERCRED", None)
@@ -131,12 +143,27 @@ def allowed(pid: int, address: int) -> bool:
     return True
 
 
+def _batches(runs: Sequence[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """`runs` in calls' worth: at most `IOV_MAX` iovecs and `CALL_BYTES` bytes each (a longer
+    run is cut), in order."""
+    batches: list[list[tuple[int, int, int]]] = [[]]
+    room = CALL_BYTES
+    for local, remote, n in runs:
+        while n:
+            if room == 0 or len(batches[-1]) == IOV_MAX:
+                batches.append([])
+                room = CALL_BYTES
+            take = min(n, room)
+            batches[-1].append((local, remote, take))
+            local, remote, n, room = local + take, remote + take, n - take, room - take
+    return [batch for batch in batches if batch]
+
+
 def _copy(name: str, pid: int, runs: Sequence[tuple[int, int, int]]) -> None:
     fn = _syscall(name)
     if fn is None:
         raise PermissionError(errno.ENOSYS, f"{name} is not available")
-    for start in range(0, len(runs), IOV_MAX):
-        batch = runs[start : start + IOV_MAX]
+    for batch in _batches(runs):
         local = (_IOVec * len(batch))(*[_IOVec(src, n) for src, _, n in batch])
         remote = (_IOVec * len(batch))(*[_IOVec(dst, n) for _, dst, n in batch])
         total = sum(n for _, _, n in batch)

@@ -55,6 +55,7 @@ class _Link:
     seq: int = 0
     spare: torch.Tensor | None = None  # a staging buffer to reuse
     ep_second: Any = None  # to the peer's lane 1, where it has one (pages' second shares)
+    offered: bool = False  # our hello offered our pool to be read
     pull: bool = False  # the peer reads pages out of our pool (its welcome said so)
 
     def settled(self) -> bool:

@@ -23,19 +23,18 @@ either end does not pull, UCX moves the pages (pushed): there, a peer that dies 
 UCX's copies on one machine still takes the other process down with it (docs/benchmarks.md,
 session 49).
 
-Speed (see docs/benchmarks.md): one thread per transport makes the UCX calls (`send` queues, but
-sends a pull link's frame itself when nothing is queued before it) and *polls*: it steps without
-pausing while there is work and pauses for at most `idle_sleep_s` when idle, `slow_sleep_s` once
-idle for a while (UCX's WAKEUP feature, needed to sleep on the worker's fd, halves its
-shared-memory throughput); an endpoint with a send-only pool (a prefill worker's) pauses for
-`quiet_sleep_s` while nothing of its own is queued or in flight, since only acknowledgements can
-arrive then (each wake-up takes the GIL from the engine). `allocate_pool` gives pools on
-transparent huge pages (cross-memory copies pin pages one at a time). Data endpoints skip UCX
-error handling; an idle second endpoint with it reports a dead peer at once. Lost links, no
-welcome in `hello_timeout_s`, sends or page receives not done in `send_timeout_s` come back from
-`poll()` as `transport_error`s; a sender on this machine whose process ended is reported
-``peer_gone`` within `GONE_CHECK_S`. At most `max_inflight` messages per peer (32) are handed to
-UCX at once. `ucx_config` adds UCX options.
+Speed (docs/benchmarks.md): one thread per transport makes the UCX calls (`send` queues, but sends
+a pull link's frame itself when nothing is queued before it) and *polls* (UCX's WAKEUP feature,
+to sleep on the worker's fd, halves its shared-memory throughput): it steps without pausing while
+there is work, pauses up to `idle_sleep_s` when idle and `slow_sleep_s` (5x unless given) once
+idle for a while; a send-only endpoint (a prefill worker's) pauses `quiet_sleep_s` while nothing
+of its own is queued or in flight (each wake-up takes the GIL from the engine). `allocate_pool`
+gives pools on transparent huge pages (cross-memory copies pin pages one at a time). Data
+endpoints skip UCX error handling; an idle second endpoint with it reports a dead peer at once.
+Lost links, no welcome in `hello_timeout_s`, sends or page receives not done in `send_timeout_s`
+come back from `poll()` as `transport_error`s; a sender on this machine whose process ended is
+reported ``peer_gone`` within `GONE_CHECK_S`. At most `max_inflight` messages per peer (32) are
+handed to UCX at once. `ucx_config` adds UCX options.
 """
 
 from __future__ import annotations
@@ -94,7 +93,7 @@ class UcxTransport(UcxIncoming, KVTransport):
         hello_timeout_s: float = 3.0,
         max_inflight: int = 32,
         idle_sleep_s: float = 0.001,
-        slow_sleep_s: float = 0.005,
+        slow_sleep_s: float | None = None,
         quiet_sleep_s: float = 0.02,
         ucx_config: dict[str, str] | None = None,
         split_min_bytes: int = 256 << 10,
@@ -104,11 +103,12 @@ class UcxTransport(UcxIncoming, KVTransport):
         self.send_timeout_s, self.hello_timeout_s = send_timeout_s, hello_timeout_s
         self.max_inflight = max(1, max_inflight)
         self.idle_sleep_s = max(0.0, idle_sleep_s)
-        self.slow_sleep_s = max(self.idle_sleep_s, slow_sleep_s)
-        self.quiet_sleep_s = max(self.idle_sleep_s, quiet_sleep_s)
+        slow = 5 * self.idle_sleep_s if slow_sleep_s is None else slow_sleep_s
+        self.slow_sleep_s = max(self.idle_sleep_s, slow)
         self._send_only = False  # set by `allocate_pool(send_only=True)`
+        self.quiet_sleep_s = max(self.idle_sleep_s, quiet_sleep_s)
         self.split_min_bytes = split_min_bytes
-        self._pull = pull and _cross_memory.available()
+        self._pull = pull and _cross_memory.can_read()  # (per peer: `_accept_pull`)
         lanes = LANE_SCHEMES if split_min_bytes > 0 else LANE_SCHEMES[:1]
         self._workers = [new_worker(scheme, ucx_config or {}) for scheme in lanes]
         self._worker = self._workers[0]  # every header frame; the pages' first share
@@ -155,7 +155,7 @@ class UcxTransport(UcxIncoming, KVTransport):
     def register_pool(self, pool: KVCachePool) -> None:
         if pool.device.type != "cpu":
             raise TransferError("the ucx transport moves CPU pools only")
-        if self._links and self._pool is not None and pool is not self._pool:
+        if self._pull and self._links and self._pool is not None and pool is not self._pool:
             raise TransferError("the pool cannot change once links offered it to readers")
         self._pool = pool
         self._pool_rows = pool.tensor.view(torch.uint8).reshape(pool.num_blocks, -1).numpy()
@@ -273,7 +273,8 @@ class UcxTransport(UcxIncoming, KVTransport):
                 discard(self._worker, probe, self._busy)
                 for link in self._links.values():
                     if link.conn == probe.sender_tag.value >> 16:
-                        link.welcomed, link.pull = True, bool(probe.sender_tag.value & 1)
+                        link.welcomed = True
+                        link.pull = link.offered and bool(probe.sender_tag.value & 1)
             else:
                 self._on_header_frame(probe)
         for conn_id, conn in self._conns.items():
@@ -318,6 +319,7 @@ class UcxTransport(UcxIncoming, KVTransport):
         }
         if self._pull and self._pool is not None and self._pool.tensor.is_contiguous():
             hello["hello"]["pull"] = _cross_memory.describe(self._pool)  # (see `_accept_pull`)
+            link.offered = True
         link.inflight.append(self._send_frames(link, _Out({}, []), hello))
         return link
 

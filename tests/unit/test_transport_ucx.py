@@ -289,9 +289,9 @@ def test_pages_of_split_min_bytes_go_half_on_each_lane() -> None:
 
 def test_a_receiver_on_the_same_machine_reads_the_pages_out_of_the_senders_pool() -> None:
     """Where both ends pull (the default) and run on one machine, the sender's frames carry
-    only the runs of source blocks, and the receiver reads them with UCX; byte-exact, into
-    its pool where the dst ids are one run. A sender or receiver that does not pull gets the
-    pages sent. Runs outside the offered pool fail their message alone."""
+    only the runs of source blocks, and the receiver reads them (`process_vm_readv`):
+    byte-exact, into its pool where the dst ids are one run. A sender or receiver that does not
+    pull gets the pages sent. Runs outside the offered pool fail their message alone."""
     a, b, pushing = UcxTransport(h.TOKEN), UcxTransport(h.TOKEN), UcxTransport(h.TOKEN, pull=False)
     metas: list[tuple[int, Any]] = []
     post = b._post_pages
@@ -361,6 +361,9 @@ def test_a_sender_killed_while_its_pages_are_read_leaves_the_receiver_running() 
         address, _ = sender.create("ucx", seed=3)
         sender.send(receiver.address, {"request_id": "first"}, [1])
         assert len(h.collect(receiver, 1, 10.0)) == 1
+        assert isinstance(receiver, UcxTransport)
+        if not any(c.remote is not None for c in receiver._conns.values()):
+            pytest.skip("the kernel lets this process read no peer: UCX would abort here")
         for i in range(40):
             sender.send(receiver.address, {"request_id": f"r{i}"}, list(range(16)))
         time.sleep(0.002)
