@@ -146,17 +146,25 @@ def allowed(pid: int, address: int) -> bool:
 def _batches(runs: Sequence[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
     """`runs` in calls' worth: at most `IOV_MAX` iovecs and `CALL_BYTES` bytes each (a longer
     run is cut), in order."""
-    batches: list[list[tuple[int, int, int]]] = [[]]
-    room = CALL_BYTES
+    return _cut(runs, CALL_BYTES, IOV_MAX)
+
+
+def _cut(
+    runs: Sequence[tuple[int, int, int]], max_bytes: int, max_runs: int | None = None
+) -> list[list[tuple[int, int, int]]]:
+    """`(local, remote, nbytes)` copies in consecutive lists of at most `max_bytes` bytes (> 0)
+    and `max_runs` copies each, a run cut where a list fills; in order, none empty."""
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = max_bytes
     for local, remote, n in runs:
         while n:
-            if room == 0 or len(batches[-1]) == IOV_MAX:
-                batches.append([])
-                room = CALL_BYTES
+            if room == 0 or len(out[-1]) == max_runs:
+                out.append([])
+                room = max_bytes
             take = min(n, room)
-            batches[-1].append((local, remote, take))
+            out[-1].append((local, remote, take))
             local, remote, n, room = local + take, remote + take, n - take, room - take
-    return [batch for batch in batches if batch]
+    return [part for part in out if part]
 
 
 def _copy(name: str, pid: int, runs: Sequence[tuple[int, int, int]]) -> None:
@@ -279,15 +287,4 @@ def split_runs(
     """`(local, remote, nbytes)` copies cut into at most `parts` lists of about equal bytes, in
     order; a run is cut at a multiple of `align` bytes from its start. Empty lists are left out."""
     total = sum(n for _, _, n in runs)
-    share = -(-total // max(1, parts) // align) * align if total else 0
-    out: list[list[tuple[int, int, int]]] = [[]]
-    room = share
-    for local, remote, n in runs:
-        while n:
-            if room == 0:
-                out.append([])
-                room = share
-            take = min(n, room)
-            out[-1].append((local, remote, take))
-            local, remote, n, room = local + take, remote + take, n - take, room - take
-    return [part for part in out if part]
+    return _cut(runs, -(-total // max(1, parts) // align) * align) if total else []

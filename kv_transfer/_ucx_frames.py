@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tandem.kernels.kv_cache import KVCachePool
+from tandem.kv_transfer._socket_channel import consecutive_runs
 from tandem.kv_transfer._ucx_lanes import Array, tag_of
 from tandem.kv_transfer._ucx_records import _Link, _Out, _run_start
 
@@ -59,12 +60,7 @@ def pages_to_read(msg: _Out, pool: KVCachePool | None) -> dict[str, Any] | None:
     in order); None for a message without blocks."""
     if not msg.block_ids or pool is None:
         return None
-    runs: list[list[int]] = []
-    for block in msg.block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == block:
-            runs[-1][1] += 1
-        else:
-            runs.append([block, 1])
+    runs = [[s, n] for s, _, n in consecutive_runs(msg.block_ids, msg.block_ids)]
     return {**_describe(msg, pool), "runs": runs}
 
 

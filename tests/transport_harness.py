@@ -76,6 +76,20 @@ def make_endpoint(
     return transport, pool
 
 
+def posted_pages(receiver: Any, field: str) -> list[tuple[Any, Any]]:
+    """`(header["n"], meta[field])` of each page description a UCX `receiver` takes, in the
+    order it takes them (a spy on its `_post_pages`)."""
+    seen: list[tuple[Any, Any]] = []
+    post = receiver._post_pages
+
+    def spy(conn_id: int, rx: Any, meta: dict[str, Any], seq: int) -> None:
+        seen.append((rx.header["n"], meta.get(field)))
+        post(conn_id, rx, meta, seq)
+
+    receiver._post_pages = spy
+    return seen
+
+
 def collect(transport: KVTransport, count: int, timeout: float) -> list[Message]:
     """Polls until `count` messages arrived or `timeout` seconds passed."""
     out: list[Message] = []
