@@ -1,41 +1,63 @@
-"""The receiving side of `UcxTransport` (`ucx.py`) that needs no UCX call of its own making:
-whether a sender's pages are read out of its pool (`_accept_pull`), where a message's pages go
-(`_post_pages`), handing finished messages on (`_deliver`), dropping what a refused peer sent
-(`_discard_pages`) and noticing senders whose process ended (`_find_gone_senders`)."""
+"""The receiving side of `UcxTransport` (`ucx.py`): a header frame taken off lane 0
+(`_on_header_frame`: a hello, answered with a welcome, or a message's header, JSON or a compact
+record, `_on_record`), whether a sender's pages are read out of its pool (`_accept_pull`), where
+a message's pages go (`_post_pages`), handing finished messages on (`_deliver`), dropping what a
+refused peer sent (`_discard_pages`) and noticing senders whose process ended
+(`_find_gone_senders`)."""
 
 from __future__ import annotations
 
 import logging
 import queue
+import time
 from typing import Any
 
 import numpy as np
 
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer import _cross_memory
+from tandem.kv_transfer._chunk_records import CHUNK, LAYOUT, parse_chunk, parse_layout
 from tandem.kv_transfer._peer_process import process_ended
-from tandem.kv_transfer._socket_channel import request_id_of
+from tandem.kv_transfer._socket_channel import consecutive_runs, dtype_name, request_id_of
 from tandem.kv_transfer._ucx_frames import _PAGES
-from tandem.kv_transfer._ucx_lanes import Array, discard_matching, settle, tag_of, ucx_api
-from tandem.kv_transfer._ucx_records import _Conn, _Rx
+from tandem.kv_transfer._ucx_lanes import (
+    Array,
+    discard,
+    discard_matching,
+    json_object,
+    receive_frame,
+    settle,
+    tag_of,
+    ucx_api,
+)
+from tandem.kv_transfer._ucx_records import _Conn, _Link, _run_start, _Rx, hello_peer
 from tandem.kv_transfer.base import Message
 
 logger = logging.getLogger("tandem.kv_transfer.ucx")
 _ONE_CONN_PAGES = 0xFFFF_FFFF_FFFF_8000  # tag mask: a connection's page frames, any sequence
+RECORD_KINDS = (CHUNK, LAYOUT)  # the first byte of a compact record (a JSON frame's is "{")
+WELCOME, _HELLO_MAX, _HEADER_MAX = 0x4000, 4096, 16 << 20  # a welcome's low tag bits; sizes
 
 
 class UcxIncoming:
     """Mixed into `UcxTransport`, whose thread calls these under its lock."""
 
+    auth_token: str
     _pull: bool
+    _worker: Any
     _workers: list[Any]
+    _links: dict[str, _Link]
     _conns: dict[int, _Conn]
     _busy: list[tuple[Any, Any]]
     _inbox: queue.Queue[Message]
     _pool: KVCachePool | None
     _pool_rows: np.ndarray | None
+    send_timeout_s: float
 
     def _report(self, peer: str, request_ids: list[str | None], error: str) -> None:
+        raise NotImplementedError
+
+    def _connect(self, peer: str) -> _Link:
         raise NotImplementedError
 
     def _find_gone_senders(self) -> None:
@@ -66,6 +88,68 @@ class UcxIncoming:
         except Exception as exc:
             logger.info("ucx transport: bad pool offer from %s: %s", peer[:40], exc)
         return 0 if conn.remote is None else 1
+
+    def _on_header_frame(self, probe: Any) -> None:
+        conn_id = probe.sender_tag.value >> 16
+        conn = self._conns.setdefault(conn_id, _Conn())
+        raw: bytes | None = None
+        if conn.state != "refused" and probe.length <= (_HEADER_MAX if conn.peer else _HELLO_MAX):
+            raw = receive_frame(self._worker, probe, min(1.0, self.send_timeout_s))
+        else:
+            discard(self._worker, probe, self._busy)
+        if conn.state == "ok" and raw and raw[0] in RECORD_KINDS:  # (compact: `_ucx_frames`)
+            return self._on_record(conn_id, conn, raw)
+        body = json_object(raw)
+        if conn.state == "hello":
+            peer, conn.pid = hello_peer(body, self.auth_token) or ("", None)
+            conn.state, conn.peer = ("ok", peer) if peer else ("refused", "")
+            if not peer:
+                return logger.warning("ucx transport: refused connection %x (bad hello)", conn_id)
+            link = self._links.get(peer) or self._connect(peer)  # (our hello has the token:
+            buf = np.zeros(1, dtype=np.uint8)  # never for an unauthenticated peer)
+            welcome = WELCOME | self._accept_pull(conn, body, peer)
+            rings = body is not None and body["hello"].get("rings") is True  # (and reaches us:
+            conn.rings = rings and conn.remote is not None  # it runs here, as we read its pool)
+            self._busy.append((link.ep.tag_send(Array(buf), tag_of(conn_id, welcome)), buf))
+        elif conn.state == "ok":
+            rx = _Rx({}, time.monotonic() + self.send_timeout_s)
+            conn.rx.append(rx)
+            try:
+                if not body or not isinstance(body.get("header"), dict):
+                    raise ValueError(f"unreadable header frame ({probe.length} bytes)")
+                rx.header = body["header"]
+                if body.get("pages") is not None:
+                    self._post_pages(conn_id, rx, body["pages"], int(body["seq"]))
+            except Exception as exc:
+                rx.failed = f"refused message: {exc}"
+
+    def _on_record(self, conn_id: int, conn: _Conn, raw: bytes) -> None:
+        """A compact record from a sender whose pages are read here (`_ucx_frames`): a layout
+        is noted; a chunk is read as its JSON header frame would have been."""
+        if raw[0] == LAYOUT:
+            try:
+                conn.layouts.append(parse_layout(raw))
+            except ValueError as exc:  # (its chunks then fail: the receiver refuses {})
+                logger.warning("ucx transport: bad layout record from %s: %s", conn.peer[:40], exc)
+                conn.layouts.append({})  # (keeps the indices of the layouts after it)
+            return
+        rx = _Rx({}, time.monotonic() + self.send_timeout_s)
+        conn.rx.append(rx)
+        try:
+            if conn.remote is None:
+                raise ValueError("a compact record from a sender whose pages are not read here")
+            rx.header, src = parse_chunk(raw, conn.layouts)
+            dst = rx.header["manifest"]["dst_block_ids"]
+            meta = {
+                "shape": [len(src), *conn.remote.block_shape],
+                "dtype": dtype_name(conn.remote.dtype),
+                "direct": True,
+                "dst_start": _run_start(dst),
+                "runs": [[s, n] for s, _, n in consecutive_runs(src, src)],
+            }
+            self._post_pages(conn_id, rx, meta, 0)
+        except Exception as exc:
+            rx.failed = f"refused message: {exc}"
 
     def _discard_pages(self, conn_id: int) -> bool:
         """Takes the page frames a refused peer sent anyway (a sender that did not wait for

@@ -21,8 +21,9 @@ __all__ = [
     "discard",
     "discard_matching",
     "drain_unexpected",
+    "json_object",
     "new_worker",
-    "receive_json",
+    "receive_frame",
     "settle",
     "tag_of",
     "ucx_api",
@@ -94,9 +95,9 @@ def settle(workers: list[Any], idle_rounds: int = 3, max_rounds: int = 1000) -> 
             return
 
 
-def receive_json(worker: Any, probe: Any, timeout_s: float) -> dict[str, Any] | None:
-    """The probed frame as a JSON object, or None (not one, or not received in `timeout_s`:
-    frames over 8 KiB, UCX's rendezvous threshold, take a round trip)."""
+def receive_frame(worker: Any, probe: Any, timeout_s: float) -> bytes | None:
+    """The probed frame's bytes, or None (not received in `timeout_s`: frames over 8 KiB, UCX's
+    rendezvous threshold, take a round trip)."""
     buffer = np.empty(probe.length, dtype=np.uint8)
     request = worker.tag_recv_with_handle(Array(buffer), probe)
     deadline = time.monotonic() + timeout_s
@@ -104,7 +105,15 @@ def receive_json(worker: Any, probe: Any, timeout_s: float) -> dict[str, Any] | 
         worker.progress()
     try:
         request.check_error()
-        body = json.loads(buffer.tobytes())
     except Exception:
+        return None
+    return buffer.tobytes()
+
+
+def json_object(raw: bytes | None) -> dict[str, Any] | None:
+    """A frame's JSON object, or None (no frame, or not a JSON object)."""
+    try:
+        body = json.loads(raw) if raw is not None else None
+    except ValueError:
         return None
     return body if isinstance(body, dict) else None

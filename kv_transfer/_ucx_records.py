@@ -41,6 +41,7 @@ class _Out:
     keep: list[Any] = field(default_factory=list)  # buffers UCX reads until completion
     staging: torch.Tensor | None = None
     deadline: float = 0.0
+    rung: bool = False  # its peer was rung once it was in the peer's hands (`UcxTransport._rang`)
 
 
 @dataclass
@@ -57,6 +58,8 @@ class _Link:
     ep_second: Any = None  # to the peer's lane 1, where it has one (pages' second shares)
     offered: bool = False  # our hello offered our pool to be read
     pull: bool = False  # the peer reads pages out of our pool (its welcome said so)
+    layouts: dict[str, int] = field(default_factory=dict)  # sent in compact records, by index
+    bell: bytes = b""  # the peer's doorbell (`_doorbell.bell_name`)
 
     def settled(self) -> bool:
         """No send of this link's is still in UCX's hands."""
@@ -98,6 +101,8 @@ class _Conn:
     rx: deque[_Rx] = field(default_factory=deque)
     pid: int | None = None  # the sender's, where it runs on this machine
     remote: RemotePool | None = None  # the sender's pool, where pages are read out of it
+    layouts: list[dict[str, Any]] = field(default_factory=list)  # announced by layout records
+    rings: bool = False  # the sender rings our doorbell after each frame (`_doorbell`)
 
     def abandon(self, busy: list[tuple[Any, Any]]) -> None:
         """Drops the messages whose pages never came (their sender is gone); the receives UCX

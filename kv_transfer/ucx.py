@@ -28,7 +28,9 @@ a pull link's frame itself when nothing is queued before it) and *polls* (UCX's 
 to sleep on the worker's fd, halves its shared-memory throughput): it steps without pausing while
 there is work, pauses up to `idle_sleep_s` when idle and `slow_sleep_s` (5x unless given) once
 idle for a while; a send-only endpoint (a prefill worker's) pauses `quiet_sleep_s` while nothing
-of its own is queued or in flight (each wake-up takes the GIL from the engine). `allocate_pool`
+of its own is queued or in flight (each wake-up takes the GIL from the engine). Senders ring the
+receiver's doorbell after each frame (`_doorbell`): an endpoint whose senders all ring (they pull,
+so they run here) sleeps on it instead, up to `RUNG_SLEEP_S`, and takes a frame at once. `allocate_pool`
 gives pools on transparent huge pages (cross-memory copies pin pages one at a time). Data
 endpoints skip UCX error handling; an idle second endpoint with it reports a dead peer at once.
 Lost links, no welcome in `hello_timeout_s`, sends or page receives not done in `send_timeout_s`
@@ -55,28 +57,32 @@ import torch
 
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer import _cross_memory
+from tandem.kv_transfer._doorbell import Doorbell, bell_name
 from tandem.kv_transfer._hugepages import allocate_hugepage_pool
 from tandem.kv_transfer._peer_process import identity
 from tandem.kv_transfer._socket_channel import request_id_of
-from tandem.kv_transfer._ucx_frames import message_pages, pages_to_read, send_frames
-from tandem.kv_transfer._ucx_incoming import UcxIncoming
+from tandem.kv_transfer._ucx_frames import (
+    message_pages,
+    pages_to_read,
+    send_chunk_record,
+    send_frames,
+)
+from tandem.kv_transfer._ucx_incoming import WELCOME, UcxIncoming
 from tandem.kv_transfer._ucx_lanes import (
     LANE_SCHEMES,
-    Array,
     discard,
     drain_unexpected,
     new_worker,
-    receive_json,
     tag_of,
     ucx_api,
 )
-from tandem.kv_transfer._ucx_records import _Conn, _Link, _Out, _Rx, hello_peer
+from tandem.kv_transfer._ucx_records import _Conn, _Link, _Out
 from tandem.kv_transfer.base import EncodedHeader, KVTransport, Message, drain_inbox
 from tandem.kv_transfer.manifest import TransferError
 
 logger = logging.getLogger(__name__)
-_WELCOME, _HELLO_MAX, _HEADER_MAX = 0x4000, 4096, 16 << 20
 SLOW_AFTER_S = 0.02  # idle this long, an endpoint pauses up to `slow_sleep_s` (see `_run`)
+RUNG_SLEEP_S = 0.05  # how long a thread that peers ring sleeps at most (`_rung_only`)
 GONE_CHECK_S = 0.2  # how often the senders on this machine are looked at (`_find_gone_senders`)
 
 
@@ -124,7 +130,7 @@ class UcxTransport(UcxIncoming, KVTransport):
         self._next_gone_check = 0.0  # when `_find_gone_senders` looks next
         self._busy: list[tuple[Any, Any]] = []  # (request, what UCX uses until it completes)
         self._closed = False
-        self._wake = threading.Event()  # set by `send` and `close`: cuts an idle pause short
+        self._bell = Doorbell(self._address)  # `send` and `close` wake the thread; peers ring
         self._thread = threading.Thread(target=self._run, name="ucx-transport", daemon=True)
         self._thread.start()
 
@@ -171,7 +177,7 @@ class UcxTransport(UcxIncoming, KVTransport):
         msg = _Out(copy, ids)
         if not self._send_now(peer, msg):
             self._commands.append((peer, msg))
-            self._wake.set()
+            self._bell.wake()
 
     def _send_now(self, peer: str, msg: _Out) -> bool:
         """Sends the frame of `msg`, which has pages, on the caller's thread where its peer
@@ -189,7 +195,7 @@ class UcxTransport(UcxIncoming, KVTransport):
             out = self._submit(link, msg)
             link.inflight.append(out)
             if not all(r.completed for r in out.requests):
-                self._wake.set()  # (a large frame: UCX's rendezvous needs the thread)
+                self._bell.wake()  # (a large frame: UCX's rendezvous needs the thread)
             return True
         except Exception:  # (the polling thread sends it, and reports what fails)
             return False
@@ -212,7 +218,7 @@ class UcxTransport(UcxIncoming, KVTransport):
         if self._closed:
             return
         self._closed = True
-        self._wake.set()
+        self._bell.wake()
         self._thread.join(timeout=10.0)
         with self._lock:
             for _ in range(20):
@@ -222,6 +228,7 @@ class UcxTransport(UcxIncoming, KVTransport):
                 worker.cancel_inflight_requests()
             # Endpoints go before the worker, and only now that no request is in flight.
             self._links, self._conns, self._busy, self._retired = {}, {}, [], []
+        self._bell.close()
 
     def _progress(self) -> None:
         for worker in self._workers:
@@ -231,14 +238,16 @@ class UcxTransport(UcxIncoming, KVTransport):
         # Polling progress: after any activity the thread keeps stepping with short pauses that
         # grow with the idle time (a quarter of it, capped by `idle_sleep_s`, then after
         # `SLOW_AFTER_S` by `slow_sleep_s`), so a busy link is served within tens of microseconds
-        # and an idle endpoint wakes ~200 times/s (each wake takes the GIL, and on a small host
-        # a core, from a prefill engine: a decode worker's pulls then hide behind it).
+        # (each wake takes the GIL, and on a small host a core, from a prefill engine). With
+        # nothing of its own under way and every sender ringing (`_rung_only`) it sleeps on its
+        # bell, up to `RUNG_SLEEP_S`.
         idle_since: float | None = None
         while not self._closed:
-            quiet = False
+            quiet = rung = False
             try:
                 with self._lock:
                     active = self._step()
+                    rung = self._rung_only()
                     quiet = self._send_only and self._quiet()
             except Exception:  # keep the thread alive; the failure shows up as timeouts
                 logger.exception("ucx transport: progress step failed")
@@ -251,9 +260,9 @@ class UcxTransport(UcxIncoming, KVTransport):
             idle = now - idle_since  # (quiet: nothing of ours to progress, so no ramp)
             cap = self.idle_sleep_s if idle < SLOW_AFTER_S else self.slow_sleep_s
             pause = self.quiet_sleep_s if quiet else min(cap, idle / 4)
+            pause = max(pause, RUNG_SLEEP_S) if rung else pause
             if pause > 0 and not self._commands:
-                self._wake.wait(pause)
-                self._wake.clear()
+                self._bell.wait(pause)
 
     def _step(self) -> bool:  # one round of work; whether anything happened (then go on)
         active = self._take_commands()
@@ -269,7 +278,7 @@ class UcxTransport(UcxIncoming, KVTransport):
             if not probe.matched:
                 break
             active = True
-            if probe.sender_tag.value & _WELCOME:  # for one of our links
+            if probe.sender_tag.value & WELCOME:  # for one of our links
                 discard(self._worker, probe, self._busy)
                 for link in self._links.values():
                     if link.conn == probe.sender_tag.value >> 16:
@@ -294,6 +303,14 @@ class UcxTransport(UcxIncoming, KVTransport):
             return False
         return all(not link.queue and not link.inflight for link in self._links.values())
 
+    def _rung_only(self) -> bool:
+        """The thread may sleep on its bell (under the lock): every sender it hears from rings
+        it, it is receiving nothing, and nothing of its own is under way."""
+        if not (self._bell.bound and self._conns and self._quiet()):
+            return False
+        conns, links = self._conns.values(), self._links.values()
+        return all(c.rings and not c.rx for c in conns) and all(k.welcomed for k in links)
+
     def _take_commands(self) -> bool:
         taken = bool(self._commands)
         while self._commands:
@@ -314,13 +331,14 @@ class UcxTransport(UcxIncoming, KVTransport):
         link = self._links[peer] = _Link(ep, watch, secrets.randbits(48) | 1, deadline)
         if len(lanes) > 1 and len(self._workers) > 1:  # pages of `split_min_bytes` are split
             link.ep_second = self._workers[1].create_endpoint_from_worker_address(lanes[1], False)
-        hello = {
-            "hello": {"token": self.auth_token, "address": self.address, "process": identity()}
-        }
+        link.bell = bell_name(peer)  # (rung after each frame; a peer elsewhere cannot be)
+        hello: dict[str, Any] = {"token": self.auth_token, "address": self.address}
+        hello |= {"process": identity(), "rings": self._bell.bound}
         if self._pull and self._pool is not None and self._pool.tensor.is_contiguous():
-            hello["hello"]["pull"] = _cross_memory.describe(self._pool)  # (see `_accept_pull`)
+            hello["pull"] = _cross_memory.describe(self._pool)  # (see `_accept_pull`)
             link.offered = True
-        link.inflight.append(self._send_frames(link, _Out({}, []), hello))
+        link.inflight.append(self._send_frames(link, _Out({}, []), {"hello": hello}))
+        self._bell.ring(link.bell)
         return link
 
     def _send_frames(self, link: _Link, out: _Out, body: dict[str, Any], pages: Any = None) -> _Out:
@@ -334,6 +352,8 @@ class UcxTransport(UcxIncoming, KVTransport):
                     r.check_error()
                 done, active = link.inflight.popleft(), True
                 link.spare = link.spare if done.staging is None else done.staging
+                if not done.rung:  # (it was not in the peer's hands when its ring went)
+                    self._bell.ring(link.bell)
                 continue
             return self._fail_link(peer, link, "send failed")
         late = time.monotonic() > (link.inflight[0].deadline if link.inflight else link.deadline)
@@ -348,12 +368,19 @@ class UcxTransport(UcxIncoming, KVTransport):
     def _submit(self, link: _Link, msg: _Out) -> _Out:
         seq, link.seq = link.seq, link.seq + 1
         if link.pull:  # the receiver reads the pages out of the pool
+            if (sent := send_chunk_record(link, msg, self.send_timeout_s)) is not None:
+                return self._rang(link, sent)
             pages, meta = None, pages_to_read(msg, self._pool)
         else:
             pages, meta = message_pages(link, msg, self._pool, self._pool_rows)
-        return self._send_frames(
-            link, msg, {"seq": seq, "header": msg.header, "pages": meta}, pages
-        )
+        body = {"seq": seq, "header": msg.header, "pages": meta}
+        return self._rang(link, self._send_frames(link, msg, body, pages))
+
+    def _rang(self, link: _Link, out: _Out) -> _Out:
+        """Rings `link`'s peer for `out`, just handed to UCX (`_doorbell`)."""
+        self._bell.ring(link.bell)
+        out.rung = all(r.completed for r in out.requests)
+        return out
 
     def _fail_link(self, peer: str, link: _Link, error: str) -> bool:
         rids = [request_id_of(m.header) for m in [*link.inflight, *link.queue]]
@@ -369,32 +396,3 @@ class UcxTransport(UcxIncoming, KVTransport):
         for rid in request_ids:
             header = {"type": "transport_error", "peer": peer, "request_id": rid, "error": error}
             self._inbox.put(Message(peer, header))
-
-    def _on_header_frame(self, probe: Any) -> None:
-        conn_id = probe.sender_tag.value >> 16
-        conn = self._conns.setdefault(conn_id, _Conn())
-        body: dict[str, Any] | None = None
-        if conn.state != "refused" and probe.length <= (_HEADER_MAX if conn.peer else _HELLO_MAX):
-            body = receive_json(self._worker, probe, min(1.0, self.send_timeout_s))
-        else:
-            discard(self._worker, probe, self._busy)
-        if conn.state == "hello":
-            peer, conn.pid = hello_peer(body, self.auth_token) or ("", None)
-            conn.state, conn.peer = ("ok", peer) if peer else ("refused", "")
-            if not peer:
-                return logger.warning("ucx transport: refused connection %x (bad hello)", conn_id)
-            link = self._links.get(peer) or self._connect(peer)  # (our hello has the token:
-            buf = np.zeros(1, dtype=np.uint8)  # never for an unauthenticated peer)
-            welcome = _WELCOME | self._accept_pull(conn, body, peer)
-            self._busy.append((link.ep.tag_send(Array(buf), tag_of(conn_id, welcome)), buf))
-        elif conn.state == "ok":
-            rx = _Rx({}, time.monotonic() + self.send_timeout_s)
-            conn.rx.append(rx)
-            try:
-                if not body or not isinstance(body.get("header"), dict):
-                    raise ValueError(f"unreadable header frame ({probe.length} bytes)")
-                rx.header = body["header"]
-                if body.get("pages") is not None:
-                    self._post_pages(conn_id, rx, body["pages"], int(body["seq"]))
-            except Exception as exc:
-                rx.failed = f"refused message: {exc}"
