@@ -1,4 +1,5 @@
-"""Compact binary records for the chunks of a stream, on the shm transport's pull ring.
+"""Compact binary records for the chunks of a stream, on the shm transport's pull ring (and as
+the UCX transport's frames on a link whose receiver pulls, `_ucx_frames.send_chunk_record`).
 
 A prefill engine streams a request's pages as a chunk after every step, and every chunk but the
 last says the same things: which request, its index, how many tokens are complete, and which

@@ -4,11 +4,12 @@ UCX's own way to sleep until a message comes (its WAKEUP feature) halves its sha
 throughput here, so each endpoint's thread polls. A decode worker's thread that polls while it
 waits for a prefill's next chunk takes a core from that prefill on a small host, and one that
 polls slowly sees the request's last chunk (its commit) late. So an endpoint also binds a
-datagram socket in the abstract namespace, named after its UCX address (`bell_name`): a sender
-on the same machine rings it after each frame it sends, and the receiving thread, while every
-sender it hears from rings, sleeps on that socket instead of polling. A ring costs the sender
-one system call. Abstract names are local to a network namespace: a peer elsewhere cannot ring,
-and a ring to it fails at once, which the sender ignores (the receiver polls for such peers).
+datagram socket in the abstract namespace, named after its UCX address (`bell_name`), and rings a
+peer's bell from it after each frame it sends (one system call). A ring carries its bell's name
+as the datagram's source, so a receiver knows which senders' rings reach it (`wait`), and its
+thread sleeps on the bell instead of polling only while every sender it hears from is one of
+them. Abstract names are local to a network namespace: a ring to a peer elsewhere fails at once
+(ignored), and that peer, never heard, keeps its receiver polling.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import select
 import socket
 import threading
+from typing import Any
 
 import xxhash
 
@@ -36,7 +38,7 @@ class Doorbell:
         self._sock.setblocking(False)
         try:
             self._sock.bind(self.name)
-        except OSError:  # (no abstract namespace here: the thread polls, nobody rings it)
+        except OSError:  # (taken, or no abstract namespace: nobody rings it, its thread polls)
             self._sock.close()
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
@@ -47,9 +49,10 @@ class Doorbell:
     def ring(self, name: bytes) -> None:
         """Wakes the thread of the endpoint whose bell is `name`, if it is on this machine
         (a bell whose queue is full has been rung already; a missing one cannot be)."""
-        if self._sock is not None:
+        sock = self._sock
+        if sock is not None:
             with contextlib.suppress(OSError):
-                self._sock.sendto(b"!", name)
+                sock.sendto(b"!", name)
 
     def wake(self) -> None:
         """Cuts this endpoint's own `wait` short (from another thread of this process)."""
@@ -58,18 +61,21 @@ class Doorbell:
         else:
             self._event.set()
 
-    def wait(self, timeout: float) -> None:
-        """Sleeps until the bell rings or `timeout` seconds pass; clears the rings."""
-        sock = self._sock
+    def wait(self, timeout: float) -> set[bytes]:
+        """Sleeps until the bell rings or `timeout` seconds pass; clears the rings. The names of
+        the other bells that rang it (a ringer whose own bell is not bound goes unnamed)."""
+        sock, rang = self._sock, set[Any]()
         if sock is None or not self.bound:
             self._event.wait(timeout)
             self._event.clear()
-            return
+            return rang
         with contextlib.suppress(OSError, ValueError):
             if select.select([sock], [], [], timeout)[0]:
                 with contextlib.suppress(BlockingIOError):
                     while True:
-                        sock.recv(16)
+                        rang.add(sock.recvfrom(16)[1])
+        rang.discard(self.name)
+        return {name for name in rang if isinstance(name, bytes) and name}
 
     def close(self) -> None:
         self._event.set()

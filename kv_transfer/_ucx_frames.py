@@ -124,7 +124,7 @@ def send_chunk_record(link: _Link, out: _Out, timeout_s: float) -> _Out | None:
     any other message (the caller sends it as JSON)."""
     header, ids = out.header, out.block_ids
     layout = header.plain_chunk_layout if type(header) is EncodedHeader else None
-    if layout is None or not ids or header.keys() != _PLAIN_KEYS:
+    if layout is None or not ids or header.keys() != _PLAIN_KEYS or not link.compact:
         return None  # (a header with more in it, e.g. "direct": False, needs JSON)
     manifest = header["manifest"]
     if manifest.get("src_block_ids") != ids:  # (the record carries the ids sent)
@@ -137,10 +137,14 @@ def send_chunk_record(link: _Link, out: _Out, timeout_s: float) -> _Out | None:
         frames.append(chunk_record(len(link.layouts) if index is None else index, manifest, ids))
     except (struct.error, KeyError, TypeError, AttributeError):  # a field that does not fit
         return None
+    out.deadline = time.monotonic() + timeout_s
+    try:
+        for frame in frames:  # (bytes: UCX only reads them)
+            out.keep.append(frame)
+            out.requests.append(link.ep.tag_send(Array(frame), tag_of(link.conn, 0)))
+    except Exception:  # (the peer may hold a layout we did not count: JSON from now on)
+        link.compact = False
+        raise
     if index is None:
         link.layouts[layout] = len(link.layouts)
-    out.deadline = time.monotonic() + timeout_s
-    for frame in frames:  # (bytes: UCX only reads them)
-        out.keep.append(frame)
-        out.requests.append(link.ep.tag_send(Array(frame), tag_of(link.conn, 0)))
     return out

@@ -1,9 +1,9 @@
 """The receiving side of `UcxTransport` (`ucx.py`): a header frame taken off lane 0
 (`_on_header_frame`: a hello, answered with a welcome, or a message's header, JSON or a compact
-record, `_on_record`), whether a sender's pages are read out of its pool (`_accept_pull`), where
-a message's pages go (`_post_pages`), handing finished messages on (`_deliver`), dropping what a
-refused peer sent (`_discard_pages`) and noticing senders whose process ended
-(`_find_gone_senders`)."""
+record, `_on_record`), whether the thread may sleep on its doorbell (`_rung_only`), whether a
+sender's pages are read out of its pool (`_accept_pull`), where a message's pages go
+(`_post_pages`), handing finished messages on (`_deliver`), dropping what a refused peer sent
+(`_discard_pages`) and noticing senders whose process ended (`_find_gone_senders`)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import numpy as np
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer import _cross_memory
 from tandem.kv_transfer._chunk_records import CHUNK, LAYOUT, parse_chunk, parse_layout
+from tandem.kv_transfer._doorbell import Doorbell, bell_name
 from tandem.kv_transfer._peer_process import process_ended
 from tandem.kv_transfer._socket_channel import consecutive_runs, dtype_name, request_id_of
-from tandem.kv_transfer._ucx_frames import _PAGES
+from tandem.kv_transfer._ucx_frames import _PAGES, MAX_LAYOUTS
 from tandem.kv_transfer._ucx_lanes import (
     Array,
     discard,
@@ -53,12 +54,27 @@ class UcxIncoming:
     _pool: KVCachePool | None
     _pool_rows: np.ndarray | None
     send_timeout_s: float
+    _bell: Doorbell
+    _heard: set[bytes]
 
     def _report(self, peer: str, request_ids: list[str | None], error: str) -> None:
         raise NotImplementedError
 
     def _connect(self, peer: str) -> _Link:
         raise NotImplementedError
+
+    def _quiet(self) -> bool:
+        raise NotImplementedError
+
+    def _rung_only(self) -> bool:
+        """The thread may sleep on its bell (under the lock): every sender it hears from has
+        rung it (and its pages are read here), it is receiving nothing, and nothing of its own
+        is under way."""
+        if not (self._bell.bound and self._conns and self._quiet()):
+            return False
+        heard, links = self._heard, self._links.values()
+        rung = all(c.remote and c.bell in heard and not c.rx for c in self._conns.values())
+        return rung and all(link.welcomed for link in links)
 
     def _find_gone_senders(self) -> None:
         """Senders on this machine whose process ended: once UCX has handed on what they had
@@ -108,8 +124,7 @@ class UcxIncoming:
             link = self._links.get(peer) or self._connect(peer)  # (our hello has the token:
             buf = np.zeros(1, dtype=np.uint8)  # never for an unauthenticated peer)
             welcome = WELCOME | self._accept_pull(conn, body, peer)
-            rings = body is not None and body["hello"].get("rings") is True  # (and reaches us:
-            conn.rings = rings and conn.remote is not None  # it runs here, as we read its pool)
+            conn.bell = bell_name(peer)  # (its rings come from there: `UcxTransport._rung_only`)
             self._busy.append((link.ep.tag_send(Array(buf), tag_of(conn_id, welcome)), buf))
         elif conn.state == "ok":
             rx = _Rx({}, time.monotonic() + self.send_timeout_s)
@@ -126,7 +141,11 @@ class UcxIncoming:
     def _on_record(self, conn_id: int, conn: _Conn, raw: bytes) -> None:
         """A compact record from a sender whose pages are read here (`_ucx_frames`): a layout
         is noted; a chunk is read as its JSON header frame would have been."""
-        if raw[0] == LAYOUT:
+        if raw[0] == LAYOUT:  # (a sender announces at most MAX_LAYOUTS, then sends JSON)
+            if conn.remote is None or len(conn.layouts) >= MAX_LAYOUTS:
+                return logger.warning(
+                    "ucx transport: layout record from %s refused", conn.peer[:40]
+                )
             try:
                 conn.layouts.append(parse_layout(raw))
             except ValueError as exc:  # (its chunks then fail: the receiver refuses {})

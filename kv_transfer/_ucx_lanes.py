@@ -114,6 +114,6 @@ def json_object(raw: bytes | None) -> dict[str, Any] | None:
     """A frame's JSON object, or None (no frame, or not a JSON object)."""
     try:
         body = json.loads(raw) if raw is not None else None
-    except ValueError:
+    except Exception:  # (not only ValueError: deep nesting raises RecursionError)
         return None
     return body if isinstance(body, dict) else None

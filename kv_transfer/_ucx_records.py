@@ -59,6 +59,7 @@ class _Link:
     offered: bool = False  # our hello offered our pool to be read
     pull: bool = False  # the peer reads pages out of our pool (its welcome said so)
     layouts: dict[str, int] = field(default_factory=dict)  # sent in compact records, by index
+    compact: bool = True  # plain chunks may go as compact records (`send_chunk_record`)
     bell: bytes = b""  # the peer's doorbell (`_doorbell.bell_name`)
 
     def settled(self) -> bool:
@@ -102,7 +103,7 @@ class _Conn:
     pid: int | None = None  # the sender's, where it runs on this machine
     remote: RemotePool | None = None  # the sender's pool, where pages are read out of it
     layouts: list[dict[str, Any]] = field(default_factory=list)  # announced by layout records
-    rings: bool = False  # the sender rings our doorbell after each frame (`_doorbell`)
+    bell: bytes = b""  # the sender's doorbell, whence its rings come (`_doorbell`)
 
     def abandon(self, busy: list[tuple[Any, Any]]) -> None:
         """Drops the messages whose pages never came (their sender is gone); the receives UCX

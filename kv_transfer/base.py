@@ -68,7 +68,8 @@ class EncodedHeader(dict[str, Any]):
     sends the header another way never pays for it. `plain_chunk_layout` is the layout's JSON
     text when the header is a chunk of pages other than a request's last, with no checksum (the
     writer sets it): its manifest's request id, chunk index, token count and block ids say all
-    of it, which the shm transport's pull path sends as a compact record (`_chunk_records`)."""
+    of it, which the shm and ucx transports' pull paths send as a compact record
+    (`_chunk_records`)."""
 
     __slots__ = ("_text", "_write_text", "plain_chunk_layout")
 

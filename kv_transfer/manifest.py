@@ -103,7 +103,7 @@ class PagesHeaderWriter:
     or its engine's thread right after a forward pass), where caches are cold. The text is written on first use, from pieces (the layout's
     JSON written once, integer lists by `str`): a third of what `json.dumps` costs there
     (measured ~35 against ~100 us for a 16-block chunk), and nothing for the chunks that the shm
-    transport's pull path sends as compact records (`EncodedHeader.plain_chunk_layout`).
+    and ucx transports' pull paths send as compact records (`EncodedHeader.plain_chunk_layout`).
     """
 
     PREFIXES = 256

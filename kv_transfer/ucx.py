@@ -24,19 +24,18 @@ UCX's copies on one machine still takes the other process down with it (docs/ben
 session 49).
 
 Speed (docs/benchmarks.md): one thread per transport makes the UCX calls (`send` queues, but sends
-a pull link's frame itself when nothing is queued before it) and *polls* (UCX's WAKEUP feature,
-to sleep on the worker's fd, halves its shared-memory throughput): it steps without pausing while
-there is work, pauses up to `idle_sleep_s` when idle and `slow_sleep_s` (5x unless given) once
-idle for a while; a send-only endpoint (a prefill worker's) pauses `quiet_sleep_s` while nothing
-of its own is queued or in flight (each wake-up takes the GIL from the engine). Senders ring the
-receiver's doorbell after each frame (`_doorbell`): an endpoint whose senders all ring (they pull,
-so they run here) sleeps on it instead, up to `RUNG_SLEEP_S`, and takes a frame at once. `allocate_pool`
+a pull link's frame itself when nothing is queued before it) and *polls* (UCX's WAKEUP feature
+halves its shared-memory throughput here): it steps without pausing while there is work, then
+pauses up to `idle_sleep_s`, and `slow_sleep_s` (5x unless given) once idle for a while; a
+send-only endpoint (a prefill worker's) pauses `quiet_sleep_s` while nothing of its own is under
+way. Where every sender it hears from has rung its doorbell (`_doorbell`; they pull, so they run
+here) it sleeps on the bell instead, up to `RUNG_SLEEP_S` (`_rung_only`). `allocate_pool`
 gives pools on transparent huge pages (cross-memory copies pin pages one at a time). Data
 endpoints skip UCX error handling; an idle second endpoint with it reports a dead peer at once.
 Lost links, no welcome in `hello_timeout_s`, sends or page receives not done in `send_timeout_s`
 come back from `poll()` as `transport_error`s; a sender on this machine whose process ended is
-reported ``peer_gone`` within `GONE_CHECK_S`. At most `max_inflight` messages per peer (32) are
-handed to UCX at once. `ucx_config` adds UCX options.
+reported ``peer_gone`` within `GONE_CHECK_S` (and a sleep on the bell). At most `max_inflight`
+messages per peer (32) are handed to UCX at once. `ucx_config` adds UCX options.
 """
 
 from __future__ import annotations
@@ -131,6 +130,7 @@ class UcxTransport(UcxIncoming, KVTransport):
         self._busy: list[tuple[Any, Any]] = []  # (request, what UCX uses until it completes)
         self._closed = False
         self._bell = Doorbell(self._address)  # `send` and `close` wake the thread; peers ring
+        self._heard: set[bytes] = set()  # the bells of the peers whose rings reached ours
         self._thread = threading.Thread(target=self._run, name="ucx-transport", daemon=True)
         self._thread.start()
 
@@ -262,7 +262,8 @@ class UcxTransport(UcxIncoming, KVTransport):
             pause = self.quiet_sleep_s if quiet else min(cap, idle / 4)
             pause = max(pause, RUNG_SLEEP_S) if rung else pause
             if pause > 0 and not self._commands:
-                self._bell.wait(pause)
+                self._heard = self._heard if len(self._heard) < 4096 else set()
+                self._heard |= self._bell.wait(pause)  # (only this thread uses `_heard`)
 
     def _step(self) -> bool:  # one round of work; whether anything happened (then go on)
         active = self._take_commands()
@@ -303,14 +304,6 @@ class UcxTransport(UcxIncoming, KVTransport):
             return False
         return all(not link.queue and not link.inflight for link in self._links.values())
 
-    def _rung_only(self) -> bool:
-        """The thread may sleep on its bell (under the lock): every sender it hears from rings
-        it, it is receiving nothing, and nothing of its own is under way."""
-        if not (self._bell.bound and self._conns and self._quiet()):
-            return False
-        conns, links = self._conns.values(), self._links.values()
-        return all(c.rings and not c.rx for c in conns) and all(k.welcomed for k in links)
-
     def _take_commands(self) -> bool:
         taken = bool(self._commands)
         while self._commands:
@@ -332,8 +325,7 @@ class UcxTransport(UcxIncoming, KVTransport):
         if len(lanes) > 1 and len(self._workers) > 1:  # pages of `split_min_bytes` are split
             link.ep_second = self._workers[1].create_endpoint_from_worker_address(lanes[1], False)
         link.bell = bell_name(peer)  # (rung after each frame; a peer elsewhere cannot be)
-        hello: dict[str, Any] = {"token": self.auth_token, "address": self.address}
-        hello |= {"process": identity(), "rings": self._bell.bound}
+        hello = {"token": self.auth_token, "address": self.address, "process": identity()}
         if self._pull and self._pool is not None and self._pool.tensor.is_contiguous():
             hello["pull"] = _cross_memory.describe(self._pool)  # (see `_accept_pull`)
             link.offered = True
@@ -352,10 +344,10 @@ class UcxTransport(UcxIncoming, KVTransport):
                     r.check_error()
                 done, active = link.inflight.popleft(), True
                 link.spare = link.spare if done.staging is None else done.staging
-                if not done.rung:  # (it was not in the peer's hands when its ring went)
-                    self._bell.ring(link.bell)
                 continue
             return self._fail_link(peer, link, "send failed")
+        if link.pull and any(not out.rung for out in link.inflight):  # (UCX is sending it:
+            self._bell.ring(link.bell)  # the peer may have to act for it, so awake)
         late = time.monotonic() > (link.inflight[0].deadline if link.inflight else link.deadline)
         if not link.watch.alive or (late and (link.inflight or not link.welcomed)):
             why = "timed out" if link.welcomed else "no welcome (wrong cluster token?)"
@@ -377,9 +369,11 @@ class UcxTransport(UcxIncoming, KVTransport):
         return self._rang(link, self._send_frames(link, msg, body, pages))
 
     def _rang(self, link: _Link, out: _Out) -> _Out:
-        """Rings `link`'s peer for `out`, just handed to UCX (`_doorbell`)."""
-        self._bell.ring(link.bell)
+        """Rings `link`'s peer for `out`, just handed to UCX (`_doorbell`); one that UCX has
+        not sent yet is rung for again while it is in flight (`_pump_link`)."""
         out.rung = all(r.completed for r in out.requests)
+        if link.pull:  # (a receiver sleeps on its bell only while every sender pulls)
+            self._bell.ring(link.bell)
         return out
 
     def _fail_link(self, peer: str, link: _Link, error: str) -> bool:

@@ -75,8 +75,9 @@ def test_a_receiver_on_the_same_machine_reads_the_pages_out_of_the_senders_pool(
 
 def test_a_sender_killed_while_its_pages_are_read_leaves_the_receiver_running() -> None:
     """A sender killed while the receiver reads its 1 MiB chunks: every message handed on has
-    exact pages, ``peer_gone`` follows the last of them, and the receiver goes on serving. (A read made by
-    UCX itself, as pushed pages of this size are on lane 1, aborts the whole process then.)"""
+    exact pages, ``peer_gone`` follows the last of them, and the receiver goes on serving.
+    (A read made by UCX itself, as pushed pages of this size are on lane 1, aborts the whole
+    process then.)"""
     receiver, _ = h.make_endpoint("ucx")
     expected = KVCachePool(**h.POOL)
     h.fill_pool(expected, 3)

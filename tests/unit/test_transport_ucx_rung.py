@@ -76,10 +76,19 @@ def test_plain_chunks_go_as_compact_records_and_arrive_as_their_json_says() -> N
 
 
 def test_a_receiver_whose_senders_ring_sleeps_until_rung(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the bell's sleep at 60 s, a frame is taken within seconds only because its
-    sender rang; a sender that pushes (it does not ring) puts the receiver back to polling."""
+    """With the bell's sleep at 60 s, a receiver whose sender rang it steps at most a few times
+    in an idle second (polling, it steps hundreds), yet takes each frame within seconds: its
+    sender rings. A sender that pushes puts it back to polling."""
     monkeypatch.setattr(ucx, "RUNG_SLEEP_S", 60.0)
     a, b, pushing = UcxTransport(h.TOKEN), UcxTransport(h.TOKEN), UcxTransport(h.TOKEN, pull=False)
+    steps = [0]
+    step = b._step
+
+    def counted() -> bool:
+        steps[0] += 1
+        return step()
+
+    b._step = counted  # type: ignore[method-assign]
     try:
         for transport in (a, b, pushing):
             pool = transport.allocate_pool(**h.POOL)
@@ -87,19 +96,49 @@ def test_a_receiver_whose_senders_ring_sleeps_until_rung(monkeypatch: pytest.Mon
             transport.register_pool(pool)
         a.send(b.address, {"n": 0}, [1])
         h.collect(b, 1, 5.0)
-        deadline = time.monotonic() + 5.0
-        while not b._rung_only() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert b._rung_only()
         for n in (1, 2, 3):
-            time.sleep(0.2)  # (b's thread is asleep on its bell by now)
+            time.sleep(0.5)  # (b's thread falls asleep on its bell)
+            before = steps[0]
+            time.sleep(1.0)
+            assert steps[0] - before <= 3
+            with b._lock:
+                assert b._rung_only()
             start = time.monotonic()
             a.send(b.address, {"n": n}, [n])
             (message,) = h.collect(b, 1, 30.0)
             assert message.header["n"] == n and time.monotonic() - start < 10.0
         pushing.send(b.address, {"n": 4}, [2])
         (message,) = h.collect(b, 1, 30.0)
-        assert message.header["n"] == 4 and not b._rung_only()
+        with b._lock:
+            assert message.header["n"] == 4 and not b._rung_only()
     finally:
         for transport in (a, b, pushing):
             transport.close()
+
+
+def test_a_sender_whose_rings_do_not_arrive_leaves_the_receiver_polling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sender that pulls but whose rings never reach the receiver (another network namespace,
+    an address written otherwise): the receiver never sleeps on its bell, so with that sleep at
+    60 s each frame still comes within seconds."""
+    monkeypatch.setattr(ucx, "RUNG_SLEEP_S", 60.0)
+    a, b = UcxTransport(h.TOKEN), UcxTransport(h.TOKEN)
+    monkeypatch.setattr(a._bell, "ring", lambda name: None)
+    try:
+        for transport in (a, b):
+            pool = transport.allocate_pool(**h.POOL)
+            h.fill_pool(pool, 1)
+            transport.register_pool(pool)
+        for n in range(3):
+            a.send(b.address, {"n": n}, [n])
+            start = time.monotonic()
+            (message,) = h.collect(b, 1, 30.0)
+            assert message.header["n"] == n and time.monotonic() - start < 10.0
+            assert a._links[b.address].pull
+            with b._lock:
+                assert not b._rung_only()
+            time.sleep(0.3)
+    finally:
+        a.close()
+        b.close()
