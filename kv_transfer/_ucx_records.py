@@ -41,7 +41,7 @@ class _Out:
     keep: list[Any] = field(default_factory=list)  # buffers UCX reads until completion
     staging: torch.Tensor | None = None
     deadline: float = 0.0
-    rung: bool = False  # its peer was rung once it was in the peer's hands (`UcxTransport._rang`)
+    rung: bool = False  # no ring is owed for it (`UcxTransport._rang`)
 
 
 @dataclass

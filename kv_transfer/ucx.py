@@ -82,6 +82,9 @@ from tandem.kv_transfer.manifest import TransferError
 logger = logging.getLogger(__name__)
 SLOW_AFTER_S = 0.02  # idle this long, an endpoint pauses up to `slow_sleep_s` (see `_run`)
 RUNG_SLEEP_S = 0.05  # how long a thread that peers ring sleeps at most (`_rung_only`)
+UNHURRIED = frozenset({"ack", "renew"})  # the protocol's messages that ring no bell: they
+# only unpin blocks or extend a lease, so they wait for the peer's next look (each ring wakes a
+# prefill's UCX thread, which takes the GIL from its engine: docs/benchmarks.md, session 50)
 GONE_CHECK_S = 0.2  # how often the senders on this machine are looked at (`_find_gone_senders`)
 
 
@@ -369,10 +372,12 @@ class UcxTransport(UcxIncoming, KVTransport):
         return self._rang(link, self._send_frames(link, msg, body, pages))
 
     def _rang(self, link: _Link, out: _Out) -> _Out:
-        """Rings `link`'s peer for `out`, just handed to UCX (`_doorbell`); one that UCX has
-        not sent yet is rung for again while it is in flight (`_pump_link`)."""
-        out.rung = all(r.completed for r in out.requests)
-        if link.pull:  # (a receiver sleeps on its bell only while every sender pulls)
+        """Rings `link`'s peer for `out`, just handed to UCX (`_doorbell`), unless it is
+        `UNHURRIED` or the peer never sleeps on its bell (only one whose senders all pull does);
+        one that UCX has not sent yet is rung for again while it is in flight (`_pump_link`)."""
+        hurried = link.pull and out.header.get("type") not in UNHURRIED
+        out.rung = not hurried or all(r.completed for r in out.requests)
+        if hurried:
             self._bell.ring(link.bell)
         return out
 

@@ -142,3 +142,37 @@ def test_a_sender_whose_rings_do_not_arrive_leaves_the_receiver_polling(
     finally:
         a.close()
         b.close()
+
+
+def test_acks_and_renewals_ring_no_bell() -> None:
+    """The protocol's acknowledgements and lease renewals wait for the receiver's next look
+    (`ucx.UNHURRIED`); every other message on a pull link rings."""
+    a, b = UcxTransport(h.TOKEN), UcxTransport(h.TOKEN)
+    rung: list[bytes] = []
+    ring = a._bell.ring
+
+    def spy(name: bytes) -> None:
+        if name == b._bell.name:  # (not `a` waking its own thread)
+            rung.append(name)
+        ring(name)
+
+    a._bell.ring = spy  # type: ignore[method-assign]
+    try:
+        for transport in (a, b):
+            pool = transport.allocate_pool(**h.POOL)
+            transport.register_pool(pool)
+        a.send(b.address, {"type": "pages", "n": 0}, [1])
+        h.collect(b, 1, 5.0)
+        for kind in ("ack", "renew", "cancel", "pages"):
+            deadline = time.monotonic() + 5.0
+            while a._links[b.address].inflight and time.monotonic() < deadline:
+                time.sleep(0.01)  # (a frame still in UCX's hands is rung for again)
+            rung.clear()
+            a.send(b.address, {"type": kind, "request_id": "r1"})
+            (message,) = h.collect(b, 1, 5.0)
+            time.sleep(0.05)
+            assert message.header["type"] == kind
+            assert (len(rung) == 0) == (kind in ("ack", "renew")), (kind, rung)
+    finally:
+        a.close()
+        b.close()
