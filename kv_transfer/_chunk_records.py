@@ -20,14 +20,19 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from tandem.kv_transfer.base import EncodedHeader
 
 CHUNK = b"C"[0]
 LAYOUT = b"L"[0]
 _FIXED = struct.Struct("<cHHIII")
 _STRUCTS: dict[tuple[int, int], struct.Struct] = {}
 _MAX_STRUCTS = 512
+MAX_LAYOUTS = 64
+"""Layouts one link announces for compact records (a sender has one; beyond these, JSON)."""
+_PLAIN_KEYS = frozenset({"type", "request_id", "manifest"})  # all a plain chunk's header has
 
 
 class RecordError(ValueError):
@@ -50,6 +55,32 @@ def chunk_record(layout_index: int, manifest: dict[str, Any], src: Sequence[int]
         shape = _STRUCTS[key] = struct.Struct(f"<cHHIII{key[0]}s{2 * key[1]}i")
     chunk, tokens, dst = manifest["chunk_index"], manifest["num_tokens"], manifest["dst_block_ids"]
     return shape.pack(b"C", layout_index, key[0], chunk, tokens, key[1], rid, *src, *dst)
+
+
+def plain_chunk_records(
+    header: dict[str, Any], src: Sequence[int], announced: Mapping[str, int]
+) -> tuple[str | None, list[bytes]] | None:
+    """The records that carry `header`, a plain chunk (`EncodedHeader.plain_chunk_layout`) sent
+    with source blocks `src`, on a link that announced the layouts `announced` (JSON text ->
+    index): the layout's text where it is new (the caller gives it index ``len(announced)``
+    once its record is sent) else None, and the records, the layout's first where it is new.
+    None where the header must go as JSON: not a plain chunk, a header with more in it (e.g.
+    ``"direct": False``), ids other than its manifest's, `MAX_LAYOUTS` announced, or a field
+    that does not fit its slot."""
+    layout = header.plain_chunk_layout if type(header) is EncodedHeader else None
+    if layout is None or header.keys() != _PLAIN_KEYS:
+        return None
+    manifest = header["manifest"]
+    if manifest.get("src_block_ids") != (src if isinstance(src, list) else list(src)):
+        return None  # (the record carries the ids sent)
+    index = announced.get(layout)
+    if index is None and len(announced) >= MAX_LAYOUTS:
+        return None
+    try:
+        chunk = chunk_record(len(announced) if index is None else index, manifest, src)
+    except (struct.error, KeyError, TypeError, AttributeError):  # a field that does not fit
+        return None
+    return (None, [chunk]) if index is not None else (layout, [layout_record(layout), chunk])
 
 
 def parse_layout(record: bytes) -> dict[str, Any]:

@@ -143,12 +143,6 @@ def allowed(pid: int, address: int) -> bool:
     return True
 
 
-def _batches(runs: Sequence[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-    """`runs` in calls' worth: at most `IOV_MAX` iovecs and `CALL_BYTES` bytes each (a longer
-    run is cut), in order."""
-    return _cut(runs, CALL_BYTES, IOV_MAX)
-
-
 def _cut(
     runs: Sequence[tuple[int, int, int]], max_bytes: int, max_runs: int | None = None
 ) -> list[list[tuple[int, int, int]]]:
@@ -171,7 +165,7 @@ def _copy(name: str, pid: int, runs: Sequence[tuple[int, int, int]]) -> None:
     fn = _syscall(name)
     if fn is None:
         raise PermissionError(errno.ENOSYS, f"{name} is not available")
-    for batch in _batches(runs):
+    for batch in _cut(runs, CALL_BYTES, IOV_MAX):  # (calls' worth, a longer run cut)
         local = (_IOVec * len(batch))(*[_IOVec(src, n) for src, _, n in batch])
         remote = (_IOVec * len(batch))(*[_IOVec(dst, n) for _, dst, n in batch])
         total = sum(n for _, _, n in batch)

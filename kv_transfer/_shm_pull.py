@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import struct
 import threading
 import time
 from collections import deque
@@ -51,7 +50,7 @@ from tandem.kv_transfer._socket_channel import (
     shutdown_and_close,
     valid_block_ids,
 )
-from tandem.kv_transfer.base import EncodedHeader, Message, header_json
+from tandem.kv_transfer.base import Message, header_json
 from tandem.kv_transfer.manifest import TransferError
 
 log = logging.getLogger(__name__)
@@ -67,8 +66,6 @@ STREAM_GAP_S = 2.0
 BURST_S = 0.002
 """After a record, a reader looks again at once for this long before it sleeps (records sent
 back to back then cost no wake each)."""
-MAX_LAYOUTS = 64
-"""Layouts one link announces for compact records (a sender has one; beyond these, JSON)."""
 IDLE_CHECK_S = 0.05
 """How often a sleeping reader looks anyway (in case a wake frame crossed its going to sleep)."""
 GROUP_BYTES = 8 << 20
@@ -146,21 +143,15 @@ class PullWriter:
         goes as a compact record, anything else as JSON. `TransferError` for a message larger
         than the whole ring; TypeError or ValueError for a header that is not JSON."""
         # (Runs once per chunk on a prefill's publishing or engine thread: every line is slow.)
-        layout = header.plain_chunk_layout if type(header) is EncodedHeader else None
-        if layout is not None:
-            index = self._layouts.get(layout)
-            if index is None and len(self._layouts) < MAX_LAYOUTS:
+        plain = _chunk_records.plain_chunk_records(header, src_block_ids, self._layouts)
+        if plain is not None:
+            layout, records = plain
+            if layout is not None:
                 # (no wake: the chunk's record, right after, wakes the reader if need be)
-                if not self._append(_chunk_records.layout_record(layout), "never"):
+                if not self._append(records[0], "never"):
                     return False
-                index = self._layouts[layout] = len(self._layouts)
-            if index is not None:
-                try:
-                    record = _chunk_records.chunk_record(index, header["manifest"], src_block_ids)
-                except struct.error:  # a field out of range: JSON below
-                    pass
-                else:
-                    return self._append(record, "asleep")
+                self._layouts[layout] = len(self._layouts)
+            return self._append(records[-1], "asleep")
         return self.write_text(src_block_ids, header_json(header))
 
     def write_text(self, src_block_ids: Sequence[int], header_json: str) -> bool:

@@ -25,23 +25,20 @@ hot path, where writing the JSON cost ~45 of ~235 us per chunk here (cold caches
 from __future__ import annotations
 
 import json
-import struct
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from tandem.kernels.kv_cache import KVCachePool
-from tandem.kv_transfer._chunk_records import chunk_record, layout_record
-from tandem.kv_transfer._socket_channel import consecutive_runs
+from tandem.kv_transfer._chunk_records import plain_chunk_records
+from tandem.kv_transfer._socket_channel import consecutive_runs, dtype_name
 from tandem.kv_transfer._ucx_lanes import Array, tag_of
 from tandem.kv_transfer._ucx_records import _Link, _Out, _run_start
-from tandem.kv_transfer.base import EncodedHeader
 
 _PAGES = 0x8000  # the low tag bits of page frames (`| seq % _PAGES`)
-MAX_LAYOUTS = 64  # layouts one link announces for compact records (beyond these, JSON)
-_PLAIN_KEYS = frozenset({"type", "request_id", "manifest"})  # all a plain chunk's header has
 
 
 def message_pages(
@@ -68,24 +65,35 @@ def message_pages(
 
 def pages_to_read(msg: _Out, pool: KVCachePool | None) -> dict[str, Any] | None:
     """The description of `msg`'s pages for a receiver that reads them out of the pool itself
-    (the pull path): `_describe`'s, with the runs of source blocks (``[[first, count], ...]``,
-    in order); None for a message without blocks."""
+    (the pull path): `_describe`'s, with the runs of source blocks (`block_runs`); None for a
+    message without blocks."""
     if not msg.block_ids or pool is None:
         return None
-    runs = [[s, n] for s, _, n in consecutive_runs(msg.block_ids, msg.block_ids)]
-    return {**_describe(msg, pool), "runs": runs}
+    return {**_describe(msg, pool), "runs": block_runs(msg.block_ids)}
+
+
+def block_runs(ids: list[int]) -> list[list[int]]:
+    """`ids` as runs of consecutive blocks, ``[[first, count], ...]`` in order."""
+    return [[s, n] for s, _, n in consecutive_runs(ids, ids)]
+
+
+def pages_meta(
+    n: int, block_shape: Sequence[int], dtype: torch.dtype, direct: bool, dst: Any
+) -> dict[str, Any]:
+    """How `n` blocks' pages are described in a header frame: shape and dtype, whether they may
+    land in the receiver's pool, and where (``dst_start``: the first of the manifest's dst ids
+    `dst` when they are one run of `n`)."""
+    start = _run_start(dst) if isinstance(dst, list) and len(dst) == n else None
+    return {"shape": [n, *block_shape], "dtype": dtype_name(dtype), "direct": direct,
+            "dst_start": start}  # fmt: skip
 
 
 def _describe(msg: _Out, pool: KVCachePool) -> dict[str, Any]:
-    """Shape and dtype of `msg`'s pages, whether they may land in the receiver's pool, and
-    where (``dst_start``: the first of the manifest's dst ids when they are one run)."""
-    n = len(msg.block_ids)
+    """`pages_meta` of `msg`'s pages in `pool` (``direct`` unless its header opts out)."""
     manifest = msg.header.get("manifest")
     dst = manifest.get("dst_block_ids") if isinstance(manifest, dict) else None
-    meta: dict[str, Any] = {"shape": pool.blocks_shape(n), "dtype": str(pool.dtype)[6:]}
-    meta["direct"] = msg.header.get("direct") is not False
-    meta["dst_start"] = _run_start(dst) if isinstance(dst, list) and len(dst) == n else None
-    return meta
+    direct = msg.header.get("direct") is not False
+    return pages_meta(len(msg.block_ids), pool.block_shape, pool.dtype, direct, dst)
 
 
 def send_frames(
@@ -122,29 +130,18 @@ def send_chunk_record(link: _Link, out: _Out, timeout_s: float) -> _Out | None:
     """Sends `out`, a plain chunk with pages, as compact records on a pull link (preceded by its
     layout's record the first time the link sends that layout); None, having sent nothing, for
     any other message (the caller sends it as JSON)."""
-    header, ids = out.header, out.block_ids
-    layout = header.plain_chunk_layout if type(header) is EncodedHeader else None
-    if layout is None or not ids or header.keys() != _PLAIN_KEYS or not link.compact:
-        return None  # (a header with more in it, e.g. "direct": False, needs JSON)
-    manifest = header["manifest"]
-    if manifest.get("src_block_ids") != ids:  # (the record carries the ids sent)
+    plain = plain_chunk_records(out.header, out.block_ids, link.layouts)
+    if plain is None or not out.block_ids or not link.compact:
         return None
-    index = link.layouts.get(layout)
-    frames = [] if index is not None else [layout_record(layout)]
-    if index is None and len(link.layouts) >= MAX_LAYOUTS:
-        return None
-    try:
-        frames.append(chunk_record(len(link.layouts) if index is None else index, manifest, ids))
-    except (struct.error, KeyError, TypeError, AttributeError):  # a field that does not fit
-        return None
+    layout, records = plain
     out.deadline = time.monotonic() + timeout_s
     try:
-        for frame in frames:  # (bytes: UCX only reads them)
-            out.keep.append(frame)
-            out.requests.append(link.ep.tag_send(Array(frame), tag_of(link.conn, 0)))
+        for record in records:  # (bytes: UCX only reads them)
+            out.keep.append(record)
+            out.requests.append(link.ep.tag_send(Array(record), tag_of(link.conn, 0)))
     except Exception:  # (the peer may hold a layout we did not count: JSON from now on)
         link.compact = False
         raise
-    if index is None:
+    if layout is not None:
         link.layouts[layout] = len(link.layouts)
     return out

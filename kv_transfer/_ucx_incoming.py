@@ -1,6 +1,6 @@
 """The receiving side of `UcxTransport` (`ucx.py`): a header frame taken off lane 0
 (`_on_header_frame`: a hello, answered with a welcome, or a message's header, JSON or a compact
-record, `_on_record`), whether the thread may sleep on its doorbell (`_rung_only`), whether a
+record, `_chunk_message`, `_on_layout`), whether the thread may sleep on its doorbell (`_rung_only`), whether a
 sender's pages are read out of its pool (`_accept_pull`), where a message's pages go
 (`_post_pages`), handing finished messages on (`_deliver`), dropping what a refused peer sent
 (`_discard_pages`) and noticing senders whose process ended (`_find_gone_senders`)."""
@@ -16,11 +16,17 @@ import numpy as np
 
 from tandem.kernels.kv_cache import KVCachePool
 from tandem.kv_transfer import _cross_memory
-from tandem.kv_transfer._chunk_records import CHUNK, LAYOUT, parse_chunk, parse_layout
+from tandem.kv_transfer._chunk_records import (
+    CHUNK,
+    LAYOUT,
+    MAX_LAYOUTS,
+    parse_chunk,
+    parse_layout,
+)
 from tandem.kv_transfer._doorbell import Doorbell, bell_name
 from tandem.kv_transfer._peer_process import process_ended
-from tandem.kv_transfer._socket_channel import consecutive_runs, dtype_name, request_id_of
-from tandem.kv_transfer._ucx_frames import _PAGES, MAX_LAYOUTS
+from tandem.kv_transfer._socket_channel import request_id_of
+from tandem.kv_transfer._ucx_frames import _PAGES, block_runs, pages_meta
 from tandem.kv_transfer._ucx_lanes import (
     Array,
     discard,
@@ -31,12 +37,11 @@ from tandem.kv_transfer._ucx_lanes import (
     tag_of,
     ucx_api,
 )
-from tandem.kv_transfer._ucx_records import _Conn, _Link, _run_start, _Rx, hello_peer
+from tandem.kv_transfer._ucx_records import _Conn, _Link, _Rx, hello_peer
 from tandem.kv_transfer.base import Message
 
 logger = logging.getLogger("tandem.kv_transfer.ucx")
 _ONE_CONN_PAGES = 0xFFFF_FFFF_FFFF_8000  # tag mask: a connection's page frames, any sequence
-RECORD_KINDS = (CHUNK, LAYOUT)  # the first byte of a compact record (a JSON frame's is "{")
 WELCOME, _HELLO_MAX, _HEADER_MAX = 0x4000, 4096, 16 << 20  # a welcome's low tag bits; sizes
 
 
@@ -113,9 +118,9 @@ class UcxIncoming:
             raw = receive_frame(self._worker, probe, min(1.0, self.send_timeout_s))
         else:
             discard(self._worker, probe, self._busy)
-        if conn.state == "ok" and raw and raw[0] in RECORD_KINDS:  # (compact: `_ucx_frames`)
-            return self._on_record(conn_id, conn, raw)
-        body = json_object(raw)
+        if conn.state == "ok" and raw and raw[0] == LAYOUT:  # (compact: `_ucx_frames`)
+            return self._on_layout(conn, raw)
+        body = json_object(raw) if not (raw and raw[0] == CHUNK) else None
         if conn.state == "hello":
             peer, conn.pid = hello_peer(body, self.auth_token) or ("", None)
             conn.state, conn.peer = ("ok", peer) if peer else ("refused", "")
@@ -130,45 +135,39 @@ class UcxIncoming:
             rx = _Rx({}, time.monotonic() + self.send_timeout_s)
             conn.rx.append(rx)
             try:
-                if not body or not isinstance(body.get("header"), dict):
+                if raw and raw[0] == CHUNK:  # a plain chunk's compact record
+                    rx.header, meta = self._chunk_message(conn, raw)
+                    self._post_pages(conn_id, rx, meta, 0)
+                elif not body or not isinstance(body.get("header"), dict):
                     raise ValueError(f"unreadable header frame ({probe.length} bytes)")
-                rx.header = body["header"]
-                if body.get("pages") is not None:
-                    self._post_pages(conn_id, rx, body["pages"], int(body["seq"]))
+                else:
+                    rx.header = body["header"]
+                    if body.get("pages") is not None:
+                        self._post_pages(conn_id, rx, body["pages"], int(body["seq"]))
             except Exception as exc:
                 rx.failed = f"refused message: {exc}"
 
-    def _on_record(self, conn_id: int, conn: _Conn, raw: bytes) -> None:
-        """A compact record from a sender whose pages are read here (`_ucx_frames`): a layout
-        is noted; a chunk is read as its JSON header frame would have been."""
-        if raw[0] == LAYOUT:  # (a sender announces at most MAX_LAYOUTS, then sends JSON)
-            if conn.remote is None or len(conn.layouts) >= MAX_LAYOUTS:
-                return logger.warning(
-                    "ucx transport: layout record from %s refused", conn.peer[:40]
-                )
-            try:
-                conn.layouts.append(parse_layout(raw))
-            except ValueError as exc:  # (its chunks then fail: the receiver refuses {})
-                logger.warning("ucx transport: bad layout record from %s: %s", conn.peer[:40], exc)
-                conn.layouts.append({})  # (keeps the indices of the layouts after it)
-            return
-        rx = _Rx({}, time.monotonic() + self.send_timeout_s)
-        conn.rx.append(rx)
+    def _on_layout(self, conn: _Conn, raw: bytes) -> None:
+        """A layout record (`_chunk_records`): noted for the chunk records that name it."""
+        if conn.remote is None or len(conn.layouts) >= MAX_LAYOUTS:  # (a sender announces at
+            return logger.warning(  # most MAX_LAYOUTS, then sends JSON; only a pull link any)
+                "ucx transport: layout record from %s refused", conn.peer[:40]
+            )
         try:
-            if conn.remote is None:
-                raise ValueError("a compact record from a sender whose pages are not read here")
-            rx.header, src = parse_chunk(raw, conn.layouts)
-            dst = rx.header["manifest"]["dst_block_ids"]
-            meta = {
-                "shape": [len(src), *conn.remote.block_shape],
-                "dtype": dtype_name(conn.remote.dtype),
-                "direct": True,
-                "dst_start": _run_start(dst),
-                "runs": [[s, n] for s, _, n in consecutive_runs(src, src)],
-            }
-            self._post_pages(conn_id, rx, meta, 0)
-        except Exception as exc:
-            rx.failed = f"refused message: {exc}"
+            conn.layouts.append(parse_layout(raw))
+        except ValueError as exc:  # (its chunks then fail: the receiver refuses {})
+            logger.warning("ucx transport: bad layout record from %s: %s", conn.peer[:40], exc)
+            conn.layouts.append({})  # (keeps the indices of the layouts after it)
+
+    def _chunk_message(self, conn: _Conn, raw: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The header a chunk record stands for (as its JSON frame would have said it) and its
+        pages' description, to be read out of the sender's pool."""
+        if conn.remote is None:
+            raise ValueError("a compact record from a sender whose pages are not read here")
+        header, src = parse_chunk(raw, conn.layouts)
+        dst, remote = header["manifest"]["dst_block_ids"], conn.remote
+        meta = pages_meta(len(src), remote.block_shape, remote.dtype, True, dst)
+        return header, {**meta, "runs": block_runs(src)}
 
     def _discard_pages(self, conn_id: int) -> bool:
         """Takes the page frames a refused peer sent anyway (a sender that did not wait for

@@ -152,8 +152,9 @@ class PagesHeaderWriter:
                 last=last, checksum=checksum, first_token_ids=first, sampler_state=sampler_state
             )
             header.plain_chunk_layout = None
-        if finished is not None:
+        if finished is not None:  # (not in a compact record either)
             header["finished"] = finished
+            header.plain_chunk_layout = None
         if first_token_logprobs is not None:  # (outside the manifest: not about the pages)
             header["first_token_logprobs"] = [
                 [lp, [list(t) for t in top]] for lp, top in first_token_logprobs

@@ -65,14 +65,15 @@ def test_unavailable_where_yama_restricts_ptrace(monkeypatch: pytest.MonkeyPatch
 def test_copies_are_cut_into_calls_of_bounded_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Linux copies at most ~2 GiB per call: runs go in calls of at most `CALL_BYTES` bytes
     and `IOV_MAX` iovecs (a longer run cut), in order, and every byte still arrives."""
-    monkeypatch.setattr(_cross_memory, "CALL_BYTES", 100)
-    assert _cross_memory._batches([(0, 1000, 250), (5000, 7000, 30)]) == [
+    cut = _cross_memory._cut  # (what `_copy` does with `CALL_BYTES` and `IOV_MAX`)
+    assert cut([(0, 1000, 250), (5000, 7000, 30)], 100, _cross_memory.IOV_MAX) == [
         [(0, 1000, 100)],
         [(100, 1100, 100)],
         [(200, 1200, 50), (5000, 7000, 30)],
     ]
+    assert [len(b) for b in cut([(i, i, 1) for i in range(5)], 100, 2)] == [2, 2, 1]
+    monkeypatch.setattr(_cross_memory, "CALL_BYTES", 100)
     monkeypatch.setattr(_cross_memory, "IOV_MAX", 2)
-    assert [len(b) for b in _cross_memory._batches([(i, i, 1) for i in range(5)])] == [2, 2, 1]
     if _cross_memory._syscall("process_vm_readv") is not None:
         source = ctypes.create_string_buffer(bytes(range(256)), 256)
         target = ctypes.create_string_buffer(256)

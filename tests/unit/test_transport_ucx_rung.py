@@ -24,13 +24,18 @@ from tests import transport_harness as h  # noqa: E402
 def records_taken(receiver: UcxTransport) -> list[int]:
     """The first byte of each compact record `receiver` takes, in order (a spy)."""
     seen: list[int] = []
-    take = receiver._on_record
+    on_layout, chunk_message = receiver._on_layout, receiver._chunk_message
 
-    def spy(conn_id: int, conn: Any, raw: bytes) -> None:
+    def layout_spy(conn: Any, raw: bytes) -> None:
         seen.append(raw[0])
-        take(conn_id, conn, raw)
+        on_layout(conn, raw)
 
-    receiver._on_record = spy  # type: ignore[method-assign]
+    def chunk_spy(conn: Any, raw: bytes) -> Any:
+        seen.append(raw[0])
+        return chunk_message(conn, raw)
+
+    receiver._on_layout = layout_spy  # type: ignore[method-assign]
+    receiver._chunk_message = chunk_spy  # type: ignore[method-assign]
     return seen
 
 
