@@ -90,6 +90,20 @@ def posted_pages(receiver: Any, field: str) -> list[tuple[Any, Any]]:
     return seen
 
 
+def step_counter(transport: Any) -> list[int]:
+    """A one-item list counting a UCX `transport`'s polling steps from now on (set it to 0 to
+    reset; a spy on its `_step`)."""
+    count = [0]
+    original = transport._step
+
+    def counted() -> bool:
+        count[0] += 1
+        return bool(original())
+
+    transport._step = counted
+    return count
+
+
 def collect(transport: KVTransport, count: int, timeout: float) -> list[Message]:
     """Polls until `count` messages arrived or `timeout` seconds passed."""
     out: list[Message] = []

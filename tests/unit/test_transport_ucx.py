@@ -185,26 +185,13 @@ def test_same_process_round_trip_and_bad_input() -> None:
         b.close()
 
 
-def _step_counter(transport: UcxTransport) -> list[int]:
-    """A one-item list counting `transport`'s polling steps from now on (set it to 0 to reset)."""
-    count = [0]
-    original = transport._step
-
-    def counted() -> bool:
-        count[0] += 1
-        return original()
-
-    transport._step = counted  # type: ignore[method-assign]
-    return count
-
-
 def test_a_quiet_send_only_endpoint_polls_rarely_and_still_hears_replies() -> None:
     """A prefill worker's endpoint (send-only pool) pauses up to `quiet_sleep_s` while nothing
     of its own is in flight, instead of waking 1,000 times a second; a send wakes it at once,
     and replies still arrive (at most one pause later)."""
     a = UcxTransport(h.TOKEN, quiet_sleep_s=0.05)
     b = UcxTransport(h.TOKEN)
-    steps = _step_counter(a)
+    steps = h.step_counter(a)
     try:
         pool = a.allocate_pool(**h.POOL, send_only=True)
         h.fill_pool(pool, 4)
@@ -284,7 +271,7 @@ def test_an_idle_endpoint_slows_its_polling_after_a_while() -> None:
     """Idle for `SLOW_AFTER_S`, an endpoint pauses up to `slow_sleep_s` between steps (~200
     a second at 5 ms), not `idle_sleep_s` (~1,000 a second at 1 ms)."""
     a = UcxTransport(h.TOKEN)
-    steps = _step_counter(a)
+    steps = h.step_counter(a)
     try:
         time.sleep(0.3)
         steps[0] = 0

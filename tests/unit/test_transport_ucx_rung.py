@@ -86,14 +86,7 @@ def test_a_receiver_whose_senders_ring_sleeps_until_rung(monkeypatch: pytest.Mon
     sender rings. A sender that pushes puts it back to polling."""
     monkeypatch.setattr(ucx, "RUNG_SLEEP_S", 60.0)
     a, b, pushing = UcxTransport(h.TOKEN), UcxTransport(h.TOKEN), UcxTransport(h.TOKEN, pull=False)
-    steps = [0]
-    step = b._step
-
-    def counted() -> bool:
-        steps[0] += 1
-        return step()
-
-    b._step = counted  # type: ignore[method-assign]
+    steps = h.step_counter(b)
     try:
         for transport in (a, b, pushing):
             pool = transport.allocate_pool(**h.POOL)
