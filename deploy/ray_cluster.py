@@ -26,6 +26,7 @@ from tandem.deploy.serve_guards import (
     port_conflicts,
     unreachable,
 )
+from tandem.deploy.serve_proxies import wait_for_proxies
 
 logger = logging.getLogger("tandem.deploy")
 
@@ -162,6 +163,9 @@ def serve_http_port(wanted: int) -> int:
     return int(port) if isinstance(port, int) else wanted
 
 
+PROXY_WAIT_S = 5.0
+"""How long the stop waits at least for Serve's proxies to send what the routers finished."""
+
 ENDING_WAIT_S = 5.0
 """How long the routers get to end the requests still running once the stop's drain ran out."""
 
@@ -220,6 +224,19 @@ def _poll_routers(
     return False
 
 
+def routers_up(registry_name: str) -> bool:
+    """Whether a router of the app has reported (it may take requests: a stop drains them),
+    for a stop that comes while `tandem serve` still waits for the app to start."""
+    import ray
+
+    from tandem.engine.worker_registry import find_registry
+
+    with contextlib.suppress(Exception):  # (no registry, or it does not answer: none)
+        if (registry := find_registry(registry_name)) is not None:
+            return bool(ray.get(registry.routers.remote(), timeout=5))
+    return False
+
+
 def call_off_stop(registry_name: str) -> None:
     """The routers take requests again (a stop begun, then called off by a second Ctrl-C on a
     cluster that lives on, with the app on it)."""
@@ -249,7 +266,10 @@ def shutdown(app_name: str, registry: str, drain: bool = True, drain_s: float = 
         # streams and KV transfers still in flight). Deleted at once, Serve's proxy would
         # answer the new ones 404 meanwhile; Serve's own shutdown would stop its proxy first
         # and cut every stream.
+        started = time.monotonic()
         wait_for_routers(registry, drain_s)
+        # (a stream its router finished may still be on its way through Serve's proxy)
+        wait_for_proxies(max(PROXY_WAIT_S, drain_s - (time.monotonic() - started)))
         ray_serve.delete(app_name)
         kill_registry(registry)
         # Serve's controller and proxies go with a cluster this command started (`ray.shutdown`

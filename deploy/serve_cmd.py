@@ -23,6 +23,7 @@ from tandem.deploy.ray_cluster import (
     call_off_stop,
     cluster_gone,
     refuse_running_app,
+    routers_up,
     serve_http_port,
     shutdown,
     start_ray,
@@ -310,8 +311,11 @@ def serve(
                 pass
             drain = not (own_cluster and signal.SIGTERM in signals and cluster_gone())
             _say_stopping(cfg, drain)
-        except KeyboardInterrupt:  # while starting
-            drain = not own_cluster
+        except KeyboardInterrupt:  # while starting: its routers may take requests already
+            # (Serve runs them before it says the app runs): those finish first
+            drain = not own_cluster or routers_up(registry_name(cfg))
+            if drain:
+                _say_stopping(cfg, drain)
         except (RuntimeError, RayServeException) as exc:  # Serve could not deploy it (a
             # worker failed to start; another application serves the route prefix "/")
             failed = error_line(exc)

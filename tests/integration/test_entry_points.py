@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -74,6 +75,47 @@ SERVE_CLI = (
 )
 
 
+class Output:
+    """A process's output, read as it comes (so that a test can wait for a line)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, needle: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(needle in line for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no {needle!r} in {timeout}s:\n{self.text()[-3000:]}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 60) -> str:
+        """Ctrl-C, and all the output once the process has stopped (AssertionError if it
+        does not in `timeout` s)."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            self.reader.join(10)
+            raise AssertionError(
+                f"did not stop on SIGINT within {timeout}s:\n{self.text()[-3000:]}"
+            ) from None
+        self.reader.join(10)
+        return self.text()
+
+
 def stop_ray_serve_run(proc: subprocess.Popen[str]) -> None:
     """Stop Ray's `serve run` as a user would: Ctrl-C, again after 30 s, a stack dump of every
     thread (SIGUSR1), then `kill` (its SIGTERM handler exits too); then SIGKILL to its process
@@ -108,9 +150,7 @@ def stop_ray_serve_run(proc: subprocess.Popen[str]) -> None:
 def streams_started(port: int, model: str, count: int, max_tokens: int) -> list[Any]:
     """`count` streaming completions under way (each has its first chunk): futures of
     (tokens streamed, finish reason)."""
-    from threading import Barrier
-
-    started = Barrier(count + 1, timeout=60)
+    started = threading.Barrier(count + 1, timeout=60)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
 
     def run() -> tuple[int, str | None]:
@@ -197,19 +237,23 @@ def test_tandem_serve_answers_and_stops_on_ctrl_c(
          "--dashboard-port", str(free_port()), "--num-cpus", "2", "--address", "local"],
         env=isolated_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    said = Output(proc)
     try:
-        wait_ready(f"http://127.0.0.1:{port}", timeout=180)
+        # (Serve answers before `tandem serve` prints its banner: a Ctrl-C before it is a stop
+        # while starting, which drains too but says less)
+        said.wait_for(", ready in ", timeout=180)
+        wait_ready(f"http://127.0.0.1:{port}", timeout=30)
         text = complete(port, "tiny-llama")
         wait_ready(f"http://127.0.0.1:{direct_port}", timeout=90)
         assert complete(direct_port, "tiny-llama") == text  # the router's own port
         result = bench(port, isolated_env, tmp_path / "bench.json")
         streaming = streams_started(port, "tiny-llama", count=3, max_tokens=1500)
     except BaseException:
-        print(stop(proc)[-5000:])  # what `tandem serve` said, in the test report
+        print(said.stop()[-5000:])  # what `tandem serve` said, in the test report
         raise
     with ThreadPoolExecutor(1) as pool:  # (Ctrl-C while the streams run: they finish first)
         probed = pool.submit(new_requests_while, streaming, (port, direct_port))
-        out = stop(proc, timeout=120)
+        out = said.stop(timeout=120)
         answers = probed.result(timeout=10)
     assert proc.returncode == 0, out[-3000:]
     ended = [future.result(timeout=10) for future in streaming]
