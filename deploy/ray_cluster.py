@@ -249,9 +249,16 @@ def call_off_stop(registry_name: str) -> None:
             ray.get(registry.end_stop.remote(), timeout=5)
 
 
-def shutdown(app_name: str, registry: str, drain: bool = True, drain_s: float = 30.0) -> None:
+def shutdown(
+    app_name: str,
+    registry: str,
+    drain: bool = True,
+    drain_s: float = 30.0,
+    cluster_goes: bool = True,
+) -> None:
     """Deletes the app (its requests drained first, `drain_s` at most) and leaves Ray; with
-    `drain` false (the cluster is gone) only leaves Ray."""
+    `drain` false (the cluster is gone) only leaves Ray. `cluster_goes`: leaving Ray stops
+    the cluster (tandem started it), Serve's proxy with it."""
     import ray
     from ray import serve as ray_serve
 
@@ -268,8 +275,10 @@ def shutdown(app_name: str, registry: str, drain: bool = True, drain_s: float = 
         # and cut every stream.
         started = time.monotonic()
         wait_for_routers(registry, drain_s)
-        # (a stream its router finished may still be on its way through Serve's proxy)
-        wait_for_proxies(max(PROXY_WAIT_S, drain_s - (time.monotonic() - started)))
+        if cluster_goes:  # (a stream its router finished may still be on its way through
+            # Serve's proxy, which would go with the cluster; on a cluster that lives on, the
+            # proxy sends it to the end, and other applications' requests would be waited for)
+            wait_for_proxies(max(PROXY_WAIT_S, drain_s - (time.monotonic() - started)))
         ray_serve.delete(app_name)
         kill_registry(registry)
         # Serve's controller and proxies go with a cluster this command started (`ray.shutdown`

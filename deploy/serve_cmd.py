@@ -321,7 +321,7 @@ def serve(
             failed = error_line(exc)
     finally:
         try:
-            shutdown(cfg.app_name, registry_name(cfg), drain, _drain_s(cfg))
+            shutdown(cfg.app_name, registry_name(cfg), drain, _drain_s(cfg), own_cluster)
         except KeyboardInterrupt:  # Ctrl-C again while draining: stop at once
             if not own_cluster:  # (the app stays on the cluster tandem joined, serving)
                 call_off_stop(registry_name(cfg))
