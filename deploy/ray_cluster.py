@@ -163,8 +163,8 @@ def serve_http_port(wanted: int) -> int:
     return int(port) if isinstance(port, int) else wanted
 
 
-PROXY_WAIT_S = 5.0
-"""How long the stop waits at least for Serve's proxies to send what the routers finished."""
+PROXY_WAIT_S = 10.0
+"""How long the stop waits at most for Serve's proxies to send what the routers finished."""
 
 ENDING_WAIT_S = 5.0
 """How long the routers get to end the requests still running once the stop's drain ran out."""
@@ -224,29 +224,36 @@ def _poll_routers(
     return False
 
 
-def routers_up(registry_name: str) -> bool:
-    """Whether a router of the app has reported (it may take requests: a stop drains them),
-    for a stop that comes while `tandem serve` still waits for the app to start."""
+def _ask_registry(registry_name: str, method: str, timeout_s: float = 5.0) -> Any:
+    """`method`'s answer from the app's worker registry (None: no registry, or no answer)."""
     import ray
 
     from tandem.engine.worker_registry import find_registry
 
-    with contextlib.suppress(Exception):  # (no registry, or it does not answer: none)
+    with contextlib.suppress(Exception):
         if (registry := find_registry(registry_name)) is not None:
-            return bool(ray.get(registry.routers.remote(), timeout=5))
-    return False
+            return ray.get(getattr(registry, method).remote(), timeout=timeout_s)
+    return None
+
+
+def drains_when_stopped_starting(registry_name: str, own_cluster: bool, terminated: bool) -> bool:
+    """Whether a stop that comes while `tandem serve` still waits for the app to start drains
+    it. On a cluster it joined, yes (the app goes, the cluster stays). On its own one only if a
+    router already runs requests (Serve runs the routers before it says the app runs): a stop
+    while the workers load is not held up by a drain of nothing; nor when a SIGTERM took the
+    cluster's head with it."""
+    if not own_cluster:
+        return True
+    if terminated and cluster_gone():
+        return False
+    routers = _ask_registry(registry_name, "routers", timeout_s=2.0) or []
+    return any(int(router.get("in_flight", 0)) > 0 for router in routers)
 
 
 def call_off_stop(registry_name: str) -> None:
     """The routers take requests again (a stop begun, then called off by a second Ctrl-C on a
     cluster that lives on, with the app on it)."""
-    import ray
-
-    from tandem.engine.worker_registry import find_registry
-
-    with contextlib.suppress(Exception):  # (the registry does not answer: nothing to do)
-        if (registry := find_registry(registry_name)) is not None:
-            ray.get(registry.end_stop.remote(), timeout=5)
+    _ask_registry(registry_name, "end_stop")
 
 
 def shutdown(
@@ -254,7 +261,8 @@ def shutdown(
     registry: str,
     drain: bool = True,
     drain_s: float = 30.0,
-    cluster_goes: bool = True,
+    *,
+    cluster_goes: bool = False,
 ) -> None:
     """Deletes the app (its requests drained first, `drain_s` at most) and leaves Ray; with
     `drain` false (the cluster is gone) only leaves Ray. `cluster_goes`: leaving Ray stops
@@ -273,12 +281,11 @@ def shutdown(
         # streams and KV transfers still in flight). Deleted at once, Serve's proxy would
         # answer the new ones 404 meanwhile; Serve's own shutdown would stop its proxy first
         # and cut every stream.
-        started = time.monotonic()
         wait_for_routers(registry, drain_s)
         if cluster_goes:  # (a stream its router finished may still be on its way through
             # Serve's proxy, which would go with the cluster; on a cluster that lives on, the
             # proxy sends it to the end, and other applications' requests would be waited for)
-            wait_for_proxies(max(PROXY_WAIT_S, drain_s - (time.monotonic() - started)))
+            wait_for_proxies(PROXY_WAIT_S)
         ray_serve.delete(app_name)
         kill_registry(registry)
         # Serve's controller and proxies go with a cluster this command started (`ray.shutdown`

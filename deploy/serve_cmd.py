@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,8 +23,8 @@ from tandem.deploy.ingress import DEFAULT_INGRESS, Ingress
 from tandem.deploy.ray_cluster import (
     call_off_stop,
     cluster_gone,
+    drains_when_stopped_starting,
     refuse_running_app,
-    routers_up,
     serve_http_port,
     shutdown,
     start_ray,
@@ -289,7 +290,8 @@ def serve(
     def on_signal(signum: int, _frame: Any) -> None:
         signals.append(signum)
         if not serving:  # starting: stop now, not once every replica is up
-            typer.echo("[tandem] interrupted while starting: stopping ...")
+            if len(signals) == 1:
+                typer.echo("[tandem] interrupted while starting: stopping ...")
             raise KeyboardInterrupt
         if stop.is_set():  # a second Ctrl-C: no more waiting for the drain
             raise KeyboardInterrupt
@@ -311,17 +313,22 @@ def serve(
                 pass
             drain = not (own_cluster and signal.SIGTERM in signals and cluster_gone())
             _say_stopping(cfg, drain)
-        except KeyboardInterrupt:  # while starting: its routers may take requests already
-            # (Serve runs them before it says the app runs): those finish first
-            drain = not own_cluster or routers_up(registry_name(cfg))
-            if drain:
+        except KeyboardInterrupt:  # while starting (requests already taken finish first)
+            drain = not own_cluster
+            with contextlib.suppress(KeyboardInterrupt):  # (again: at once)
+                drain = drains_when_stopped_starting(
+                    registry_name(cfg), own_cluster, signal.SIGTERM in signals
+                )
+            if drain and own_cluster:
                 _say_stopping(cfg, drain)
         except (RuntimeError, RayServeException) as exc:  # Serve could not deploy it (a
             # worker failed to start; another application serves the route prefix "/")
             failed = error_line(exc)
     finally:
         try:
-            shutdown(cfg.app_name, registry_name(cfg), drain, _drain_s(cfg), own_cluster)
+            shutdown(
+                cfg.app_name, registry_name(cfg), drain, _drain_s(cfg), cluster_goes=own_cluster
+            )
         except KeyboardInterrupt:  # Ctrl-C again while draining: stop at once
             if not own_cluster:  # (the app stays on the cluster tandem joined, serving)
                 call_off_stop(registry_name(cfg))

@@ -1,7 +1,6 @@
 """Serve's proxies, at a stop: the last bytes of a stream a router has finished may still be on
-their way through one (a proxy that lags its router on a busy host, a client that reads
-slowly). Stopping the cluster under it would cut that stream, so the stop waits until no
-proxy is sending a response."""
+their way through one (a proxy lags its router on a busy host). Stopping the cluster under it
+would cut that stream, so the stop waits until no proxy is sending a response."""
 
 from __future__ import annotations
 
@@ -15,13 +14,14 @@ logger = logging.getLogger("tandem.deploy")
 PROXY_NAMESPACE = "serve"
 PROXY_NAME_PREFIX = "SERVE_PROXY_ACTOR"  # (Serve names each node's proxy actor so)
 POLL_S = 0.05
+TAIL_S = 0.25  # after the count reaches 0: the last write may still be in uvicorn's buffer
 
 
 def responses_in_proxy(proxy: Any) -> int:
     """Run inside a proxy actor (`__ray_call__`): the requests its HTTP and gRPC proxies are
     still answering (Serve counts one until its response's last message has been sent)."""
-    parts = (getattr(proxy, "http_proxy", None), getattr(proxy, "grpc_proxy", None))
-    return sum(int(getattr(part, "_ongoing_requests", 0)) for part in parts if part is not None)
+    parts = (proxy.http_proxy, proxy.grpc_proxy)  # (AttributeError: not such a proxy)
+    return sum(int(part._ongoing_requests) for part in parts if part is not None)
 
 
 Counter = Callable[[float], int]
@@ -72,9 +72,12 @@ def wait_for_proxies(timeout_s: float, counters: list[Counter] | None = None) ->
         for count in list(counters):
             try:
                 busy += int(count(max(0.5, deadline - time.monotonic())))
-            except Exception:  # (dead, or does not count: not waited for)
+            except Exception as exc:  # (dead, or not a proxy that counts: not waited for)
+                logger.info("not waiting for a Serve proxy: %s", exc)
                 counters.remove(count)
         if busy == 0:
+            if said:
+                time.sleep(TAIL_S)
             return True
         if time.monotonic() >= deadline:
             logger.warning("Serve's proxies still sending %d responses after %gs", busy, timeout_s)

@@ -52,19 +52,6 @@ def isolated_env() -> Iterator[dict[str, str]]:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def stop(proc: subprocess.Popen[str], timeout: float = 60) -> str:
-    """Ctrl-C, and the process's output once it has stopped (AssertionError if it does not in
-    `timeout` s)."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        raise AssertionError(f"did not stop on SIGINT within {timeout}s:\n{out[-3000:]}") from None
-    return out
-
-
 # The `serve` console script, plus a stack dump of every thread on SIGUSR1. Ctrl-C is given
 # Python's own handler: a process started in the background by a shell without job control (a
 # CI runner, `cmd &`) inherits SIGINT ignored, and Python then leaves it ignored.
