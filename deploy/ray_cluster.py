@@ -26,7 +26,7 @@ from tandem.deploy.serve_guards import (
     port_conflicts,
     unreachable,
 )
-from tandem.deploy.serve_proxies import wait_for_proxies
+from tandem.deploy.serve_proxies import responses_in_proxies, wait_for_proxies
 
 logger = logging.getLogger("tandem.deploy")
 
@@ -247,7 +247,10 @@ def drains_when_stopped_starting(registry_name: str, own_cluster: bool, terminat
     if terminated and cluster_gone():
         return False
     routers = _ask_registry(registry_name, "routers", timeout_s=2.0) or []
-    return any(int(router.get("in_flight", 0)) > 0 for router in routers)
+    if any(int(router.get("in_flight", 0)) > 0 for router in routers):
+        return True
+    # (a router reports every half second: a request it took since is seen by Serve's proxy)
+    return bool(routers) and responses_in_proxies() > 0
 
 
 def call_off_stop(registry_name: str) -> None:

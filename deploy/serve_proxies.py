@@ -4,6 +4,7 @@ would cut that stream, so the stop waits until no proxy is sending a response.""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -54,6 +55,18 @@ def _counter(actor: Any) -> Counter:
         return int(ray.get(actor.__ray_call__.remote(responses_in_proxy), timeout=timeout))
 
     return count
+
+
+def responses_in_proxies(timeout_s: float = 2.0) -> int:
+    """The responses Serve's proxies are sending now (0 if they cannot be asked)."""
+    busy = 0
+    try:
+        for count in proxy_counters():
+            with contextlib.suppress(Exception):
+                busy += int(count(timeout_s))
+    except Exception as exc:  # (no Serve here)
+        logger.info("Serve's proxies not found: %s", exc)
+    return busy
 
 
 def wait_for_proxies(timeout_s: float, counters: list[Counter] | None = None) -> bool:

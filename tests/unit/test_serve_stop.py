@@ -34,8 +34,18 @@ def test_a_stop_while_starting_drains_only_requests_in_flight(
 ) -> None:
     asked = routers(monkeypatch, answer)
     monkeypatch.setattr(ray_cluster, "cluster_gone", lambda: False)
+    monkeypatch.setattr(ray_cluster, "responses_in_proxies", lambda: 0)
     assert ray_cluster.drains_when_stopped_starting("reg", True, terminated=True) is drains
     assert asked == ["routers"]
+
+
+def test_a_request_the_routers_have_not_reported_yet_is_drained_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    routers(monkeypatch, [{"in_flight": 0, "stopping": False}])
+    monkeypatch.setattr(ray_cluster, "cluster_gone", lambda: False)
+    monkeypatch.setattr(ray_cluster, "responses_in_proxies", lambda: 1)  # (Serve's proxy has it)
+    assert ray_cluster.drains_when_stopped_starting("reg", True, terminated=False) is True
 
 
 def test_a_stop_while_starting_on_a_joined_cluster_drains(monkeypatch: pytest.MonkeyPatch) -> None:
