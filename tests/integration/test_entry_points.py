@@ -268,6 +268,35 @@ def test_tandem_serve_answers_and_stops_on_ctrl_c(
     assert lens[1] < lens[2] and lens[3] < lens[4], result["input_lens"]
 
 
+def test_a_ctrl_c_while_it_starts_lets_the_streams_in_flight_finish(
+    isolated_env: dict[str, str],
+) -> None:
+    """Serve answers before `tandem serve` has printed its banner (it still waits for Serve
+    to say the app runs): a Ctrl-C then stops it while starting, and the streams it already
+    serves finish first. (On a machine where the banner comes first, this is the plain stop.)"""
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(BIN / "tandem"), "serve", "--port", str(port), "--grpc-port", str(free_port()),
+         "--direct-port", str(free_port()), "--dashboard-port", str(free_port()),
+         "--num-cpus", "2", "--address", "local"],
+        env=isolated_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    said = Output(proc)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", timeout=180)
+        streaming = streams_started(port, "tiny-llama", count=2, max_tokens=400)
+    except BaseException:
+        print(said.stop()[-5000:])
+        raise
+    out = said.stop(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    ended = [future.result(timeout=30) for future in streaming]
+    assert ended == [(400, "length")] * 2, (ended, out[-3000:])
+    if "interrupted while starting" in out:
+        assert "new requests get a 503 while those in flight finish" in out
+    assert "[tandem] stopped" in out
+
+
 def test_serve_run_on_the_committed_config(isolated_env: dict[str, str], tmp_path: Path) -> None:
     config = yaml.safe_load((REPO / "deploy" / "serve_config.yaml").read_text())
     port = free_port()
