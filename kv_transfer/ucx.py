@@ -15,13 +15,11 @@ stopped (`receiver.py`).
 frame names the runs of source blocks, and the receiver's thread copies them out of the sender's
 pool with cross-memory attach (`_cross_memory`) as it takes the frame. The sender's threads do
 nothing for the pages, so a prefill engine computing its next chunk keeps its GIL and its core.
-Not through UCX's own RMA: UCX makes the same system call, but on an endpoint without UCX error
-handling (the only mode that keeps shared memory and CMA; with it UCX falls back to TCP) a copy
-that fails, as one does when the peer dies during it, aborts the whole process. Here a failed
-read fails that message, and the sender is then reported gone. Between machines, or where
-either end does not pull, UCX moves the pages (pushed): there, a peer that dies during one of
-UCX's copies on one machine still takes the other process down with it (docs/benchmarks.md,
-session 49).
+Not UCX's own RMA: without UCX error handling (the only mode that keeps shared memory and CMA)
+a copy that fails, as when the peer dies during it, aborts the process; here it fails that
+message, and the sender is reported gone. Between machines, or where either end does not pull,
+UCX moves the pages (pushed): a peer that dies during one of UCX's copies on one machine still
+takes the other process down (docs/benchmarks.md, session 49).
 
 Speed (docs/benchmarks.md): one thread per transport makes the UCX calls (`send` queues, but sends
 a pull link's frame itself when nothing is queued before it) and *polls* (UCX's WAKEUP feature
@@ -29,10 +27,10 @@ halves its shared-memory throughput here): it steps without pausing while there 
 pauses up to `idle_sleep_s`, and `slow_sleep_s` (5x unless given) once idle for a while; a
 send-only endpoint (a prefill worker's) pauses `quiet_sleep_s` while nothing of its own is under
 way. Where every sender it hears from has rung its doorbell (`_doorbell`; they pull, so they run
-here) it sleeps on the bell instead, up to `RUNG_SLEEP_S` (`_rung_only`). `allocate_pool`
-gives pools on transparent huge pages (cross-memory copies pin pages one at a time). Data
-endpoints skip UCX error handling; an idle second endpoint with it reports a dead peer at once.
-Lost links, no welcome in `hello_timeout_s`, sends or page receives not done in `send_timeout_s`
+here) it sleeps on the bell instead, up to `RUNG_SLEEP_S` (`_rung_only`); for `REPLY_WINDOW_S`
+after a request's last chunk it does neither (the ack is near). `allocate_pool` gives pools on
+transparent huge pages (cross-memory copies pin pages one at a time). An idle second endpoint
+with UCX error handling reports a dead peer at once. Lost links, no welcome in `hello_timeout_s`, sends or page receives not done in `send_timeout_s`
 come back from `poll()` as `transport_error`s; a sender on this machine whose process ended is
 reported ``peer_gone`` within `GONE_CHECK_S` (and a sleep on the bell). At most `max_inflight`
 messages per peer (32) are handed to UCX at once. `ucx_config` adds UCX options.
@@ -61,6 +59,7 @@ from tandem.kv_transfer._hugepages import allocate_hugepage_pool
 from tandem.kv_transfer._peer_process import identity
 from tandem.kv_transfer._socket_channel import request_id_of
 from tandem.kv_transfer._ucx_frames import (
+    ends_request,
     message_pages,
     pages_to_read,
     send_chunk_record,
@@ -82,9 +81,9 @@ from tandem.kv_transfer.manifest import TransferError
 logger = logging.getLogger(__name__)
 SLOW_AFTER_S = 0.02  # idle this long, an endpoint pauses up to `slow_sleep_s` (see `_run`)
 RUNG_SLEEP_S = 0.05  # how long a thread that peers ring sleeps at most (`_rung_only`)
-UNHURRIED = frozenset({"ack", "renew"})  # the protocol's messages that ring no bell: they
-# only unpin blocks or extend a lease, so they wait for the peer's next look (each ring wakes a
-# prefill's UCX thread, which takes the GIL from its engine: docs/benchmarks.md, session 50)
+UNHURRIED = frozenset({"ack", "renew"})  # ring no bell: a ring wakes a prefill's UCX thread,
+# which takes the GIL from its engine (docs/benchmarks.md, session 50; and `REPLY_WINDOW_S`)
+REPLY_WINDOW_S = 0.1  # after a last chunk, short pauses: its ack unpins blocks, ends the transfer
 GONE_CHECK_S = 0.2  # how often the senders on this machine are looked at (`_find_gone_senders`)
 
 
@@ -134,6 +133,7 @@ class UcxTransport(UcxIncoming, KVTransport):
         self._closed = False
         self._bell = Doorbell(self._address)  # `send` and `close` wake the thread; peers ring
         self._heard: set[bytes] = set()  # the bells of the peers whose rings reached ours
+        self._reply_due = 0.0  # until then the thread looks for an ack often (`REPLY_WINDOW_S`)
         self._thread = threading.Thread(target=self._run, name="ucx-transport", daemon=True)
         self._thread.start()
 
@@ -238,12 +238,9 @@ class UcxTransport(UcxIncoming, KVTransport):
             worker.progress()
 
     def _run(self) -> None:
-        # Polling progress: after any activity the thread keeps stepping with short pauses that
-        # grow with the idle time (a quarter of it, capped by `idle_sleep_s`, then after
-        # `SLOW_AFTER_S` by `slow_sleep_s`), so a busy link is served within tens of microseconds
-        # (each wake takes the GIL, and on a small host a core, from a prefill engine). With
-        # nothing of its own under way and every sender ringing (`_rung_only`) it sleeps on its
-        # bell, up to `RUNG_SLEEP_S`.
+        # Polling progress (the module's "Speed"): pauses grow with the idle time (a quarter of
+        # it, capped by `idle_sleep_s`, after `SLOW_AFTER_S` by `slow_sleep_s`), so a busy link
+        # is served within tens of microseconds (each wake takes the GIL from a prefill engine).
         idle_since: float | None = None
         while not self._closed:
             quiet = rung = False
@@ -262,6 +259,8 @@ class UcxTransport(UcxIncoming, KVTransport):
             idle_since = now if idle_since is None else idle_since
             idle = now - idle_since  # (quiet: nothing of ours to progress, so no ramp)
             cap = self.idle_sleep_s if idle < SLOW_AFTER_S else self.slow_sleep_s
+            if now < self._reply_due:  # (a request's last chunk went out: its ack is near)
+                quiet = rung = False
             pause = self.quiet_sleep_s if quiet else min(cap, idle / 4)
             pause = max(pause, RUNG_SLEEP_S) if rung else pause
             if pause > 0 and not self._commands:
@@ -379,6 +378,10 @@ class UcxTransport(UcxIncoming, KVTransport):
         out.rung = not hurried or all(r.completed for r in out.requests)
         if hurried:
             self._bell.ring(link.bell)
+        if ends_request(out.header):  # its ack is near: the thread, maybe asleep, polls for it
+            if (now := time.monotonic()) >= self._reply_due:
+                self._bell.wake()
+            self._reply_due = now + REPLY_WINDOW_S
         return out
 
     def _fail_link(self, peer: str, link: _Link, error: str) -> bool:

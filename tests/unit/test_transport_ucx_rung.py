@@ -174,3 +174,39 @@ def test_acks_and_renewals_ring_no_bell() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_the_ack_of_a_requests_last_chunk_is_taken_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sender that would sleep 60 s on its bell or as a quiet sender takes the ack (which
+    rings no bell) of a request's last chunk within seconds: for `REPLY_WINDOW_S` after that
+    chunk its thread pauses briefly. A chunk before the last opens no such window."""
+    monkeypatch.setattr(ucx, "RUNG_SLEEP_S", 60.0)
+    a, b = UcxTransport(h.TOKEN, quiet_sleep_s=60.0), UcxTransport(h.TOKEN)
+    try:
+        a_pool, b_pool = a.allocate_pool(**h.POOL, send_only=True), b.allocate_pool(**h.POOL)
+        h.fill_pool(a_pool, 1)
+        a.register_pool(a_pool)
+        b.register_pool(b_pool)
+        writer = PagesHeaderWriter(KVLayout.of_pool(a_pool, "ns-1"))
+        a.send(b.address, {"n": 0}, [1])
+        h.collect(b, 1, 5.0)
+        b.send(a.address, {"n": 1})  # (b's link to a, welcomed; it rings a)
+        h.collect(a, 1, 5.0)
+        time.sleep(0.3)
+        a.send(b.address, writer.plain_chunk("r-1", 0, 16, [2], [3]), [2])
+        h.collect(b, 1, 5.0)
+        assert a._reply_due == 0.0
+        last = writer.write(
+            "r-1", 1, last=True, num_tokens=20, src_block_ids=[4], dst_block_ids=[5]
+        )
+        a.send(b.address, last, [4])
+        (message,) = h.collect(b, 1, 5.0)
+        assert message.header["manifest"]["last"] is True
+        time.sleep(0.05)  # (a's thread is idle again: it would sleep for a minute)
+        start = time.monotonic()
+        b.send(a.address, {"type": "ack", "request_id": "r-1", "chunk_index": 1})
+        (ack,) = h.collect(a, 1, 70.0)
+        assert ack.header["type"] == "ack" and time.monotonic() - start < 5.0
+    finally:
+        a.close()
+        b.close()
