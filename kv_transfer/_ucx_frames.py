@@ -145,9 +145,3 @@ def send_chunk_record(link: _Link, out: _Out, timeout_s: float) -> _Out | None:
     if layout is not None:
         link.layouts[layout] = len(link.layouts)
     return out
-
-
-def ends_request(header: dict[str, Any]) -> bool:
-    """Whether `header` is a request's last chunk (its ack comes back soon)."""
-    manifest = header.get("manifest") if header.get("type") == "pages" else None
-    return isinstance(manifest, dict) and bool(manifest.get("last"))

@@ -1,9 +1,10 @@
 """The receiving side of `UcxTransport` (`ucx.py`): a header frame taken off lane 0
 (`_on_header_frame`: a hello, answered with a welcome, or a message's header, JSON or a compact
-record, `_chunk_message`, `_on_layout`), whether the thread may sleep on its doorbell (`_rung_only`), whether a
-sender's pages are read out of its pool (`_accept_pull`), where a message's pages go
-(`_post_pages`), handing finished messages on (`_deliver`), dropping what a refused peer sent
-(`_discard_pages`) and noticing senders whose process ended (`_find_gone_senders`)."""
+record, `_chunk_message`, `_on_layout`), whether the thread may sleep on its doorbell
+(`_rung_only`), whether a sender's pages are read out of its pool (`_accept_pull`), where a
+message's pages go (`_post_pages`), handing finished messages on (`_deliver`, which also ends
+the wait for an ack: `_ucx_replies`), dropping what a refused peer sent (`_discard_pages`) and
+noticing senders whose process ended (`_find_gone_senders`)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from tandem.kv_transfer._ucx_lanes import (
     ucx_api,
 )
 from tandem.kv_transfer._ucx_records import _Conn, _Link, _Rx, hello_peer
+from tandem.kv_transfer._ucx_replies import AwaitedReplies
 from tandem.kv_transfer.base import Message
 
 logger = logging.getLogger("tandem.kv_transfer.ucx")
@@ -61,6 +63,7 @@ class UcxIncoming:
     send_timeout_s: float
     _bell: Doorbell
     _heard: set[bytes]
+    _replies: AwaitedReplies
 
     def _report(self, peer: str, request_ids: list[str | None], error: str) -> None:
         raise NotImplementedError
@@ -193,9 +196,13 @@ class UcxIncoming:
         for worker, share in zip(self._workers, shares, strict=False):
             rx.requests.append(worker.tag_recv(Array(share), tag, ucx_api.UCXXTagMaskFull))
 
+    def _take(self, conn: _Conn, rx: _Rx) -> None:
+        self._replies.answered(rx.header)
+        self._inbox.put(Message(conn.peer, rx.header, rx.pages))
+
     def _deliver(self, conn: _Conn) -> bool:  # completed messages, oldest first, to the inbox
         return conn.deliver(
             self._busy,
-            lambda rx: self._inbox.put(Message(conn.peer, rx.header, rx.pages)),
+            lambda rx: self._take(conn, rx),
             lambda rx, error: self._report(conn.peer, [request_id_of(rx.header)], error),
         )

@@ -27,13 +27,14 @@ halves its shared-memory throughput here): it steps without pausing while there 
 pauses up to `idle_sleep_s`, and `slow_sleep_s` (5x unless given) once idle for a while; a
 send-only endpoint (a prefill worker's) pauses `quiet_sleep_s` while nothing of its own is under
 way. Where every sender it hears from has rung its doorbell (`_doorbell`; they pull, so they run
-here) it sleeps on the bell instead, up to `RUNG_SLEEP_S` (`_rung_only`); for `REPLY_WINDOW_S`
-after a request's last chunk it does neither (the ack is near). `allocate_pool` gives pools on
+here) it sleeps on the bell instead, up to `RUNG_SLEEP_S` (`_rung_only`); from a request's last
+chunk until its ack it does neither (`_ucx_replies`). `allocate_pool` gives pools on
 transparent huge pages (cross-memory copies pin pages one at a time). An idle second endpoint
-with UCX error handling reports a dead peer at once. Lost links, no welcome in `hello_timeout_s`, sends or page receives not done in `send_timeout_s`
-come back from `poll()` as `transport_error`s; a sender on this machine whose process ended is
-reported ``peer_gone`` within `GONE_CHECK_S` (and a sleep on the bell). At most `max_inflight`
-messages per peer (32) are handed to UCX at once. `ucx_config` adds UCX options.
+with UCX error handling reports a dead peer at once. Lost links, no welcome in
+`hello_timeout_s`, sends or page receives not done in `send_timeout_s` come back from `poll()`
+as `transport_error`s; a sender on this machine whose process ended is reported ``peer_gone``
+within `GONE_CHECK_S` (and a sleep on the bell). At most `max_inflight` messages per peer (32)
+are handed to UCX at once. `ucx_config` adds UCX options.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ from tandem.kv_transfer._hugepages import allocate_hugepage_pool
 from tandem.kv_transfer._peer_process import identity
 from tandem.kv_transfer._socket_channel import request_id_of
 from tandem.kv_transfer._ucx_frames import (
-    ends_request,
     message_pages,
     pages_to_read,
     send_chunk_record,
@@ -75,6 +75,7 @@ from tandem.kv_transfer._ucx_lanes import (
     ucx_api,
 )
 from tandem.kv_transfer._ucx_records import _Conn, _Link, _Out
+from tandem.kv_transfer._ucx_replies import AwaitedReplies
 from tandem.kv_transfer.base import EncodedHeader, KVTransport, Message, drain_inbox
 from tandem.kv_transfer.manifest import TransferError
 
@@ -82,8 +83,7 @@ logger = logging.getLogger(__name__)
 SLOW_AFTER_S = 0.02  # idle this long, an endpoint pauses up to `slow_sleep_s` (see `_run`)
 RUNG_SLEEP_S = 0.05  # how long a thread that peers ring sleeps at most (`_rung_only`)
 UNHURRIED = frozenset({"ack", "renew"})  # ring no bell: a ring wakes a prefill's UCX thread,
-# which takes the GIL from its engine (docs/benchmarks.md, session 50; and `REPLY_WINDOW_S`)
-REPLY_WINDOW_S = 0.1  # after a last chunk, short pauses: its ack unpins blocks, ends the transfer
+# which takes the GIL from its engine (docs/benchmarks.md, session 50; and `_ucx_replies`)
 GONE_CHECK_S = 0.2  # how often the senders on this machine are looked at (`_find_gone_senders`)
 
 
@@ -133,7 +133,7 @@ class UcxTransport(UcxIncoming, KVTransport):
         self._closed = False
         self._bell = Doorbell(self._address)  # `send` and `close` wake the thread; peers ring
         self._heard: set[bytes] = set()  # the bells of the peers whose rings reached ours
-        self._reply_due = 0.0  # until then the thread looks for an ack often (`REPLY_WINDOW_S`)
+        self._replies = AwaitedReplies()  # last chunks whose ack the thread polls for
         self._thread = threading.Thread(target=self._run, name="ucx-transport", daemon=True)
         self._thread.start()
 
@@ -247,8 +247,9 @@ class UcxTransport(UcxIncoming, KVTransport):
             try:
                 with self._lock:
                     active = self._step()
-                    rung = self._rung_only()
-                    quiet = self._send_only and self._quiet()
+                    replying = self._replies.pending(time.monotonic())
+                    rung = self._rung_only() and not replying
+                    quiet = self._send_only and self._quiet() and not replying
             except Exception:  # keep the thread alive; the failure shows up as timeouts
                 logger.exception("ucx transport: progress step failed")
                 active = False
@@ -259,8 +260,6 @@ class UcxTransport(UcxIncoming, KVTransport):
             idle_since = now if idle_since is None else idle_since
             idle = now - idle_since  # (quiet: nothing of ours to progress, so no ramp)
             cap = self.idle_sleep_s if idle < SLOW_AFTER_S else self.slow_sleep_s
-            if now < self._reply_due:  # (a request's last chunk went out: its ack is near)
-                quiet = rung = False
             pause = self.quiet_sleep_s if quiet else min(cap, idle / 4)
             pause = max(pause, RUNG_SLEEP_S) if rung else pause
             if pause > 0 and not self._commands:
@@ -373,15 +372,15 @@ class UcxTransport(UcxIncoming, KVTransport):
     def _rang(self, link: _Link, out: _Out) -> _Out:
         """Rings `link`'s peer for `out`, just handed to UCX (`_doorbell`), unless it is
         `UNHURRIED` or the peer never sleeps on its bell (only one whose senders all pull does);
-        one that UCX has not sent yet is rung for again while it is in flight (`_pump_link`)."""
+        one that UCX has not sent yet is rung for again while it is in flight (`_pump_link`).
+        A request's last chunk also wakes this thread, to poll for its ack (`_ucx_replies`)."""
         hurried = link.pull and out.header.get("type") not in UNHURRIED
         out.rung = not hurried or all(r.completed for r in out.requests)
         if hurried:
             self._bell.ring(link.bell)
-        if ends_request(out.header):  # its ack is near: the thread, maybe asleep, polls for it
-            if (now := time.monotonic()) >= self._reply_due:
-                self._bell.wake()
-            self._reply_due = now + REPLY_WINDOW_S
+        awaits = self._replies.sent(out.header, time.monotonic())
+        if awaits and threading.get_ident() != self._thread.ident:  # (not the thread itself)
+            self._bell.wake()
         return out
 
     def _fail_link(self, peer: str, link: _Link, error: str) -> bool:

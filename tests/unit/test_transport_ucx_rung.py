@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("ucxx", reason="ucxx is not installed (pip install 'tandem-serve[ucx]')")
 
-from tandem.kv_transfer import ucx  # noqa: E402
+from tandem.kv_transfer import _ucx_replies, ucx  # noqa: E402
 from tandem.kv_transfer.manifest import KVLayout, PagesHeaderWriter  # noqa: E402
 from tandem.kv_transfer.ucx import UcxTransport  # noqa: E402
 from tests import transport_harness as h  # noqa: E402
@@ -178,9 +178,10 @@ def test_acks_and_renewals_ring_no_bell() -> None:
 
 def test_the_ack_of_a_requests_last_chunk_is_taken_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sender that would sleep 60 s on its bell or as a quiet sender takes the ack (which
-    rings no bell) of a request's last chunk within seconds: for `REPLY_WINDOW_S` after that
-    chunk its thread pauses briefly. A chunk before the last opens no such window."""
+    rings no bell) of a request's last chunk within seconds: from that chunk until its ack
+    its thread polls (`_ucx_replies`). A chunk before the last awaits nothing."""
     monkeypatch.setattr(ucx, "RUNG_SLEEP_S", 60.0)
+    monkeypatch.setattr(_ucx_replies, "REPLY_WINDOW_S", 2.0)  # (a slow host's margin)
     a, b = UcxTransport(h.TOKEN, quiet_sleep_s=60.0), UcxTransport(h.TOKEN)
     try:
         a_pool, b_pool = a.allocate_pool(**h.POOL, send_only=True), b.allocate_pool(**h.POOL)
@@ -195,7 +196,8 @@ def test_the_ack_of_a_requests_last_chunk_is_taken_at_once(monkeypatch: pytest.M
         time.sleep(0.3)
         a.send(b.address, writer.plain_chunk("r-1", 0, 16, [2], [3]), [2])
         h.collect(b, 1, 5.0)
-        assert a._reply_due == 0.0
+        with a._lock:
+            assert not a._replies.pending(time.monotonic())
         last = writer.write(
             "r-1", 1, last=True, num_tokens=20, src_block_ids=[4], dst_block_ids=[5]
         )
@@ -205,8 +207,10 @@ def test_the_ack_of_a_requests_last_chunk_is_taken_at_once(monkeypatch: pytest.M
         time.sleep(0.05)  # (a's thread is idle again: it would sleep for a minute)
         start = time.monotonic()
         b.send(a.address, {"type": "ack", "request_id": "r-1", "chunk_index": 1})
-        (ack,) = h.collect(a, 1, 70.0)
+        (ack,) = h.collect(a, 1, 5.0)
         assert ack.header["type"] == "ack" and time.monotonic() - start < 5.0
+        with a._lock:
+            assert not a._replies.pending(time.monotonic())  # (answered: it polls no more)
     finally:
         a.close()
         b.close()
