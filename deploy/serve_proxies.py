@@ -4,7 +4,6 @@ would cut that stream, so the stop waits until no proxy is sending a response.""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -57,41 +56,39 @@ def _counter(actor: Any) -> Counter:
     return count
 
 
+def _found_counters() -> list[Counter]:
+    try:
+        return proxy_counters()
+    except Exception as exc:  # (no Serve here, or an older Ray: nothing to count)
+        logger.info("Serve's proxies not found: %s", exc)
+        return []
+
+
+def _busy(counters: list[Counter], timeout_s: float) -> int:
+    """The responses `counters` count; a counter that fails (a dead proxy, or not one that
+    counts) is dropped from `counters`."""
+    busy = 0
+    for count in list(counters):
+        try:
+            busy += int(count(timeout_s))
+        except Exception as exc:
+            logger.info("not waiting for a Serve proxy: %s", exc)
+            counters.remove(count)
+    return busy
+
+
 def responses_in_proxies(timeout_s: float = 2.0) -> int:
     """The responses Serve's proxies are sending now (0 if they cannot be asked)."""
-    busy = 0
-    try:
-        for count in proxy_counters():
-            with contextlib.suppress(Exception):
-                busy += int(count(timeout_s))
-    except Exception as exc:  # (no Serve here)
-        logger.info("Serve's proxies not found: %s", exc)
-    return busy
+    return _busy(_found_counters(), timeout_s)
 
 
 def wait_for_proxies(timeout_s: float, counters: list[Counter] | None = None) -> bool:
     """Waits, at most `timeout_s`, until no Serve proxy is sending a response; whether that
     came. A proxy that does not answer is not waited for."""
-    if counters is None:
-        try:
-            counters = proxy_counters()
-        except Exception as exc:  # (no Serve here, or an older Ray: nothing to wait for)
-            logger.info("Serve's proxies not found: %s", exc)
-            return True
+    counters = _found_counters() if counters is None else counters
     deadline = time.monotonic() + timeout_s
     said = False
-    while counters:
-        busy = 0
-        for count in list(counters):
-            try:
-                busy += int(count(max(0.5, deadline - time.monotonic())))
-            except Exception as exc:  # (dead, or not a proxy that counts: not waited for)
-                logger.info("not waiting for a Serve proxy: %s", exc)
-                counters.remove(count)
-        if busy == 0:
-            if said:
-                time.sleep(TAIL_S)
-            return True
+    while busy := _busy(counters, max(0.5, deadline - time.monotonic())):
         if time.monotonic() >= deadline:
             logger.warning("Serve's proxies still sending %d responses after %gs", busy, timeout_s)
             return False
@@ -99,4 +96,6 @@ def wait_for_proxies(timeout_s: float, counters: list[Counter] | None = None) ->
             logger.info("waiting for Serve's proxies to send %d responses to the end", busy)
             said = True
         time.sleep(POLL_S)
+    if said:
+        time.sleep(TAIL_S)
     return True

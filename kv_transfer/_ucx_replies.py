@@ -31,12 +31,12 @@ class AwaitedReplies:
     def answered(self, header: dict[str, Any]) -> None:
         """A message came: an ack up to the last chunk, or any other answer about the request,
         ends its wait (an ack of an earlier chunk does not)."""
-        due = self._due.get(str(header.get("request_id")))
-        if due is None:
+        rid = str(header.get("request_id"))
+        if (due := self._due.get(rid)) is None:
             return
         acked = header.get("chunk_index")
         if header.get("type") != "ack" or (isinstance(acked, int) and acked >= due[1]):
-            del self._due[str(header.get("request_id"))]
+            del self._due[rid]
 
     def pending(self, now: float) -> bool:
         """Whether an answer is still awaited (those past their window are dropped)."""

@@ -247,9 +247,9 @@ class UcxTransport(UcxIncoming, KVTransport):
             try:
                 with self._lock:
                     active = self._step()
-                    replying = self._replies.pending(time.monotonic())
-                    rung = self._rung_only() and not replying
-                    quiet = self._send_only and self._quiet() and not replying
+                    if not active and not self._replies.pending(time.monotonic()):
+                        rung = self._rung_only()  # (only an idle thread's pause needs these)
+                        quiet = self._send_only and self._quiet()
             except Exception:  # keep the thread alive; the failure shows up as timeouts
                 logger.exception("ucx transport: progress step failed")
                 active = False

@@ -39,15 +39,21 @@ def records_taken(receiver: UcxTransport) -> list[int]:
     return seen
 
 
+def pull_pair(a: UcxTransport, b: UcxTransport, filled: int) -> tuple[Any, Any, PagesHeaderWriter]:
+    """`a` (send-only, its pool filled with `filled`) and `b` with pools registered, and a
+    header writer for `a`'s layout."""
+    a_pool, b_pool = a.allocate_pool(**h.POOL, send_only=True), b.allocate_pool(**h.POOL)
+    h.fill_pool(a_pool, filled)
+    a.register_pool(a_pool)
+    b.register_pool(b_pool)
+    return a_pool, b_pool, PagesHeaderWriter(KVLayout.of_pool(a_pool, "ns-1"))
+
+
 def test_plain_chunks_go_as_compact_records_and_arrive_as_their_json_says() -> None:
     a, b = UcxTransport(h.TOKEN), UcxTransport(h.TOKEN)
     seen = records_taken(b)
     try:
-        a_pool, b_pool = a.allocate_pool(**h.POOL, send_only=True), b.allocate_pool(**h.POOL)
-        h.fill_pool(a_pool, 3)
-        a.register_pool(a_pool)
-        b.register_pool(b_pool)
-        writer = PagesHeaderWriter(KVLayout.of_pool(a_pool, "ns-1"))
+        a_pool, b_pool, writer = pull_pair(a, b, 3)
 
         def chunk(rid: str, index: int, src: list[int], dst: list[int]) -> Any:
             return writer.plain_chunk(rid, index, 16 * (index + 1), src, dst)
@@ -185,11 +191,7 @@ def test_the_ack_of_a_requests_last_chunk_is_taken_at_once(monkeypatch: pytest.M
     monkeypatch.setattr(_ucx_replies, "REPLY_WINDOW_S", 2.0)  # (a slow host's margin)
     a, b = UcxTransport(h.TOKEN, quiet_sleep_s=60.0), UcxTransport(h.TOKEN)
     try:
-        a_pool, b_pool = a.allocate_pool(**h.POOL, send_only=True), b.allocate_pool(**h.POOL)
-        h.fill_pool(a_pool, 1)
-        a.register_pool(a_pool)
-        b.register_pool(b_pool)
-        writer = PagesHeaderWriter(KVLayout.of_pool(a_pool, "ns-1"))
+        _, _, writer = pull_pair(a, b, 1)
         a.send(b.address, {"n": 0}, [1])
         h.collect(b, 1, 5.0)
         b.send(a.address, {"n": 1})  # (b's link to a, welcomed; it rings a)
